@@ -1,0 +1,40 @@
+# The two commands: `make demo` and `make test`. Each sets up .venv with pinned dependencies first.
+PYTHON ?= python3
+VENV := .venv
+BIN := $(VENV)/bin
+TORCH_VERSION := 2.13.0
+FBGEMM_VERSION := 1.8.0
+# fbgemm-gpu (CUDA build) where an NVIDIA driver is present, fbgemm-gpu-cpu otherwise.
+HAS_CUDA := $(shell command -v nvidia-smi >/dev/null 2>&1 && nvidia-smi -L >/dev/null 2>&1 && echo 1)
+FBGEMM_PKG := $(if $(HAS_CUDA),fbgemm-gpu==$(FBGEMM_VERSION),fbgemm-gpu-cpu==$(FBGEMM_VERSION))
+STAMP := $(VENV)/.installed
+
+.PHONY: demo test lint typecheck pytest bench clean
+
+$(STAMP): pyproject.toml Makefile
+	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
+	$(BIN)/python -m pip install --quiet --disable-pip-version-check torch==$(TORCH_VERSION)
+	$(BIN)/python -m pip install --quiet --disable-pip-version-check $(FBGEMM_PKG) pytest ruff mypy numpy
+	$(BIN)/python -m pip install --quiet --disable-pip-version-check --no-build-isolation --no-deps -e .
+	touch $(STAMP)
+
+demo: $(STAMP)
+	$(BIN)/embserve demo
+
+lint: $(STAMP)
+	$(BIN)/ruff check infer server tests bench
+	$(BIN)/ruff format --check infer server tests bench
+
+typecheck: $(STAMP)
+	$(BIN)/mypy infer server
+
+pytest: $(STAMP)
+	$(BIN)/python -m pytest -q
+
+test: lint typecheck pytest
+
+bench: $(STAMP)
+	$(BIN)/python bench/lookup.py
+
+clean:
+	rm -rf $(VENV) artifacts build

@@ -1,0 +1,186 @@
+"""The ``embserve`` command line: demo, export, inspect, run."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import subprocess
+import sys
+import time
+from collections.abc import Sequence
+from pathlib import Path
+
+from infer.errors import EmbserveError
+
+logger = logging.getLogger(__name__)
+
+
+def _print_progress(name: str, done: int, total: int) -> None:
+    line = f"  quantizing {name:<16} {done:>10,}/{total:,} rows ({100 * done / total:5.1f}%)"
+    if sys.stdout.isatty():
+        print("\r" + line, end="\n" if done == total else "", flush=True)
+    elif done == total:
+        print(line, flush=True)
+
+
+def _parse_table_dtypes(items: Sequence[str]) -> dict[str, str]:
+    overrides = {}
+    for item in items:
+        name, sep, dtype = item.partition("=")
+        if not sep or not name or not dtype:
+            raise EmbserveError(f"--table-dtype {item!r} must look like NAME=DTYPE, e.g. user_id=fp16")
+        overrides[name] = dtype
+    return overrides
+
+
+def cmd_demo(args: argparse.Namespace) -> int:
+    from infer.demo import demo_spec
+    from infer.export import export
+    from infer.quant import accuracy_report, format_accuracy, quantize
+    from infer.reference import random_weights
+
+    spec = demo_spec()
+    print(f"demo model: {len(spec.tables)} tables, {len(spec.feature_names)} features, output dim {spec.output_dim}")
+    started = time.monotonic()
+    weights = random_weights(spec, seed=args.seed)
+    print(f"generated seeded fp32 weights in {time.monotonic() - started:.1f}s")
+    started = time.monotonic()
+    model = quantize(spec, weights, progress=_print_progress)
+    print(f"quantized in {time.monotonic() - started:.1f}s\n")
+    print("accuracy vs fp32 (probe batch of 256 bags x 20 ids per feature):")
+    print(format_accuracy(accuracy_report(spec, weights, model)))
+    del weights
+    started = time.monotonic()
+    out = export(model, args.out)
+    print(f"\nexported {out} in {time.monotonic() - started:.1f}s")
+    print("loading the artifact in a fresh process and running a batch:")
+    sys.stdout.flush()
+    command = [sys.executable, "-m", "infer.cli", "run", str(out), "--batch-size", str(args.batch_size)]
+    return subprocess.call(command)
+
+
+def cmd_export(args: argparse.Namespace) -> int:
+    from infer.config import ModelSpec
+    from infer.export import export
+    from infer.quant import accuracy_report, format_accuracy, load_checkpoint, quantize
+
+    spec = ModelSpec.load(args.spec).with_data_types(args.dtype, _parse_table_dtypes(args.table_dtype))
+    weights = load_checkpoint(args.weights, spec)
+    model = quantize(spec, weights, progress=_print_progress)
+    print(format_accuracy(accuracy_report(spec, weights, model)))
+    out = export(model, args.out)
+    print(f"exported {out}")
+    return 0
+
+
+def cmd_inspect(args: argparse.Namespace) -> int:
+    from infer.manifest import Manifest
+
+    folder = Path(args.artifact)
+    manifest = Manifest.read(folder)
+    if args.json:
+        print(manifest.to_json(), end="")
+        return 0
+    spec = manifest.spec
+    print(f"artifact     {folder}")
+    print(f"format       v{manifest.format_version}, embserve {manifest.embserve_version}")
+    print(f"versions     torch {manifest.torch_version}, fbgemm_gpu {manifest.fbgemm_version}")
+    print(f"devices      {', '.join(manifest.devices)}")
+    dense = f"yes ({spec.num_dense_features} dense features)" if manifest.has_dense else "no"
+    print(f"dense part   {dense}")
+    print(f"output       [batch, {spec.output_dim}] float32")
+    print()
+    print(f"{'table':<16} {'rows':>12} {'dim':>5} {'dtype':<6} {'pooling':<8} features")
+    for t in spec.tables:
+        print(
+            f"{t.name:<16} {t.num_embeddings:>12,} {t.embedding_dim:>5} {t.data_type.value:<6} "
+            f"{t.pooling.value:<8} {', '.join(t.feature_names)}"
+        )
+    print()
+    print(f"{'feature':<20} {'table':<16} {'columns':>12}")
+    for f in spec.features:
+        print(f"{f.name:<20} {f.table:<16} {f'{f.column_start}:{f.column_end}':>12}")
+    print()
+    for entry in manifest.files:
+        print(f"file {entry.name:<12} {entry.bytes:>14,} bytes  sha256 {entry.sha256}")
+    return 0
+
+
+def cmd_run(args: argparse.Namespace) -> int:
+    import torch
+
+    from infer.export import load
+    from infer.quant import probe_batch
+
+    started = time.monotonic()
+    runtime = load(args.artifact)
+    print(f"loaded {args.artifact} (checksums verified) in {time.monotonic() - started:.2f}s")
+    batch = probe_batch(runtime.spec, batch_size=args.batch_size, ids_per_bag=args.ids_per_bag, seed=1)
+    pooled = runtime.lookup(batch)
+    times = []
+    for _ in range(args.iterations):
+        started = time.perf_counter()
+        runtime.lookup(batch)
+        times.append(time.perf_counter() - started)
+    best = min(times)
+    lookups = batch.values.numel()
+    print(f"lookup: batch {args.batch_size}, {lookups:,} ids -> output {list(pooled.shape)}")
+    print(f"  best of {args.iterations}: {1e3 * best:.2f} ms ({lookups / best / 1e6:.1f} M lookups/s)")
+    first = runtime.spec.features[0]
+    sample = pooled[0, first.column_start : first.column_start + 6].tolist()
+    print(f"  sample: row 0, feature {first.name!r}, first columns {[round(v, 4) for v in sample]}")
+    if runtime.has_dense:
+        dense = torch.randn(args.batch_size, runtime.spec.num_dense_features, generator=torch.Generator().manual_seed(2))
+        scores = runtime.predict(batch, dense)
+        print(f"predict: scores {list(scores.shape)}, first 5 {[round(v, 4) for v in scores[:5].tolist()]}")
+    return 0
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="embserve", description="Quantize, export and serve embedding tables.")
+    parser.add_argument("-v", "--verbose", action="store_true", help="debug logging")
+    sub = parser.add_subparsers(dest="command", required=True)
+
+    demo = sub.add_parser("demo", help="quantize, export, load and run the built-in demo model")
+    demo.add_argument("--out", default="artifacts/demo", help="artifact folder (default: ./artifacts/demo)")
+    demo.add_argument("--seed", type=int, default=0)
+    demo.add_argument("--batch-size", type=int, default=512)
+    demo.set_defaults(func=cmd_demo)
+
+    exp = sub.add_parser("export", help="quantize a checkpoint and export an artifact")
+    exp.add_argument("--spec", required=True, help="model spec JSON (tables)")
+    exp.add_argument("--weights", required=True, help="checkpoint: {table_name: fp32 tensor} saved with torch.save")
+    exp.add_argument("--out", required=True, help="artifact folder to write")
+    exp.add_argument("--dtype", default=None, help="data type for every table (int8, int4, int2, fp16, fp32)")
+    exp.add_argument("--table-dtype", action="append", default=[], metavar="NAME=DTYPE", help="per-table data type")
+    exp.set_defaults(func=cmd_export)
+
+    ins = sub.add_parser("inspect", help="print an artifact's manifest")
+    ins.add_argument("artifact")
+    ins.add_argument("--json", action="store_true", help="print the raw manifest JSON")
+    ins.set_defaults(func=cmd_inspect)
+
+    run = sub.add_parser("run", help="load an artifact and time lookups on a random batch")
+    run.add_argument("artifact")
+    run.add_argument("--batch-size", type=int, default=512)
+    run.add_argument("--ids-per-bag", type=int, default=20)
+    run.add_argument("--iterations", type=int, default=10)
+    run.set_defaults(func=cmd_run)
+    return parser
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    # Root at WARNING keeps fbgemm's per-library load messages quiet; embserve's own logs at INFO.
+    logging.basicConfig(level=logging.DEBUG if args.verbose else logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
+    logging.getLogger("infer").setLevel(logging.DEBUG if args.verbose else logging.INFO)
+    try:
+        return int(args.func(args))
+    except EmbserveError as err:
+        print(f"embserve: error: {err}", file=sys.stderr)
+        return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,290 @@
+"""Model configuration: embedding tables, the features that read them, and an optional dense part.
+
+Configs are frozen and validated when constructed, so a bad spec fails at the line that built it,
+with the table's name in the message.
+"""
+
+from __future__ import annotations
+
+import enum
+import json
+import re
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+from infer.errors import ConfigError
+
+if TYPE_CHECKING:
+    import torch
+
+_NAME = re.compile(r"^[A-Za-z_][A-Za-z0-9_.\-]*$")
+
+# Rows beyond 2**31 would overflow the kernel's int32 offsets within one table.
+MAX_ROWS = 2**31 - 1
+MAX_DIM = 2048
+
+
+class PoolingType(enum.Enum):
+    SUM = "sum"
+    MEAN = "mean"
+
+
+class DataType(enum.Enum):
+    """Storage type of a table's rows in the served model."""
+
+    FP32 = "fp32"
+    FP16 = "fp16"
+    INT8 = "int8"
+    INT4 = "int4"
+    INT2 = "int2"
+
+    @property
+    def bits(self) -> int:
+        return {"fp32": 32, "fp16": 16, "int8": 8, "int4": 4, "int2": 2}[self.value]
+
+    @property
+    def is_integer(self) -> bool:
+        return self in (DataType.INT8, DataType.INT4, DataType.INT2)
+
+    @classmethod
+    def parse(cls, value: str | DataType) -> DataType:
+        if isinstance(value, DataType):
+            return value
+        try:
+            return cls(str(value).lower())
+        except ValueError:
+            choices = ", ".join(d.value for d in cls)
+            raise ConfigError(f"unknown data type {value!r}; use one of {choices}") from None
+
+
+def _parse_pooling(value: str | PoolingType, table: str) -> PoolingType:
+    if isinstance(value, PoolingType):
+        return value
+    try:
+        return PoolingType(str(value).lower())
+    except ValueError:
+        raise ConfigError(f"table {table!r}: unknown pooling {value!r}; use 'sum' or 'mean'") from None
+
+
+@dataclass(frozen=True)
+class TableConfig:
+    """One embedding table and the features that look it up.
+
+    Several features may share a table; each produces its own pooled output columns.
+    """
+
+    name: str
+    num_embeddings: int
+    embedding_dim: int
+    feature_names: tuple[str, ...]
+    pooling: PoolingType = PoolingType.SUM
+    data_type: DataType = DataType.INT8
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.name, str) or not _NAME.match(self.name):
+            raise ConfigError(
+                f"table name {self.name!r} is invalid; use letters, digits, '_', '.', '-' "
+                "and start with a letter or '_'"
+            )
+        for attr, upper in (("num_embeddings", MAX_ROWS), ("embedding_dim", MAX_DIM)):
+            value = getattr(self, attr)
+            if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
+                raise ConfigError(f"table {self.name!r}: {attr} must be a positive int, got {value!r}")
+            if value > upper:
+                raise ConfigError(f"table {self.name!r}: {attr}={value} exceeds the maximum {upper}")
+        if self.embedding_dim % 4 != 0:
+            raise ConfigError(
+                f"table {self.name!r}: embedding_dim={self.embedding_dim} must be a multiple of 4 "
+                "(the TBE kernel packs INT2/INT4 rows to whole bytes); pad the table"
+            )
+        names = self.feature_names
+        if isinstance(names, str):
+            names = (names,)
+        names = tuple(names)
+        if not names:
+            raise ConfigError(f"table {self.name!r}: feature_names is empty; name at least one feature")
+        for feature in names:
+            if not isinstance(feature, str) or not _NAME.match(feature):
+                raise ConfigError(f"table {self.name!r}: feature name {feature!r} is invalid")
+        if len(set(names)) != len(names):
+            raise ConfigError(f"table {self.name!r}: feature_names {list(names)} has duplicates")
+        object.__setattr__(self, "feature_names", names)
+        object.__setattr__(self, "pooling", _parse_pooling(self.pooling, self.name))
+        try:
+            object.__setattr__(self, "data_type", DataType.parse(self.data_type))
+        except ConfigError as err:
+            raise ConfigError(f"table {self.name!r}: {err}") from None
+
+    def with_data_type(self, data_type: DataType | str) -> TableConfig:
+        return TableConfig(
+            self.name,
+            self.num_embeddings,
+            self.embedding_dim,
+            self.feature_names,
+            self.pooling,
+            DataType.parse(data_type),
+        )
+
+    def to_dict(self) -> dict[str, Any]:
+        return {
+            "name": self.name,
+            "num_embeddings": self.num_embeddings,
+            "embedding_dim": self.embedding_dim,
+            "feature_names": list(self.feature_names),
+            "pooling": self.pooling.value,
+            "data_type": self.data_type.value,
+        }
+
+    @classmethod
+    def from_dict(cls, data: Mapping[str, Any]) -> TableConfig:
+        known = {"name", "num_embeddings", "embedding_dim", "feature_names", "pooling", "data_type"}
+        name = data.get("name", "?")
+        unknown = set(data) - known
+        if unknown:
+            raise ConfigError(f"table {name!r}: unknown keys {sorted(unknown)}; known keys are {sorted(known)}")
+        missing = {"name", "num_embeddings", "embedding_dim", "feature_names"} - set(data)
+        if missing:
+            raise ConfigError(f"table {name!r}: missing keys {sorted(missing)}")
+        return cls(
+            name=data["name"],
+            num_embeddings=data["num_embeddings"],
+            embedding_dim=data["embedding_dim"],
+            feature_names=tuple(data["feature_names"]),
+            pooling=data.get("pooling", "sum"),
+            data_type=data.get("data_type", "int8"),
+        )
+
+
+@dataclass(frozen=True)
+class FeatureInfo:
+    """Where one input feature reads from and where its pooled output lands."""
+
+    name: str
+    table: str
+    num_embeddings: int
+    embedding_dim: int
+    pooling: PoolingType
+    column_start: int
+
+    @property
+    def column_end(self) -> int:
+        return self.column_start + self.embedding_dim
+
+
+@dataclass(frozen=True)
+class ModelSpec:
+    """The tables of a model, in order, plus an optional dense part.
+
+    The input feature order is the tables' order, then each table's ``feature_names`` order.
+    ``dense_arch`` is a scriptable ``nn.Module`` mapping ``(dense_features [B, num_dense_features],
+    pooled [B, output_dim])`` to scores; it is not part of the JSON form (the artifact carries it).
+    """
+
+    tables: tuple[TableConfig, ...]
+    num_dense_features: int = 0
+    dense_arch: torch.nn.Module | None = field(default=None, compare=False, repr=False)
+
+    def __post_init__(self) -> None:
+        tables = tuple(self.tables)
+        if not tables:
+            raise ConfigError("model spec has no tables; add at least one TableConfig")
+        for table in tables:
+            if not isinstance(table, TableConfig):
+                raise ConfigError(f"model spec tables must be TableConfig, got {type(table).__name__}")
+        seen_tables: set[str] = set()
+        owner: dict[str, str] = {}
+        for table in tables:
+            if table.name in seen_tables:
+                raise ConfigError(f"table {table.name!r} appears twice in the model spec; rename one")
+            seen_tables.add(table.name)
+            for feature in table.feature_names:
+                if feature in owner:
+                    raise ConfigError(
+                        f"feature {feature!r} is read by tables {owner[feature]!r} and {table.name!r}; "
+                        "a feature reads exactly one table (list several features on one table to share it)"
+                    )
+                owner[feature] = table.name
+        object.__setattr__(self, "tables", tables)
+        n_dense = self.num_dense_features
+        if isinstance(n_dense, bool) or not isinstance(n_dense, int) or n_dense < 0:
+            raise ConfigError(f"num_dense_features must be a non-negative int, got {n_dense!r}")
+        if self.dense_arch is not None and n_dense == 0:
+            raise ConfigError("a dense_arch needs num_dense_features > 0 (the width of the dense input)")
+
+    @property
+    def feature_names(self) -> tuple[str, ...]:
+        return tuple(f for t in self.tables for f in t.feature_names)
+
+    @property
+    def features(self) -> tuple[FeatureInfo, ...]:
+        infos: list[FeatureInfo] = []
+        column = 0
+        for table in self.tables:
+            for feature in table.feature_names:
+                infos.append(
+                    FeatureInfo(feature, table.name, table.num_embeddings, table.embedding_dim, table.pooling, column)
+                )
+                column += table.embedding_dim
+        return tuple(infos)
+
+    @property
+    def output_dim(self) -> int:
+        return sum(t.embedding_dim * len(t.feature_names) for t in self.tables)
+
+    def table(self, name: str) -> TableConfig:
+        for table in self.tables:
+            if table.name == name:
+                return table
+        raise ConfigError(f"unknown table {name!r}; the spec has {[t.name for t in self.tables]}")
+
+    def with_data_types(self, default: DataType | str | None = None, overrides: Mapping[str, DataType | str] | None = None) -> ModelSpec:
+        """A copy with every table's data type set to ``default`` (when given), then ``overrides`` by name."""
+        overrides = dict(overrides or {})
+        names = {t.name for t in self.tables}
+        unknown = sorted(set(overrides) - names)
+        if unknown:
+            raise ConfigError(f"data type override for unknown table(s) {unknown}; the spec has {sorted(names)}")
+        tables = []
+        for table in self.tables:
+            dtype = overrides.get(table.name, default if default is not None else table.data_type)
+            tables.append(table.with_data_type(dtype))
+        return ModelSpec(tuple(tables), self.num_dense_features, self.dense_arch)
+
+    def with_dense_arch(self, dense_arch: torch.nn.Module | None, num_dense_features: int) -> ModelSpec:
+        return ModelSpec(self.tables, num_dense_features, dense_arch)
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"tables": [t.to_dict() for t in self.tables], "num_dense_features": self.num_dense_features}
+
+    def to_json(self) -> str:
+        return json.dumps(self.to_dict(), indent=2)
+
+    @classmethod
+    def from_dict(cls, data: Mapping[str, Any]) -> ModelSpec:
+        if not isinstance(data, Mapping) or "tables" not in data:
+            raise ConfigError("a model spec is a JSON object with a 'tables' list")
+        raw_tables = data["tables"]
+        if not isinstance(raw_tables, Sequence) or isinstance(raw_tables, str):
+            raise ConfigError("'tables' must be a list of table objects")
+        tables = tuple(TableConfig.from_dict(t) for t in raw_tables)
+        return cls(tables, int(data.get("num_dense_features", 0)))
+
+    @classmethod
+    def from_json(cls, text: str) -> ModelSpec:
+        try:
+            data = json.loads(text)
+        except json.JSONDecodeError as err:
+            raise ConfigError(f"model spec is not valid JSON: {err}") from None
+        return cls.from_dict(data)
+
+    @classmethod
+    def load(cls, path: str | Path) -> ModelSpec:
+        path = Path(path)
+        try:
+            text = path.read_text()
+        except OSError as err:
+            raise ConfigError(f"cannot read model spec {str(path)!r}: {err.strerror}") from None
+        return cls.from_json(text)
+

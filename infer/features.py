@@ -1,0 +1,273 @@
+"""Sparse input: a batch of jagged features, and the checks that run before any kernel sees it.
+
+Layout (the same as TorchRec's KeyedJaggedTensor and the TBE's input): ``lengths`` holds
+``batch_size`` bag lengths per feature, feature-major, and ``values`` the ids of all bags in
+that order. Optional ``weights`` hold one float32 weight per id.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any, Union
+
+import torch
+
+from infer.errors import RequestError
+
+if TYPE_CHECKING:
+    from infer.config import ModelSpec
+
+# One feature's bags: a list of id lists, or a pair of 1-D tensors (values, lengths).
+FeatureBags = Union[Sequence[Sequence[int]], tuple[torch.Tensor, torch.Tensor]]
+
+_ID_DTYPES = (torch.int32, torch.int64)
+_LENGTH_DTYPES = (torch.int32, torch.int64)
+
+
+@dataclass(frozen=True)
+class SparseFeatures:
+    """A batch of jagged sparse features in a fixed feature order (``keys``)."""
+
+    keys: tuple[str, ...]
+    values: torch.Tensor
+    lengths: torch.Tensor
+    weights: torch.Tensor | None = None
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "keys", tuple(self.keys))
+        for name in ("values", "lengths"):
+            tensor = getattr(self, name)
+            if not isinstance(tensor, torch.Tensor):
+                raise RequestError(f"{name} must be a torch.Tensor, got {type(tensor).__name__}")
+            if tensor.dim() != 1:
+                raise RequestError(f"{name} must be 1-D, got shape {list(tensor.shape)}")
+        if self.values.dtype not in _ID_DTYPES:
+            raise RequestError(f"ids (values) must be int64 or int32, got {self.values.dtype}")
+        if self.lengths.dtype not in _LENGTH_DTYPES:
+            raise RequestError(f"lengths must be int32 (or int64), got {self.lengths.dtype}")
+        if self.weights is not None:
+            if not isinstance(self.weights, torch.Tensor) or self.weights.dim() != 1:
+                raise RequestError("weights must be a 1-D float32 tensor with one weight per id")
+            if self.weights.dtype != torch.float32:
+                raise RequestError(f"weights must be float32, got {self.weights.dtype}")
+            if self.weights.numel() != self.values.numel():
+                raise RequestError(
+                    f"weights has {self.weights.numel()} entries but there are {self.values.numel()} ids; "
+                    "give one weight per id"
+                )
+        if len(set(self.keys)) != len(self.keys):
+            raise RequestError(f"feature names {list(self.keys)} contain duplicates")
+        if not self.keys:
+            raise RequestError("a batch needs at least one feature")
+
+    # ------------------------------------------------------------------ construction
+    @classmethod
+    def from_dict(
+        cls,
+        bags: Mapping[str, FeatureBags],
+        weights: Mapping[str, Sequence[Sequence[float]] | torch.Tensor] | None = None,
+    ) -> SparseFeatures:
+        """Build from ``{"f0": [[1, 2], [3]], ...}`` (or ``{"f0": (values, lengths)}``).
+
+        ``weights``, when given, must cover every feature with one weight per id.
+        """
+        if not isinstance(bags, Mapping) or not bags:
+            raise RequestError("features must be a non-empty mapping of feature name -> bags")
+        keys = tuple(bags)
+        values_parts: list[torch.Tensor] = []
+        lengths_parts: list[torch.Tensor] = []
+        batch_size: int | None = None
+        first_key = keys[0]
+        for key in keys:
+            values, lengths = _feature_tensors(key, bags[key])
+            if batch_size is None:
+                batch_size = lengths.numel()
+            elif lengths.numel() != batch_size:
+                raise RequestError(
+                    f"feature {key!r} has {lengths.numel()} bags but feature {first_key!r} has {batch_size}; "
+                    "every feature needs one bag per example (use [] for an empty bag)",
+                    feature=key,
+                )
+            values_parts.append(values)
+            lengths_parts.append(lengths)
+        id_dtype = torch.int64 if any(v.dtype == torch.int64 for v in values_parts) else torch.int32
+        weight_tensor = None
+        if weights is not None:
+            missing = [k for k in keys if k not in weights]
+            extra = [k for k in weights if k not in bags]
+            if missing or extra:
+                raise RequestError(
+                    f"weights must cover exactly the batch's features; missing {missing}, unknown {extra}"
+                )
+            parts = []
+            for key, vals in zip(keys, values_parts):
+                w = _feature_weights(key, weights[key])
+                if w.numel() != vals.numel():
+                    raise RequestError(
+                        f"feature {key!r}: {w.numel()} weights for {vals.numel()} ids; give one weight per id",
+                        feature=key,
+                    )
+                parts.append(w)
+            weight_tensor = torch.cat(parts)
+        return cls(
+            keys,
+            torch.cat([v.to(id_dtype) for v in values_parts]),
+            torch.cat(lengths_parts).to(torch.int32),
+            weight_tensor,
+        )
+
+    @classmethod
+    def from_tensors(
+        cls,
+        keys: Sequence[str],
+        values: torch.Tensor,
+        lengths: torch.Tensor,
+        weights: torch.Tensor | None = None,
+    ) -> SparseFeatures:
+        """Wrap tensors already in the feature-major jagged layout (nothing is copied)."""
+        return cls(tuple(keys), values, lengths, weights)
+
+    # ------------------------------------------------------------------ accessors
+    @property
+    def batch_size(self) -> int:
+        return self.lengths.numel() // len(self.keys)
+
+    def num_ids(self) -> int:
+        return self.values.numel()
+
+    def to_dict(self) -> dict[str, list[list[int]]]:
+        """The batch as plain lists (for debugging and small tests)."""
+        out: dict[str, list[list[int]]] = {}
+        lengths = self.lengths.tolist()
+        values = self.values.tolist()
+        batch = self.batch_size
+        pos = 0
+        for f, key in enumerate(self.keys):
+            bags = []
+            for n in lengths[f * batch : (f + 1) * batch]:
+                bags.append(values[pos : pos + n])
+                pos += n
+            out[key] = bags
+        return out
+
+    # ------------------------------------------------------------------ validation
+    def validate(self, spec: ModelSpec) -> SparseFeatures:
+        """Check the batch against ``spec``; return it in the spec's feature order.
+
+        Raises ``RequestError`` naming the feature and the bad value. The caller's tensors
+        are never modified; a reordered batch is a new one.
+        """
+        expected = spec.feature_names
+        unknown = [k for k in self.keys if k not in expected]
+        if unknown:
+            raise RequestError(
+                f"unknown feature(s) {unknown}; the model's features are {list(expected)}", feature=unknown[0]
+            )
+        missing = [k for k in expected if k not in self.keys]
+        if missing:
+            raise RequestError(
+                f"missing feature(s) {missing}; every request must carry all of {list(expected)} "
+                "(send empty bags for a feature with no ids)",
+                feature=missing[0],
+            )
+        num_features = len(self.keys)
+        if self.lengths.numel() % num_features != 0:
+            raise RequestError(
+                f"lengths has {self.lengths.numel()} entries, not a multiple of the {num_features} features; "
+                "features have inconsistent batch sizes"
+            )
+        batch = self.batch_size
+        lengths = self.lengths.to(torch.int64)
+        if lengths.numel() and int(lengths.min()) < 0:
+            position = int(torch.nonzero(lengths < 0)[0])
+            key = self.keys[position // batch]
+            raise RequestError(
+                f"feature {key!r}: bag {position % batch} has negative length {int(lengths[position])}",
+                feature=key,
+            )
+        per_feature = lengths.view(num_features, batch).sum(dim=1)
+        total = int(per_feature.sum())
+        if total != self.values.numel():
+            raise RequestError(
+                f"lengths sum to {total} but there are {self.values.numel()} ids; "
+                "lengths must add up to the number of ids"
+            )
+        ends = torch.cumsum(per_feature, 0).tolist()
+        starts = [0] + ends[:-1]
+        rows = {f.name: f.num_embeddings for f in spec.features}
+        for key, start, end in zip(self.keys, starts, ends):
+            if end == start:
+                continue
+            ids = self.values[start:end]
+            low, high = torch.aminmax(ids)
+            if int(low) < 0 or int(high) >= rows[key]:
+                bad_mask = (ids < 0) | (ids >= rows[key])
+                position = int(torch.nonzero(bad_mask)[0])
+                raise RequestError(
+                    f"feature {key!r}: id {int(ids[position])} is out of range [0, {rows[key]}) "
+                    f"(id #{position} of the feature)",
+                    feature=key,
+                )
+        if self.keys == expected:
+            return self
+        return self._reordered(expected, starts, ends)
+
+    def _reordered(self, order: Sequence[str], starts: list[int], ends: list[int]) -> SparseFeatures:
+        batch = self.batch_size
+        index = {k: i for i, k in enumerate(self.keys)}
+        values, lengths, weights = [], [], []
+        for key in order:
+            i = index[key]
+            values.append(self.values[starts[i] : ends[i]])
+            lengths.append(self.lengths[i * batch : (i + 1) * batch])
+            if self.weights is not None:
+                weights.append(self.weights[starts[i] : ends[i]])
+        return SparseFeatures(
+            tuple(order),
+            torch.cat(values),
+            torch.cat(lengths),
+            torch.cat(weights) if self.weights is not None else None,
+        )
+
+
+def _feature_tensors(key: str, bags: Any) -> tuple[torch.Tensor, torch.Tensor]:
+    if isinstance(bags, tuple) and len(bags) == 2 and all(isinstance(t, torch.Tensor) for t in bags):
+        values, lengths = bags
+        if values.dim() != 1 or lengths.dim() != 1:
+            raise RequestError(f"feature {key!r}: values and lengths must be 1-D tensors", feature=key)
+        if values.dtype not in _ID_DTYPES:
+            raise RequestError(f"feature {key!r}: ids must be int64 or int32, got {values.dtype}", feature=key)
+        if lengths.dtype not in _LENGTH_DTYPES:
+            raise RequestError(f"feature {key!r}: lengths must be int32, got {lengths.dtype}", feature=key)
+        return values, lengths.to(torch.int32)
+    if isinstance(bags, (str, bytes)) or not isinstance(bags, Sequence):
+        raise RequestError(
+            f"feature {key!r}: expected a list of bags (lists of int ids), got {type(bags).__name__}", feature=key
+        )
+    flat: list[int] = []
+    lengths_list: list[int] = []
+    for b, bag in enumerate(bags):
+        if isinstance(bag, (str, bytes)) or not isinstance(bag, Sequence):
+            raise RequestError(f"feature {key!r}: bag {b} must be a list of int ids, got {bag!r}", feature=key)
+        for item in bag:
+            if isinstance(item, bool) or not isinstance(item, int):
+                raise RequestError(f"feature {key!r}: bag {b} holds non-integer id {item!r}", feature=key)
+        flat.extend(bag)
+        lengths_list.append(len(bag))
+    try:
+        values = torch.tensor(flat, dtype=torch.int64)
+    except RuntimeError:
+        raise RequestError(f"feature {key!r}: an id does not fit in int64", feature=key) from None
+    return values, torch.tensor(lengths_list, dtype=torch.int32)
+
+
+def _feature_weights(key: str, weights: Any) -> torch.Tensor:
+    if isinstance(weights, torch.Tensor):
+        if weights.dim() != 1 or not weights.is_floating_point():
+            raise RequestError(f"feature {key!r}: weights must be a 1-D float tensor", feature=key)
+        return weights.to(torch.float32)
+    flat: list[float] = []
+    for bag in weights:
+        flat.extend(float(w) for w in bag)
+    return torch.tensor(flat, dtype=torch.float32)

@@ -1,0 +1,183 @@
+"""The artifact manifest: what an exported model is, what it needs, and checksums of its files.
+
+The format is specified in the README ("Artifact format"); readers check ``format_version``,
+sizes and sha256 checksums before any tensor is touched.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+from collections.abc import Mapping
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from infer.config import ModelSpec
+from infer.errors import ArtifactError, ConfigError
+
+FORMAT_NAME = "embserve-artifact"
+FORMAT_VERSION = 1
+MANIFEST_FILE = "manifest.json"
+MODEL_FILE = "model.pt"
+MAX_MANIFEST_BYTES = 16 * 1024 * 1024
+_CHUNK = 1 << 20
+
+
+def sha256_file(path: Path) -> str:
+    digest = hashlib.sha256()
+    with path.open("rb") as handle:
+        while block := handle.read(_CHUNK):
+            digest.update(block)
+    return digest.hexdigest()
+
+
+@dataclass(frozen=True)
+class FileEntry:
+    name: str
+    bytes: int
+    sha256: str
+
+    @classmethod
+    def of(cls, folder: Path, name: str) -> FileEntry:
+        path = folder / name
+        return cls(name, path.stat().st_size, sha256_file(path))
+
+
+@dataclass(frozen=True)
+class Manifest:
+    spec: ModelSpec
+    has_dense: bool
+    devices: tuple[str, ...]
+    embserve_version: str
+    torch_version: str
+    fbgemm_version: str
+    fbgemm_libraries: tuple[str, ...]
+    fbgemm_library_dir: str
+    files: tuple[FileEntry, ...]
+    format_version: int = FORMAT_VERSION
+    model_file: str = MODEL_FILE
+
+    def file(self, name: str) -> FileEntry:
+        for entry in self.files:
+            if entry.name == name:
+                return entry
+        raise ArtifactError(f"manifest lists no file {name!r}", path=name)
+
+    def to_dict(self) -> dict[str, Any]:
+        spec = self.spec
+        return {
+            "format": FORMAT_NAME,
+            "format_version": self.format_version,
+            "model_file": self.model_file,
+            "tables": [t.to_dict() for t in spec.tables],
+            "features": [
+                {
+                    "name": f.name,
+                    "table": f.table,
+                    "num_embeddings": f.num_embeddings,
+                    "embedding_dim": f.embedding_dim,
+                    "pooling": f.pooling.value,
+                    "column_start": f.column_start,
+                    "column_end": f.column_end,
+                }
+                for f in spec.features
+            ],
+            "input_schema": {
+                "feature_order": list(spec.feature_names),
+                "values": {"dtype": ["int64", "int32"], "shape": ["num_ids"]},
+                "lengths": {"dtype": ["int32"], "shape": ["num_features * batch"], "layout": "feature-major"},
+                "weights": {"dtype": ["float32"], "shape": ["num_ids"], "optional": True},
+                "dense_features": (
+                    {"dtype": ["float32"], "shape": ["batch", spec.num_dense_features]} if self.has_dense else None
+                ),
+            },
+            "output": {"dtype": "float32", "shape": ["batch", spec.output_dim]},
+            "dense": {"present": self.has_dense, "num_dense_features": spec.num_dense_features},
+            "devices": list(self.devices),
+            "versions": {
+                "embserve": self.embserve_version,
+                "torch": self.torch_version,
+                "fbgemm_gpu": self.fbgemm_version,
+            },
+            "fbgemm": {"libraries": list(self.fbgemm_libraries), "build_dir": self.fbgemm_library_dir},
+            "files": {e.name: {"bytes": e.bytes, "sha256": e.sha256} for e in self.files},
+        }
+
+    def to_json(self) -> str:
+        return json.dumps(self.to_dict(), indent=2) + "\n"
+
+    @classmethod
+    def from_dict(cls, data: Mapping[str, Any]) -> Manifest:
+        try:
+            if data.get("format") != FORMAT_NAME:
+                raise ArtifactError(f"{MANIFEST_FILE} is not an embserve manifest (format={data.get('format')!r})")
+            version = data["format_version"]
+            if version != FORMAT_VERSION:
+                raise ArtifactError(
+                    f"{MANIFEST_FILE} has format_version {version}; this embserve reads version {FORMAT_VERSION}. "
+                    "Re-export the model with this embserve version",
+                    path=MANIFEST_FILE,
+                )
+            dense = data["dense"]
+            spec = ModelSpec.from_dict({"tables": data["tables"], "num_dense_features": dense["num_dense_features"]})
+            manifest = cls(
+                spec=spec,
+                has_dense=bool(dense["present"]),
+                devices=tuple(data["devices"]),
+                embserve_version=data["versions"]["embserve"],
+                torch_version=data["versions"]["torch"],
+                fbgemm_version=data["versions"]["fbgemm_gpu"],
+                fbgemm_libraries=tuple(data["fbgemm"]["libraries"]),
+                fbgemm_library_dir=data["fbgemm"]["build_dir"],
+                files=tuple(FileEntry(n, int(e["bytes"]), str(e["sha256"])) for n, e in data["files"].items()),
+                format_version=version,
+                model_file=data["model_file"],
+            )
+        except ArtifactError:
+            raise
+        except (KeyError, TypeError, ValueError, AttributeError, ConfigError) as err:
+            raise ArtifactError(f"{MANIFEST_FILE} is malformed: {type(err).__name__}: {err}", path=MANIFEST_FILE) from None
+        layout = [(f["name"], f["column_start"]) for f in data.get("features", [])]
+        if layout != [(f.name, f.column_start) for f in spec.features]:
+            raise ArtifactError(f"{MANIFEST_FILE}: 'features' disagrees with 'tables'", path=MANIFEST_FILE)
+        return manifest
+
+    @classmethod
+    def read(cls, folder: Path) -> Manifest:
+        path = folder / MANIFEST_FILE
+        if not path.is_file():
+            raise ArtifactError(f"{path} is missing; {folder} is not an embserve artifact", path=str(path))
+        size = path.stat().st_size
+        if size > MAX_MANIFEST_BYTES:
+            raise ArtifactError(f"{path} is {size} bytes, over the {MAX_MANIFEST_BYTES}-byte cap", path=str(path))
+        try:
+            data = json.loads(path.read_text(encoding="utf-8"))
+        except (UnicodeDecodeError, json.JSONDecodeError) as err:
+            raise ArtifactError(f"{path} is not valid JSON ({err}); the file is corrupted", path=str(path)) from None
+        if not isinstance(data, dict):
+            raise ArtifactError(f"{path} is not a JSON object", path=str(path))
+        return cls.from_dict(data)
+
+    def verify_files(self, folder: Path) -> None:
+        """Check every listed file's size and sha256; raise ``ArtifactError`` naming the first bad one."""
+        if self.model_file not in {e.name for e in self.files}:
+            raise ArtifactError(f"{MANIFEST_FILE} has no checksum for {self.model_file}", path=self.model_file)
+        for entry in self.files:
+            path = folder / entry.name
+            if Path(entry.name).name != entry.name:
+                raise ArtifactError(f"{MANIFEST_FILE} lists a file outside the artifact: {entry.name!r}", path=entry.name)
+            if not path.is_file():
+                raise ArtifactError(f"{path} is missing from the artifact", path=str(path))
+            size = path.stat().st_size
+            if size != entry.bytes:
+                raise ArtifactError(
+                    f"{path} is {size} bytes but the manifest says {entry.bytes}; the file is truncated or corrupted",
+                    path=str(path),
+                )
+            digest = sha256_file(path)
+            if digest != entry.sha256:
+                raise ArtifactError(
+                    f"{path} fails its sha256 check ({digest[:12]}… != {entry.sha256[:12]}…); the file is corrupted",
+                    path=str(path),
+                )

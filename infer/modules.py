@@ -1,0 +1,215 @@
+"""Scriptable modules of a served model: the TBE-backed embedding-bag collection and its wrapper.
+
+Their ``forward`` takes plain tensors ``(values, lengths, weights)`` so TorchScript hosts (Python
+or C++) call them without embserve. Every input is validated inside the module before the kernel
+sees it; validation failures raise with the prefix ``embserve.RequestError:``.
+"""
+
+from typing import List, Optional, Tuple
+
+import torch
+from torch import Tensor, nn
+
+from infer.config import DataType, ModelSpec, PoolingType
+from infer.fbgemm_libs import load_fbgemm
+
+REQUEST_ERROR_PREFIX = "embserve.RequestError: "
+
+
+def _tbe_classes():  # type: ignore[no-untyped-def]
+    load_fbgemm()
+    from fbgemm_gpu.split_embedding_configs import SparseType
+    from fbgemm_gpu.split_table_batched_embeddings_ops_common import (
+        BoundsCheckMode,
+        EmbeddingLocation,
+        PoolingMode,
+    )
+    from fbgemm_gpu.split_table_batched_embeddings_ops_inference import (
+        IntNBitTableBatchedEmbeddingBagsCodegen,
+    )
+
+    return IntNBitTableBatchedEmbeddingBagsCodegen, SparseType, EmbeddingLocation, PoolingMode, BoundsCheckMode
+
+
+def sparse_type(data_type: DataType):  # type: ignore[no-untyped-def]
+    _, SparseType, _, _, _ = _tbe_classes()
+    return SparseType(data_type.value)
+
+
+class QuantizedEmbeddingBagCollection(nn.Module):
+    """All tables of one device in one fbgemm ``IntNBitTableBatchedEmbeddingBagsCodegen``.
+
+    The kernel pools with SUM and emits fp32; MEAN features are divided by their bag lengths
+    afterwards, so SUM and MEAN tables share the single kernel call.
+    """
+
+    feature_names: List[str]
+    feature_rows: List[int]
+    column_starts: List[int]
+    feature_dims: List[int]
+    mean_features: List[int]
+    num_features: int
+    output_dim: int
+
+    def __init__(self, spec: ModelSpec, device: torch.device | str = "cpu", row_alignment: Optional[int] = None):
+        super().__init__()
+        TBE, SparseType, EmbeddingLocation, PoolingMode, BoundsCheckMode = _tbe_classes()
+        device = torch.device(device)
+        location = EmbeddingLocation.HOST if device.type == "cpu" else EmbeddingLocation.DEVICE
+        table_index = {t.name: i for i, t in enumerate(spec.tables)}
+        features = spec.features
+        self.tbe = TBE(
+            embedding_specs=[
+                (t.name, t.num_embeddings, t.embedding_dim, SparseType(t.data_type.value), location)
+                for t in spec.tables
+            ],
+            feature_table_map=[table_index[f.table] for f in features],
+            pooling_mode=PoolingMode.SUM,
+            device=device,
+            # FATAL raises on a bad id; WARNING/IGNORE would rewrite the caller's tensor in place.
+            bounds_check_mode=BoundsCheckMode.FATAL,
+            output_dtype=SparseType.FP32,
+            row_alignment=row_alignment,
+        )
+        self.tbe.initialize_weights()
+        self.feature_names = [f.name for f in features]
+        self.feature_rows = [f.num_embeddings for f in features]
+        self.column_starts = [f.column_start for f in features]
+        self.feature_dims = [f.embedding_dim for f in features]
+        self.mean_features = [i for i, f in enumerate(features) if f.pooling == PoolingType.MEAN]
+        self.num_features = len(features)
+        self.output_dim = spec.output_dim
+
+    def table_weights(self) -> List[Tuple[Tensor, Optional[Tensor]]]:
+        """Per table: the kernel's row bytes (without padding) and, for INT types, scale/bias bytes."""
+        return self.tbe.split_embedding_weights()
+
+    def _request_error(self, message: str) -> str:
+        # TorchScript cannot read a global str; keep this literal equal to REQUEST_ERROR_PREFIX.
+        return "embserve.RequestError: " + message
+
+    def validate(self, values: Tensor, lengths: Tensor, weights: Optional[Tensor]) -> List[int]:
+        """Check the request; return the cumulative id count at the end of each feature."""
+        if values.dim() != 1 or (values.dtype != torch.int64 and values.dtype != torch.int32):
+            raise ValueError(self._request_error("values must be a 1-D int64 or int32 tensor of ids"))
+        if lengths.dim() != 1 or (lengths.dtype != torch.int32 and lengths.dtype != torch.int64):
+            raise ValueError(self._request_error("lengths must be a 1-D int32 tensor"))
+        num_features = self.num_features
+        if lengths.numel() % num_features != 0:
+            raise ValueError(
+                self._request_error(
+                    "lengths has {} entries, not a multiple of the {} features (batch sizes differ)".format(
+                        lengths.numel(), num_features
+                    )
+                )
+            )
+        batch = lengths.numel() // num_features
+        lengths64 = lengths.to(torch.int64)
+        if lengths64.numel() > 0 and int(lengths64.min()) < 0:
+            position = int(torch.nonzero(lengths64 < 0)[0][0])
+            raise ValueError(
+                self._request_error(
+                    "feature '{}': bag {} has negative length {}".format(
+                        self.feature_names[position // batch], position % batch, int(lengths64[position])
+                    )
+                )
+            )
+        ends: List[int] = lengths64.view(num_features, batch).sum(1).cumsum(0).tolist()
+        total = ends[-1] if len(ends) > 0 else 0
+        if total != values.numel():
+            raise ValueError(
+                self._request_error(
+                    "lengths sum to {} but there are {} ids; lengths must add up to the number of ids".format(
+                        total, values.numel()
+                    )
+                )
+            )
+        if weights is not None:
+            if weights.dim() != 1 or weights.dtype != torch.float32 or weights.numel() != values.numel():
+                raise ValueError(self._request_error("weights must be a 1-D float32 tensor with one weight per id"))
+        start = 0
+        for f in range(num_features):
+            end = ends[f]
+            if end > start:
+                low, high = torch.aminmax(values[start:end])
+                if int(low) < 0 or int(high) >= self.feature_rows[f]:
+                    bad = int(low) if int(low) < 0 else int(high)
+                    raise ValueError(
+                        self._request_error(
+                            "feature '{}': id {} is out of range [0, {})".format(
+                                self.feature_names[f], bad, self.feature_rows[f]
+                            )
+                        )
+                    )
+            start = end
+        return ends
+
+    def forward(self, values: Tensor, lengths: Tensor, weights: Optional[Tensor] = None) -> Tensor:
+        self.validate(values, lengths, weights)
+        return self.lookup_validated(values, lengths, weights)
+
+    @torch.jit.export
+    def lookup_validated(self, values: Tensor, lengths: Tensor, weights: Optional[Tensor] = None) -> Tensor:
+        """Pooled lookups of an already validated request: ``[batch, output_dim]`` fp32."""
+        offsets = torch.zeros(lengths.numel() + 1, dtype=values.dtype, device=values.device)
+        offsets[1:] = torch.cumsum(lengths, 0).to(values.dtype)
+        out = self.tbe(values, offsets, weights)
+        if len(self.mean_features) > 0:
+            batch = lengths.numel() // self.num_features
+            counts = lengths.view(self.num_features, batch).to(device=out.device, dtype=out.dtype).clamp(min=1.0)
+            for f in self.mean_features:
+                start = self.column_starts[f]
+                end = start + self.feature_dims[f]
+                out[:, start:end].div_(counts[f].unsqueeze(1))
+        return out
+
+
+class _NoDenseArch(nn.Module):
+    def forward(self, dense_features: Tensor, pooled: Tensor) -> Tensor:
+        raise RuntimeError("embserve.RequestError: this model has no dense part; use lookup, not predict")
+
+
+class EmbserveModel(nn.Module):
+    """The exported model: pooled lookups, and predictions when a dense part is present."""
+
+    __jit_ignored_attributes__ = ["spec"]
+
+    has_dense: bool
+    num_dense_features: int
+
+    def __init__(
+        self,
+        spec: ModelSpec,
+        embeddings: nn.Module,
+        dense_arch: Optional[nn.Module] = None,
+    ):
+        super().__init__()
+        self.spec = spec
+        self.embeddings = embeddings
+        self.has_dense = dense_arch is not None
+        self.dense_arch = dense_arch if dense_arch is not None else _NoDenseArch()
+        self.num_dense_features = spec.num_dense_features
+
+    def forward(self, values: Tensor, lengths: Tensor, weights: Optional[Tensor] = None) -> Tensor:
+        return self.embeddings(values, lengths, weights)
+
+    @torch.jit.export
+    def predict(
+        self, dense_features: Tensor, values: Tensor, lengths: Tensor, weights: Optional[Tensor] = None
+    ) -> Tensor:
+        if not self.has_dense:
+            raise RuntimeError("embserve.RequestError: this model has no dense part; use lookup, not predict")
+        pooled = self.embeddings(values, lengths, weights)
+        if (
+            dense_features.dim() != 2
+            or dense_features.size(0) != pooled.size(0)
+            or dense_features.size(1) != self.num_dense_features
+        ):
+            raise ValueError(
+                "embserve.RequestError: dense_features must have shape [{}, {}], got {}".format(
+                    pooled.size(0), self.num_dense_features, dense_features.shape
+                )
+            )
+        if dense_features.dtype != torch.float32:
+            raise ValueError("embserve.RequestError: dense_features must be float32")
+        return self.dense_arch(dense_features.to(pooled.device), pooled)

@@ -1,0 +1,85 @@
+"""The fp32 embedding-bag collection: the training-side input and the independent test reference.
+
+It pools with ``torch.nn.functional.embedding_bag`` only; nothing here touches fbgemm.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+
+import torch
+import torch.nn.functional as F
+
+from infer.config import ModelSpec, PoolingType
+from infer.errors import WeightsError
+from infer.features import SparseFeatures
+
+
+def random_weights(spec: ModelSpec, seed: int = 0, std: float = 1.0) -> dict[str, torch.Tensor]:
+    """Seeded N(0, std²) fp32 weights for every table of ``spec``."""
+    generator = torch.Generator().manual_seed(seed)
+    return {
+        t.name: torch.randn(t.num_embeddings, t.embedding_dim, generator=generator) * std for t in spec.tables
+    }
+
+
+def check_weights(spec: ModelSpec, weights: Mapping[str, torch.Tensor]) -> None:
+    """Raise ``WeightsError`` unless ``weights`` holds one float [rows, dim] tensor per table."""
+    names = [t.name for t in spec.tables]
+    missing = [n for n in names if n not in weights]
+    unknown = [n for n in weights if n not in names]
+    if missing or unknown:
+        raise WeightsError(
+            f"checkpoint tables do not match the spec: missing {missing}, unknown {unknown}; "
+            f"the spec has {names}"
+        )
+    for table in spec.tables:
+        weight = weights[table.name]
+        if not isinstance(weight, torch.Tensor):
+            raise WeightsError(f"table {table.name!r}: weight is a {type(weight).__name__}, expected a tensor")
+        expected = (table.num_embeddings, table.embedding_dim)
+        if tuple(weight.shape) != expected:
+            raise WeightsError(
+                f"table {table.name!r}: weight shape {list(weight.shape)} does not match the spec's "
+                f"[num_embeddings, embedding_dim] = {list(expected)}"
+            )
+        if not weight.is_floating_point():
+            raise WeightsError(f"table {table.name!r}: weight dtype {weight.dtype} is not floating point")
+
+
+class FloatEmbeddingBagCollection(torch.nn.Module):
+    """fp32 pooled lookups of every feature of ``spec``; output ``[batch, spec.output_dim]``.
+
+    MEAN pooling divides the (weighted) sum by the bag's length; an empty bag pools to zeros.
+    """
+
+    def __init__(self, spec: ModelSpec, weights: Mapping[str, torch.Tensor]) -> None:
+        super().__init__()
+        check_weights(spec, weights)
+        self.spec = spec
+        self.tables = torch.nn.ParameterDict(
+            {t.name: torch.nn.Parameter(weights[t.name].detach().float(), requires_grad=False) for t in spec.tables}
+        )
+
+    def forward(self, batch: SparseFeatures) -> torch.Tensor:
+        batch = batch.validate(self.spec)
+        num_features = len(batch.keys)
+        size = batch.batch_size
+        lengths = batch.lengths.to(torch.int64).view(num_features, size)
+        per_feature = lengths.sum(dim=1).tolist()
+        outputs = []
+        start = 0
+        for f, info in enumerate(self.spec.features):
+            end = start + int(per_feature[f])
+            ids = batch.values[start:end].to(torch.int64)
+            offsets = torch.cat([torch.zeros(1, dtype=torch.int64), torch.cumsum(lengths[f], 0)[:-1]])
+            psw = batch.weights[start:end] if batch.weights is not None else None
+            mean = info.pooling == PoolingType.MEAN
+            # embedding_bag's "mean" takes no per-id weights: a weighted mean is sum(w * x) / length.
+            mode = "mean" if mean and psw is None else "sum"
+            pooled = F.embedding_bag(ids, self.tables[info.table], offsets, mode=mode, per_sample_weights=psw)
+            if mean and psw is not None:
+                pooled = pooled / lengths[f].clamp(min=1).unsqueeze(1).to(pooled.dtype)
+            outputs.append(pooled)
+            start = end
+        return torch.cat(outputs, dim=1)

@@ -1,0 +1,74 @@
+"""A loaded artifact: validated lookups and predictions on the scripted model."""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Mapping
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from infer.errors import RequestError
+from infer.features import SparseFeatures
+from infer.manifest import Manifest
+
+_SCRIPT_REQUEST_ERROR = re.compile(r"embserve\.RequestError: (.*)")
+
+
+class Runtime:
+    """An exported model loaded for serving. Safe to call from several threads."""
+
+    def __init__(self, path: Path, manifest: Manifest, module: torch.jit.ScriptModule) -> None:
+        self.path = path
+        self.manifest = manifest
+        self.spec = manifest.spec
+        self.module = module
+
+    @property
+    def feature_names(self) -> tuple[str, ...]:
+        return self.spec.feature_names
+
+    @property
+    def output_dim(self) -> int:
+        return self.spec.output_dim
+
+    @property
+    def has_dense(self) -> bool:
+        return self.manifest.has_dense
+
+    def _features(self, batch: SparseFeatures | Mapping[str, Any]) -> SparseFeatures:
+        if not isinstance(batch, SparseFeatures):
+            batch = SparseFeatures.from_dict(batch)
+        return batch.validate(self.spec)
+
+    def lookup(self, batch: SparseFeatures | Mapping[str, Any]) -> torch.Tensor:
+        """Pooled embeddings ``[batch, output_dim]`` fp32, columns per feature in input order."""
+        features = self._features(batch)
+        with torch.inference_mode():
+            return self._call(self.module.forward, features.values, features.lengths, features.weights).cpu()
+
+    def predict(self, batch: SparseFeatures | Mapping[str, Any], dense_features: torch.Tensor) -> torch.Tensor:
+        """Scores of the dense part for ``dense_features [batch, num_dense_features]`` and ``batch``."""
+        if not self.has_dense:
+            raise RequestError("this artifact has no dense part; use lookup()")
+        features = self._features(batch)
+        if not isinstance(dense_features, torch.Tensor) or dense_features.dtype != torch.float32:
+            raise RequestError("dense_features must be a float32 tensor [batch, num_dense_features]")
+        expected = (features.batch_size, self.spec.num_dense_features)
+        if tuple(dense_features.shape) != expected:
+            raise RequestError(f"dense_features has shape {list(dense_features.shape)}; expected {list(expected)}")
+        with torch.inference_mode():
+            return self._call(
+                self.module.predict, dense_features, features.values, features.lengths, features.weights
+            ).cpu()
+
+    @staticmethod
+    def _call(method: Any, *args: Any) -> torch.Tensor:
+        try:
+            return method(*args)
+        except torch.jit.Error as err:
+            found = _SCRIPT_REQUEST_ERROR.findall(str(err))
+            if found:
+                raise RequestError(found[-1].strip()) from None
+            raise
