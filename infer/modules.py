@@ -49,6 +49,7 @@ class QuantizedEmbeddingBagCollection(nn.Module):
     feature_dims: List[int]
     mean_features: List[int]
     num_features: int
+    min_rows: int
     output_dim: int
 
     def __init__(self, spec: ModelSpec, device: torch.device | str = "cpu", row_alignment: Optional[int] = None):
@@ -78,6 +79,7 @@ class QuantizedEmbeddingBagCollection(nn.Module):
         self.feature_dims = [f.embedding_dim for f in features]
         self.mean_features = [i for i, f in enumerate(features) if f.pooling == PoolingType.MEAN]
         self.num_features = len(features)
+        self.min_rows = min(self.feature_rows)
         self.output_dim = spec.output_dim
 
     def table_weights(self) -> List[Tuple[Tensor, Optional[Tensor]]]:
@@ -88,8 +90,12 @@ class QuantizedEmbeddingBagCollection(nn.Module):
         # TorchScript cannot read a global str; keep this literal equal to REQUEST_ERROR_PREFIX.
         return "embserve.RequestError: " + message
 
-    def validate(self, values: Tensor, lengths: Tensor, weights: Optional[Tensor]) -> List[int]:
-        """Check the request; return the cumulative id count at the end of each feature."""
+    def validate(self, values: Tensor, lengths: Tensor, weights: Optional[Tensor]) -> None:
+        """Check the request; raise naming the feature and the bad value.
+
+        The common case costs two reductions: one over lengths, one over ids. Per-feature work
+        happens only when an id lies outside the smallest table's range.
+        """
         if values.dim() != 1 or (values.dtype != torch.int64 and values.dtype != torch.int32):
             raise ValueError(self._request_error("values must be a 1-D int64 or int32 tensor of ids"))
         if lengths.dim() != 1 or (lengths.dtype != torch.int32 and lengths.dtype != torch.int64):
@@ -104,18 +110,17 @@ class QuantizedEmbeddingBagCollection(nn.Module):
                 )
             )
         batch = lengths.numel() // num_features
-        lengths64 = lengths.to(torch.int64)
-        if lengths64.numel() > 0 and int(lengths64.min()) < 0:
-            position = int(torch.nonzero(lengths64 < 0)[0][0])
-            raise ValueError(
-                self._request_error(
-                    "feature '{}': bag {} has negative length {}".format(
-                        self.feature_names[position // batch], position % batch, int(lengths64[position])
+        if lengths.numel() > 0:
+            if int(lengths.min()) < 0:
+                position = int(torch.nonzero(lengths < 0)[0][0])
+                raise ValueError(
+                    self._request_error(
+                        "feature '{}': bag {} has negative length {}".format(
+                            self.feature_names[position // batch], position % batch, int(lengths[position])
+                        )
                     )
                 )
-            )
-        ends: List[int] = lengths64.view(num_features, batch).sum(1).cumsum(0).tolist()
-        total = ends[-1] if len(ends) > 0 else 0
+        total = int(lengths.sum()) if lengths.numel() > 0 else 0
         if total != values.numel():
             raise ValueError(
                 self._request_error(
@@ -127,6 +132,12 @@ class QuantizedEmbeddingBagCollection(nn.Module):
         if weights is not None:
             if weights.dim() != 1 or weights.dtype != torch.float32 or weights.numel() != values.numel():
                 raise ValueError(self._request_error("weights must be a 1-D float32 tensor with one weight per id"))
+        if values.numel() == 0:
+            return
+        low, high = torch.aminmax(values)
+        if int(low) >= 0 and int(high) < self.min_rows:
+            return
+        ends: List[int] = lengths.view(num_features, batch).sum(1).cumsum(0).tolist()
         start = 0
         for f in range(num_features):
             end = ends[f]
@@ -142,15 +153,16 @@ class QuantizedEmbeddingBagCollection(nn.Module):
                         )
                     )
             start = end
-        return ends
 
     def forward(self, values: Tensor, lengths: Tensor, weights: Optional[Tensor] = None) -> Tensor:
         self.validate(values, lengths, weights)
         return self.lookup_validated(values, lengths, weights)
 
-    @torch.jit.export
     def lookup_validated(self, values: Tensor, lengths: Tensor, weights: Optional[Tensor] = None) -> Tensor:
-        """Pooled lookups of an already validated request: ``[batch, output_dim]`` fp32."""
+        """Pooled lookups of an already validated request: ``[batch, output_dim]`` fp32.
+
+        Not exported from the scripted module: outside callers always go through ``forward``.
+        """
         offsets = torch.zeros(lengths.numel() + 1, dtype=values.dtype, device=values.device)
         offsets[1:] = torch.cumsum(lengths, 0).to(values.dtype)
         out = self.tbe(values, offsets, weights)

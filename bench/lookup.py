@@ -1,0 +1,170 @@
+"""Lookup throughput of the exported model against a direct fbgemm TBE call, fp32 embedding_bag and a gather probe.
+
+Prints one JSON line per (workload, case) with M lookups/s and the ratio to the exported model measured
+in the same run. Cases are interleaved round by round so machine noise hits all of them alike.
+
+    python bench/lookup.py                 # W128 and W64 at full size
+    python bench/lookup.py --rows 100000   # smaller tables, for a quick look
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import sys
+import tempfile
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+
+from infer.config import DataType, ModelSpec, TableConfig
+from infer.export import export, load
+from infer.quant import quantize
+
+
+@dataclass(frozen=True)
+class Workload:
+    name: str
+    num_tables: int
+    rows: int
+    dim: int
+    batch_size: int
+    ids_per_bag: int
+
+
+def workloads(rows: int) -> list[Workload]:
+    return [Workload("W128", 8, rows, 128, 2048, 20), Workload("W64", 8, rows, 64, 512, 20)]
+
+
+def make_index_sets(w: Workload, count: int, seed: int) -> list[tuple[torch.Tensor, torch.Tensor, torch.Tensor]]:
+    """``count`` batches of uniform ids: (values int64, lengths int32, offsets int64)."""
+    generator = torch.Generator().manual_seed(seed)
+    sets = []
+    for _ in range(count):
+        values = torch.randint(0, w.rows, (w.num_tables * w.batch_size * w.ids_per_bag,), generator=generator)
+        lengths = torch.full((w.num_tables * w.batch_size,), w.ids_per_bag, dtype=torch.int32)
+        offsets = torch.zeros(lengths.numel() + 1, dtype=torch.int64)
+        offsets[1:] = torch.cumsum(lengths, 0)
+        sets.append((values, lengths, offsets))
+    return sets
+
+
+def direct_tbe(spec: ModelSpec, model: torch.nn.Module) -> torch.nn.Module:
+    """One IntNBit TBE configured like the exported model's, holding a copy of the same quantized rows."""
+    from fbgemm_gpu.split_embedding_configs import SparseType
+    from fbgemm_gpu.split_table_batched_embeddings_ops_common import BoundsCheckMode, EmbeddingLocation, PoolingMode
+    from fbgemm_gpu.split_table_batched_embeddings_ops_inference import IntNBitTableBatchedEmbeddingBagsCodegen
+
+    tbe = IntNBitTableBatchedEmbeddingBagsCodegen(
+        embedding_specs=[
+            (t.name, t.num_embeddings, t.embedding_dim, SparseType.INT8, EmbeddingLocation.HOST) for t in spec.tables
+        ],
+        pooling_mode=PoolingMode.SUM,
+        device="cpu",
+        bounds_check_mode=BoundsCheckMode.FATAL,
+        output_dtype=SparseType.FP32,
+    )
+    tbe.initialize_weights()
+    tbe.assign_embedding_weights(model.embeddings.table_weights())
+    return tbe
+
+
+def measure(cases: dict[str, Callable[[int], object]], index_count: int, rounds: int) -> dict[str, float]:
+    """Median seconds per call of each case; cases alternate within every round."""
+    samples: dict[str, list[float]] = {name: [] for name in cases}
+    for name, fn in cases.items():  # warm-up
+        fn(0)
+    for r in range(rounds):
+        for name, fn in cases.items():
+            started = time.perf_counter()
+            fn(r % index_count)
+            samples[name].append(time.perf_counter() - started)
+    return {name: statistics.median(s) for name, s in samples.items()}
+
+
+def run_workload(w: Workload, rounds: int, index_count: int) -> list[dict[str, object]]:
+    spec = ModelSpec(
+        tuple(TableConfig(f"t{i}", w.rows, w.dim, (f"f{i}",), data_type=DataType.INT8) for i in range(w.num_tables))
+    )
+    generator = torch.Generator().manual_seed(0)
+    weights = {t.name: torch.randn(t.num_embeddings, t.embedding_dim, generator=generator) for t in spec.tables}
+    model = quantize(spec, weights)
+    with tempfile.TemporaryDirectory() as tmp:
+        runtime = load(export(model, f"{tmp}/artifact"))
+    exported = runtime.module
+    tbe = direct_tbe(spec, model)
+    del model
+    fp32_tables = [weights[t.name] for t in spec.tables]
+    gather_table = tbe.split_embedding_weights(split_scale_shifts=False)[0][0]  # [rows, D+4] bytes of table 0
+    sets = make_index_sets(w, index_count, seed=1)
+    per_table = w.batch_size * w.ids_per_bag
+    bag_offsets = torch.arange(0, per_table, w.ids_per_bag)
+
+    def run_exported(i: int) -> object:
+        values, lengths, _ = sets[i]
+        return exported(values, lengths, None)
+
+    def run_tbe(i: int) -> object:
+        values, _, offsets = sets[i]
+        return tbe(values, offsets)
+
+    def run_fp32(i: int) -> object:
+        values = sets[i][0]
+        return [
+            F.embedding_bag(values[t * per_table : (t + 1) * per_table], table, bag_offsets, mode="sum")
+            for t, table in enumerate(fp32_tables)
+        ]
+
+    def run_gather(i: int) -> object:
+        return torch.index_select(gather_table, 0, sets[i][0])
+
+    cases = {"exported_model": run_exported, "direct_tbe": run_tbe, "fp32_embedding_bag": run_fp32, "gather_probe": run_gather}
+    with torch.inference_mode():
+        check = torch.equal(run_exported(0), run_tbe(0))
+        seconds = measure(cases, index_count, rounds)
+    lookups = w.num_tables * w.batch_size * w.ids_per_bag
+    base = lookups / seconds["exported_model"]
+    rows = []
+    for name, secs in seconds.items():
+        rate = lookups / secs
+        rows.append(
+            {
+                "bench": "lookup",
+                "workload": w.name,
+                "case": name,
+                "tables": w.num_tables,
+                "rows": w.rows,
+                "dim": w.dim,
+                "batch": w.batch_size,
+                "ids_per_bag": w.ids_per_bag,
+                "ms_per_call": round(1e3 * secs, 3),
+                "mlookups_per_s": round(rate / 1e6, 2),
+                "ratio_to_exported": round(rate / base, 3),
+                "outputs_equal_direct_tbe": check,
+                "threads": torch.get_num_threads(),
+            }
+        )
+    return rows
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--rows", type=int, default=1_000_000, help="rows per table (default 1,000,000)")
+    parser.add_argument("--rounds", type=int, default=30, help="timed rounds per case")
+    parser.add_argument("--index-sets", type=int, default=8, help="distinct id batches cycled through")
+    parser.add_argument("--workload", choices=["W128", "W64"], action="append", help="run only these workloads")
+    args = parser.parse_args()
+    for w in workloads(args.rows):
+        if args.workload and w.name not in args.workload:
+            continue
+        for row in run_workload(w, args.rounds, args.index_sets):
+            print(json.dumps(row), flush=True)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,54 @@
+"""Shared fixtures: small specs covering every dtype, both poolings and a shared table."""
+
+from __future__ import annotations
+
+import torch
+
+from infer.config import DataType, ModelSpec, PoolingType, TableConfig
+from infer.features import SparseFeatures
+
+
+def small_spec(data_type: DataType = DataType.INT8, pooling: PoolingType = PoolingType.SUM) -> ModelSpec:
+    """Two tables of ``data_type``/``pooling``: one shared by two features, one with its own."""
+    return ModelSpec(
+        (
+            TableConfig("shared", 997, 64, ("a", "b"), pooling, data_type),
+            TableConfig("single", 301, 32, ("c",), pooling, data_type),
+        )
+    )
+
+
+def mixed_spec() -> ModelSpec:
+    """Every data type and both poolings in one model."""
+    return ModelSpec(
+        (
+            TableConfig("t_int8", 1000, 64, ("f_int8", "f_int8_b"), PoolingType.SUM, DataType.INT8),
+            TableConfig("t_int4", 500, 32, ("f_int4",), PoolingType.MEAN, DataType.INT4),
+            TableConfig("t_int2", 300, 16, ("f_int2",), PoolingType.SUM, DataType.INT2),
+            TableConfig("t_fp16", 300, 8, ("f_fp16",), PoolingType.MEAN, DataType.FP16),
+            TableConfig("t_fp32", 200, 12, ("f_fp32",), PoolingType.SUM, DataType.FP32),
+        )
+    )
+
+
+def random_batch(
+    spec: ModelSpec,
+    batch_size: int = 16,
+    max_len: int = 6,
+    weighted: bool = False,
+    seed: int = 0,
+    id_dtype: torch.dtype = torch.int64,
+) -> SparseFeatures:
+    """Random bag lengths in [0, max_len] (so some bags are empty) and uniform ids."""
+    generator = torch.Generator().manual_seed(seed)
+    lengths = torch.randint(0, max_len + 1, (len(spec.features) * batch_size,), generator=generator, dtype=torch.int32)
+    lengths[::5] = 0  # make sure empty bags are present
+    per_feature = lengths.view(len(spec.features), batch_size).sum(1).tolist()
+    values = torch.cat(
+        [
+            torch.randint(0, info.num_embeddings, (int(n),), generator=generator)
+            for info, n in zip(spec.features, per_feature)
+        ]
+    ).to(id_dtype)
+    weights = torch.rand(values.numel(), generator=generator) if weighted else None
+    return SparseFeatures(spec.feature_names, values, lengths, weights)
