@@ -76,7 +76,7 @@ def direct_tbe(spec: ModelSpec, model: torch.nn.Module) -> torch.nn.Module:
 def measure(cases: dict[str, Callable[[int], object]], index_count: int, rounds: int) -> dict[str, float]:
     """Median seconds per call of each case; cases alternate within every round."""
     samples: dict[str, list[float]] = {name: [] for name in cases}
-    for name, fn in cases.items():  # warm-up
+    for fn in cases.values():  # warm-up
         fn(0)
     for r in range(rounds):
         for name, fn in cases.items():
@@ -122,7 +122,12 @@ def run_workload(w: Workload, rounds: int, index_count: int) -> list[dict[str, o
     def run_gather(i: int) -> object:
         return torch.index_select(gather_table, 0, sets[i][0])
 
-    cases = {"exported_model": run_exported, "direct_tbe": run_tbe, "fp32_embedding_bag": run_fp32, "gather_probe": run_gather}
+    cases = {
+        "exported_model": run_exported,
+        "direct_tbe": run_tbe,
+        "fp32_embedding_bag": run_fp32,
+        "gather_probe": run_gather,
+    }
     with torch.inference_mode():
         check = torch.equal(run_exported(0), run_tbe(0))
         seconds = measure(cases, index_count, rounds)

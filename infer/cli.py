@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import argparse
-import json
 import logging
 import subprocess
 import sys
@@ -131,7 +130,9 @@ def cmd_run(args: argparse.Namespace) -> int:
     sample = pooled[0, first.column_start : first.column_start + 6].tolist()
     print(f"  sample: row 0, feature {first.name!r}, first columns {[round(v, 4) for v in sample]}")
     if runtime.has_dense:
-        dense = torch.randn(args.batch_size, runtime.spec.num_dense_features, generator=torch.Generator().manual_seed(2))
+        dense = torch.randn(
+            args.batch_size, runtime.spec.num_dense_features, generator=torch.Generator().manual_seed(2)
+        )
         scores = runtime.predict(batch, dense)
         print(f"predict: scores {list(scores.shape)}, first 5 {[round(v, 4) for v in scores[:5].tolist()]}")
     return 0
@@ -173,7 +174,9 @@ def build_parser() -> argparse.ArgumentParser:
 def main(argv: Sequence[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     # Root at WARNING keeps fbgemm's per-library load messages quiet; embserve's own logs at INFO.
-    logging.basicConfig(level=logging.DEBUG if args.verbose else logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
+    logging.basicConfig(
+        level=logging.DEBUG if args.verbose else logging.WARNING, format="%(levelname)s %(name)s: %(message)s"
+    )
     logging.getLogger("infer").setLevel(logging.DEBUG if args.verbose else logging.INFO)
     try:
         return int(args.func(args))

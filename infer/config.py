@@ -239,7 +239,9 @@ class ModelSpec:
                 return table
         raise ConfigError(f"unknown table {name!r}; the spec has {[t.name for t in self.tables]}")
 
-    def with_data_types(self, default: DataType | str | None = None, overrides: Mapping[str, DataType | str] | None = None) -> ModelSpec:
+    def with_data_types(
+        self, default: DataType | str | None = None, overrides: Mapping[str, DataType | str] | None = None
+    ) -> ModelSpec:
         """A copy with every table's data type set to ``default`` (when given), then ``overrides`` by name."""
         overrides = dict(overrides or {})
         names = {t.name for t in self.tables}
@@ -249,7 +251,10 @@ class ModelSpec:
         tables = []
         for table in self.tables:
             dtype = overrides.get(table.name, default if default is not None else table.data_type)
-            tables.append(table.with_data_type(dtype))
+            try:
+                tables.append(table.with_data_type(dtype))
+            except ConfigError as err:
+                raise ConfigError(f"table {table.name!r}: {err}") from None
         return ModelSpec(tuple(tables), self.num_dense_features, self.dense_arch)
 
     def with_dense_arch(self, dense_arch: torch.nn.Module | None, num_dense_features: int) -> ModelSpec:
@@ -265,11 +270,21 @@ class ModelSpec:
     def from_dict(cls, data: Mapping[str, Any]) -> ModelSpec:
         if not isinstance(data, Mapping) or "tables" not in data:
             raise ConfigError("a model spec is a JSON object with a 'tables' list")
+        unknown = set(data) - {"tables", "num_dense_features"}
+        if unknown:
+            raise ConfigError(
+                f"model spec: unknown keys {sorted(unknown)}; known keys are 'tables', 'num_dense_features'"
+            )
         raw_tables = data["tables"]
         if not isinstance(raw_tables, Sequence) or isinstance(raw_tables, str):
             raise ConfigError("'tables' must be a list of table objects")
+        for i, raw in enumerate(raw_tables):
+            if not isinstance(raw, Mapping):
+                raise ConfigError(
+                    f"tables[{i}] must be an object with name, num_embeddings, embedding_dim, feature_names"
+                )
         tables = tuple(TableConfig.from_dict(t) for t in raw_tables)
-        return cls(tables, int(data.get("num_dense_features", 0)))
+        return cls(tables, data.get("num_dense_features", 0))
 
     @classmethod
     def from_json(cls, text: str) -> ModelSpec:
@@ -287,4 +302,3 @@ class ModelSpec:
         except OSError as err:
             raise ConfigError(f"cannot read model spec {str(path)!r}: {err.strerror}") from None
         return cls.from_json(text)
-

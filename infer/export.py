@@ -36,7 +36,9 @@ def export(model: torch.nn.Module, out_dir: str | Path) -> Path:
     if not isinstance(model, EmbserveModel):
         raise ConfigError(f"export takes the model returned by infer.quantize(), got {type(model).__name__}")
     out_dir = Path(out_dir).absolute()
-    if out_dir.exists() and (not out_dir.is_dir() or (any(out_dir.iterdir()) and not (out_dir / MANIFEST_FILE).exists())):
+    if out_dir.exists() and (
+        not out_dir.is_dir() or (any(out_dir.iterdir()) and not (out_dir / MANIFEST_FILE).exists())
+    ):
         raise ArtifactError(
             f"{out_dir} exists and is not an embserve artifact; choose an empty or new folder", path=str(out_dir)
         )
@@ -88,6 +90,8 @@ def load(artifact_dir: str | Path) -> Runtime:
         module = torch.jit.load(str(model_path), map_location="cpu")
     except Exception as err:  # noqa: BLE001 - torch raises RuntimeError and others for a bad archive
         first_line = str(err).strip().splitlines()[0] if str(err).strip() else type(err).__name__
-        raise ArtifactError(f"{model_path} cannot be loaded by TorchScript: {first_line}", path=str(model_path)) from None
+        raise ArtifactError(
+            f"{model_path} cannot be loaded by TorchScript: {first_line}", path=str(model_path)
+        ) from None
     module.eval()
     return Runtime(folder, manifest, module)

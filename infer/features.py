@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, Union
+from typing import TYPE_CHECKING, Any
 
 import torch
 
@@ -19,7 +19,7 @@ if TYPE_CHECKING:
     from infer.config import ModelSpec
 
 # One feature's bags: a list of id lists, or a pair of 1-D tensors (values, lengths).
-FeatureBags = Union[Sequence[Sequence[int]], tuple[torch.Tensor, torch.Tensor]]
+FeatureBags = Sequence[Sequence[int]] | tuple[torch.Tensor, torch.Tensor]
 
 _ID_DTYPES = (torch.int32, torch.int64)
 _LENGTH_DTYPES = (torch.int32, torch.int64)
@@ -101,8 +101,8 @@ class SparseFeatures:
                     f"weights must cover exactly the batch's features; missing {missing}, unknown {extra}"
                 )
             parts = []
-            for key, vals in zip(keys, values_parts):
-                w = _feature_weights(key, weights[key])
+            for key, vals, lengths in zip(keys, values_parts, lengths_parts):
+                w = _feature_weights(key, weights[key], lengths)
                 if w.numel() != vals.numel():
                     raise RequestError(
                         f"feature {key!r}: {w.numel()} weights for {vals.numel()} ids; give one weight per id",
@@ -257,17 +257,32 @@ def _feature_tensors(key: str, bags: Any) -> tuple[torch.Tensor, torch.Tensor]:
         lengths_list.append(len(bag))
     try:
         values = torch.tensor(flat, dtype=torch.int64)
-    except RuntimeError:
+    except (RuntimeError, ValueError, OverflowError):
         raise RequestError(f"feature {key!r}: an id does not fit in int64", feature=key) from None
     return values, torch.tensor(lengths_list, dtype=torch.int32)
 
 
-def _feature_weights(key: str, weights: Any) -> torch.Tensor:
+def _feature_weights(key: str, weights: Any, lengths: torch.Tensor) -> torch.Tensor:
+    """One feature's weights as float32: a 1-D tensor, or lists shaped exactly like its bags."""
     if isinstance(weights, torch.Tensor):
         if weights.dim() != 1 or not weights.is_floating_point():
             raise RequestError(f"feature {key!r}: weights must be a 1-D float tensor", feature=key)
         return weights.to(torch.float32)
+    if isinstance(weights, (str, bytes)) or not isinstance(weights, Sequence):
+        raise RequestError(f"feature {key!r}: weights must be a list of bags of floats", feature=key)
+    bag_lengths = lengths.tolist()
+    if len(weights) != len(bag_lengths):
+        raise RequestError(
+            f"feature {key!r}: {len(weights)} bags of weights for {len(bag_lengths)} bags of ids", feature=key
+        )
     flat: list[float] = []
-    for bag in weights:
-        flat.extend(float(w) for w in bag)
+    for b, (bag, expected) in enumerate(zip(weights, bag_lengths)):
+        if isinstance(bag, (str, bytes)) or not isinstance(bag, Sequence) or len(bag) != expected:
+            raise RequestError(
+                f"feature {key!r}: bag {b} needs {expected} weights (one per id), got {bag!r}", feature=key
+            )
+        for w in bag:
+            if isinstance(w, bool) or not isinstance(w, (int, float)):
+                raise RequestError(f"feature {key!r}: bag {b} holds non-numeric weight {w!r}", feature=key)
+            flat.append(float(w))
     return torch.tensor(flat, dtype=torch.float32)

@@ -137,7 +137,9 @@ class Manifest:
         except ArtifactError:
             raise
         except (KeyError, TypeError, ValueError, AttributeError, ConfigError) as err:
-            raise ArtifactError(f"{MANIFEST_FILE} is malformed: {type(err).__name__}: {err}", path=MANIFEST_FILE) from None
+            raise ArtifactError(
+                f"{MANIFEST_FILE} is malformed: {type(err).__name__}: {err}", path=MANIFEST_FILE
+            ) from None
         layout = [(f["name"], f["column_start"]) for f in data.get("features", [])]
         if layout != [(f.name, f.column_start) for f in spec.features]:
             raise ArtifactError(f"{MANIFEST_FILE}: 'features' disagrees with 'tables'", path=MANIFEST_FILE)
@@ -166,7 +168,9 @@ class Manifest:
         for entry in self.files:
             path = folder / entry.name
             if Path(entry.name).name != entry.name:
-                raise ArtifactError(f"{MANIFEST_FILE} lists a file outside the artifact: {entry.name!r}", path=entry.name)
+                raise ArtifactError(
+                    f"{MANIFEST_FILE} lists a file outside the artifact: {entry.name!r}", path=entry.name
+                )
             if not path.is_file():
                 raise ArtifactError(f"{path} is missing from the artifact", path=str(path))
             size = path.stat().st_size

@@ -104,9 +104,8 @@ class QuantizedEmbeddingBagCollection(nn.Module):
         if lengths.numel() % num_features != 0:
             raise ValueError(
                 self._request_error(
-                    "lengths has {} entries, not a multiple of the {} features (batch sizes differ)".format(
-                        lengths.numel(), num_features
-                    )
+                    f"lengths has {lengths.numel()} entries, not a multiple of the {num_features} features "
+                    + "(batch sizes differ)"
                 )
             )
         batch = lengths.numel() // num_features
@@ -115,18 +114,16 @@ class QuantizedEmbeddingBagCollection(nn.Module):
                 position = int(torch.nonzero(lengths < 0)[0][0])
                 raise ValueError(
                     self._request_error(
-                        "feature '{}': bag {} has negative length {}".format(
-                            self.feature_names[position // batch], position % batch, int(lengths[position])
-                        )
+                        f"feature '{self.feature_names[position // batch]}': bag {position % batch} "
+                        + f"has negative length {int(lengths[position])}"
                     )
                 )
         total = int(lengths.sum()) if lengths.numel() > 0 else 0
         if total != values.numel():
             raise ValueError(
                 self._request_error(
-                    "lengths sum to {} but there are {} ids; lengths must add up to the number of ids".format(
-                        total, values.numel()
-                    )
+                    f"lengths sum to {total} but there are {values.numel()} ids; "
+                    + "lengths must add up to the number of ids"
                 )
             )
         if weights is not None:
@@ -147,9 +144,7 @@ class QuantizedEmbeddingBagCollection(nn.Module):
                     bad = int(low) if int(low) < 0 else int(high)
                     raise ValueError(
                         self._request_error(
-                            "feature '{}': id {} is out of range [0, {})".format(
-                                self.feature_names[f], bad, self.feature_rows[f]
-                            )
+                            f"feature '{self.feature_names[f]}': id {bad} is out of range [0, {self.feature_rows[f]})"
                         )
                     )
             start = end
@@ -218,9 +213,8 @@ class EmbserveModel(nn.Module):
             or dense_features.size(1) != self.num_dense_features
         ):
             raise ValueError(
-                "embserve.RequestError: dense_features must have shape [{}, {}], got {}".format(
-                    pooled.size(0), self.num_dense_features, dense_features.shape
-                )
+                f"embserve.RequestError: dense_features must have shape [{pooled.size(0)}, "
+                + f"{self.num_dense_features}], got {dense_features.shape}"
             )
         if dense_features.dtype != torch.float32:
             raise ValueError("embserve.RequestError: dense_features must be float32")

@@ -18,6 +18,7 @@ import torch
 from infer.config import DataType, ModelSpec
 from infer.errors import WeightsError
 from infer.features import SparseFeatures
+from infer.modules import EmbserveModel, QuantizedEmbeddingBagCollection
 from infer.reference import FloatEmbeddingBagCollection, check_weights
 
 logger = logging.getLogger(__name__)
@@ -85,14 +86,12 @@ def quantize(
     *,
     device: torch.device | str = "cpu",
     progress: ProgressFn | None = None,
-) -> torch.nn.Module:
+) -> EmbserveModel:
     """Build the quantized, scriptable model of ``spec`` from fp32 ``weights`` (one tensor per table).
 
     Each table is stored in its ``data_type``; all tables of the device share one TBE.
     Returns an ``EmbserveModel`` (carrying ``spec.dense_arch`` when present).
     """
-    from infer.modules import EmbserveModel, QuantizedEmbeddingBagCollection
-
     check_weights(spec, weights)
     collection = QuantizedEmbeddingBagCollection(spec, device=device)
     targets = collection.table_weights()
@@ -134,12 +133,15 @@ def _log_progress(name: str, done: int, total: int) -> None:
         logger.info("quantizing %s: %d/%d rows (%.0f%%)", name, done, total, 100.0 * done / total)
 
 
-def dequantized_weights(spec: ModelSpec, model: torch.nn.Module) -> dict[str, torch.Tensor]:
+def dequantized_weights(spec: ModelSpec, model: EmbserveModel) -> dict[str, torch.Tensor]:
     """fp32 tables as the quantized model stores them (the exact values the kernel reads)."""
     collection = model.embeddings
+    assert isinstance(collection, QuantizedEmbeddingBagCollection)
     out = {}
     for table, (data, scale_bias) in zip(spec.tables, collection.table_weights()):
-        out[table.name] = dequantize_rows(data.cpu(), None if scale_bias is None else scale_bias.cpu(), table.data_type, table.embedding_dim)
+        out[table.name] = dequantize_rows(
+            data.cpu(), None if scale_bias is None else scale_bias.cpu(), table.data_type, table.embedding_dim
+        )
     return out
 
 
@@ -167,9 +169,7 @@ def accuracy_report(
         got = model(batch.values, batch.lengths, batch.weights).cpu()
     report = []
     for table in spec.tables:
-        cols = [
-            torch.arange(f.column_start, f.column_end) for f in spec.features if f.table == table.name
-        ]
+        cols = [torch.arange(f.column_start, f.column_end) for f in spec.features if f.table == table.name]
         index = torch.cat(cols)
         exp, out = expected[:, index], got[:, index]
         norm = float(torch.linalg.vector_norm(exp))

@@ -18,9 +18,7 @@ from infer.features import SparseFeatures
 def random_weights(spec: ModelSpec, seed: int = 0, std: float = 1.0) -> dict[str, torch.Tensor]:
     """Seeded N(0, std²) fp32 weights for every table of ``spec``."""
     generator = torch.Generator().manual_seed(seed)
-    return {
-        t.name: torch.randn(t.num_embeddings, t.embedding_dim, generator=generator) * std for t in spec.tables
-    }
+    return {t.name: torch.randn(t.num_embeddings, t.embedding_dim, generator=generator) * std for t in spec.tables}
 
 
 def check_weights(spec: ModelSpec, weights: Mapping[str, torch.Tensor]) -> None:
@@ -30,8 +28,7 @@ def check_weights(spec: ModelSpec, weights: Mapping[str, torch.Tensor]) -> None:
     unknown = [n for n in weights if n not in names]
     if missing or unknown:
         raise WeightsError(
-            f"checkpoint tables do not match the spec: missing {missing}, unknown {unknown}; "
-            f"the spec has {names}"
+            f"checkpoint tables do not match the spec: missing {missing}, unknown {unknown}; the spec has {names}"
         )
     for table in spec.tables:
         weight = weights[table.name]
@@ -57,9 +54,8 @@ class FloatEmbeddingBagCollection(torch.nn.Module):
         super().__init__()
         check_weights(spec, weights)
         self.spec = spec
-        self.tables = torch.nn.ParameterDict(
-            {t.name: torch.nn.Parameter(weights[t.name].detach().float(), requires_grad=False) for t in spec.tables}
-        )
+        # A plain dict: table names such as "items" or "a.b" are not valid ParameterDict keys.
+        self.tables: dict[str, torch.Tensor] = {t.name: weights[t.name].detach().float() for t in spec.tables}
 
     def forward(self, batch: SparseFeatures) -> torch.Tensor:
         batch = batch.validate(self.spec)
@@ -72,7 +68,7 @@ class FloatEmbeddingBagCollection(torch.nn.Module):
         for f, info in enumerate(self.spec.features):
             end = start + int(per_feature[f])
             ids = batch.values[start:end].to(torch.int64)
-            offsets = torch.cat([torch.zeros(1, dtype=torch.int64), torch.cumsum(lengths[f], 0)[:-1]])
+            offsets = torch.cumsum(lengths[f], 0) - lengths[f]  # start of each bag; [] for an empty batch
             psw = batch.weights[start:end] if batch.weights is not None else None
             mean = info.pooling == PoolingType.MEAN
             # embedding_bag's "mean" takes no per-id weights: a weighted mean is sum(w * x) / length.

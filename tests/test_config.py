@@ -144,7 +144,12 @@ def test_dtype_parsing(text, expected):
 
 @pytest.mark.parametrize(
     ("text", "expected"),
-    [("sum", PoolingType.SUM), ("SUM", PoolingType.SUM), ("Mean", PoolingType.MEAN), (PoolingType.MEAN, PoolingType.MEAN)],
+    [
+        ("sum", PoolingType.SUM),
+        ("SUM", PoolingType.SUM),
+        ("Mean", PoolingType.MEAN),
+        (PoolingType.MEAN, PoolingType.MEAN),
+    ],
 )
 def test_pooling_parsing(text, expected):
     assert table(pooling=text).pooling is expected
@@ -278,7 +283,7 @@ def test_with_data_types_default_and_overrides():
     # the original is unchanged
     assert [t.data_type for t in spec.tables] == [DataType.INT8, DataType.FP32, DataType.INT2]
     # everything but the data type is kept
-    for old, new in zip(spec.tables, out.tables):
+    for old, new in zip(spec.tables, out.tables, strict=True):
         assert (old.name, old.num_embeddings, old.embedding_dim, old.feature_names, old.pooling) == (
             new.name,
             new.num_embeddings,
@@ -422,14 +427,12 @@ def test_spec_from_dict_without_tables(data):
         ModelSpec.from_dict(data)
 
 
-@pytest.mark.xfail(strict=True, reason="bug: ModelSpec.from_dict ignores unknown top-level keys")
 def test_spec_from_dict_unknown_top_level_key():
     data = {**shared_spec().to_dict(), "num_dense_feature": 3}
     with pytest.raises(ConfigError, match="num_dense_feature"):
         ModelSpec.from_dict(data)
 
 
-@pytest.mark.xfail(strict=True, reason="bug: non-int num_dense_features in JSON raises bare ValueError")
 def test_spec_from_dict_bad_num_dense_features():
     data = {**shared_spec().to_dict(), "num_dense_features": "abc"}
     with pytest.raises(ConfigError):

@@ -83,9 +83,10 @@ def test_manifest_describes_the_model(exported):
 
 def test_fresh_process_round_trip_is_bit_identical(exported, tmp_path):
     spec, _, model, path = exported
-    batches = [random_batch(spec, 20, weighted=w, seed=s, id_dtype=d) for s, (w, d) in enumerate(
-        [(False, torch.int64), (True, torch.int64), (False, torch.int32)]
-    )]
+    batches = [
+        random_batch(spec, 20, weighted=w, seed=s, id_dtype=d)
+        for s, (w, d) in enumerate([(False, torch.int64), (True, torch.int64), (False, torch.int32)])
+    ]
     dense = torch.randn(20, 5)
     torch.save({"batches": [(b.values, b.lengths, b.weights) for b in batches], "dense": dense}, tmp_path / "in.pt")
     script = textwrap.dedent(
@@ -217,9 +218,7 @@ def test_every_bad_request_raises_request_error_and_leaves_model_usable(exported
     good = random_batch(spec, 4, seed=1)
     expected = runtime.lookup(good)
     for name, request in _bad_requests(spec).items():
-        before = (
-            [t.clone() for t in (request.values, request.lengths)] if isinstance(request, SparseFeatures) else None
-        )
+        before = [t.clone() for t in (request.values, request.lengths)] if isinstance(request, SparseFeatures) else None
         with pytest.raises(RequestError):
             runtime.lookup(request)
         if before is not None:

@@ -432,7 +432,6 @@ def test_from_dict_not_a_mapping(bags):
         SparseFeatures.from_dict(bags)
 
 
-@pytest.mark.xfail(strict=True, reason="bug: an id beyond int64 raises a bare ValueError, not RequestError")
 def test_from_dict_id_beyond_int64():
     bags = {**good_bags(), "item": [[2**63], [1]]}
     with pytest.raises(RequestError) as info:
@@ -460,8 +459,8 @@ def test_from_dict_weights_count_mismatch():
     assert info.value.feature == "item"
     msg = str(info.value)
     assert "'item'" in msg
-    assert "4 weights" in msg
-    assert "3 ids" in msg
+    assert "bag 1" in msg
+    assert "one per id" in msg
 
 
 def test_from_dict_weights_missing_feature():
@@ -495,3 +494,11 @@ def test_request_error_family():
         SparseFeatures.from_dict({"user": [[1.5]]})
     with pytest.raises(ValueError):
         SparseFeatures.from_dict({"user": [[1.5]]})
+
+
+def test_weights_must_be_shaped_like_the_bags():
+    with pytest.raises(RequestError, match="bag 0 needs 2 weights") as info:
+        SparseFeatures.from_dict({"a": [[1, 2], [3]]}, weights={"a": [[1.0], [2.0, 3.0]]})
+    assert info.value.feature == "a"
+    with pytest.raises(RequestError, match="non-numeric weight"):
+        SparseFeatures.from_dict({"a": [[1, 2]]}, weights={"a": [[1.0, "x"]]})

@@ -148,7 +148,9 @@ def test_non_finite_weights_are_rejected_with_the_row():
 def test_progress_reports_every_chunk_and_ends_at_total():
     spec = ModelSpec((TableConfig("big", 200_000, 8, ("f",)),))
     seen = []
-    quantize(spec, {"big": torch.randn(200_000, 8)}, progress=lambda name, done, total: seen.append((name, done, total)))
+    quantize(
+        spec, {"big": torch.randn(200_000, 8)}, progress=lambda name, done, total: seen.append((name, done, total))
+    )
     assert seen[-1] == ("big", 200_000, 200_000)
     assert len(seen) >= 3 and all(a[1] < b[1] for a, b in zip(seen, seen[1:]))
 
@@ -174,3 +176,10 @@ def test_quantizing_a_large_table_holds_no_extra_fp32_copy():
     out = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, check=True).stdout.split()
     growth, fp32_bytes, int8_bytes = map(int, out)
     assert growth < int8_bytes + fp32_bytes // 4, (growth, fp32_bytes, int8_bytes)
+
+
+def test_empty_batch_gives_zero_rows():
+    spec = small_spec()
+    model = quantize(spec, random_weights(spec))
+    out = model(torch.zeros(0, dtype=torch.int64), torch.zeros(0, dtype=torch.int32), None)
+    assert out.shape == (0, spec.output_dim)

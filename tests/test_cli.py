@@ -1,0 +1,103 @@
+"""The ``embserve`` command line, run as a user runs it."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+
+import pytest
+import torch
+
+from infer.cli import main
+from infer.config import DataType, ModelSpec, PoolingType, TableConfig
+from infer.export import load
+from infer.reference import random_weights
+
+
+def _write_inputs(tmp_path):
+    spec = ModelSpec(
+        (
+            TableConfig("users", 500, 32, ("user",)),
+            TableConfig("items", 300, 16, ("item", "clicked"), PoolingType.MEAN),
+        )
+    )
+    (tmp_path / "spec.json").write_text(spec.to_json())
+    torch.save(random_weights(spec), tmp_path / "ckpt.pt")
+    return spec
+
+
+def test_export_then_inspect(tmp_path, capsys):
+    _write_inputs(tmp_path)
+    out = tmp_path / "art"
+    code = main(
+        [
+            "export",
+            "--spec", str(tmp_path / "spec.json"),
+            "--weights", str(tmp_path / "ckpt.pt"),
+            "--out", str(out),
+            "--dtype", "int4",
+            "--table-dtype", "items=fp16",
+        ]
+    )  # fmt: skip
+    assert code == 0
+    printed = capsys.readouterr().out
+    assert "users" in printed and "int4" in printed and "exported" in printed
+    runtime = load(out)
+    assert [t.data_type for t in runtime.spec.tables] == [DataType.INT4, DataType.FP16]
+    assert main(["inspect", str(out)]) == 0
+    table = capsys.readouterr().out
+    assert "users" in table and "clicked" in table and "32:48" in table and "sha256" in table
+    assert main(["inspect", str(out), "--json"]) == 0
+    assert json.loads(capsys.readouterr().out)["input_schema"]["feature_order"] == ["user", "item", "clicked"]
+
+
+@pytest.mark.parametrize(
+    "extra, message",
+    [
+        (["--table-dtype", "nosuch=fp16"], "unknown table"),
+        (["--table-dtype", "users"], "NAME=DTYPE"),
+        (["--dtype", "int3"], "unknown data type"),
+    ],
+)
+def test_export_errors_are_one_line_messages(tmp_path, capsys, extra, message):
+    _write_inputs(tmp_path)
+    args = ["export", "--spec", str(tmp_path / "spec.json"), "--weights", str(tmp_path / "ckpt.pt")]
+    code = main([*args, "--out", str(tmp_path / "art"), *extra])
+    assert code == 2
+    err = capsys.readouterr().err
+    assert err.startswith("embserve: error:") and message in err
+    assert not (tmp_path / "art").exists()
+
+
+def test_export_with_mismatched_checkpoint_names_the_table(tmp_path, capsys):
+    spec = _write_inputs(tmp_path)
+    weights = random_weights(spec)
+    weights["items"] = torch.randn(299, 16)
+    torch.save(weights, tmp_path / "ckpt.pt")
+    args = ["export", "--spec", str(tmp_path / "spec.json"), "--weights", str(tmp_path / "ckpt.pt")]
+    assert main([*args, "--out", str(tmp_path / "art")]) == 2
+    assert "'items'" in capsys.readouterr().err
+
+
+def test_inspect_of_a_non_artifact_fails_cleanly(tmp_path, capsys):
+    assert main(["inspect", str(tmp_path)]) == 2
+    assert "manifest.json" in capsys.readouterr().err
+
+
+@pytest.mark.slow
+def test_demo_runs_end_to_end(tmp_path):
+    result = subprocess.run(
+        [sys.executable, "-m", "infer.cli", "demo", "--out", str(tmp_path / "demo"), "--batch-size", "64"],
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
+    assert result.returncode == 0, result.stderr[-2000:]
+    out = result.stdout
+    assert "rel. error vs fp32" in out
+    for table in ("user_id", "ad_id", "query_token"):
+        assert table in out
+    assert "M lookups/s" in out and "predict: scores [64]" in out
+    runtime = load(tmp_path / "demo")
+    assert runtime.has_dense and len(runtime.spec.tables) == 8
