@@ -1,12 +1,10 @@
 """embserve's library: quantize, export and load embedding-bag models served on fbgemm's TBE kernels.
 
-Importing ``infer`` is light: torch only. fbgemm is imported on first use of ``quantize``,
-``export`` or ``load``; CUDA is never initialised by the import.
+Importing ``infer`` is light: torch only. fbgemm is imported on first use of ``quantize`` or
+``load``; CUDA is never initialised by the import.
 """
 
 from __future__ import annotations
-
-from typing import Any
 
 from infer.config import DataType, FeatureInfo, ModelSpec, PoolingType, TableConfig
 from infer.errors import (
@@ -18,19 +16,12 @@ from infer.errors import (
     RequestError,
     WeightsError,
 )
+from infer.export import export, load
 from infer.features import SparseFeatures
+from infer.quant import accuracy_report, load_checkpoint, quantize
+from infer.reference import FloatEmbeddingBagCollection, random_weights
+from infer.runtime import Runtime
 from infer.version import __version__
-
-_LAZY = {
-    "quantize": "infer.quant",
-    "accuracy_report": "infer.quant",
-    "load_checkpoint": "infer.quant",
-    "export": "infer.export",
-    "load": "infer.export",
-    "Runtime": "infer.runtime",
-    "FloatEmbeddingBagCollection": "infer.reference",
-    "random_weights": "infer.reference",
-}
 
 __all__ = [
     "ArtifactError",
@@ -47,14 +38,12 @@ __all__ = [
     "TableConfig",
     "WeightsError",
     "__version__",
-    *_LAZY,
+    "accuracy_report",
+    "export",
+    "FloatEmbeddingBagCollection",
+    "load",
+    "load_checkpoint",
+    "quantize",
+    "random_weights",
+    "Runtime",
 ]
-
-
-def __getattr__(name: str) -> Any:
-    module = _LAZY.get(name)
-    if module is None:
-        raise AttributeError(f"module 'infer' has no attribute {name!r}")
-    import importlib
-
-    return getattr(importlib.import_module(module), name)

@@ -84,10 +84,17 @@ def load(artifact_dir: str | Path) -> Runtime:
         raise ArtifactError(f"{folder} is not a folder; pass the artifact folder written by export", path=str(folder))
     manifest = Manifest.read(folder)
     manifest.verify_files(folder)
+    cuda_devices = [d for d in manifest.devices if d.startswith("cuda")]
+    if cuda_devices and not torch.cuda.is_available():
+        raise ArtifactError(
+            f"{folder} was exported for {cuda_devices} and this host has no CUDA device; "
+            "export the model for cpu to serve it here",
+            path=str(folder / MANIFEST_FILE),
+        )
     load_fbgemm()
     model_path = folder / manifest.model_file
     try:
-        module = torch.jit.load(str(model_path), map_location="cpu")
+        module = torch.jit.load(str(model_path))
     except Exception as err:  # noqa: BLE001 - torch raises RuntimeError and others for a bad archive
         first_line = str(err).strip().splitlines()[0] if str(err).strip() else type(err).__name__
         raise ArtifactError(

@@ -52,3 +52,14 @@ def random_batch(
     ).to(id_dtype)
     weights = torch.rand(values.numel(), generator=generator) if weighted else None
     return SparseFeatures(spec.feature_names, values, lengths, weights)
+
+
+def pytest_collection_modifyitems(config, items):
+    import pytest
+
+    if torch.cuda.is_available():
+        return
+    skip = pytest.mark.skip(reason="needs a CUDA device")
+    for item in items:
+        if "gpu" in item.keywords:
+            item.add_marker(skip)
