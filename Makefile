@@ -14,7 +14,7 @@ STAMP := $(VENV)/.installed
 $(STAMP): pyproject.toml Makefile
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
 	$(BIN)/python -m pip install --quiet --disable-pip-version-check torch==$(TORCH_VERSION)
-	$(BIN)/python -m pip install --quiet --disable-pip-version-check $(FBGEMM_PKG) pytest ruff mypy numpy "setuptools>=64"
+	$(BIN)/python -m pip install --quiet --disable-pip-version-check $(FBGEMM_PKG) pytest ruff mypy numpy scipy matplotlib "setuptools>=64"
 	$(BIN)/python -m pip install --quiet --disable-pip-version-check --no-build-isolation --no-deps -e .
 	touch $(STAMP)
 

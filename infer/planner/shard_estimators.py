@@ -1,0 +1,126 @@
+"""Storage and cost of one shard, for inference (``is_inference=True``) or training.
+
+Inference storage is exactly what fbgemm's inference TBE allocates for the shard's rows (row
+size with scale/bias, row alignment, 128-byte table alignment), plus the batch's input and output
+buffers; nothing for optimizer or gradients. Inference cost is the forward pass only: rows read /
+memory bandwidth (a narrow row still costs a whole sector), ids shipped in, pooled outputs
+shipped out at fp32, and the reduction of row-wise partial sums.
+"""
+
+from __future__ import annotations
+
+from infer.config import DataType
+from infer.planner import constants as C
+from infer.planner.types import Placement, ShardContext, ShardingType, Storage
+
+INDEX_BYTES = 8  # int64 ids and offsets
+OUTPUT_BYTES = 4  # fp32 pooled output
+
+
+def _round_up(value: int, multiple: int) -> int:
+    return (value + multiple - 1) // multiple * multiple
+
+
+def unpadded_row_bytes(num_cols: int, data_type: DataType) -> int:
+    data = num_cols * data_type.bits // 8
+    return data + (C.SCALE_BIAS_BYTES if data_type.is_integer else 0)
+
+
+def row_bytes(num_cols: int, data_type: DataType, row_alignment: int) -> int:
+    """Bytes of one stored row as the TBE lays it out (``rounded_row_size_in_bytes``)."""
+    return _round_up(unpadded_row_bytes(num_cols, data_type), row_alignment)
+
+
+def weight_bytes(num_rows: int, num_cols: int, data_type: DataType, row_alignment: int) -> int:
+    """Bytes the TBE allocates for one table (or shard) of ``num_rows`` rows: 128-byte aligned."""
+    return _round_up(num_rows * row_bytes(num_cols, data_type, row_alignment), C.TABLE_ALIGNMENT)
+
+
+def _row_fraction(ctx: ShardContext) -> float:
+    """Share of the table's ids this shard receives (uniform ids assumed)."""
+    if ctx.sharding_type in (ShardingType.ROW_WISE, ShardingType.TABLE_ROW_WISE):
+        return ctx.num_rows / ctx.table.num_embeddings
+    return 1.0
+
+
+def _ids(ctx: ShardContext) -> float:
+    return ctx.batch_size * ctx.pooling_factor * _row_fraction(ctx)
+
+
+def io_bytes(ctx: ShardContext) -> int:
+    """Input (ids + offsets) and output (pooled fp32) buffers of one batch on the shard's device."""
+    num_features = len(ctx.table.feature_names)
+    ids = int(_ids(ctx) + 0.5) * INDEX_BYTES
+    offsets = (ctx.batch_size * num_features + 1) * INDEX_BYTES
+    outputs = ctx.batch_size * ctx.num_cols * num_features * OUTPUT_BYTES
+    return ids + offsets + outputs
+
+
+class InferenceStorageEstimator:
+    """Bytes of a shard: quantized rows as the kernel stores them (``is_inference=True``), or the
+    training footprint (fp32 weights, rowwise optimizer state, gradients) with ``is_inference=False``."""
+
+    def __init__(self, is_inference: bool = True) -> None:
+        self.is_inference = is_inference
+
+    def storage(self, ctx: ShardContext) -> Storage:
+        if self.is_inference:
+            weights = weight_bytes(ctx.num_rows, ctx.num_cols, ctx.data_type, ctx.topology.row_alignment)
+            extra = 0
+        else:
+            weights = weight_bytes(ctx.num_rows, ctx.num_cols, DataType.FP32, ctx.topology.row_alignment)
+            optimizer = _round_up(ctx.num_rows * C.TRAINING_OPTIMIZER_BYTES_PER_ROW, C.TABLE_ALIGNMENT)
+            num_features = len(ctx.table.feature_names)
+            output_grad = ctx.batch_size * ctx.num_cols * num_features * OUTPUT_BYTES
+            sparse_grad = int(_ids(ctx)) * ctx.num_cols * OUTPUT_BYTES
+            extra = optimizer + output_grad + sparse_grad
+        io = io_bytes(ctx) + extra
+        if ctx.placement == Placement.DEVICE:
+            return Storage(device=weights + io, host=0)
+        if ctx.placement == Placement.HOST:
+            return Storage(device=io, host=weights)
+        cache = _round_up(int(weights * ctx.constraints.cache_load_factor), C.TABLE_ALIGNMENT)
+        return Storage(device=io + cache, host=weights)
+
+
+class InferencePerfEstimator:
+    """Seconds per batch of a shard on its device: forward only (``is_inference=True``), or forward,
+    backward and optimizer update (``is_inference=False``)."""
+
+    def __init__(self, is_inference: bool = True, cache_hit_rate: float = C.DEFAULT_CACHE_HIT_RATE) -> None:
+        self.is_inference = is_inference
+        self.cache_hit_rate = cache_hit_rate
+
+    def _lookup_bandwidth(self, ctx: ShardContext) -> float:
+        topo = ctx.topology
+        if ctx.placement == Placement.DEVICE or not topo.is_cuda:
+            return topo.hbm_bandwidth
+        if ctx.placement == Placement.HOST:
+            return topo.host_to_device_bandwidth
+        # harmonic mix: hits read device memory, misses cross to the host
+        hit = self.cache_hit_rate
+        return 1.0 / (hit / topo.hbm_bandwidth + (1.0 - hit) / topo.host_to_device_bandwidth)
+
+    def cost(self, ctx: ShardContext) -> float:
+        topo = ctx.topology
+        granularity = C.CUDA_READ_GRANULARITY if topo.is_cuda else C.CPU_READ_GRANULARITY
+        data_type = ctx.data_type if self.is_inference else DataType.FP32
+        bytes_per_row = _round_up(unpadded_row_bytes(ctx.num_cols, data_type), granularity)
+        ids = _ids(ctx)
+        lookup = ids * bytes_per_row / self._lookup_bandwidth(ctx)
+        input_bw = topo.host_to_device_bandwidth if topo.is_cuda else topo.intra_host_bandwidth
+        input_dist = ids * INDEX_BYTES / input_bw
+        num_features = len(ctx.table.feature_names)
+        output = ctx.batch_size * ctx.num_cols * num_features * OUTPUT_BYTES
+        output_dist = output / topo.intra_host_bandwidth
+        reduction = 0.0
+        if ctx.sharding_type in (ShardingType.ROW_WISE, ShardingType.TABLE_ROW_WISE) and ctx.num_shards > 1:
+            reduction = output / topo.hbm_bandwidth
+        forward = lookup + input_dist + output_dist + reduction
+        if self.is_inference:
+            return forward
+        # backward: gradients back to the shard, then read-modify-write of every touched fp32 row
+        # plus its optimizer state
+        grad_dist = output / topo.intra_host_bandwidth
+        update = ids * (2 * bytes_per_row + 2 * C.TRAINING_OPTIMIZER_BYTES_PER_ROW) / self._lookup_bandwidth(ctx)
+        return forward + grad_dist + update

@@ -1,0 +1,527 @@
+"""Value types and stage interfaces of the inference planner.
+
+Everything here is frozen: stages return new values instead of mutating options, so a plan can be
+compared, hashed, written to JSON and read back. Stage interfaces are ``Protocol``s; the planner
+takes instances, and the defaults live beside each role (enumerators.py, shard_estimators.py, ...).
+"""
+
+from __future__ import annotations
+
+import enum
+import json
+import os
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import Any, Protocol
+
+from infer.config import DataType, ModelSpec, TableConfig
+from infer.errors import PlanError, PlanErrorKind
+from infer.planner import constants as C
+
+
+class ShardingType(enum.Enum):
+    TABLE_WISE = "table_wise"  # the whole table on one device
+    ROW_WISE = "row_wise"  # even row blocks over k devices; partial sums reduced
+    COLUMN_WISE = "column_wise"  # column slices over k devices; slices concatenated
+    TABLE_ROW_WISE = "table_row_wise"  # row blocks over the devices of one host
+    REPLICATED = "replicated"  # a full copy on every device; the batch is split
+
+
+class Placement(enum.Enum):
+    DEVICE = "device"  # device memory (HBM; a CPU shard's share of DDR)
+    HOST = "host"  # host memory read by the device (UVM)
+    HOST_CACHED = "host_cached"  # host memory with a device-memory cache
+
+
+class ComputeDevice(enum.Enum):
+    CPU = "cpu"
+    CUDA = "cuda"
+
+
+def parse_bytes(value: str | int | float) -> int:
+    """``"80GB"``, ``"512MiB"``, ``"1.5TB"`` or a number of bytes -> bytes (binary units)."""
+    if isinstance(value, (int, float)) and not isinstance(value, bool):
+        if value < 0:
+            raise PlanError(f"memory size {value} is negative", PlanErrorKind.INVALID_TOPOLOGY)
+        return int(value)
+    text = str(value).strip().upper().replace(" ", "")
+    units = {"TIB": 1024**4, "TB": 1024**4, "GIB": C.GB, "GB": C.GB, "MIB": C.MB, "MB": C.MB, "KIB": 1024, "KB": 1024}
+    for unit, scale in units.items():
+        if text.endswith(unit):
+            try:
+                return int(float(text[: -len(unit)]) * scale)
+            except ValueError:
+                break
+    try:
+        return int(text.rstrip("B"))
+    except ValueError:
+        raise PlanError(
+            f"cannot read memory size {value!r}; write e.g. 80GB, 512MB or a byte count", PlanErrorKind.INVALID_TOPOLOGY
+        ) from None
+
+
+@dataclass(frozen=True)
+class Topology:
+    """The devices of one serving host: how many, what memory, what bandwidths."""
+
+    world_size: int
+    compute_device: ComputeDevice = ComputeDevice.CUDA
+    device_memory: tuple[int, ...] = ()  # per device; () -> the kind's default for every device
+    host_memory: int = 0  # host DDR available to HOST/HOST_CACHED placements; 0 -> default
+    local_world_size: int = 0  # devices per host; 0 -> world_size (one host)
+    hbm_bandwidth: float = 0.0  # device memory read bandwidth; 0 -> default
+    ddr_bandwidth: float = 0.0
+    host_to_device_bandwidth: float = 0.0
+    intra_host_bandwidth: float = 0.0
+
+    def __post_init__(self) -> None:
+        if isinstance(self.world_size, bool) or not isinstance(self.world_size, int) or self.world_size < 1:
+            raise PlanError(f"world_size must be a positive int, got {self.world_size!r}", PlanErrorKind.INVALID_TOPOLOGY)
+        device = ComputeDevice(self.compute_device) if not isinstance(self.compute_device, ComputeDevice) else self.compute_device
+        object.__setattr__(self, "compute_device", device)
+        cuda = device == ComputeDevice.CUDA
+        memory = tuple(int(m) for m in self.device_memory)
+        if not memory:
+            default = C.CUDA_DEVICE_MEMORY if cuda else C.CPU_HOST_MEMORY // self.world_size
+            memory = (default,) * self.world_size
+        elif len(memory) == 1:
+            memory = memory * self.world_size
+        if len(memory) != self.world_size or any(m < 0 for m in memory):
+            raise PlanError(
+                f"device_memory needs one non-negative size per device ({self.world_size}), got {len(memory)}",
+                PlanErrorKind.INVALID_TOPOLOGY,
+            )
+        object.__setattr__(self, "device_memory", memory)
+        defaults = {
+            "host_memory": C.CUDA_HOST_MEMORY if cuda else 0,
+            "local_world_size": self.world_size,
+            "hbm_bandwidth": C.CUDA_HBM_BANDWIDTH if cuda else C.CPU_DDR_BANDWIDTH_PER_CORE,
+            "ddr_bandwidth": C.CUDA_DDR_BANDWIDTH if cuda else C.CPU_DDR_BANDWIDTH_PER_CORE,
+            "host_to_device_bandwidth": C.CUDA_HOST_TO_DEVICE_BANDWIDTH if cuda else C.CPU_INTRA_HOST_BANDWIDTH,
+            "intra_host_bandwidth": C.CUDA_INTRA_HOST_BANDWIDTH if cuda else C.CPU_INTRA_HOST_BANDWIDTH,
+        }
+        for name, default in defaults.items():
+            value = getattr(self, name)
+            if value < 0:
+                raise PlanError(f"topology {name} must be >= 0, got {value}", PlanErrorKind.INVALID_TOPOLOGY)
+            if not value:
+                object.__setattr__(self, name, type(default)(default))
+        if self.world_size % self.local_world_size != 0:
+            raise PlanError(
+                f"world_size {self.world_size} is not a multiple of local_world_size {self.local_world_size}",
+                PlanErrorKind.INVALID_TOPOLOGY,
+            )
+
+    @property
+    def is_cuda(self) -> bool:
+        return self.compute_device == ComputeDevice.CUDA
+
+    @property
+    def row_alignment(self) -> int:
+        return C.CUDA_ROW_ALIGNMENT if self.is_cuda else C.CPU_ROW_ALIGNMENT
+
+    def device_name(self, rank: int) -> str:
+        return f"cuda:{rank % self.local_world_size}" if self.is_cuda else f"cpu:{rank}"
+
+    def with_device_memory(self, memory: Sequence[int]) -> Topology:
+        data = self.to_dict()
+        data["device_memory"] = list(memory)
+        return Topology.from_dict(data)
+
+    @classmethod
+    def detect(cls, world_size: int | None = None) -> Topology:
+        """The current host: every CUDA device when present, else one CPU shard per core."""
+        import torch
+
+        if torch.cuda.is_available():
+            count = torch.cuda.device_count()
+            memory = tuple(torch.cuda.get_device_properties(i).total_memory for i in range(count))
+            size = world_size or count
+            return cls(size, ComputeDevice.CUDA, (memory * size)[:size], host_memory=_host_memory_bytes())
+        size = world_size or (os.cpu_count() or 1)
+        return cls(size, ComputeDevice.CPU, (_host_memory_bytes() // size,) * size)
+
+    def to_dict(self) -> dict[str, Any]:
+        return {
+            "world_size": self.world_size,
+            "compute_device": self.compute_device.value,
+            "device_memory": list(self.device_memory),
+            "host_memory": self.host_memory,
+            "local_world_size": self.local_world_size,
+            "hbm_bandwidth": self.hbm_bandwidth,
+            "ddr_bandwidth": self.ddr_bandwidth,
+            "host_to_device_bandwidth": self.host_to_device_bandwidth,
+            "intra_host_bandwidth": self.intra_host_bandwidth,
+        }
+
+    @classmethod
+    def from_dict(cls, data: Mapping[str, Any]) -> Topology:
+        values = dict(data)
+        values["compute_device"] = ComputeDevice(values.get("compute_device", "cuda"))
+        values["device_memory"] = tuple(values.get("device_memory", ()))
+        return cls(**values)
+
+
+def _host_memory_bytes() -> int:
+    try:
+        with open("/proc/meminfo") as handle:
+            for line in handle:
+                if line.startswith("MemTotal:"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    return C.CPU_HOST_MEMORY
+
+
+@dataclass(frozen=True)
+class ParameterConstraints:
+    """What the planner may do with one table, and what its traffic looks like."""
+
+    sharding_types: tuple[ShardingType, ...] = tuple(ShardingType)
+    placements: tuple[Placement, ...] = (Placement.DEVICE, Placement.HOST, Placement.HOST_CACHED)
+    pooling_factors: tuple[float, ...] = (C.DEFAULT_POOLING_FACTOR,)  # mean ids per bag, per feature
+    batch_size: int | None = None  # None -> the planner's batch size
+    min_shards: int = 1
+    max_shards: int | None = None
+    data_type: DataType | None = None  # None -> the table's data_type
+    cache_load_factor: float = C.DEFAULT_CACHE_LOAD_FACTOR
+    min_column_shard: int = C.DEFAULT_MIN_COLUMN_SHARD
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "sharding_types", tuple(ShardingType(s) for s in self.sharding_types))
+        object.__setattr__(self, "placements", tuple(Placement(p) for p in self.placements))
+        object.__setattr__(self, "pooling_factors", tuple(float(p) for p in self.pooling_factors))
+        if self.data_type is not None:
+            object.__setattr__(self, "data_type", DataType.parse(self.data_type))
+        problems = []
+        if not self.sharding_types:
+            problems.append("sharding_types is empty")
+        if not self.placements:
+            problems.append("placements is empty")
+        if not self.pooling_factors or any(p < 0 for p in self.pooling_factors):
+            problems.append("pooling_factors must be non-negative, one per feature")
+        if self.batch_size is not None and self.batch_size < 1:
+            problems.append(f"batch_size {self.batch_size} < 1")
+        if self.min_shards < 1 or (self.max_shards is not None and self.max_shards < self.min_shards):
+            problems.append(f"shard counts min={self.min_shards} max={self.max_shards} are inconsistent")
+        if not 0 < self.cache_load_factor <= 1:
+            problems.append(f"cache_load_factor {self.cache_load_factor} is not in (0, 1]")
+        if self.min_column_shard < 4 or self.min_column_shard % 4:
+            problems.append(f"min_column_shard {self.min_column_shard} must be a positive multiple of 4")
+        if problems:
+            raise PlanError("invalid constraints: " + "; ".join(problems), PlanErrorKind.INVALID_CONSTRAINT)
+
+    def pooling_factor(self, table: TableConfig) -> float:
+        """Expected ids per example over all of the table's features."""
+        factors = self.pooling_factors
+        if len(factors) == 1:
+            return factors[0] * len(table.feature_names)
+        if len(factors) != len(table.feature_names):
+            raise PlanError(
+                f"table {table.name!r}: {len(factors)} pooling factors for {len(table.feature_names)} features",
+                PlanErrorKind.INVALID_CONSTRAINT,
+            )
+        return sum(factors)
+
+    def to_dict(self) -> dict[str, Any]:
+        return {
+            "sharding_types": [s.value for s in self.sharding_types],
+            "placements": [p.value for p in self.placements],
+            "pooling_factors": list(self.pooling_factors),
+            "batch_size": self.batch_size,
+            "min_shards": self.min_shards,
+            "max_shards": self.max_shards,
+            "data_type": self.data_type.value if self.data_type else None,
+            "cache_load_factor": self.cache_load_factor,
+            "min_column_shard": self.min_column_shard,
+        }
+
+    @classmethod
+    def from_dict(cls, data: Mapping[str, Any], table: str = "?") -> ParameterConstraints:
+        known = set(cls.__dataclass_fields__)
+        unknown = set(data) - known
+        if unknown:
+            raise PlanError(
+                f"constraints for table {table!r}: unknown keys {sorted(unknown)}; known keys are {sorted(known)}",
+                PlanErrorKind.INVALID_CONSTRAINT,
+            )
+        try:
+            return cls(**dict(data))
+        except (ValueError, TypeError) as err:
+            raise PlanError(f"constraints for table {table!r}: {err}", PlanErrorKind.INVALID_CONSTRAINT) from None
+
+
+def load_constraints(path: str | os.PathLike[str], spec: ModelSpec) -> dict[str, ParameterConstraints]:
+    """Read ``{table_name: {constraint: value}}`` JSON; unknown table names are an error."""
+    try:
+        with open(path) as handle:
+            data = json.load(handle)
+    except (OSError, json.JSONDecodeError) as err:
+        raise PlanError(f"cannot read constraints {str(path)!r}: {err}", PlanErrorKind.INVALID_CONSTRAINT) from None
+    if not isinstance(data, dict):
+        raise PlanError("a constraints file is a JSON object {table_name: {...}}", PlanErrorKind.INVALID_CONSTRAINT)
+    names = {t.name for t in spec.tables}
+    unknown = sorted(set(data) - names)
+    if unknown:
+        raise PlanError(
+            f"constraints name unknown table(s) {unknown}; the spec has {sorted(names)}", PlanErrorKind.INVALID_CONSTRAINT
+        )
+    return {name: ParameterConstraints.from_dict(value, name) for name, value in data.items()}
+
+
+@dataclass(frozen=True)
+class Storage:
+    """Bytes a shard needs in device memory and in host memory."""
+
+    device: int = 0
+    host: int = 0
+
+    def __add__(self, other: Storage) -> Storage:
+        return Storage(self.device + other.device, self.host + other.host)
+
+
+@dataclass(frozen=True)
+class ShardSpec:
+    """One shard of a sharding option, before it is given a device."""
+
+    row_offset: int
+    num_rows: int
+    col_offset: int
+    num_cols: int
+    storage: Storage
+    cost: float  # estimated seconds per batch on its device
+
+
+@dataclass(frozen=True)
+class ShardingOption:
+    """One way to shard one table: the type, the placement and every shard's size, storage and cost."""
+
+    table: str
+    sharding_type: ShardingType
+    placement: Placement
+    data_type: DataType
+    shards: tuple[ShardSpec, ...]
+
+    @property
+    def num_shards(self) -> int:
+        return len(self.shards)
+
+    @property
+    def total_cost(self) -> float:
+        return sum(s.cost for s in self.shards)
+
+    @property
+    def max_shard_cost(self) -> float:
+        return max(s.cost for s in self.shards)
+
+    @property
+    def total_storage(self) -> Storage:
+        total = Storage()
+        for shard in self.shards:
+            total = total + shard.storage
+        return total
+
+
+# One option per table, in the spec's table order.
+Proposal = tuple[ShardingOption, ...]
+
+
+@dataclass(frozen=True)
+class ShardContext:
+    """Everything an estimator needs to price one shard."""
+
+    table: TableConfig
+    data_type: DataType
+    constraints: ParameterConstraints
+    topology: Topology
+    sharding_type: ShardingType
+    placement: Placement
+    num_rows: int
+    num_cols: int
+    num_shards: int  # shards of this option (row blocks, column slices or replicas)
+    batch_size: int  # examples this shard serves (a replica serves its share of the batch)
+    pooling_factor: float  # ids per example over the table's features
+
+
+@dataclass(frozen=True)
+class PartitionResult:
+    """A proposal placed on devices: which devices each option's shards went to, and the loads."""
+
+    proposal: Proposal
+    devices: tuple[tuple[int, ...], ...]  # per option, the device of each shard
+    device_costs: tuple[float, ...]
+    device_storage: tuple[Storage, ...]
+
+    @property
+    def bottleneck(self) -> float:
+        return max(self.device_costs)
+
+
+@dataclass(frozen=True)
+class Shard:
+    """A placed shard of a plan."""
+
+    device: int
+    row_offset: int
+    num_rows: int
+    col_offset: int
+    num_cols: int
+    device_bytes: int
+    host_bytes: int
+    cost: float
+
+
+@dataclass(frozen=True)
+class TablePlan:
+    table: str
+    sharding_type: ShardingType
+    placement: Placement
+    data_type: DataType
+    shards: tuple[Shard, ...]
+
+
+@dataclass(frozen=True)
+class ShardingPlan:
+    """Where every table goes. Same inputs give the same plan; JSON round-trips exactly."""
+
+    tables: tuple[TablePlan, ...]
+    topology: Topology
+    batch_size: int
+    bottleneck_cost: float
+    lower_bound: float
+    is_inference: bool = True
+    planner: Mapping[str, Any] = field(default_factory=dict, compare=False)
+
+    def table(self, name: str) -> TablePlan:
+        for plan in self.tables:
+            if plan.table == name:
+                return plan
+        raise PlanError(f"the plan has no table {name!r}", PlanErrorKind.INVALID_PLAN)
+
+    def device_costs(self) -> list[float]:
+        costs = [0.0] * self.topology.world_size
+        for plan in self.tables:
+            for shard in plan.shards:
+                costs[shard.device] += shard.cost
+        return costs
+
+    def device_storage(self) -> list[Storage]:
+        storage = [Storage()] * self.topology.world_size
+        for plan in self.tables:
+            for shard in plan.shards:
+                storage[shard.device] = storage[shard.device] + Storage(shard.device_bytes, shard.host_bytes)
+        return storage
+
+    def to_dict(self) -> dict[str, Any]:
+        return {
+            "format": "embserve-plan",
+            "version": 1,
+            "is_inference": self.is_inference,
+            "batch_size": self.batch_size,
+            "bottleneck_cost": self.bottleneck_cost,
+            "lower_bound": self.lower_bound,
+            "topology": self.topology.to_dict(),
+            "planner": dict(self.planner),
+            "tables": [
+                {
+                    "table": t.table,
+                    "sharding_type": t.sharding_type.value,
+                    "placement": t.placement.value,
+                    "data_type": t.data_type.value,
+                    "shards": [
+                        {
+                            "device": s.device,
+                            "row_offset": s.row_offset,
+                            "num_rows": s.num_rows,
+                            "col_offset": s.col_offset,
+                            "num_cols": s.num_cols,
+                            "device_bytes": s.device_bytes,
+                            "host_bytes": s.host_bytes,
+                            "cost": s.cost,
+                        }
+                        for s in t.shards
+                    ],
+                }
+                for t in self.tables
+            ],
+        }
+
+    def to_json(self) -> str:
+        return json.dumps(self.to_dict(), indent=2) + "\n"
+
+    @classmethod
+    def from_dict(cls, data: Mapping[str, Any]) -> ShardingPlan:
+        try:
+            if data.get("format") != "embserve-plan" or data.get("version") != 1:
+                raise PlanError("not an embserve plan (format 'embserve-plan', version 1)", PlanErrorKind.INVALID_PLAN)
+            tables = tuple(
+                TablePlan(
+                    t["table"],
+                    ShardingType(t["sharding_type"]),
+                    Placement(t["placement"]),
+                    DataType(t["data_type"]),
+                    tuple(Shard(**s) for s in t["shards"]),
+                )
+                for t in data["tables"]
+            )
+            return cls(
+                tables,
+                Topology.from_dict(data["topology"]),
+                int(data["batch_size"]),
+                float(data["bottleneck_cost"]),
+                float(data["lower_bound"]),
+                bool(data["is_inference"]),
+                dict(data.get("planner", {})),
+            )
+        except PlanError:
+            raise
+        except (KeyError, TypeError, ValueError) as err:
+            raise PlanError(f"malformed plan: {type(err).__name__}: {err}", PlanErrorKind.INVALID_PLAN) from None
+
+    @classmethod
+    def from_json(cls, text: str) -> ShardingPlan:
+        try:
+            return cls.from_dict(json.loads(text))
+        except json.JSONDecodeError as err:
+            raise PlanError(f"plan is not valid JSON: {err}", PlanErrorKind.INVALID_PLAN) from None
+
+
+# ---------------------------------------------------------------------------- stage interfaces
+class StorageEstimator(Protocol):
+    def storage(self, ctx: ShardContext) -> Storage: ...
+
+
+class PerfEstimator(Protocol):
+    def cost(self, ctx: ShardContext) -> float: ...
+
+
+class Enumerator(Protocol):
+    def enumerate(
+        self, spec: ModelSpec, topology: Topology, constraints: Mapping[str, ParameterConstraints]
+    ) -> dict[str, list[ShardingOption]]:
+        """Every allowed option per table name, with storage and cost filled in."""
+        ...
+
+
+class StorageReservation(Protocol):
+    def reserve(self, topology: Topology, spec: ModelSpec) -> Topology:
+        """The topology with the memory the plan may use (caps reduced by what is held back)."""
+        ...
+
+
+class Proposer(Protocol):
+    def load(self, options: Mapping[str, Sequence[ShardingOption]], topology: Topology) -> None: ...
+
+    def propose(self) -> Proposal | None:
+        """The next proposal to try, or None when this proposer has nothing more."""
+        ...
+
+    def feedback(self, proposal: Proposal, result: PartitionResult | None) -> None:
+        """How the last proposal partitioned (None: it did not fit)."""
+        ...
+
+
+class Partitioner(Protocol):
+    def partition(self, proposal: Proposal, topology: Topology) -> PartitionResult:
+        """Place every shard on a device; raise PlanError(INSUFFICIENT_MEMORY) when it cannot fit."""
+        ...
