@@ -138,6 +138,33 @@ def cmd_run(args: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_plan(args: argparse.Namespace) -> int:
+    from infer.config import ModelSpec
+    from infer.demo import demo_spec
+    from infer.planner.planner import EmbeddingPlanner
+    from infer.planner.stats import format_stats, plot_plan
+    from infer.planner.types import ComputeDevice, Topology, load_constraints, parse_bytes
+
+    spec = demo_spec() if args.spec == "demo" else ModelSpec.load(args.spec)
+    spec = spec.with_data_types(args.dtype, _parse_table_dtypes(args.table_dtype))
+    topology = Topology(
+        args.world_size,
+        ComputeDevice(args.compute_device),
+        (parse_bytes(args.device_memory),) if args.device_memory else (),
+        host_memory=parse_bytes(args.host_memory) if args.host_memory else 0,
+    )
+    constraints = load_constraints(args.constraints, spec) if args.constraints else {}
+    plan = EmbeddingPlanner(topology, args.batch_size).plan(spec, constraints)
+    print(format_stats(plan))
+    out = Path(args.out)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(plan.to_json())
+    print(f"\nwrote {out}")
+    if args.plot:
+        print(f"wrote {plot_plan(plan, args.plot)}")
+    return 0
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="embserve", description="Quantize, export and serve embedding tables.")
     parser.add_argument("-v", "--verbose", action="store_true", help="debug logging")
@@ -161,6 +188,20 @@ def build_parser() -> argparse.ArgumentParser:
     ins.add_argument("artifact")
     ins.add_argument("--json", action="store_true", help="print the raw manifest JSON")
     ins.set_defaults(func=cmd_inspect)
+
+    plan = sub.add_parser("plan", help="plan table placement on the devices of one host")
+    plan.add_argument("--spec", required=True, help="model spec JSON, or 'demo' for the built-in demo model")
+    plan.add_argument("--world-size", type=int, required=True, help="number of devices")
+    plan.add_argument("--device-memory", default=None, help="memory per device, e.g. 80GB (default: per kind)")
+    plan.add_argument("--host-memory", default=None, help="host memory for UVM placements, e.g. 1TB")
+    plan.add_argument("--compute-device", choices=["cuda", "cpu"], default="cuda")
+    plan.add_argument("--batch-size", type=int, default=512)
+    plan.add_argument("--constraints", default=None, help="JSON {table_name: {constraint: value}}")
+    plan.add_argument("--dtype", default=None, help="data type for every table")
+    plan.add_argument("--table-dtype", action="append", default=[], metavar="NAME=DTYPE")
+    plan.add_argument("--out", required=True, help="plan JSON to write")
+    plan.add_argument("--plot", default=None, help="PNG with per-device memory and cost bars")
+    plan.set_defaults(func=cmd_plan)
 
     run = sub.add_parser("run", help="load an artifact and time lookups on a random batch")
     run.add_argument("artifact")

@@ -8,7 +8,12 @@ from collections.abc import Mapping
 from infer.config import ModelSpec, TableConfig
 from infer.errors import PlanError, PlanErrorKind
 from infer.planner import constants as C
-from infer.planner.shard_estimators import InferencePerfEstimator, InferenceStorageEstimator
+from infer.planner.shard_estimators import (
+    InferencePerfEstimator,
+    InferenceStorageEstimator,
+    input_bytes,
+    output_bytes,
+)
 from infer.planner.types import (
     ParameterConstraints,
     PerfEstimator,
@@ -108,7 +113,9 @@ class EmbeddingEnumerator:
         unit = constraints.min_column_shard
         if ShardingType.COLUMN_WISE in allowed and dim % unit == 0:
             for k in _shard_counts(min(world, dim // unit), constraints):
-                layouts.append((ShardingType.COLUMN_WISE, [(0, rows, o, n) for o, n in even_blocks(dim, k, unit)], batch))
+                layouts.append(
+                    (ShardingType.COLUMN_WISE, [(0, rows, o, n) for o, n in even_blocks(dim, k, unit)], batch)
+                )
         if (
             ShardingType.REPLICATED in allowed
             and world >= max(2, constraints.min_shards)
@@ -131,9 +138,27 @@ class EmbeddingEnumerator:
                             num_rows, num_cols, len(blocks), shard_batch, pooling,
                         )  # fmt: skip
                         priced = ShardSpec(
-                            0, num_rows, 0, num_cols, self.storage_estimator.storage(ctx), self.perf_estimator.cost(ctx)
+                            0,
+                            num_rows,
+                            0,
+                            num_cols,
+                            self.storage_estimator.storage(ctx),
+                            self.perf_estimator.cost(ctx),
+                            input_bytes(ctx),
+                            output_bytes(ctx),
                         )
                         cache[(num_rows, num_cols)] = priced
-                    shards.append(ShardSpec(row_offset, num_rows, col_offset, num_cols, priced.storage, priced.cost))
+                    shards.append(
+                        ShardSpec(
+                            row_offset,
+                            num_rows,
+                            col_offset,
+                            num_cols,
+                            priced.storage,
+                            priced.cost,
+                            priced.input_bytes,
+                            priced.output_bytes,
+                        )  # fmt: skip
+                    )
                 options.append(ShardingOption(table.name, sharding_type, placement, data_type, tuple(shards)))
         return options

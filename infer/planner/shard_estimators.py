@@ -47,13 +47,20 @@ def _ids(ctx: ShardContext) -> float:
     return ctx.batch_size * ctx.pooling_factor * _row_fraction(ctx)
 
 
-def io_bytes(ctx: ShardContext) -> int:
-    """Input (ids + offsets) and output (pooled fp32) buffers of one batch on the shard's device."""
+def input_bytes(ctx: ShardContext) -> int:
+    """Ids and offsets of one batch shipped to the shard."""
     num_features = len(ctx.table.feature_names)
-    ids = int(_ids(ctx) + 0.5) * INDEX_BYTES
-    offsets = (ctx.batch_size * num_features + 1) * INDEX_BYTES
-    outputs = ctx.batch_size * ctx.num_cols * num_features * OUTPUT_BYTES
-    return ids + offsets + outputs
+    return int(_ids(ctx) + 0.5) * INDEX_BYTES + (ctx.batch_size * num_features + 1) * INDEX_BYTES
+
+
+def output_bytes(ctx: ShardContext) -> int:
+    """Pooled fp32 outputs of one batch shipped back from the shard."""
+    return ctx.batch_size * ctx.num_cols * len(ctx.table.feature_names) * OUTPUT_BYTES
+
+
+def io_bytes(ctx: ShardContext) -> int:
+    """Input and output buffers of one batch on the shard's device."""
+    return input_bytes(ctx) + output_bytes(ctx)
 
 
 class InferenceStorageEstimator:

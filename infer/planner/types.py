@@ -76,8 +76,14 @@ class Topology:
 
     def __post_init__(self) -> None:
         if isinstance(self.world_size, bool) or not isinstance(self.world_size, int) or self.world_size < 1:
-            raise PlanError(f"world_size must be a positive int, got {self.world_size!r}", PlanErrorKind.INVALID_TOPOLOGY)
-        device = ComputeDevice(self.compute_device) if not isinstance(self.compute_device, ComputeDevice) else self.compute_device
+            raise PlanError(
+                f"world_size must be a positive int, got {self.world_size!r}", PlanErrorKind.INVALID_TOPOLOGY
+            )
+        device = (
+            ComputeDevice(self.compute_device)
+            if not isinstance(self.compute_device, ComputeDevice)
+            else self.compute_device
+        )
         object.__setattr__(self, "compute_device", device)
         cuda = device == ComputeDevice.CUDA
         memory = tuple(int(m) for m in self.device_memory)
@@ -100,12 +106,12 @@ class Topology:
             "host_to_device_bandwidth": C.CUDA_HOST_TO_DEVICE_BANDWIDTH if cuda else C.CPU_INTRA_HOST_BANDWIDTH,
             "intra_host_bandwidth": C.CUDA_INTRA_HOST_BANDWIDTH if cuda else C.CPU_INTRA_HOST_BANDWIDTH,
         }
-        for name, default in defaults.items():
+        for name, fallback in defaults.items():
             value = getattr(self, name)
             if value < 0:
                 raise PlanError(f"topology {name} must be >= 0, got {value}", PlanErrorKind.INVALID_TOPOLOGY)
             if not value:
-                object.__setattr__(self, name, type(default)(default))
+                object.__setattr__(self, name, type(fallback)(fallback))
         if self.world_size % self.local_world_size != 0:
             raise PlanError(
                 f"world_size {self.world_size} is not a multiple of local_world_size {self.local_world_size}",
@@ -264,7 +270,8 @@ def load_constraints(path: str | os.PathLike[str], spec: ModelSpec) -> dict[str,
     unknown = sorted(set(data) - names)
     if unknown:
         raise PlanError(
-            f"constraints name unknown table(s) {unknown}; the spec has {sorted(names)}", PlanErrorKind.INVALID_CONSTRAINT
+            f"constraints name unknown table(s) {unknown}; the spec has {sorted(names)}",
+            PlanErrorKind.INVALID_CONSTRAINT,
         )
     return {name: ParameterConstraints.from_dict(value, name) for name, value in data.items()}
 
@@ -290,6 +297,8 @@ class ShardSpec:
     num_cols: int
     storage: Storage
     cost: float  # estimated seconds per batch on its device
+    input_bytes: int = 0  # ids + offsets shipped to the shard per batch
+    output_bytes: int = 0  # pooled fp32 outputs shipped back per batch
 
 
 @dataclass(frozen=True)
@@ -369,6 +378,8 @@ class Shard:
     device_bytes: int
     host_bytes: int
     cost: float
+    input_bytes: int = 0
+    output_bytes: int = 0
 
 
 @dataclass(frozen=True)
@@ -438,6 +449,8 @@ class ShardingPlan:
                             "device_bytes": s.device_bytes,
                             "host_bytes": s.host_bytes,
                             "cost": s.cost,
+                            "input_bytes": s.input_bytes,
+                            "output_bytes": s.output_bytes,
                         }
                         for s in t.shards
                     ],

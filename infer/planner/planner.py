@@ -1,0 +1,216 @@
+"""The inference planner: enumerate options, propose, partition, keep the best plan."""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Mapping, Sequence
+
+from infer.config import ModelSpec
+from infer.errors import PlanError, PlanErrorKind
+from infer.planner import constants as C
+from infer.planner.enumerators import EmbeddingEnumerator
+from infer.planner.partitioners import GreedyPartitioner, partition_lower_bound
+from infer.planner.proposers import DynamicProgrammingProposer, GreedyProposer, UniformProposer
+from infer.planner.shard_estimators import InferencePerfEstimator, InferenceStorageEstimator
+from infer.planner.storage_reservations import HeuristicalStorageReservation
+from infer.planner.types import (
+    Enumerator,
+    ParameterConstraints,
+    Partitioner,
+    PartitionResult,
+    Proposal,
+    Proposer,
+    Shard,
+    ShardingOption,
+    ShardingPlan,
+    StorageReservation,
+    TablePlan,
+    Topology,
+)
+
+logger = logging.getLogger(__name__)
+
+
+def global_lower_bound(options: Mapping[str, Sequence[ShardingOption]], world_size: int) -> float:
+    """No plan's bottleneck can be below this: every table costs at least its cheapest option in total,
+    spread perfectly, and at least its smallest achievable largest shard on one device."""
+    total = sum(min(o.total_cost for o in opts) for opts in options.values())
+    largest = max(min(o.max_shard_cost for o in opts) for opts in options.values())
+    return max(total / world_size, largest)
+
+
+def _device_bytes(option: ShardingOption) -> int:
+    return option.total_storage.device
+
+
+class EmbeddingPlanner:
+    """Plans tables onto the devices of one host for inference (``is_inference=False``: training estimates).
+
+    Stages are injected; the defaults are the enumerator with inference estimators, a 15 % reservation,
+    the greedy, uniform and dynamic-programming proposers and the greedy partitioner.
+    """
+
+    def __init__(
+        self,
+        topology: Topology,
+        batch_size: int = C.DEFAULT_BATCH_SIZE,
+        *,
+        is_inference: bool = True,
+        enumerator: Enumerator | None = None,
+        storage_reservation: StorageReservation | None = None,
+        proposers: Sequence[Proposer] | None = None,
+        partitioner: Partitioner | None = None,
+    ) -> None:
+        self.topology = topology
+        self.batch_size = batch_size
+        self.is_inference = is_inference
+        self.enumerator = enumerator or EmbeddingEnumerator(
+            batch_size, InferenceStorageEstimator(is_inference), InferencePerfEstimator(is_inference)
+        )
+        self.storage_reservation = storage_reservation or HeuristicalStorageReservation(batch_size=batch_size)
+        defaults: list[Proposer] = [GreedyProposer(), UniformProposer(), DynamicProgrammingProposer()]
+        self.proposers: list[Proposer] = list(proposers) if proposers is not None else defaults
+        self.partitioner = partitioner or GreedyPartitioner()
+
+    def plan(self, spec: ModelSpec, constraints: Mapping[str, ParameterConstraints] | None = None) -> ShardingPlan:
+        started = time.monotonic()
+        topology = self.storage_reservation.reserve(self.topology, spec)
+        options = self.enumerator.enumerate(spec, topology, constraints or {})
+        names = [t.name for t in spec.tables]
+        ordered = {name: options[name] for name in names}
+        best: PartitionResult | None = None
+        best_source = ""
+        evaluated = 0
+        for proposer in self.proposers:
+            proposer.load(ordered, topology)
+            while (proposal := proposer.propose()) is not None:
+                result = self._try(proposal, topology)
+                evaluated += 1
+                proposer.feedback(proposal, result)
+                if result is not None and (best is None or _better(result, best)):
+                    best, best_source = result, type(proposer).__name__
+        if best is None:
+            best = self._host_fallback(ordered, topology)
+            best_source = "host_fallback"
+            evaluated += 1
+        lower_bound = global_lower_bound(ordered, topology.world_size)
+        seconds = time.monotonic() - started
+        logger.info(
+            "planned %d tables on %d devices in %.2fs: bottleneck %.3g s, lower bound %.3g s (%s, %d proposals)",
+            len(names), topology.world_size, seconds, best.bottleneck, lower_bound, best_source, evaluated,
+        )  # fmt: skip
+        return self._to_plan(best, topology, lower_bound, best_source, evaluated, seconds)
+
+    def _try(self, proposal: Proposal, topology: Topology) -> PartitionResult | None:
+        try:
+            return self.partitioner.partition(proposal, topology)
+        except PlanError as err:
+            if err.kind == PlanErrorKind.INSUFFICIENT_MEMORY:
+                return None
+            raise
+
+    def _host_fallback(self, options: Mapping[str, Sequence[ShardingOption]], topology: Topology) -> PartitionResult:
+        """Move the largest tables to their least-device-memory option (host memory on CUDA) until the plan fits."""
+        cheapest = {
+            n: min(opts, key=lambda o: (o.total_cost, _device_bytes(o), o.num_shards)) for n, opts in options.items()
+        }
+        leanest = {n: min(opts, key=lambda o: (_device_bytes(o), o.total_cost)) for n, opts in options.items()}
+        by_size = sorted(options, key=lambda n: (-_device_bytes(cheapest[n]), n))
+        names = list(options)
+
+        def attempt(moved: int) -> PartitionResult | None:
+            chosen = set(by_size[:moved])
+            proposal = tuple(leanest[n] if n in chosen else cheapest[n] for n in names)
+            return self._try(proposal, topology)
+
+        everything = attempt(len(names))
+        if everything is None:
+            raise PlanError(self._insufficient_memory_message(leanest, topology), PlanErrorKind.INSUFFICIENT_MEMORY)
+        low, high, result = 0, len(names), everything  # fewest tables moved that still fits
+        while low < high:
+            middle = (low + high) // 2
+            found = attempt(middle)
+            if found is not None:
+                high, result = middle, found
+            else:
+                low = middle + 1
+        logger.warning("device memory is short: %d largest table(s) placed in host memory", high)
+        return result
+
+    def _insufficient_memory_message(self, leanest: Mapping[str, ShardingOption], topology: Topology) -> str:
+        need_device = sum(_device_bytes(o) for o in leanest.values())
+        need_host = sum(o.total_storage.host for o in leanest.values())
+        largest = max(leanest.values(), key=lambda o: max(s.storage.device for s in o.shards))
+        largest_shard = max(s.storage.device for s in largest.shards)
+        per_device = ", ".join(f"device {d}: {m / C.GB:.2f} GB" for d, m in enumerate(topology.device_memory))
+        host = f"; host memory needed {need_host / C.GB:.2f} GB, available {topology.host_memory / C.GB:.2f} GB"
+        return (
+            f"the tables do not fit: even in their leanest placement they need {need_device / C.GB:.2f} GB of device "
+            f"memory ({need_device / topology.world_size / C.GB:.2f} GB per device; largest shard: table "
+            f"{largest.table!r}, {largest_shard / C.GB:.2f} GB) "
+            f"and devices have (after reservation) {per_device}{host if need_host else ''}. "
+            "Add devices, give them more memory, or use a smaller data type (--dtype int4)"
+        )
+
+    def _to_plan(
+        self,
+        result: PartitionResult,
+        reserved: Topology,
+        lower_bound: float,
+        source: str,
+        evaluated: int,
+        seconds: float,
+    ) -> ShardingPlan:
+        tables = []
+        for option, devices in zip(result.proposal, result.devices):
+            shards = tuple(
+                Shard(
+                    device,
+                    s.row_offset,
+                    s.num_rows,
+                    s.col_offset,
+                    s.num_cols,
+                    s.storage.device,
+                    s.storage.host,
+                    s.cost,
+                    s.input_bytes,
+                    s.output_bytes,
+                )  # fmt: skip
+                for s, device in zip(option.shards, devices)
+            )
+            tables.append(TablePlan(option.table, option.sharding_type, option.placement, option.data_type, shards))
+        return ShardingPlan(
+            tuple(tables),
+            self.topology,
+            self.batch_size,
+            result.bottleneck,
+            lower_bound,
+            self.is_inference,
+            {
+                "proposer": source,
+                "proposals_evaluated": evaluated,
+                "seconds": round(seconds, 4),
+                "partition_lower_bound": partition_lower_bound(result.proposal, reserved.world_size),
+                "usable_device_memory": list(reserved.device_memory),
+            },
+        )
+
+
+def _better(candidate: PartitionResult, best: PartitionResult) -> bool:
+    """Lower bottleneck wins; near-ties (0.1 %) go to less device memory, for headroom."""
+    if candidate.bottleneck < best.bottleneck * (1 - 1e-3):
+        return True
+    if candidate.bottleneck > best.bottleneck * (1 + 1e-3):
+        return False
+    return sum(s.device for s in candidate.device_storage) < sum(s.device for s in best.device_storage)
+
+
+def plan_for_inference(
+    spec: ModelSpec,
+    topology: Topology,
+    constraints: Mapping[str, ParameterConstraints] | None = None,
+    batch_size: int = C.DEFAULT_BATCH_SIZE,
+) -> ShardingPlan:
+    """Plan ``spec`` onto ``topology`` with the default stages."""
+    return EmbeddingPlanner(topology, batch_size).plan(spec, constraints)

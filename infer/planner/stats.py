@@ -1,0 +1,102 @@
+"""Planner statistics: per-device and per-table tables (like TorchRec's), and a bar plot."""
+
+from __future__ import annotations
+
+from collections import Counter
+from pathlib import Path
+
+from infer.planner import constants as C
+from infer.planner.types import ShardingPlan, ShardingType
+
+_SHORT = {
+    ShardingType.TABLE_WISE: "TW",
+    ShardingType.ROW_WISE: "RW",
+    ShardingType.COLUMN_WISE: "CW",
+    ShardingType.TABLE_ROW_WISE: "TWRW",
+    ShardingType.REPLICATED: "REP",
+}
+
+
+def _gb(value: float) -> str:
+    return f"{value / C.GB:.2f}"
+
+
+def _us(seconds: float) -> str:
+    return f"{seconds * 1e6:.1f}"
+
+
+def format_stats(plan: ShardingPlan) -> str:
+    """The plan as text: one row per device, then one row per table, then the bound."""
+    topo = plan.topology
+    usable = plan.planner.get("usable_device_memory") or list(topo.device_memory)
+    costs = plan.device_costs()
+    storage = plan.device_storage()
+    inputs = [0] * topo.world_size
+    outputs = [0] * topo.world_size
+    kinds: list[Counter[str]] = [Counter() for _ in range(topo.world_size)]
+    for table in plan.tables:
+        for shard in table.shards:
+            inputs[shard.device] += shard.input_bytes
+            outputs[shard.device] += shard.output_bytes
+            kinds[shard.device][_SHORT[table.sharding_type]] += 1
+    lines = [
+        f"embserve plan: {len(plan.tables)} tables on {topo.world_size} {topo.compute_device.value} devices, "
+        f"batch {plan.batch_size}, {'inference' if plan.is_inference else 'training'} estimates",
+        "",
+        f"{'device':>6} {'memory GB (used/usable/cap)':>28} {'use%':>6} {'host GB':>8} {'cost us':>9} "
+        f"{'in MB':>8} {'out MB':>8}  shards",
+    ]
+    for d in range(topo.world_size):
+        used = storage[d].device
+        memory = f"{_gb(used)}/{_gb(usable[d])}/{_gb(topo.device_memory[d])}"
+        share = 100.0 * used / usable[d] if usable[d] else 0.0
+        shards = " ".join(f"{k}:{n}" for k, n in sorted(kinds[d].items()))
+        lines.append(
+            f"{topo.device_name(d):>6} {memory:>28} {share:>5.1f}% {_gb(storage[d].host):>8} {_us(costs[d]):>9} "
+            f"{inputs[d] / C.MB:>8.2f} {outputs[d] / C.MB:>8.2f}  {shards}"
+        )
+    lines += ["", f"{'table':<24} {'type':<15} {'placement':<12} {'dtype':<6} {'cost us':>9}  devices"]
+    for table in plan.tables:
+        devices = ",".join(str(d) for d in sorted({s.device for s in table.shards}))
+        cost = sum(s.cost for s in table.shards)
+        lines.append(
+            f"{table.table:<24} {table.sharding_type.value:<15} {table.placement.value:<12} "
+            f"{table.data_type.value:<6} {_us(cost):>9}  {devices}"
+        )
+    ratio = plan.bottleneck_cost / plan.lower_bound if plan.lower_bound else float("nan")
+    lines += [
+        "",
+        f"bottleneck {_us(plan.bottleneck_cost)} us, lower bound {_us(plan.lower_bound)} us "
+        f"(ratio {ratio:.3f}); chosen by {plan.planner.get('proposer', '?')} after "
+        f"{plan.planner.get('proposals_evaluated', '?')} proposals in {plan.planner.get('seconds', 0):.2f} s",
+    ]
+    return "\n".join(lines)
+
+
+def plot_plan(plan: ShardingPlan, path: str | Path) -> Path:
+    """Bars per device: memory used against the cap, and estimated cost against the lower bound."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    topo = plan.topology
+    devices = list(range(topo.world_size))
+    storage = plan.device_storage()
+    costs = plan.device_costs()
+    fig, (memory_ax, cost_ax) = plt.subplots(2, 1, figsize=(max(6.0, 0.35 * topo.world_size + 3), 6), sharex=True)
+    memory_ax.bar(devices, [topo.device_memory[d] / C.GB for d in devices], color="#dddddd", label="capacity")
+    memory_ax.bar(devices, [storage[d].device / C.GB for d in devices], color="#4c72b0", label="planned")
+    memory_ax.set_ylabel("device memory (GB)")
+    memory_ax.legend(loc="upper right", fontsize=8)
+    cost_ax.bar(devices, [c * 1e6 for c in costs], color="#dd8452", label="estimated cost")
+    cost_ax.axhline(plan.lower_bound * 1e6, color="black", linestyle="--", linewidth=1, label="lower bound")
+    cost_ax.set_ylabel("cost per batch (us)")
+    cost_ax.set_xlabel("device")
+    cost_ax.legend(loc="upper right", fontsize=8)
+    fig.suptitle(f"{len(plan.tables)} tables on {topo.world_size} {topo.compute_device.value} devices")
+    fig.tight_layout()
+    path = Path(path)
+    fig.savefig(path, dpi=100)
+    plt.close(fig)
+    return path

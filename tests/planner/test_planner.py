@@ -1,0 +1,167 @@
+"""End-to-end planning: caps, constraints, determinism, JSON, fallbacks and errors."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from infer.cli import main
+from infer.config import DataType, ModelSpec, TableConfig
+from infer.demo import demo_spec
+from infer.errors import PlanError, PlanErrorKind
+from infer.planner import constants as C
+from infer.planner.planner import EmbeddingPlanner, plan_for_inference
+from infer.planner.stats import format_stats, plot_plan
+from infer.planner.storage_reservations import dense_part_bytes
+from infer.planner.types import (
+    ComputeDevice,
+    ParameterConstraints,
+    Placement,
+    ShardingPlan,
+    ShardingType,
+    Topology,
+)
+
+
+def spec_of(num_tables: int, rows: int = 100_000, dim: int = 64) -> ModelSpec:
+    return ModelSpec(
+        tuple(TableConfig(f"t{i}", rows * (1 + i % 7), dim * (1 + i % 3), (f"f{i}",)) for i in range(num_tables))
+    )
+
+
+def check_plan_is_consistent(plan: ShardingPlan, spec: ModelSpec) -> None:
+    assert [t.table for t in plan.tables] == [t.name for t in spec.tables]
+    usable = plan.planner["usable_device_memory"]
+    for d, storage in enumerate(plan.device_storage()):
+        assert storage.device <= usable[d] <= plan.topology.device_memory[d]
+    assert sum(s.host for s in plan.device_storage()) <= max(plan.topology.host_memory, 0)
+    for table_plan in plan.tables:
+        table = spec.table(table_plan.table)
+        shards = table_plan.shards
+        devices = [s.device for s in shards]
+        assert all(0 <= d < plan.topology.world_size for d in devices)
+        if table_plan.sharding_type in (ShardingType.ROW_WISE, ShardingType.TABLE_ROW_WISE):
+            assert sum(s.num_rows for s in shards) == table.num_embeddings
+            assert len(set(devices)) == len(devices)
+        elif table_plan.sharding_type == ShardingType.COLUMN_WISE:
+            assert sum(s.num_cols for s in shards) == table.embedding_dim
+            assert len(set(devices)) == len(devices)
+        elif table_plan.sharding_type == ShardingType.REPLICATED:
+            assert devices == list(range(plan.topology.world_size))
+        else:
+            assert len(shards) == 1
+    assert plan.bottleneck_cost == pytest.approx(max(plan.device_costs()))
+    assert plan.lower_bound <= plan.bottleneck_cost * (1 + 1e-9)
+
+
+@pytest.mark.parametrize("world_size", [1, 2, 8])
+def test_plans_fit_and_are_consistent(world_size):
+    spec = spec_of(20)
+    plan = plan_for_inference(spec, Topology(world_size, device_memory=(2 * C.GB,)))
+    check_plan_is_consistent(plan, spec)
+
+
+def test_plan_is_deterministic_and_round_trips_json():
+    spec = spec_of(30)
+    topology = Topology(4, device_memory=(1 * C.GB,))
+    first = plan_for_inference(spec, topology)
+    second = plan_for_inference(spec, topology)
+    assert first == second
+    assert first.to_dict()["tables"] == second.to_dict()["tables"]
+    restored = ShardingPlan.from_json(first.to_json())
+    assert restored == first and restored.to_json() == first.to_json()
+
+
+def test_bottleneck_is_close_to_the_lower_bound():
+    spec = spec_of(100)
+    plan = plan_for_inference(spec, Topology(8))
+    assert plan.bottleneck_cost <= 1.05 * plan.lower_bound
+
+
+def test_constraints_are_honoured_in_the_plan():
+    spec = spec_of(6)
+    constraints = {
+        "t0": ParameterConstraints(sharding_types=(ShardingType.COLUMN_WISE,)),
+        "t1": ParameterConstraints(sharding_types=(ShardingType.ROW_WISE,), min_shards=4, max_shards=4),
+        "t2": ParameterConstraints(sharding_types=(ShardingType.TABLE_WISE,), placements=(Placement.HOST,)),
+        "t3": ParameterConstraints(data_type=DataType.INT4),
+    }
+    plan = plan_for_inference(spec, Topology(4), constraints)
+    assert plan.table("t0").sharding_type == ShardingType.COLUMN_WISE
+    assert plan.table("t1").sharding_type == ShardingType.ROW_WISE and len(plan.table("t1").shards) == 4
+    assert plan.table("t2").placement == Placement.HOST and plan.table("t2").shards[0].host_bytes > 0
+    assert plan.table("t3").data_type == DataType.INT4
+    check_plan_is_consistent(plan, spec)
+
+
+def test_cuda_falls_back_to_host_memory_for_the_largest_tables():
+    # 4 tables of 1.4 GB INT8 each on two 2 GB devices (1.7 GB usable): at most one table per device fits
+    spec = ModelSpec(tuple(TableConfig(f"t{i}", 10_000_000, 128, (f"f{i}",)) for i in range(4)))
+    topo = Topology(2, device_memory=(2 * C.GB,), host_memory=64 * C.GB)
+    plan = plan_for_inference(spec, topo)
+    placements = [t.placement for t in plan.tables]
+    assert any(p != Placement.DEVICE for p in placements)
+    check_plan_is_consistent(plan, spec)
+
+
+def test_nothing_fits_raises_insufficient_memory_naming_devices():
+    spec = ModelSpec((TableConfig("huge", 50_000_000, 256, ("f",)),))  # ~13 GB of INT8 rows
+    with pytest.raises(PlanError) as info:
+        plan_for_inference(spec, Topology(2, ComputeDevice.CPU, device_memory=(4 * C.GB,)))
+    assert info.value.kind == PlanErrorKind.INSUFFICIENT_MEMORY
+    message = str(info.value)
+    assert "device 0" in message and "device 1" in message and "'huge'" in message
+    with pytest.raises(PlanError) as info:
+        plan_for_inference(spec, Topology(2, device_memory=(1 * C.GB,), host_memory=2 * C.GB))
+    assert info.value.kind == PlanErrorKind.INSUFFICIENT_MEMORY and "host memory" in str(info.value)
+
+
+def test_training_estimates_exceed_inference_estimates():
+    spec = spec_of(8)
+    topology = Topology(2)
+    inference = EmbeddingPlanner(topology, is_inference=True).plan(spec)
+    training = EmbeddingPlanner(topology, is_inference=False).plan(spec)
+    assert not training.is_inference and inference.is_inference
+    assert training.lower_bound > inference.lower_bound
+    assert sum(s.device for s in training.device_storage()) > sum(s.device for s in inference.device_storage())
+
+
+def test_reservation_holds_back_a_percentage_and_the_dense_part():
+    spec = demo_spec()
+    plan = plan_for_inference(spec, Topology(2, device_memory=(10 * C.GB,)))
+    dense = dense_part_bytes(spec)
+    assert dense > 0
+    assert plan.planner["usable_device_memory"] == [int(10 * C.GB * 0.85) - dense] * 2
+
+
+def test_stats_and_plot(tmp_path):
+    spec = spec_of(10)
+    plan = plan_for_inference(spec, Topology(4))
+    text = format_stats(plan)
+    for d in range(4):
+        assert f"cuda:{d}" in text
+    for table in spec.tables:
+        assert table.name in text
+    assert "lower bound" in text
+    path = plot_plan(plan, tmp_path / "plan.png")
+    assert path.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def test_cli_plan_on_the_demo_spec(tmp_path, capsys):
+    out, png = tmp_path / "plan.json", tmp_path / "plan.png"
+    args = ["plan", "--spec", "demo", "--world-size", "8", "--device-memory", "80GB"]
+    assert main([*args, "--out", str(out), "--plot", str(png)]) == 0
+    printed = capsys.readouterr().out
+    assert "cuda:7" in printed and "user_id" in printed and "lower bound" in printed
+    plan = ShardingPlan.from_json(out.read_text())
+    assert plan.topology.world_size == 8 and len(plan.tables) == 8
+    assert png.read_bytes()[:4] == b"\x89PNG"
+    constraints = tmp_path / "c.json"
+    constraints.write_text(json.dumps({"user_id": {"sharding_types": ["row_wise"]}}))
+    assert main([*args, "--out", str(out), "--constraints", str(constraints)]) == 0
+    assert ShardingPlan.from_json(out.read_text()).table("user_id").sharding_type == ShardingType.ROW_WISE
+    capsys.readouterr()
+    constraints.write_text(json.dumps({"nosuch": {}}))
+    assert main([*args, "--out", str(out), "--constraints", str(constraints)]) == 2
+    assert "nosuch" in capsys.readouterr().err
