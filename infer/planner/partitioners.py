@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import heapq
 import logging
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
 import numpy as np
@@ -37,6 +37,14 @@ def partition_lower_bound(proposal: Proposal, world_size: int) -> float:
         for shard in option.shards:
             total += shard.cost
             largest = max(largest, shard.cost)
+    return max(total / world_size, largest)
+
+
+def global_lower_bound(options: Mapping[str, Sequence[ShardingOption]], world_size: int) -> float:
+    """No plan's bottleneck can be below this: every table costs at least its cheapest option in total,
+    spread perfectly, and at least its smallest achievable largest shard on one device."""
+    total = sum(min(o.total_cost for o in opts) for opts in options.values())
+    largest = max(min(o.max_shard_cost for o in opts) for opts in options.values())
     return max(total / world_size, largest)
 
 

@@ -10,7 +10,12 @@ from infer.config import ModelSpec
 from infer.errors import PlanError, PlanErrorKind
 from infer.planner import constants as C
 from infer.planner.enumerators import EmbeddingEnumerator
-from infer.planner.partitioners import GreedyPartitioner, partition_lower_bound
+from infer.planner.partitioners import (
+    ExactPartitioner,
+    GreedyPartitioner,
+    global_lower_bound,
+    partition_lower_bound,
+)
 from infer.planner.proposers import DynamicProgrammingProposer, GreedyProposer, UniformProposer
 from infer.planner.shard_estimators import InferencePerfEstimator, InferenceStorageEstimator
 from infer.planner.storage_reservations import HeuristicalStorageReservation
@@ -30,14 +35,6 @@ from infer.planner.types import (
 )
 
 logger = logging.getLogger(__name__)
-
-
-def global_lower_bound(options: Mapping[str, Sequence[ShardingOption]], world_size: int) -> float:
-    """No plan's bottleneck can be below this: every table costs at least its cheapest option in total,
-    spread perfectly, and at least its smallest achievable largest shard on one device."""
-    total = sum(min(o.total_cost for o in opts) for opts in options.values())
-    largest = max(min(o.max_shard_cost for o in opts) for opts in options.values())
-    return max(total / world_size, largest)
 
 
 def _device_bytes(option: ShardingOption) -> int:
@@ -72,6 +69,8 @@ class EmbeddingPlanner:
         defaults: list[Proposer] = [GreedyProposer(), UniformProposer(), DynamicProgrammingProposer()]
         self.proposers: list[Proposer] = list(proposers) if proposers is not None else defaults
         self.partitioner = partitioner or GreedyPartitioner()
+        # The winning proposal is placed once more exactly, when it is small enough for the solver.
+        self.final_partitioner: Partitioner | None = ExactPartitioner() if partitioner is None else None
 
     def plan(self, spec: ModelSpec, constraints: Mapping[str, ParameterConstraints] | None = None) -> ShardingPlan:
         started = time.monotonic()
@@ -94,6 +93,10 @@ class EmbeddingPlanner:
             best = self._host_fallback(ordered, topology)
             best_source = "host_fallback"
             evaluated += 1
+        if self.final_partitioner is not None:
+            exact = self.final_partitioner.partition(best.proposal, topology)
+            if exact.bottleneck < best.bottleneck * (1 - 1e-9):
+                best, best_source = exact, f"{best_source}+exact"
         lower_bound = global_lower_bound(ordered, topology.world_size)
         seconds = time.monotonic() - started
         logger.info(

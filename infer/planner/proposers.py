@@ -12,6 +12,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from infer.errors import PlanError, PlanErrorKind
+from infer.planner.partitioners import global_lower_bound
 from infer.planner.types import PartitionResult, Proposal, ShardingOption, ShardingType, Topology
 
 
@@ -62,13 +63,6 @@ class _Tables:
 
     def proposal(self, choice: Sequence[int]) -> Proposal:
         return tuple(table_options[i] for table_options, i in zip(self.options, choice))
-
-
-def _global_lower_bound(options: Mapping[str, Sequence[ShardingOption]], world_size: int) -> float:
-    """No proposal from ``options`` partitions below this: every table at its cheapest, perfectly spread."""
-    total = sum(min(option.total_cost for option in table_options) for table_options in options.values())
-    largest = max(min(option.max_shard_cost for option in table_options) for table_options in options.values())
-    return max(total / world_size, largest)
 
 
 # ---------------------------------------------------------------------------- uniform
@@ -157,7 +151,7 @@ class GreedyProposer:
         self._candidates = iter(())
         self._tried = set()
         self._memory_moved = set()
-        self._lower_bound = _global_lower_bound(options, topology.world_size)
+        self._lower_bound = global_lower_bound(options, topology.world_size)
         self._best = float("inf")
         self._since_best = 0
         self._count = 0
