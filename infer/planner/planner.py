@@ -70,7 +70,9 @@ class EmbeddingPlanner:
         self.proposers: list[Proposer] = list(proposers) if proposers is not None else defaults
         self.partitioner = partitioner or GreedyPartitioner()
         # The winning proposal is placed once more exactly, when it is small enough for the solver.
-        self.final_partitioner: Partitioner | None = ExactPartitioner() if partitioner is None else None
+        self.final_partitioner: Partitioner | None = (
+            ExactPartitioner(time_limit_s=2.0, max_variables=1500) if partitioner is None else None
+        )
 
     def plan(self, spec: ModelSpec, constraints: Mapping[str, ParameterConstraints] | None = None) -> ShardingPlan:
         started = time.monotonic()
@@ -93,7 +95,8 @@ class EmbeddingPlanner:
             best = self._host_fallback(ordered, topology)
             best_source = "host_fallback"
             evaluated += 1
-        if self.final_partitioner is not None:
+        bound = partition_lower_bound(best.proposal, topology.world_size)
+        if self.final_partitioner is not None and best.bottleneck > bound * (1 + 1e-3):
             exact = self.final_partitioner.partition(best.proposal, topology)
             if exact.bottleneck < best.bottleneck * (1 - 1e-9):
                 best, best_source = exact, f"{best_source}+exact"
