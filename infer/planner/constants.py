@@ -16,7 +16,7 @@ CUDA_ROW_ALIGNMENT = 16
 
 # CPU hosts: a "device" is one core running one TBE; memory is its share of DDR.
 CPU_HOST_MEMORY = 256 * GB
-CPU_DDR_BANDWIDTH_PER_CORE = 8e9  # random-row gather rate of one core, not the stream rate
+CPU_DDR_BANDWIDTH_PER_CORE = 4.5e9  # one TBE core: ~25-31 M lookups/s of 192/128-byte rows (bench/lookup.py)
 CPU_INTRA_HOST_BANDWIDTH = 20e9  # memcpy between shards of one process
 CPU_ROW_ALIGNMENT = 1
 

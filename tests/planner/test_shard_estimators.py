@@ -165,5 +165,5 @@ def test_training_cost_adds_backward_and_update():
 def test_cpu_costs_use_per_core_memory_bandwidth():
     c = ctx(topology=CPU, dim=64)
     ids = 512 * 20
-    expected = ids * 128 / 8e9 + ids * 8 / 20e9 + 512 * 64 * 4 / 20e9  # 68-byte rows read as 2 lines of 64
+    expected = ids * 128 / 4.5e9 + ids * 8 / 20e9 + 512 * 64 * 4 / 20e9  # 68-byte rows read as 2 lines of 64
     assert InferencePerfEstimator().cost(c) == pytest.approx(expected, rel=1e-12)
