@@ -31,16 +31,34 @@ def _tbe_classes():  # type: ignore[no-untyped-def]
     return IntNBitTableBatchedEmbeddingBagsCodegen, SparseType, EmbeddingLocation, PoolingMode, BoundsCheckMode
 
 
-def sparse_type(data_type: DataType):  # type: ignore[no-untyped-def]
-    _, SparseType, _, _, _ = _tbe_classes()
-    return SparseType(data_type.value)
+def make_tbe(
+    tables: List[Tuple[str, int, int, DataType]],
+    feature_table_map: List[int],
+    device: torch.device,
+    row_alignment: Optional[int] = None,
+) -> nn.Module:
+    """One inference TBE over ``tables`` (name, rows, dim, data type): SUM pooling, fp32 output,
+    FATAL bounds checks (WARNING/IGNORE would rewrite the caller's ids in place). Weights allocated."""
+    TBE, SparseType, EmbeddingLocation, PoolingMode, BoundsCheckMode = _tbe_classes()
+    location = EmbeddingLocation.HOST if device.type == "cpu" else EmbeddingLocation.DEVICE
+    tbe = TBE(
+        embedding_specs=[(name, rows, dim, SparseType(dtype.value), location) for name, rows, dim, dtype in tables],
+        feature_table_map=feature_table_map,
+        pooling_mode=PoolingMode.SUM,
+        device=device,
+        bounds_check_mode=BoundsCheckMode.FATAL,
+        output_dtype=SparseType.FP32,
+        row_alignment=row_alignment,
+    )
+    tbe.initialize_weights()
+    return tbe
 
 
-class QuantizedEmbeddingBagCollection(nn.Module):
-    """All tables of one device in one fbgemm ``IntNBitTableBatchedEmbeddingBagsCodegen``.
+class ValidatingCollection(nn.Module):
+    """Request validation and MEAN pooling shared by the unsharded and sharded collections.
 
-    The kernel pools with SUM and emits fp32; MEAN features are divided by their bag lengths
-    afterwards, so SUM and MEAN tables share the single kernel call.
+    Subclasses set the feature metadata in ``__init__`` via ``_set_features`` and implement
+    ``lookup_validated``; ``forward`` validates first, so no bad input reaches a kernel.
     """
 
     feature_names: List[str]
@@ -52,27 +70,8 @@ class QuantizedEmbeddingBagCollection(nn.Module):
     min_rows: int
     output_dim: int
 
-    def __init__(self, spec: ModelSpec, device: torch.device | str = "cpu", row_alignment: Optional[int] = None):
-        super().__init__()
-        TBE, SparseType, EmbeddingLocation, PoolingMode, BoundsCheckMode = _tbe_classes()
-        device = torch.device(device)
-        location = EmbeddingLocation.HOST if device.type == "cpu" else EmbeddingLocation.DEVICE
-        table_index = {t.name: i for i, t in enumerate(spec.tables)}
+    def _set_features(self, spec: ModelSpec) -> None:
         features = spec.features
-        self.tbe = TBE(
-            embedding_specs=[
-                (t.name, t.num_embeddings, t.embedding_dim, SparseType(t.data_type.value), location)
-                for t in spec.tables
-            ],
-            feature_table_map=[table_index[f.table] for f in features],
-            pooling_mode=PoolingMode.SUM,
-            device=device,
-            # FATAL raises on a bad id; WARNING/IGNORE would rewrite the caller's tensor in place.
-            bounds_check_mode=BoundsCheckMode.FATAL,
-            output_dtype=SparseType.FP32,
-            row_alignment=row_alignment,
-        )
-        self.tbe.initialize_weights()
         self.feature_names = [f.name for f in features]
         self.feature_rows = [f.num_embeddings for f in features]
         self.column_starts = [f.column_start for f in features]
@@ -81,10 +80,6 @@ class QuantizedEmbeddingBagCollection(nn.Module):
         self.num_features = len(features)
         self.min_rows = min(self.feature_rows)
         self.output_dim = spec.output_dim
-
-    def table_weights(self) -> List[Tuple[Tensor, Optional[Tensor]]]:
-        """Per table: the kernel's row bytes (without padding) and, for INT types, scale/bias bytes."""
-        return self.tbe.split_embedding_weights()
 
     def _request_error(self, message: str) -> str:
         # TorchScript cannot read a global str; keep this literal equal to REQUEST_ERROR_PREFIX.
@@ -154,13 +149,10 @@ class QuantizedEmbeddingBagCollection(nn.Module):
         return self.lookup_validated(values, lengths, weights)
 
     def lookup_validated(self, values: Tensor, lengths: Tensor, weights: Optional[Tensor] = None) -> Tensor:
-        """Pooled lookups of an already validated request: ``[batch, output_dim]`` fp32.
+        raise NotImplementedError("subclasses look up")
 
-        Not exported from the scripted module: outside callers always go through ``forward``.
-        """
-        offsets = torch.zeros(lengths.numel() + 1, dtype=values.dtype, device=values.device)
-        offsets[1:] = torch.cumsum(lengths, 0).to(values.dtype)
-        out = self.tbe(values, offsets, weights)
+    def apply_mean(self, out: Tensor, lengths: Tensor) -> Tensor:
+        """Divide MEAN features' pooled sums by their bag lengths (an empty bag stays zero)."""
         if len(self.mean_features) > 0:
             batch = lengths.numel() // self.num_features
             counts = lengths.view(self.num_features, batch).to(device=out.device, dtype=out.dtype).clamp(min=1.0)
@@ -169,6 +161,38 @@ class QuantizedEmbeddingBagCollection(nn.Module):
                 end = start + self.feature_dims[f]
                 out[:, start:end].div_(counts[f].unsqueeze(1))
         return out
+
+
+class QuantizedEmbeddingBagCollection(ValidatingCollection):
+    """All tables of one device in one fbgemm ``IntNBitTableBatchedEmbeddingBagsCodegen``.
+
+    The kernel pools with SUM and emits fp32; MEAN features are divided by their bag lengths
+    afterwards, so SUM and MEAN tables share the single kernel call.
+    """
+
+    def __init__(self, spec: ModelSpec, device: torch.device | str = "cpu", row_alignment: Optional[int] = None):
+        super().__init__()
+        table_index = {t.name: i for i, t in enumerate(spec.tables)}
+        self.tbe = make_tbe(
+            [(t.name, t.num_embeddings, t.embedding_dim, t.data_type) for t in spec.tables],
+            [table_index[f.table] for f in spec.features],
+            torch.device(device),
+            row_alignment,
+        )
+        self._set_features(spec)
+
+    def table_weights(self) -> List[Tuple[Tensor, Optional[Tensor]]]:
+        """Per table: the kernel's row bytes (without padding) and, for INT types, scale/bias bytes."""
+        return self.tbe.split_embedding_weights()
+
+    def lookup_validated(self, values: Tensor, lengths: Tensor, weights: Optional[Tensor] = None) -> Tensor:
+        """Pooled lookups of an already validated request: ``[batch, output_dim]`` fp32.
+
+        Not exported from the scripted module: outside callers always go through ``forward``.
+        """
+        offsets = torch.zeros(lengths.numel() + 1, dtype=values.dtype, device=values.device)
+        offsets[1:] = torch.cumsum(lengths, 0).to(values.dtype)
+        return self.apply_mean(self.tbe(values, offsets, weights), lengths)
 
 
 class _NoDenseArch(nn.Module):

@@ -1,0 +1,158 @@
+"""Build a sharded model from a plan and a quantized (unsharded) model.
+
+Shards copy their rows from the unsharded model's quantized bytes: a column slice keeps each row's
+scale and bias, so table- and column-wise shards reproduce the unsharded output bit for bit.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Mapping
+
+import torch
+
+from infer.config import DataType, ModelSpec
+from infer.errors import PlanError, PlanErrorKind
+from infer.modules import EmbserveModel, QuantizedEmbeddingBagCollection, make_tbe
+from infer.planner.types import ShardingPlan, ShardingType
+from infer.shard.sharded import READ_ALL, READ_BATCH_SLICE, READ_ROW_BLOCK, DeviceShards, ShardedEmbeddingBagCollection
+
+logger = logging.getLogger(__name__)
+
+
+def plan_devices(plan: ShardingPlan, device_map: Mapping[str, str] | None = None) -> list[str]:
+    """Torch device of every plan rank: ``cpu`` for CPU shards, ``cuda:i`` for CUDA ones, then ``device_map``."""
+    topo = plan.topology
+    names = ["cpu" if not topo.is_cuda else topo.device_name(rank) for rank in range(topo.world_size)]
+    mapping = dict(device_map or {})
+    return [mapping.get(name, name) for name in names]
+
+
+def check_plan(spec: ModelSpec, plan: ShardingPlan) -> None:
+    """Raise ``PlanError(INVALID_PLAN)`` unless ``plan`` places exactly ``spec``'s tables, whole."""
+    tables = {t.name: t for t in spec.tables}
+    planned = [t.table for t in plan.tables]
+    if sorted(planned) != sorted(tables):
+        raise PlanError(
+            f"the plan's tables {sorted(planned)} are not the model's {sorted(tables)}", PlanErrorKind.INVALID_PLAN
+        )
+    for table_plan in plan.tables:
+        table = tables[table_plan.table]
+        name = table.name
+        if table_plan.data_type != table.data_type:
+            raise PlanError(
+                f"table {name!r}: plan says {table_plan.data_type.value}, model is {table.data_type.value}; "
+                "quantize with the plan's data types",
+                PlanErrorKind.INVALID_PLAN,
+            )
+        for shard in table_plan.shards:
+            if not 0 <= shard.device < plan.topology.world_size:
+                raise PlanError(
+                    f"table {name!r}: shard on device {shard.device} outside the topology", PlanErrorKind.INVALID_PLAN
+                )
+            inside = 0 <= shard.row_offset and shard.row_offset + shard.num_rows <= table.num_embeddings
+            inside = inside and 0 <= shard.col_offset and shard.col_offset + shard.num_cols <= table.embedding_dim
+            if not inside or shard.num_rows < 1 or shard.num_cols < 1:
+                raise PlanError(f"table {name!r}: shard {shard} lies outside the table", PlanErrorKind.INVALID_PLAN)
+            per_byte = 8 // min(table.data_type.bits, 8)
+            if shard.col_offset % max(per_byte, 4) or shard.num_cols % 4:
+                raise PlanError(
+                    f"table {name!r}: column slice at {shard.col_offset} width {shard.num_cols} is not 4-column aligned",
+                    PlanErrorKind.INVALID_PLAN,
+                )
+        kind = table_plan.sharding_type
+        shards = table_plan.shards
+        rows = sorted((s.row_offset, s.num_rows) for s in shards)
+        cols = sorted((s.col_offset, s.num_cols) for s in shards)
+        if kind in (ShardingType.ROW_WISE, ShardingType.TABLE_ROW_WISE):
+            covered = _covers(rows, table.num_embeddings) and all(c == (0, table.embedding_dim) for c in cols)
+        elif kind == ShardingType.COLUMN_WISE:
+            covered = _covers(cols, table.embedding_dim) and all(r == (0, table.num_embeddings) for r in rows)
+        else:
+            covered = all(r == (0, table.num_embeddings) for r in rows) and all(
+                c == (0, table.embedding_dim) for c in cols
+            )
+            if kind == ShardingType.TABLE_WISE:
+                covered = covered and len(shards) == 1
+        if not covered:
+            raise PlanError(
+                f"table {name!r}: {kind.value} shards do not cover the table exactly", PlanErrorKind.INVALID_PLAN
+            )
+
+
+def _covers(ranges: list[tuple[int, int]], total: int) -> bool:
+    position = 0
+    for offset, size in ranges:
+        if offset != position:
+            return False
+        position += size
+    return position == total
+
+
+def _byte_range(col_offset: int, num_cols: int, data_type: DataType) -> tuple[int, int]:
+    bits = data_type.bits
+    return col_offset * bits // 8, (col_offset + num_cols) * bits // 8
+
+
+def shard_model(
+    model: EmbserveModel,
+    plan: ShardingPlan,
+    device_map: Mapping[str, str] | None = None,
+    output_device: str | None = None,
+) -> EmbserveModel:
+    """The sharded twin of ``model`` (from ``infer.quantize``): one TBE per device of ``plan``."""
+    spec = model.spec
+    source = model.embeddings
+    if not isinstance(source, QuantizedEmbeddingBagCollection):
+        raise PlanError("shard_model takes an unsharded model from infer.quantize()", PlanErrorKind.INVALID_PLAN)
+    check_plan(spec, plan)
+    devices = plan_devices(plan, device_map)
+    source_weights = dict(zip([t.name for t in spec.tables], source.table_weights()))
+    tables = {t.name: t for t in spec.tables}
+    features = spec.features
+    plans = {t.table: t for t in plan.tables}
+    shards: list[DeviceShards] = []
+    for rank, device in enumerate(devices):
+        local_tables: list[tuple[str, int, int, DataType]] = []
+        local_sources = []
+        local_features: list[tuple[int, list[int], int]] = []  # (feature index, [..], local table)
+        for table in spec.tables:
+            table_plan = plans[table.name]
+            on_device = [(i, s) for i, s in enumerate(table_plan.shards) if s.device == rank]
+            for shard_index, shard in on_device:
+                local = len(local_tables)
+                local_tables.append((f"{table.name}@{shard_index}", shard.num_rows, shard.num_cols, table.data_type))
+                local_sources.append((table, shard))
+                for f, info in enumerate(features):
+                    if info.table != table.name:
+                        continue
+                    kind, lo, hi = READ_ALL, 0, 0
+                    if table_plan.sharding_type in (ShardingType.ROW_WISE, ShardingType.TABLE_ROW_WISE):
+                        kind, lo, hi = READ_ROW_BLOCK, shard.row_offset, shard.row_offset + shard.num_rows
+                    elif table_plan.sharding_type == ShardingType.REPLICATED:
+                        kind, lo, hi = READ_BATCH_SLICE, shard_index, len(table_plan.shards)
+                    out_col = info.column_start + shard.col_offset
+                    local_features.append((f, [f, kind, lo, hi, out_col, shard.num_cols], local))
+        if not local_tables:
+            continue
+        local_features.sort(key=lambda item: (item[0], item[1][4], item[1][2]))
+        tbe = make_tbe(local_tables, [lf[2] for lf in local_features], torch.device(device))
+        with torch.no_grad():
+            for (data, scale_bias), (table, shard) in zip(tbe.split_embedding_weights(), local_sources):
+                src_data, src_scale_bias = source_weights[table.name]
+                rows = slice(shard.row_offset, shard.row_offset + shard.num_rows)
+                first, last = _byte_range(shard.col_offset, shard.num_cols, table.data_type)
+                data.copy_(src_data[rows, first:last])
+                if scale_bias is not None and src_scale_bias is not None:
+                    scale_bias.copy_(src_scale_bias[rows])
+        shards.append(DeviceShards(tbe, device, [lf[1] for lf in local_features]))
+        logger.debug("device %s: %d shards, %d features", device, len(local_tables), len(local_features))
+    identity = (
+        len(shards) == 1
+        and shards[0].lf_feature == list(range(len(features)))
+        and all(kind == READ_ALL for kind in shards[0].lf_kind)
+        and shards[0].lf_out_col == shards[0].lf_local_col
+        and shards[0].lf_dim == [f.embedding_dim for f in features]
+    )
+    collection = ShardedEmbeddingBagCollection(spec, shards, output_device or devices[0], identity)
+    return EmbserveModel(spec, collection, spec.dense_arch)

@@ -1,0 +1,180 @@
+"""The scriptable sharded collection: one TBE per device, inputs routed once, outputs in input order.
+
+Routing is fixed at build time: each device knows, for every shard it holds, which input feature it
+reads and how (all ids, the ids of one row block, or one slice of the batch). At run time every
+device builds its own kernel input, runs its TBE and writes its columns straight into the shared
+output; devices run concurrently (``torch.jit.fork``), each CPU shard on its own core. Row-wise
+partial sums are added afterwards, then MEAN features are divided by their full bag lengths, so
+the output is laid out exactly like the unsharded model's.
+"""
+
+import torch
+from torch import Tensor, nn
+
+from infer.modules import ValidatingCollection
+
+# How a shard reads its feature (TorchScript cannot read module globals: the methods use the literals).
+READ_ALL = 0  # table-wise and column-wise shards: every id of the feature
+READ_ROW_BLOCK = 1  # row-wise: ids in [lo, hi), shifted by -lo
+READ_BATCH_SLICE = 2  # replicated: bags of replica lo out of hi (lo * B // hi .. (lo + 1) * B // hi)
+
+
+class DeviceShards(nn.Module):
+    """Every shard placed on one device, in one TBE."""
+
+    device: str
+    lf_feature: list[int]
+    lf_kind: list[int]
+    lf_lo: list[int]
+    lf_hi: list[int]
+    lf_local_col: list[int]
+    lf_out_col: list[int]
+    lf_dim: list[int]
+    has_partials: bool
+
+    def __init__(
+        self,
+        tbe: nn.Module,
+        device: str,
+        local_features: list[list[int]],
+    ) -> None:
+        """``local_features``: per TBE feature ``[feature, kind, lo, hi, out_col, dim]`` in TBE order."""
+        super().__init__()
+        self.tbe = tbe
+        self.device = device
+        self.lf_feature = [lf[0] for lf in local_features]
+        self.lf_kind = [lf[1] for lf in local_features]
+        self.lf_lo = [lf[2] for lf in local_features]
+        self.lf_hi = [lf[3] for lf in local_features]
+        self.lf_out_col = [lf[4] for lf in local_features]
+        self.lf_dim = [lf[5] for lf in local_features]
+        local_cols = []
+        col = 0
+        for lf in local_features:
+            local_cols.append(col)
+            col += lf[5]
+        self.lf_local_col = local_cols
+        self.has_partials = READ_ROW_BLOCK in self.lf_kind
+
+    def forward(
+        self, values: Tensor, lengths: Tensor, weights: Tensor | None, starts: list[int], batch: int, out: Tensor
+    ) -> Tensor:
+        """Run this device's shards; write exclusive columns into ``out``; return the kernel output."""
+        pieces_v: list[Tensor] = []
+        pieces_l: list[Tensor] = []
+        pieces_w: list[Tensor] = []
+        for i in range(len(self.lf_feature)):
+            f = self.lf_feature[i]
+            kind = self.lf_kind[i]
+            ids = values[starts[f] : starts[f + 1]]
+            bag_lengths = lengths[f * batch : (f + 1) * batch]
+            if kind == 0:  # READ_ALL
+                pieces_v.append(ids)
+                pieces_l.append(bag_lengths)
+                if weights is not None:
+                    pieces_w.append(weights[starts[f] : starts[f + 1]])
+            elif kind == 1:  # READ_ROW_BLOCK
+                lo = self.lf_lo[i]
+                mask = (ids >= lo) & (ids < self.lf_hi[i])
+                pieces_v.append(ids[mask] - lo)
+                bag_of_id = torch.repeat_interleave(
+                    torch.arange(batch, device=ids.device), bag_lengths.to(torch.int64), output_size=ids.numel()
+                )
+                pieces_l.append(torch.bincount(bag_of_id[mask], minlength=batch).to(lengths.dtype))
+                if weights is not None:
+                    pieces_w.append(weights[starts[f] : starts[f + 1]][mask])
+            else:
+                first = self.lf_lo[i] * batch // self.lf_hi[i]
+                last = (self.lf_lo[i] + 1) * batch // self.lf_hi[i]
+                begin = int(bag_lengths[:first].sum()) if first > 0 else 0
+                end = begin + (int(bag_lengths[first:last].sum()) if last > first else 0)
+                pieces_v.append(ids[begin:end])
+                sliced = torch.zeros(batch, dtype=lengths.dtype, device=lengths.device)
+                sliced[first:last] = bag_lengths[first:last]
+                pieces_l.append(sliced)
+                if weights is not None:
+                    pieces_w.append(weights[starts[f] + begin : starts[f] + end])
+        local_values = torch.cat(pieces_v)
+        local_lengths = torch.cat(pieces_l)
+        offsets = torch.zeros(local_lengths.numel() + 1, dtype=local_values.dtype, device=local_values.device)
+        offsets[1:] = torch.cumsum(local_lengths, 0).to(local_values.dtype)
+        local_weights: Tensor | None = None
+        if weights is not None:
+            local_weights = torch.cat(pieces_w).to(self.device)
+        pooled = self.tbe(local_values.to(self.device), offsets.to(self.device), local_weights)
+        for i in range(len(self.lf_feature)):
+            kind = self.lf_kind[i]
+            if kind == 1:  # READ_ROW_BLOCK
+                continue
+            src = self.lf_local_col[i]
+            dst = self.lf_out_col[i]
+            dim = self.lf_dim[i]
+            if kind == 0:  # READ_ALL
+                out[:, dst : dst + dim].copy_(pooled[:, src : src + dim])
+            else:
+                first = self.lf_lo[i] * batch // self.lf_hi[i]
+                last = (self.lf_lo[i] + 1) * batch // self.lf_hi[i]
+                out[first:last, dst : dst + dim].copy_(pooled[first:last, src : src + dim])
+        return pooled
+
+    def lookup_whole(self, values: Tensor, lengths: Tensor, weights: Tensor | None) -> Tensor:
+        """The kernel output for a device that holds every feature whole, in input order."""
+        offsets = torch.zeros(lengths.numel() + 1, dtype=values.dtype, device=values.device)
+        offsets[1:] = torch.cumsum(lengths, 0).to(values.dtype)
+        local_weights: Tensor | None = None
+        if weights is not None:
+            local_weights = weights.to(self.device)
+        return self.tbe(values.to(self.device), offsets.to(self.device), local_weights)
+
+    def add_partials(self, pooled: Tensor, out: Tensor) -> None:
+        """Add this device's row-wise partial sums into ``out`` (run after every device finished)."""
+        for i in range(len(self.lf_feature)):
+            if self.lf_kind[i] == 1:  # READ_ROW_BLOCK
+                src = self.lf_local_col[i]
+                dst = self.lf_out_col[i]
+                dim = self.lf_dim[i]
+                out[:, dst : dst + dim].add_(pooled[:, src : src + dim].to(out.device))
+
+
+class ShardedEmbeddingBagCollection(ValidatingCollection):
+    """A plan's shards on several devices; same inputs, same output layout as the unsharded collection."""
+
+    output_device: str
+    needs_zero_init: bool
+    identity_layout: bool
+
+    def __init__(self, spec, shards: list[DeviceShards], output_device: str, identity_layout: bool) -> None:  # type: ignore[no-untyped-def]
+        super().__init__()
+        self._set_features(spec)
+        self.shards = nn.ModuleList(shards)
+        self.output_device = output_device
+        self.needs_zero_init = any(s.has_partials for s in shards)
+        # one device holding every feature whole, in input order: its kernel output is the output
+        self.identity_layout = identity_layout
+
+    def lookup_validated(self, values: Tensor, lengths: Tensor, weights: Tensor | None = None) -> Tensor:
+        batch = lengths.numel() // self.num_features
+        ends: list[int] = lengths.to(torch.int64).view(self.num_features, batch).sum(1).cumsum(0).tolist()
+        starts: list[int] = [0] + ends
+        if self.identity_layout:
+            whole = self.shards[0].lookup_whole(values, lengths, weights).to(self.output_device)
+            return self.apply_mean(whole, lengths)
+        if self.needs_zero_init:
+            out = torch.zeros(batch, self.output_dim, device=self.output_device)
+        else:
+            out = torch.empty(batch, self.output_dim, device=self.output_device)
+        futures: list[torch.jit.Future[Tensor]] = []
+        count = len(self.shards)
+        pooled: list[Tensor] = []
+        for i, shard in enumerate(self.shards):
+            if i < count - 1:
+                futures.append(torch.jit.fork(shard, values, lengths, weights, starts, batch, out))
+            else:
+                # the calling thread runs the last device itself instead of idling
+                pooled.append(shard(values, lengths, weights, starts, batch, out))
+        results: list[Tensor] = [torch.jit.wait(future) for future in futures] + pooled
+        if self.needs_zero_init:
+            for j, device_shards in enumerate(self.shards):
+                if device_shards.has_partials:
+                    device_shards.add_partials(results[j], out)
+        return self.apply_mean(out, lengths)
