@@ -12,20 +12,24 @@ import os
 import shutil
 import tempfile
 import time
+from collections.abc import Callable, Mapping
 from pathlib import Path
+from typing import Any
 
 import torch
 
 from infer.errors import ArtifactError, ConfigError
-from infer.manifest import MANIFEST_FILE, MODEL_FILE, FileEntry, Manifest
+from infer.manifest import MANIFEST_FILE, MODEL_FILE, PLAN_FILE, FileEntry, Manifest
+from infer.planner.types import ShardingPlan
 from infer.runtime import Runtime
 from infer.version import __version__
 
 logger = logging.getLogger(__name__)
 
 
-def export(model: torch.nn.Module, out_dir: str | Path) -> Path:
-    """Script ``model`` (from ``infer.quant.quantize``) and write the artifact to ``out_dir``.
+def export(model: torch.nn.Module, out_dir: str | Path, plan: ShardingPlan | None = None) -> Path:
+    """Script ``model`` (from ``infer.quantize``, or ``infer.shard.builder.shard_model`` with its ``plan``)
+    and write the artifact to ``out_dir``; a plan is stored beside the model as ``plan.json``.
 
     An existing artifact at ``out_dir`` is replaced; any other non-empty folder is left alone
     and ``ArtifactError`` is raised.
@@ -51,7 +55,11 @@ def export(model: torch.nn.Module, out_dir: str | Path) -> Path:
     staging = Path(tempfile.mkdtemp(prefix=f".{out_dir.name}.", dir=out_dir.parent))
     try:
         scripted.save(str(staging / MODEL_FILE))
-        devices = sorted({str(b.device) for b in model.buffers()} or {"cpu"})
+        files = [FileEntry.of(staging, MODEL_FILE)]
+        if plan is not None:
+            (staging / PLAN_FILE).write_text(plan.to_json(), encoding="utf-8")
+            files.append(FileEntry.of(staging, PLAN_FILE))
+        devices = _model_devices(model)
         manifest = Manifest(
             spec=model.spec,
             has_dense=bool(model.has_dense),
@@ -61,7 +69,9 @@ def export(model: torch.nn.Module, out_dir: str | Path) -> Path:
             fbgemm_version=fbgemm_version(),
             fbgemm_libraries=REQUIRED_LIBRARIES,
             fbgemm_library_dir=str(fbgemm_library_dir()),
-            files=(FileEntry.of(staging, MODEL_FILE),),
+            files=tuple(files),
+            plan_file=PLAN_FILE if plan is not None else None,
+            world_size=plan.topology.world_size if plan is not None else 1,
         )
         (staging / MANIFEST_FILE).write_text(manifest.to_json(), encoding="utf-8")
         os.chmod(staging, 0o755)
@@ -75,8 +85,22 @@ def export(model: torch.nn.Module, out_dir: str | Path) -> Path:
     return out_dir
 
 
-def load(artifact_dir: str | Path) -> Runtime:
-    """Verify and load an artifact; returns a ``Runtime`` with ``lookup`` and ``predict``."""
+def _model_devices(model: torch.nn.Module) -> list[str]:
+    """Devices of the model's kernels, in order of first appearance (``cuda:0`` before ``cuda:1``)."""
+    seen: list[str] = []
+    for buffer in model.buffers():
+        name = str(buffer.device)
+        if name not in seen:
+            seen.append(name)
+    return seen or ["cpu"]
+
+
+def load(artifact_dir: str | Path, device_map: Mapping[str, str] | None = None) -> Runtime:
+    """Verify and load an artifact; returns a ``Runtime`` with ``lookup`` and ``predict``.
+
+    ``device_map`` (e.g. ``{"cuda:0": "cpu", "cuda:1": "cpu"}``) moves an artifact built for other
+    devices onto this host's; without it an artifact built for CUDA does not load on a CPU-only host.
+    """
     from infer.fbgemm_libs import load_fbgemm
 
     folder = Path(artifact_dir)
@@ -84,21 +108,52 @@ def load(artifact_dir: str | Path) -> Runtime:
         raise ArtifactError(f"{folder} is not a folder; pass the artifact folder written by export", path=str(folder))
     manifest = Manifest.read(folder)
     manifest.verify_files(folder)
-    cuda_devices = [d for d in manifest.devices if d.startswith("cuda")]
-    if cuda_devices and not torch.cuda.is_available():
+    mapping = dict(device_map or {})
+    targets = [mapping.get(d, d) for d in manifest.devices]
+    missing = [d for d in targets if d.startswith("cuda") and not _cuda_device_exists(d)]
+    if missing:
         raise ArtifactError(
-            f"{folder} was exported for {cuda_devices} and this host has no CUDA device; "
-            "export the model for cpu to serve it here",
+            f"{folder} was exported for devices {list(manifest.devices)} and this host lacks {missing}; "
+            "load it with a device map, e.g. load(path, device_map={'cuda:0': 'cpu'}) or "
+            "`embserve run --device-map cuda:0=cpu`",
             path=str(folder / MANIFEST_FILE),
         )
     load_fbgemm()
     model_path = folder / manifest.model_file
     try:
-        module = torch.jit.load(str(model_path))
+        module = torch.jit.load(str(model_path), map_location=_map_location(mapping))
     except Exception as err:  # noqa: BLE001 - torch raises RuntimeError and others for a bad archive
         first_line = str(err).strip().splitlines()[0] if str(err).strip() else type(err).__name__
         raise ArtifactError(
             f"{model_path} cannot be loaded by TorchScript: {first_line}", path=str(model_path)
         ) from None
     module.eval()
+    if mapping:
+        _remap_shard_devices(module, mapping)
     return Runtime(folder, manifest, module)
+
+
+def _cuda_device_exists(name: str) -> bool:
+    index = torch.device(name).index or 0
+    return torch.cuda.is_available() and index < torch.cuda.device_count()
+
+
+def _map_location(mapping: Mapping[str, str]) -> Callable[[Any, str], Any] | None:
+    if not mapping:
+        return None
+
+    def relocate(storage: Any, location: str) -> Any:
+        target = torch.device(mapping.get(location, location))
+        return storage.cpu() if target.type == "cpu" else storage.cuda(target.index or 0)
+
+    return relocate
+
+
+def _remap_shard_devices(module: torch.jit.ScriptModule, mapping: Mapping[str, str]) -> None:
+    """Point a sharded model's per-device routing at the mapped devices."""
+    embeddings = module.embeddings
+    if hasattr(embeddings, "output_device"):
+        embeddings.output_device = mapping.get(embeddings.output_device, embeddings.output_device)
+    if hasattr(embeddings, "shards"):
+        for shard in embeddings.shards:
+            shard.device = mapping.get(shard.device, shard.device)

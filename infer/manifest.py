@@ -20,6 +20,7 @@ FORMAT_NAME = "embserve-artifact"
 FORMAT_VERSION = 1
 MANIFEST_FILE = "manifest.json"
 MODEL_FILE = "model.pt"
+PLAN_FILE = "plan.json"
 MAX_MANIFEST_BYTES = 16 * 1024 * 1024
 _CHUNK = 1 << 20
 
@@ -57,6 +58,8 @@ class Manifest:
     files: tuple[FileEntry, ...]
     format_version: int = FORMAT_VERSION
     model_file: str = MODEL_FILE
+    plan_file: str | None = None  # the ShardingPlan the model was sharded with, when it is sharded
+    world_size: int = 1
 
     def file(self, name: str) -> FileEntry:
         for entry in self.files:
@@ -95,6 +98,7 @@ class Manifest:
             "output": {"dtype": "float32", "shape": ["batch", spec.output_dim]},
             "dense": {"present": self.has_dense, "num_dense_features": spec.num_dense_features},
             "devices": list(self.devices),
+            "sharding": {"plan_file": self.plan_file, "world_size": self.world_size},
             "versions": {
                 "embserve": self.embserve_version,
                 "torch": self.torch_version,
@@ -133,6 +137,8 @@ class Manifest:
                 files=tuple(FileEntry(n, int(e["bytes"]), str(e["sha256"])) for n, e in data["files"].items()),
                 format_version=version,
                 model_file=data["model_file"],
+                plan_file=data["sharding"]["plan_file"],
+                world_size=int(data["sharding"]["world_size"]),
             )
         except ArtifactError:
             raise

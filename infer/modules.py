@@ -70,6 +70,11 @@ class ValidatingCollection(nn.Module):
     min_rows: int
     output_dim: int
 
+    def __init_subclass__(cls, **kwargs: object) -> None:
+        # TorchScript types attributes from the scripted class's own annotations only: copy ours down.
+        super().__init_subclass__(**kwargs)
+        cls.__annotations__ = {**ValidatingCollection.__annotations__, **cls.__dict__.get("__annotations__", {})}
+
     def _set_features(self, spec: ModelSpec) -> None:
         features = spec.features
         self.feature_names = [f.name for f in features]
@@ -183,7 +188,7 @@ class QuantizedEmbeddingBagCollection(ValidatingCollection):
 
     def table_weights(self) -> List[Tuple[Tensor, Optional[Tensor]]]:
         """Per table: the kernel's row bytes (without padding) and, for INT types, scale/bias bytes."""
-        return self.tbe.split_embedding_weights()
+        return self.tbe.split_embedding_weights()  # type: ignore[operator]
 
     def lookup_validated(self, values: Tensor, lengths: Tensor, weights: Optional[Tensor] = None) -> Tensor:
         """Pooled lookups of an already validated request: ``[batch, output_dim]`` fp32.

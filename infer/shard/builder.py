@@ -57,7 +57,7 @@ def check_plan(spec: ModelSpec, plan: ShardingPlan) -> None:
             per_byte = 8 // min(table.data_type.bits, 8)
             if shard.col_offset % max(per_byte, 4) or shard.num_cols % 4:
                 raise PlanError(
-                    f"table {name!r}: column slice at {shard.col_offset} width {shard.num_cols} is not 4-column aligned",
+                    f"table {name!r}: column slice {shard.col_offset}+{shard.num_cols} is not 4-column aligned",
                     PlanErrorKind.INVALID_PLAN,
                 )
         kind = table_plan.sharding_type
@@ -108,7 +108,6 @@ def shard_model(
     check_plan(spec, plan)
     devices = plan_devices(plan, device_map)
     source_weights = dict(zip([t.name for t in spec.tables], source.table_weights()))
-    tables = {t.name: t for t in spec.tables}
     features = spec.features
     plans = {t.table: t for t in plan.tables}
     shards: list[DeviceShards] = []
@@ -138,7 +137,8 @@ def shard_model(
         local_features.sort(key=lambda item: (item[0], item[1][4], item[1][2]))
         tbe = make_tbe(local_tables, [lf[2] for lf in local_features], torch.device(device))
         with torch.no_grad():
-            for (data, scale_bias), (table, shard) in zip(tbe.split_embedding_weights(), local_sources):
+            split = tbe.split_embedding_weights()  # type: ignore[operator]
+            for (data, scale_bias), (table, shard) in zip(split, local_sources):
                 src_data, src_scale_bias = source_weights[table.name]
                 rows = slice(shard.row_offset, shard.row_offset + shard.num_rows)
                 first, last = _byte_range(shard.col_offset, shard.num_cols, table.data_type)

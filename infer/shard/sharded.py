@@ -157,7 +157,7 @@ class ShardedEmbeddingBagCollection(ValidatingCollection):
         ends: list[int] = lengths.to(torch.int64).view(self.num_features, batch).sum(1).cumsum(0).tolist()
         starts: list[int] = [0] + ends
         if self.identity_layout:
-            whole = self.shards[0].lookup_whole(values, lengths, weights).to(self.output_device)
+            whole = self.shards[0].lookup_whole(values, lengths, weights).to(self.output_device)  # type: ignore[operator]
             return self.apply_mean(whole, lengths)
         if self.needs_zero_init:
             out = torch.zeros(batch, self.output_dim, device=self.output_device)
@@ -176,5 +176,5 @@ class ShardedEmbeddingBagCollection(ValidatingCollection):
         if self.needs_zero_init:
             for j, device_shards in enumerate(self.shards):
                 if device_shards.has_partials:
-                    device_shards.add_partials(results[j], out)
+                    device_shards.add_partials(results[j], out)  # type: ignore[operator]
         return self.apply_mean(out, lengths)

@@ -1,0 +1,193 @@
+"""Sharded == unsharded: bit-identical for table-, column-wise and replicated shards, 1e-6 for row-wise."""
+
+from __future__ import annotations
+
+import dataclasses
+import subprocess
+import sys
+import textwrap
+
+import pytest
+import torch
+
+from infer.config import DataType, ModelSpec, PoolingType, TableConfig
+from infer.errors import PlanError, PlanErrorKind, RequestError
+from infer.export import export, load
+from infer.features import SparseFeatures
+from infer.planner.planner import plan_for_inference
+from infer.planner.shard_estimators import weight_bytes
+from infer.planner.types import ComputeDevice, ShardingType, Topology
+from infer.quant import quantize
+from infer.reference import random_weights
+from infer.shard.builder import shard_model
+from tests.conftest import random_batch
+from tests.shard.plans import make_plan
+
+TW, RW, CW, REP = ShardingType.TABLE_WISE, ShardingType.ROW_WISE, ShardingType.COLUMN_WISE, ShardingType.REPLICATED
+
+
+def sharding_spec(pooling: PoolingType) -> ModelSpec:
+    """Four tables (one shared by two features), mixed dtypes, dims that split into 32-column slices."""
+    return ModelSpec(
+        (
+            TableConfig("shared", 1009, 128, ("s1", "s2"), pooling, DataType.INT8),
+            TableConfig("int4", 503, 64, ("i4",), pooling, DataType.INT4),
+            TableConfig("fp16", 301, 96, ("h",), pooling, DataType.FP16),
+            TableConfig("plain", 257, 64, ("p",), PoolingType.SUM, DataType.INT8),
+        )
+    )
+
+
+def layout(kind: str, world: int) -> dict[str, tuple[ShardingType, tuple[int, ...]]]:
+    every = tuple(range(world))
+    split = tuple(range(min(world, 4)))  # 64- and 96-column tables split into at most 2-3 slices of 32
+    if kind == "table_wise":
+        return {name: (TW, (i % world,)) for i, name in enumerate(["shared", "int4", "fp16", "plain"])}
+    if kind == "row_wise":
+        return {name: (RW, every) for name in ["shared", "int4", "fp16", "plain"]}
+    if kind == "column_wise":
+        return {"shared": (CW, split), "int4": (CW, split[:2]), "fp16": (CW, split[:3]), "plain": (TW, (world - 1,))}
+    if kind == "replicated":
+        return {name: (REP, every) for name in ["shared", "int4", "fp16", "plain"]}
+    # mixed: one of each
+    return {
+        "shared": (RW, every),
+        "int4": (CW, split[:2]),
+        "fp16": (REP, every),
+        "plain": (TW, (world // 2,)),
+    }
+
+
+def assert_parity(kind: str, got: torch.Tensor, expected: torch.Tensor) -> None:
+    assert got.shape == expected.shape
+    if kind in ("table_wise", "column_wise", "replicated"):
+        assert torch.equal(got, expected)
+    else:
+        scale = max(float(expected.abs().max()), 1.0)
+        assert float((got - expected).abs().max()) <= 1e-6 * scale
+
+
+@pytest.fixture(scope="module", params=list(PoolingType), ids=lambda p: p.value)
+def quantized(request):
+    spec = sharding_spec(request.param)
+    return spec, quantize(spec, random_weights(spec, seed=4))
+
+
+@pytest.mark.parametrize("kind", ["table_wise", "row_wise", "column_wise", "replicated", "mixed"])
+@pytest.mark.parametrize("world", [1, 2, 3, 5, 8])
+def test_sharded_equals_unsharded(quantized, kind, world):
+    spec, model = quantized
+    sharded = torch.jit.script(shard_model(model, make_plan(spec, world, layout(kind, world))))
+    for seed, weighted in ((0, False), (1, True)):
+        batch = random_batch(spec, batch_size=13, max_len=7, weighted=weighted, seed=seed)
+        with torch.no_grad():
+            expected = model(batch.values, batch.lengths, batch.weights)
+            got = sharded(batch.values, batch.lengths, batch.weights)
+        assert_parity(kind, got, expected)
+    # int32 ids take the same route
+    batch = random_batch(spec, batch_size=5, seed=2, id_dtype=torch.int32)
+    with torch.no_grad():
+        assert_parity(kind, sharded(batch.values, batch.lengths, None), model(batch.values, batch.lengths, None))
+
+
+def test_planner_made_cpu_plans_match(quantized):
+    spec, model = quantized
+    for world in (2, 4):
+        plan = plan_for_inference(spec, Topology(world, ComputeDevice.CPU, device_memory=(64 * 1024**2,)))
+        sharded = shard_model(model, plan)
+        batch = random_batch(spec, 17, weighted=True, seed=5)
+        with torch.no_grad():
+            got = sharded(batch.values, batch.lengths, batch.weights)
+            expected = model(batch.values, batch.lengths, batch.weights)
+        assert float((got - expected).abs().max()) <= 1e-6 * max(float(expected.abs().max()), 1.0)
+
+
+def test_allocated_bytes_match_the_planner_estimate(quantized):
+    spec, model = quantized
+    plan = plan_for_inference(spec, Topology(3, ComputeDevice.CPU, device_memory=(64 * 1024**2,)))
+    sharded = shard_model(model, plan)
+    per_device = [0] * 3
+    for table_plan in plan.tables:
+        for shard in table_plan.shards:
+            # the estimate holds the rows plus the batch's input/output buffers, which the kernel does not keep
+            per_device[shard.device] += shard.device_bytes - shard.input_bytes - shard.output_bytes
+    # one TBE per device that holds shards, in rank order
+    allocated = [s.tbe.weights_host.numel() * s.tbe.weights_host.element_size() for s in sharded.embeddings.shards]
+    estimated = [b for b in per_device if b > 0]
+    assert len(allocated) == len(estimated) >= 2
+    for got, want in zip(allocated, estimated):
+        assert abs(got - want) <= 0.01 * want, (got, want)
+    # and the estimate is the estimator's own formula, to the byte, for one table-wise table
+    assert weight_bytes(1009, 128, DataType.INT8, 1) == (1009 * 132 + 127) // 128 * 128
+
+
+def test_bad_requests_are_rejected_and_leave_the_model_usable(quantized, tmp_path):
+    spec, model = quantized
+    plan = make_plan(spec, 4, layout("mixed", 4))
+    runtime = load(export(shard_model(model, plan), tmp_path / "a", plan=plan))
+    good = random_batch(spec, 6, seed=3)
+    expected = runtime.lookup(good)
+    too_big = good.values.clone()
+    too_big[0] = 1009
+    negative = good.values.clone()
+    negative[-1] = -1
+    short = good.lengths.clone()
+    short[0] += 1
+    for bad in (
+        SparseFeatures(good.keys, too_big, good.lengths),
+        SparseFeatures(good.keys, negative, good.lengths),
+        SparseFeatures(good.keys, good.values, short),
+        SparseFeatures(good.keys, good.values, good.lengths[:-1]),
+    ):
+        with pytest.raises(RequestError):
+            runtime.lookup(bad)
+        with pytest.raises(torch.jit.Error, match="embserve.RequestError"):
+            runtime.module(bad.values, bad.lengths, None)
+    assert torch.equal(runtime.lookup(good), expected)
+
+
+def test_sharded_artifact_round_trips_in_a_fresh_process(quantized, tmp_path):
+    spec, model = quantized
+    plan = make_plan(spec, 4, layout("mixed", 4))
+    sharded = shard_model(model, plan)
+    path = export(sharded, tmp_path / "sharded", plan=plan)
+    runtime = load(path)
+    assert runtime.manifest.plan_file == "plan.json" and runtime.manifest.world_size == 4
+    batch = random_batch(spec, 9, weighted=True, seed=8)
+    torch.save((batch.values, batch.lengths, batch.weights), tmp_path / "in.pt")
+    script = textwrap.dedent(
+        f"""
+        import torch
+        from infer.export import load
+        from infer.features import SparseFeatures
+        runtime = load({str(path)!r})
+        values, lengths, weights = torch.load({str(tmp_path / "in.pt")!r})
+        torch.save(runtime.lookup(SparseFeatures(runtime.feature_names, values, lengths, weights)),
+                   {str(tmp_path / "out.pt")!r})
+        """
+    )
+    subprocess.run([sys.executable, "-c", script], check=True, capture_output=True)
+    with torch.no_grad():
+        expected = sharded(batch.values, batch.lengths, batch.weights)
+    assert torch.equal(torch.load(tmp_path / "out.pt"), expected)
+
+
+def test_plans_that_do_not_match_the_model_are_rejected(quantized):
+    spec, model = quantized
+    other = ModelSpec((TableConfig("x", 10, 32, ("f",)),))
+    for plan in (
+        make_plan(other, 2, {}),
+        make_plan(spec.with_data_types(overrides={"plain": "fp16"}), 2, {}),
+    ):
+        with pytest.raises(PlanError) as info:
+            shard_model(model, plan)
+        assert info.value.kind == PlanErrorKind.INVALID_PLAN
+    plan = make_plan(spec, 2, {"shared": (RW, (0, 1))})
+    table = plan.tables[0]
+    second = table.shards[1]
+    gap = dataclasses.replace(second, row_offset=second.row_offset + 1, num_rows=second.num_rows - 1)
+    bad_plan = dataclasses.replace(
+        plan, tables=(dataclasses.replace(table, shards=(table.shards[0], gap)),) + plan.tables[1:]
+    )
+    with pytest.raises(PlanError, match="cover"):
+        shard_model(model, bad_plan)
