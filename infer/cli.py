@@ -9,8 +9,13 @@ import sys
 import time
 from collections.abc import Sequence
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from infer.errors import EmbserveError
+
+if TYPE_CHECKING:
+    from infer.config import ModelSpec
+    from infer.planner.types import ShardingPlan
 
 logger = logging.getLogger(__name__)
 
@@ -65,12 +70,50 @@ def cmd_export(args: argparse.Namespace) -> int:
     from infer.quant import accuracy_report, format_accuracy, load_checkpoint, quantize
 
     spec = ModelSpec.load(args.spec).with_data_types(args.dtype, _parse_table_dtypes(args.table_dtype))
+    plan = _export_plan(args, spec)
+    if plan is not None:
+        # the plan may have chosen per-table data types (constraints): quantize to those
+        spec = spec.with_data_types(overrides={t.table: t.data_type for t in plan.tables})
     weights = load_checkpoint(args.weights, spec)
     model = quantize(spec, weights, progress=_print_progress)
     print(format_accuracy(accuracy_report(spec, weights, model)))
-    out = export(model, args.out)
-    print(f"exported {out}")
+    if plan is not None:
+        from infer.planner.stats import format_stats
+        from infer.shard.builder import shard_model
+
+        print()
+        print(format_stats(plan))
+        model = shard_model(model, plan)
+    out = export(model, args.out, plan=plan)
+    print(f"exported {out}" + (f" ({plan.topology.world_size} shards)" if plan is not None else ""))
     return 0
+
+
+def _export_plan(args: argparse.Namespace, spec: ModelSpec) -> ShardingPlan | None:
+    """The plan to shard with: read from --plan, made for --world-size, or none (unsharded)."""
+    from infer.planner.planner import EmbeddingPlanner
+    from infer.planner.types import ComputeDevice, ShardingPlan, Topology, load_constraints, parse_bytes
+
+    if args.device == "cuda":
+        import torch
+
+        if not torch.cuda.is_available():
+            raise EmbserveError("--device cuda needs a CUDA device on this host; export with --device cpu")
+    if args.plan:
+        try:
+            text = Path(args.plan).read_text()
+        except OSError as err:
+            raise EmbserveError(f"cannot read plan {args.plan!r}: {err.strerror}") from None
+        return ShardingPlan.from_json(text)
+    if not args.world_size:
+        return None
+    topology = Topology(
+        args.world_size,
+        ComputeDevice(args.device),
+        (parse_bytes(args.device_memory),) if args.device_memory else (),
+    )
+    constraints = load_constraints(args.constraints, spec) if args.constraints else {}
+    return EmbeddingPlanner(topology).plan(spec, constraints)
 
 
 def cmd_inspect(args: argparse.Namespace) -> int:
@@ -86,6 +129,8 @@ def cmd_inspect(args: argparse.Namespace) -> int:
     print(f"format       v{manifest.format_version}, embserve {manifest.embserve_version}")
     print(f"versions     torch {manifest.torch_version}, fbgemm_gpu {manifest.fbgemm_version}")
     print(f"devices      {', '.join(manifest.devices)}")
+    sharding = f"{manifest.world_size} shards, plan in {manifest.plan_file}" if manifest.plan_file else "unsharded"
+    print(f"sharding     {sharding}")
     dense = f"yes ({spec.num_dense_features} dense features)" if manifest.has_dense else "no"
     print(f"dense part   {dense}")
     print(f"output       [batch, {spec.output_dim}] float32")
@@ -113,7 +158,8 @@ def cmd_run(args: argparse.Namespace) -> int:
     from infer.quant import probe_batch
 
     started = time.monotonic()
-    runtime = load(args.artifact)
+    device_map = dict(item.split("=", 1) for item in args.device_map.split(",")) if args.device_map else None
+    runtime = load(args.artifact, device_map=device_map)
     print(f"loaded {args.artifact} (checksums verified) in {time.monotonic() - started:.2f}s")
     batch = probe_batch(runtime.spec, batch_size=args.batch_size, ids_per_bag=args.ids_per_bag, seed=1)
     pooled = runtime.lookup(batch)
@@ -182,6 +228,11 @@ def build_parser() -> argparse.ArgumentParser:
     exp.add_argument("--out", required=True, help="artifact folder to write")
     exp.add_argument("--dtype", default=None, help="data type for every table (int8, int4, int2, fp16, fp32)")
     exp.add_argument("--table-dtype", action="append", default=[], metavar="NAME=DTYPE", help="per-table data type")
+    exp.add_argument("--world-size", type=int, default=0, help="shard over this many devices (planned)")
+    exp.add_argument("--device", choices=["cpu", "cuda"], default="cpu", help="device kind of the shards")
+    exp.add_argument("--device-memory", default=None, help="memory per device for planning, e.g. 16GB")
+    exp.add_argument("--constraints", default=None, help="planner constraints JSON")
+    exp.add_argument("--plan", default=None, help="shard with this plan JSON (from embserve plan)")
     exp.set_defaults(func=cmd_export)
 
     ins = sub.add_parser("inspect", help="print an artifact's manifest")
@@ -208,6 +259,7 @@ def build_parser() -> argparse.ArgumentParser:
     run.add_argument("--batch-size", type=int, default=512)
     run.add_argument("--ids-per-bag", type=int, default=20)
     run.add_argument("--iterations", type=int, default=10)
+    run.add_argument("--device-map", default=None, metavar="FROM=TO,...", help="e.g. cuda:0=cpu,cuda:1=cpu")
     run.set_defaults(func=cmd_run)
     return parser
 

@@ -12,9 +12,8 @@ import os
 import shutil
 import tempfile
 import time
-from collections.abc import Callable, Mapping
+from collections.abc import Mapping, Sequence
 from pathlib import Path
-from typing import Any
 
 import torch
 
@@ -121,7 +120,7 @@ def load(artifact_dir: str | Path, device_map: Mapping[str, str] | None = None) 
     load_fbgemm()
     model_path = folder / manifest.model_file
     try:
-        module = torch.jit.load(str(model_path), map_location=_map_location(mapping))
+        module = torch.jit.load(str(model_path), map_location=_map_location(manifest.devices, mapping))
     except Exception as err:  # noqa: BLE001 - torch raises RuntimeError and others for a bad archive
         first_line = str(err).strip().splitlines()[0] if str(err).strip() else type(err).__name__
         raise ArtifactError(
@@ -138,15 +137,18 @@ def _cuda_device_exists(name: str) -> bool:
     return torch.cuda.is_available() and index < torch.cuda.device_count()
 
 
-def _map_location(mapping: Mapping[str, str]) -> Callable[[Any, str], Any] | None:
+def _map_location(devices: Sequence[str], mapping: Mapping[str, str]) -> str | None:
+    """``torch.jit.load`` moves every tensor to one device or none: the map must agree with that."""
     if not mapping:
         return None
-
-    def relocate(storage: Any, location: str) -> Any:
-        target = torch.device(mapping.get(location, location))
-        return storage.cpu() if target.type == "cpu" else storage.cuda(target.index or 0)
-
-    return relocate
+    targets = sorted({mapping.get(d, d) for d in devices})
+    if targets == sorted(set(devices)):
+        return None
+    if len(targets) != 1:
+        raise ArtifactError(
+            f"a device map must send every device to one device (TorchScript loads to one); got {dict(mapping)}"
+        )
+    return targets[0]
 
 
 def _remap_shard_devices(module: torch.jit.ScriptModule, mapping: Mapping[str, str]) -> None:

@@ -191,3 +191,25 @@ def test_plans_that_do_not_match_the_model_are_rejected(quantized):
     )
     with pytest.raises(PlanError, match="cover"):
         shard_model(model, bad_plan)
+
+
+def test_artifact_for_missing_cuda_devices_needs_a_device_map(quantized, tmp_path):
+    """A manifest naming CUDA devices this host lacks fails clearly; a device map opts in."""
+    import hashlib
+    import json
+
+    spec, model = quantized
+    path = export(model, tmp_path / "a")
+    manifest = json.loads((path / "manifest.json").read_text())
+    manifest["devices"] = ["cuda:7"]
+    (path / "manifest.json").write_text(json.dumps(manifest))
+    from infer.errors import ArtifactError
+
+    if torch.cuda.device_count() > 7:
+        pytest.skip("this host has a cuda:7")
+    with pytest.raises(ArtifactError, match=r"cuda:7.*device map"):
+        load(path)
+    runtime = load(path, device_map={"cuda:7": "cpu"})
+    batch = random_batch(spec, 4)
+    assert torch.equal(runtime.lookup(batch), model(batch.values, batch.lengths, None))
+    assert hashlib.sha256((path / "model.pt").read_bytes()).hexdigest() == manifest["files"]["model.pt"]["sha256"]
