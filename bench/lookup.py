@@ -1,7 +1,9 @@
 """Lookup throughput of the exported model against a direct fbgemm TBE call, fp32 embedding_bag and a gather probe.
 
 Prints one JSON line per (workload, case) with M lookups/s and the ratio to the exported model measured
-in the same run. Cases are interleaved round by round so machine noise hits all of them alike.
+in the same run, then one line per sharded variant (1, 2, 4 CPU shards; table-, row-, column-wise
+plans) with its ratio to the unsharded exported model. Cases are interleaved round by round so
+machine noise hits all of them alike.
 
     python bench/lookup.py                 # W128 and W64 at full size
     python bench/lookup.py --rows 100000   # smaller tables, for a quick look
@@ -23,7 +25,10 @@ import torch.nn.functional as F
 
 from infer.config import DataType, ModelSpec, TableConfig
 from infer.export import export, load
+from infer.planner.types import ShardingType
 from infer.quant import quantize
+from infer.shard.builder import shard_model
+from infer.shard.plans import make_plan
 
 
 @dataclass(frozen=True)
@@ -73,20 +78,94 @@ def direct_tbe(spec: ModelSpec, model: torch.nn.Module) -> torch.nn.Module:
     return tbe
 
 
-def measure(cases: dict[str, Callable[[int], object]], index_count: int, rounds: int) -> dict[str, float]:
-    """Median seconds per call of each case; cases alternate within every round."""
+def measure(
+    cases: dict[str, Callable[[int], object]], index_count: int, rounds: int, threads: dict[str, int]
+) -> dict[str, float]:
+    """Median seconds per call of each case; cases alternate within every round, each at its thread count."""
+    default_threads = torch.get_num_threads()
     samples: dict[str, list[float]] = {name: [] for name in cases}
-    for fn in cases.values():  # warm-up
+    for name, fn in cases.items():  # warm-up
+        torch.set_num_threads(threads.get(name, default_threads))
         fn(0)
     for r in range(rounds):
         for name, fn in cases.items():
+            torch.set_num_threads(threads.get(name, default_threads))
             started = time.perf_counter()
             fn(r % index_count)
             samples[name].append(time.perf_counter() - started)
+    torch.set_num_threads(default_threads)
     return {name: statistics.median(s) for name, s in samples.items()}
 
 
-def run_workload(w: Workload, rounds: int, index_count: int) -> list[dict[str, object]]:
+def shard_layout(kind: str, spec: ModelSpec, shards: int) -> dict[str, tuple[ShardingType, tuple[int, ...]]]:
+    devices = tuple(range(shards))
+    if kind == "table_wise":
+        return {t.name: (ShardingType.TABLE_WISE, (i % shards,)) for i, t in enumerate(spec.tables)}
+    sharding = ShardingType.ROW_WISE if kind == "row_wise" else ShardingType.COLUMN_WISE
+    return {t.name: (sharding, devices) for t in spec.tables}
+
+
+def run_sharded(
+    w: Workload,
+    spec: ModelSpec,
+    model: torch.nn.Module,
+    baseline: torch.jit.ScriptModule,
+    sets: list[tuple[torch.Tensor, torch.Tensor, torch.Tensor]],
+    rounds: int,
+    index_count: int,
+) -> list[dict[str, object]]:
+    """Every sharded variant against the unsharded exported model, measured pairwise in the same run."""
+    rows = []
+    default_threads = torch.get_num_threads()
+    for shards in (1, 2, 4):
+        for kind in ("table_wise", "row_wise", "column_wise"):
+            if kind != "table_wise" and shards == 1:
+                continue
+            unit = min(32, w.dim // shards)
+            plan = make_plan(spec, shards, shard_layout(kind, spec, shards), column_unit=unit)
+            with tempfile.TemporaryDirectory() as tmp:
+                runtime = load(export(shard_model(model, plan), f"{tmp}/sharded", plan=plan))
+            sharded_threads = torch.get_num_threads()  # what load() chose for this artifact
+            torch.set_num_threads(default_threads)
+            sharded = runtime.module
+
+            def run_baseline(i: int) -> object:
+                return baseline(sets[i][0], sets[i][1], None)
+
+            def run_sharded_model(i: int, module: torch.jit.ScriptModule = sharded) -> object:
+                return module(sets[i][0], sets[i][1], None)
+
+            with torch.inference_mode():
+                expected, got = run_baseline(0), run_sharded_model(0)
+                assert isinstance(expected, torch.Tensor) and isinstance(got, torch.Tensor)
+                max_diff = float((expected - got).abs().max())
+                seconds = measure(
+                    {"unsharded": run_baseline, "sharded": run_sharded_model},
+                    index_count,
+                    rounds,
+                    {"sharded": sharded_threads},
+                )
+            lookups = w.num_tables * w.batch_size * w.ids_per_bag
+            rows.append(
+                {
+                    "bench": "lookup_sharded",
+                    "workload": w.name,
+                    "case": f"{kind}_{shards}",
+                    "shards": shards,
+                    "plan": kind,
+                    "mlookups_per_s": round(lookups / seconds["sharded"] / 1e6, 2),
+                    "unsharded_mlookups_per_s": round(lookups / seconds["unsharded"] / 1e6, 2),
+                    "ratio_to_unsharded": round(seconds["unsharded"] / seconds["sharded"], 3),
+                    "max_abs_diff_vs_unsharded": max_diff,
+                    "intra_op_threads": sharded_threads,
+                }
+            )
+            print(json.dumps(rows[-1]), flush=True)
+            del runtime, sharded
+    return rows
+
+
+def run_workload(w: Workload, rounds: int, index_count: int, sharded: bool) -> list[dict[str, object]]:
     spec = ModelSpec(
         tuple(TableConfig(f"t{i}", w.rows, w.dim, (f"f{i}",), data_type=DataType.INT8) for i in range(w.num_tables))
     )
@@ -97,7 +176,6 @@ def run_workload(w: Workload, rounds: int, index_count: int) -> list[dict[str, o
         runtime = load(export(model, f"{tmp}/artifact"))
     exported = runtime.module
     tbe = direct_tbe(spec, model)
-    del model
     fp32_tables = [weights[t.name] for t in spec.tables]
     gather_table = tbe.split_embedding_weights(split_scale_shifts=False)[0][0]  # [rows, D+4] bytes of table 0
     sets = make_index_sets(w, index_count, seed=1)
@@ -133,10 +211,10 @@ def run_workload(w: Workload, rounds: int, index_count: int) -> list[dict[str, o
     }
     with torch.inference_mode():
         check = torch.equal(run_exported(0), run_tbe(0))
-        seconds = measure(cases, index_count, rounds)
+        seconds = measure(cases, index_count, rounds, {})
     lookups = w.num_tables * w.batch_size * w.ids_per_bag
     base = lookups / seconds["exported_model"]
-    rows = []
+    rows: list[dict[str, object]] = []
     for name, secs in seconds.items():
         rate = lookups / secs
         rows.append(
@@ -156,6 +234,10 @@ def run_workload(w: Workload, rounds: int, index_count: int) -> list[dict[str, o
                 "threads": torch.get_num_threads(),
             }
         )
+        print(json.dumps(rows[-1]), flush=True)
+    if sharded:
+        del tbe, gather_table, gather_out
+        rows += run_sharded(w, spec, model, exported, sets, rounds, index_count)
     return rows
 
 
@@ -165,12 +247,12 @@ def main() -> int:
     parser.add_argument("--rounds", type=int, default=30, help="timed rounds per case")
     parser.add_argument("--index-sets", type=int, default=8, help="distinct id batches cycled through")
     parser.add_argument("--workload", choices=["W128", "W64"], action="append", help="run only these workloads")
+    parser.add_argument("--no-sharded", action="store_true", help="skip the sharded cases")
     args = parser.parse_args()
     for w in workloads(args.rows):
         if args.workload and w.name not in args.workload:
             continue
-        for row in run_workload(w, args.rounds, args.index_sets):
-            print(json.dumps(row), flush=True)
+        run_workload(w, args.rounds, args.index_sets, not args.no_sharded)
     return 0
 
 

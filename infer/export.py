@@ -94,11 +94,19 @@ def _model_devices(model: torch.nn.Module) -> list[str]:
     return seen or ["cpu"]
 
 
-def load(artifact_dir: str | Path, device_map: Mapping[str, str] | None = None) -> Runtime:
+def load(
+    artifact_dir: str | Path,
+    device_map: Mapping[str, str] | None = None,
+    intra_op_threads: int | None = None,
+) -> Runtime:
     """Verify and load an artifact; returns a ``Runtime`` with ``lookup`` and ``predict``.
 
     ``device_map`` (e.g. ``{"cuda:0": "cpu", "cuda:1": "cpu"}``) moves an artifact built for other
     devices onto this host's; without it an artifact built for CUDA does not load on a CPU-only host.
+
+    A model sharded over N CPU devices runs one kernel per core itself; torch's intra-op pool would
+    only compete with it, so unless ``intra_op_threads`` says otherwise it is set (process-wide) to
+    cores // N (at least 1). ``intra_op_threads=0`` leaves torch's setting alone.
     """
     from infer.fbgemm_libs import load_fbgemm
 
@@ -129,7 +137,21 @@ def load(artifact_dir: str | Path, device_map: Mapping[str, str] | None = None) 
     module.eval()
     if mapping:
         _remap_shard_devices(module, mapping)
+    _set_intra_op_threads(manifest, targets, intra_op_threads)
     return Runtime(folder, manifest, module)
+
+
+def _set_intra_op_threads(manifest: Manifest, devices: Sequence[str], requested: int | None) -> None:
+    if requested == 0:
+        return
+    threads = requested
+    if threads is None:
+        if manifest.world_size < 2 or any(d != "cpu" for d in devices):
+            return
+        threads = max(1, (os.cpu_count() or 1) // manifest.world_size)
+    if torch.get_num_threads() != threads:
+        logger.info("intra-op threads %d -> %d (%d CPU shards)", torch.get_num_threads(), threads, manifest.world_size)
+        torch.set_num_threads(threads)
 
 
 def _cuda_device_exists(name: str) -> bool:

@@ -20,8 +20,8 @@ from infer.planner.types import ComputeDevice, ShardingType, Topology
 from infer.quant import quantize
 from infer.reference import random_weights
 from infer.shard.builder import shard_model
+from infer.shard.plans import make_plan
 from tests.conftest import random_batch
-from tests.shard.plans import make_plan
 
 TW, RW, CW, REP = ShardingType.TABLE_WISE, ShardingType.ROW_WISE, ShardingType.COLUMN_WISE, ShardingType.REPLICATED
 

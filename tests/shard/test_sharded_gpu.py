@@ -11,8 +11,8 @@ from infer.planner.types import ComputeDevice, ShardingType
 from infer.quant import quantize
 from infer.reference import random_weights
 from infer.shard.builder import shard_model
+from infer.shard.plans import make_plan
 from tests.conftest import random_batch
-from tests.shard.plans import make_plan
 from tests.shard.test_sharded import assert_parity, layout, sharding_spec
 
 
