@@ -87,8 +87,11 @@ def measure(
     for name, fn in cases.items():  # warm-up
         torch.set_num_threads(threads.get(name, default_threads))
         fn(0)
+    names = list(cases)
     for r in range(rounds):
-        for name, fn in cases.items():
+        # rotate the order every round: no case always runs right after the cache-thrashing one
+        for name in names[r % len(names) :] + names[: r % len(names)]:
+            fn = cases[name]
             torch.set_num_threads(threads.get(name, default_threads))
             started = time.perf_counter()
             fn(r % index_count)
