@@ -69,6 +69,7 @@ class ValidatingCollection(nn.Module):
     num_features: int
     min_rows: int
     output_dim: int
+    checks_ids_in_validate: bool
 
     def __init_subclass__(cls, **kwargs: object) -> None:
         # TorchScript types attributes from the scripted class's own annotations only: copy ours down.
@@ -85,6 +86,8 @@ class ValidatingCollection(nn.Module):
         self.num_features = len(features)
         self.min_rows = min(self.feature_rows)
         self.output_dim = spec.output_dim
+        # a sharded collection checks ids on each device, in parallel, right before its kernel
+        self.checks_ids_in_validate = True
 
     def _request_error(self, message: str) -> str:
         # TorchScript cannot read a global str; keep this literal equal to REQUEST_ERROR_PREFIX.
@@ -129,6 +132,13 @@ class ValidatingCollection(nn.Module):
         if weights is not None:
             if weights.dim() != 1 or weights.dtype != torch.float32 or weights.numel() != values.numel():
                 raise ValueError(self._request_error("weights must be a 1-D float32 tensor with one weight per id"))
+        if self.checks_ids_in_validate:
+            self.validate_ids(values, lengths)
+
+    def validate_ids(self, values: Tensor, lengths: Tensor) -> None:
+        """Every id within its feature's table (after ``validate``'s structural checks passed)."""
+        num_features = self.num_features
+        batch = lengths.numel() // num_features
         if values.numel() == 0:
             return
         low, high = torch.aminmax(values)

@@ -67,7 +67,7 @@ class Runtime:
     def _call(method: Any, *args: Any) -> torch.Tensor:
         try:
             return method(*args)
-        except torch.jit.Error as err:
+        except (torch.jit.Error, RuntimeError) as err:  # RuntimeError: a forked device's error, via its future
             found = _SCRIPT_REQUEST_ERROR.findall(str(err))
             if found:
                 raise RequestError(found[-1].strip()) from None

@@ -109,6 +109,8 @@ def shard_model(
     devices = plan_devices(plan, device_map)
     source_weights = dict(zip([t.name for t in spec.tables], source.table_weights()))
     features = spec.features
+    feature_rows = [f.num_embeddings for f in features]
+    feature_names = [f.name for f in features]
     plans = {t.table: t for t in plan.tables}
     shards: list[DeviceShards] = []
     for rank, device in enumerate(devices):
@@ -145,7 +147,7 @@ def shard_model(
                 data.copy_(src_data[rows, first:last])
                 if scale_bias is not None and src_scale_bias is not None:
                     scale_bias.copy_(src_scale_bias[rows])
-        shards.append(DeviceShards(tbe, device, [lf[1] for lf in local_features]))
+        shards.append(DeviceShards(tbe, device, [lf[1] for lf in local_features], feature_rows, feature_names))
         logger.debug("device %s: %d shards, %d features", device, len(local_tables), len(local_features))
     identity = (
         len(shards) == 1

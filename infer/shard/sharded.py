@@ -30,6 +30,8 @@ class DeviceShards(nn.Module):
     lf_local_col: list[int]
     lf_out_col: list[int]
     lf_dim: list[int]
+    lf_rows: list[int]
+    lf_name: list[str]
     has_partials: bool
 
     def __init__(
@@ -37,9 +39,14 @@ class DeviceShards(nn.Module):
         tbe: nn.Module,
         device: str,
         local_features: list[list[int]],
+        feature_rows: list[int],
+        feature_names: list[str],
     ) -> None:
-        """``local_features``: per TBE feature ``[feature, kind, lo, hi, out_col, dim]`` in TBE order."""
+        """``local_features``: per TBE feature ``[feature, kind, lo, hi, out_col, dim]`` in TBE order;
+        ``feature_rows``/``feature_names``: of every model feature, for the id checks."""
         super().__init__()
+        self.lf_rows = [feature_rows[lf[0]] for lf in local_features]
+        self.lf_name = [feature_names[lf[0]] for lf in local_features]
         self.tbe = tbe
         self.device = device
         self.lf_feature = [lf[0] for lf in local_features]
@@ -68,6 +75,8 @@ class DeviceShards(nn.Module):
             kind = self.lf_kind[i]
             ids = values[starts[f] : starts[f + 1]]
             bag_lengths = lengths[f * batch : (f + 1) * batch]
+            if kind != 2:  # a replica checks only its slice, below
+                self._check_ids(i, ids)
             if kind == 0:  # READ_ALL
                 pieces_v.append(ids)
                 pieces_l.append(bag_lengths)
@@ -88,6 +97,7 @@ class DeviceShards(nn.Module):
                 last = (self.lf_lo[i] + 1) * batch // self.lf_hi[i]
                 begin = int(bag_lengths[:first].sum()) if first > 0 else 0
                 end = begin + (int(bag_lengths[first:last].sum()) if last > first else 0)
+                self._check_ids(i, ids[begin:end])
                 pieces_v.append(ids[begin:end])
                 sliced = torch.zeros(batch, dtype=lengths.dtype, device=lengths.device)
                 sliced[first:last] = bag_lengths[first:last]
@@ -116,6 +126,16 @@ class DeviceShards(nn.Module):
                 last = (self.lf_lo[i] + 1) * batch // self.lf_hi[i]
                 out[first:last, dst : dst + dim].copy_(pooled[first:last, src : src + dim])
         return pooled
+
+    def _check_ids(self, i: int, ids: Tensor) -> None:
+        if ids.numel() == 0:
+            return
+        low, high = torch.aminmax(ids)
+        if int(low) < 0 or int(high) >= self.lf_rows[i]:
+            bad = int(low) if int(low) < 0 else int(high)
+            raise ValueError(
+                f"embserve.RequestError: feature '{self.lf_name[i]}': id {bad} is out of range [0, {self.lf_rows[i]})"
+            )
 
     def lookup_whole(self, values: Tensor, lengths: Tensor, weights: Tensor | None) -> Tensor:
         """The kernel output for a device that holds every feature whole, in input order."""
@@ -146,6 +166,7 @@ class ShardedEmbeddingBagCollection(ValidatingCollection):
     def __init__(self, spec, shards: list[DeviceShards], output_device: str, identity_layout: bool) -> None:  # type: ignore[no-untyped-def]
         super().__init__()
         self._set_features(spec)
+        self.checks_ids_in_validate = identity_layout  # otherwise each device checks its own ids, in parallel
         self.shards = nn.ModuleList(shards)
         self.output_device = output_device
         self.needs_zero_init = any(s.has_partials for s in shards)

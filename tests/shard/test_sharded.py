@@ -141,7 +141,8 @@ def test_bad_requests_are_rejected_and_leave_the_model_usable(quantized, tmp_pat
     ):
         with pytest.raises(RequestError):
             runtime.lookup(bad)
-        with pytest.raises(torch.jit.Error, match="embserve.RequestError"):
+        # the error of a forked device arrives as RuntimeError, of the calling thread as torch.jit.Error
+        with pytest.raises((torch.jit.Error, RuntimeError), match="embserve.RequestError"):
             runtime.module(bad.values, bad.lengths, None)
     assert torch.equal(runtime.lookup(good), expected)
 
