@@ -4,6 +4,9 @@ VENV := .venv
 BIN := $(VENV)/bin
 TORCH_VERSION := 2.13.0
 FBGEMM_VERSION := 1.8.0
+GRPC_VERSION := 1.85.1
+SERVING_PKGS := grpcio==$(GRPC_VERSION) grpcio-tools==$(GRPC_VERSION) grpcio-health-checking==$(GRPC_VERSION) \
+	grpcio-reflection==$(GRPC_VERSION) protobuf==7.36.2 prometheus-client==0.26.0
 # fbgemm-gpu (CUDA build) where an NVIDIA driver is present, fbgemm-gpu-cpu otherwise.
 HAS_CUDA := $(shell command -v nvidia-smi >/dev/null 2>&1 && nvidia-smi -L >/dev/null 2>&1 && echo 1)
 FBGEMM_PKG := $(if $(HAS_CUDA),fbgemm-gpu==$(FBGEMM_VERSION),fbgemm-gpu-cpu==$(FBGEMM_VERSION))
@@ -14,7 +17,8 @@ STAMP := $(VENV)/.installed
 $(STAMP): pyproject.toml Makefile
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
 	$(BIN)/python -m pip install --quiet --disable-pip-version-check torch==$(TORCH_VERSION)
-	$(BIN)/python -m pip install --quiet --disable-pip-version-check $(FBGEMM_PKG) pytest ruff mypy numpy scipy matplotlib "setuptools>=64"
+	$(BIN)/python -m pip install --quiet --disable-pip-version-check $(FBGEMM_PKG) $(SERVING_PKGS) \
+		pytest ruff mypy numpy scipy matplotlib "setuptools>=64"
 	$(BIN)/python -m pip install --quiet --disable-pip-version-check --no-build-isolation --no-deps -e .
 	touch $(STAMP)
 

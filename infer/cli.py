@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import json
 import logging
 import subprocess
 import sys
@@ -211,6 +212,71 @@ def cmd_plan(args: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_serve(args: argparse.Namespace) -> int:
+    import asyncio
+
+    from server.app import ServerConfig, serve
+    from server.auth import read_token_file
+
+    config = ServerConfig(
+        host=args.host,
+        port=args.port,
+        max_batch_size=args.max_batch_size,
+        max_delay_us=args.max_delay_us,
+        max_queue=args.max_queue,
+        workers=args.workers,
+        max_message_bytes=args.max_message_mb * 1024 * 1024,
+        metrics_port=args.metrics_port,
+        tls_cert=args.tls_cert,
+        tls_key=args.tls_key,
+        auth_token=read_token_file(args.auth_token_file) if args.auth_token_file else None,
+        drain_seconds=args.drain_seconds,
+    )
+    return asyncio.run(serve(args.artifact, config))
+
+
+def cmd_query(args: argparse.Namespace) -> int:
+    import torch
+
+    from infer.config import ModelSpec, TableConfig
+    from infer.quant import probe_batch
+    from server.auth import read_token_file
+    from server.client import EmbserveClient
+
+    token = read_token_file(args.token_file) if args.token_file else None
+    root = Path(args.tls_root).read_bytes() if args.tls_root else None
+    with EmbserveClient(args.address, token=token, root_certificates=root, timeout=args.timeout) as client:
+        metadata = client.metadata()
+        print(
+            f"model {metadata.model_version}: {len(metadata.tables)} tables, features {list(metadata.feature_order)}, "
+            f"output dim {metadata.output_dim}"
+        )
+        if args.features:
+            features = json.loads(args.features)
+        else:
+            spec = ModelSpec(
+                tuple(
+                    TableConfig(t.name, t.num_embeddings, t.embedding_dim, tuple(t.feature_names))
+                    for t in metadata.tables
+                )
+            )
+            features = probe_batch(spec, batch_size=args.batch_size, ids_per_bag=args.ids_per_bag, seed=args.seed)
+        started = time.perf_counter()
+        pooled = client.lookup(features, fp16=args.fp16)
+        elapsed = time.perf_counter() - started
+        print(f"lookup: output {list(pooled.shape)} in {1e3 * elapsed:.2f} ms")
+        for column in metadata.columns[: args.show]:
+            values = [round(v, 4) for v in pooled[0, column.start : min(column.end, column.start + 4)].tolist()]
+            print(f"  row 0 {column.feature:<20} [{column.start}:{column.end}] {values} ...")
+        if metadata.has_dense and not args.features:
+            dense = torch.randn(
+                pooled.shape[0], metadata.num_dense_features, generator=torch.Generator().manual_seed(0)
+            )
+            scores = client.predict(features, dense)
+            print(f"predict: first scores {[round(v, 4) for v in scores[:5].tolist()]}")
+    return 0
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="embserve", description="Quantize, export and serve embedding tables.")
     parser.add_argument("-v", "--verbose", action="store_true", help="debug logging")
@@ -254,6 +320,35 @@ def build_parser() -> argparse.ArgumentParser:
     plan.add_argument("--plot", default=None, help="PNG with per-device memory and cost bars")
     plan.set_defaults(func=cmd_plan)
 
+    srv = sub.add_parser("serve", help="serve an artifact over gRPC (SIGTERM drains, then exits 0)")
+    srv.add_argument("artifact")
+    srv.add_argument("--host", default="0.0.0.0")
+    srv.add_argument("--port", type=int, default=50051)
+    srv.add_argument("--max-batch-size", type=int, default=4096, help="examples per batched forward")
+    srv.add_argument("--max-delay-us", type=int, default=1000, help="how long a request waits to be batched")
+    srv.add_argument("--max-queue", type=int, default=1024, help="queued requests before RESOURCE_EXHAUSTED")
+    srv.add_argument("--workers", type=int, default=0, help="concurrent forwards (0: cores / CPU shards)")
+    srv.add_argument("--max-message-mb", type=int, default=64)
+    srv.add_argument("--metrics-port", type=int, default=None, help="Prometheus /metrics port")
+    srv.add_argument("--tls-cert", default=None)
+    srv.add_argument("--tls-key", default=None)
+    srv.add_argument("--auth-token-file", default=None, help="require 'authorization: Bearer <token>'")
+    srv.add_argument("--drain-seconds", type=float, default=30.0)
+    srv.set_defaults(func=cmd_serve)
+
+    qry = sub.add_parser("query", help="query a server: metadata and one lookup")
+    qry.add_argument("address", help="host:port")
+    qry.add_argument("--features", default=None, help='JSON {"feature": [[ids], ...]}; default: a random batch')
+    qry.add_argument("--batch-size", type=int, default=4)
+    qry.add_argument("--ids-per-bag", type=int, default=5)
+    qry.add_argument("--seed", type=int, default=0)
+    qry.add_argument("--fp16", action="store_true", help="ask for fp16 output")
+    qry.add_argument("--show", type=int, default=4, help="features to print")
+    qry.add_argument("--token-file", default=None)
+    qry.add_argument("--tls-root", default=None, help="PEM root certificate of a TLS server")
+    qry.add_argument("--timeout", type=float, default=30.0)
+    qry.set_defaults(func=cmd_query)
+
     run = sub.add_parser("run", help="load an artifact and time lookups on a random batch")
     run.add_argument("artifact")
     run.add_argument("--batch-size", type=int, default=512)
@@ -270,12 +365,29 @@ def main(argv: Sequence[str] | None = None) -> int:
     logging.basicConfig(
         level=logging.DEBUG if args.verbose else logging.WARNING, format="%(levelname)s %(name)s: %(message)s"
     )
-    logging.getLogger("infer").setLevel(logging.DEBUG if args.verbose else logging.INFO)
+    for package in ("infer", "server"):
+        logging.getLogger(package).setLevel(logging.DEBUG if args.verbose else logging.INFO)
     try:
         return int(args.func(args))
     except EmbserveError as err:
         print(f"embserve: error: {err}", file=sys.stderr)
         return 2
+    except OSError as err:
+        print(f"embserve: error: {err}", file=sys.stderr)
+        return 2
+    except _grpc_error() as err:
+        print(f"embserve: error: {err.code().name}: {err.details()}", file=sys.stderr)  # type: ignore[attr-defined]
+        return 2
+
+
+def _grpc_error() -> type[Exception]:
+    """grpc.RpcError when grpc is loaded (query/serve), else a type nothing raises."""
+    grpc = sys.modules.get("grpc")
+    return grpc.RpcError if grpc is not None else _NeverRaised  # type: ignore[no-any-return]
+
+
+class _NeverRaised(Exception):
+    pass
 
 
 if __name__ == "__main__":

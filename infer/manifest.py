@@ -137,8 +137,9 @@ class Manifest:
                 files=tuple(FileEntry(n, int(e["bytes"]), str(e["sha256"])) for n, e in data["files"].items()),
                 format_version=version,
                 model_file=data["model_file"],
-                plan_file=data["sharding"]["plan_file"],
-                world_size=int(data["sharding"]["world_size"]),
+                # absent in manifests written before sharding existed: unsharded
+                plan_file=data.get("sharding", {}).get("plan_file"),
+                world_size=int(data.get("sharding", {}).get("world_size", 1)),
             )
         except ArtifactError:
             raise

@@ -1,0 +1,158 @@
+"""Create, run and stop the embserve gRPC server (grpc.aio).
+
+``create_server`` builds a started server and returns it with its port (tests bind port 0);
+``serve`` runs one until SIGTERM/SIGINT, then drains in-flight calls and returns 0.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import os
+import signal
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import grpc
+import torch
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+from grpc_health.v1._async import HealthServicer
+from grpc_reflection.v1alpha import reflection
+
+from infer.export import load
+from infer.quant import probe_batch
+from infer.runtime import Runtime
+from server.auth import BearerTokenInterceptor
+from server.metrics import ServerMetrics
+from server.proto import inference_pb2 as pb
+from server.proto import inference_pb2_grpc as pb_grpc
+from server.service import InferenceServicer
+
+logger = logging.getLogger(__name__)
+
+SERVICE_NAME = pb.DESCRIPTOR.services_by_name["InferenceService"].full_name
+
+
+@dataclass(frozen=True)
+class ServerConfig:
+    host: str = "0.0.0.0"
+    port: int = 50051
+    max_batch_size: int = 4096  # examples per batched forward (and per request)
+    max_delay_us: int = 1000  # how long a request waits for others to batch with
+    max_queue: int = 1024  # requests waiting; beyond it callers get RESOURCE_EXHAUSTED
+    workers: int = 0  # concurrent forwards; 0 -> cores // CPU shards of the model (at least 1)
+    max_message_bytes: int = 64 * 1024 * 1024
+    metrics_port: int | None = None  # None: no /metrics endpoint; 0: any free port
+    metrics_host: str = "0.0.0.0"
+    tls_cert: str | None = None
+    tls_key: str | None = None
+    auth_token: str | None = None
+    drain_seconds: float = 30.0
+    warmup_batches: int = 3
+
+
+@dataclass
+class RunningServer:
+    server: grpc.aio.Server
+    port: int
+    servicer: InferenceServicer
+    health: HealthServicer
+    metrics: ServerMetrics
+    metrics_port: int | None = None
+    stopped: asyncio.Event = field(default_factory=asyncio.Event)
+
+    async def stop(self, grace: float | None = None) -> None:
+        """Report NOT_SERVING, finish in-flight calls (at most ``grace`` seconds), then release everything."""
+        if self.stopped.is_set():
+            return
+        await self.health.enter_graceful_shutdown()
+        await self.server.stop(grace)
+        await self.servicer.close()
+        self.stopped.set()
+
+
+def _workers(runtime: Runtime, requested: int) -> int:
+    if requested > 0:
+        return requested
+    cpu_shards = runtime.manifest.world_size if all(d == "cpu" for d in runtime.manifest.devices) else 1
+    return max(1, (os.cpu_count() or 1) // max(cpu_shards, 1))
+
+
+async def _warm_up(servicer: InferenceServicer, batches: int) -> None:
+    """Run a few batches through the batcher before reporting SERVING (first calls pay one-time costs)."""
+    spec = servicer.spec
+    for seed in range(batches):
+        features = probe_batch(spec, batch_size=min(64, servicer.max_batch_size), ids_per_bag=8, seed=seed)
+        await servicer.lookups.submit(features)
+        if servicer.predictions is not None:
+            dense = torch.zeros(features.batch_size, spec.num_dense_features)
+            await servicer.predictions.submit(features, dense)
+
+
+async def create_server(artifact: str | Path | Runtime, config: ServerConfig = ServerConfig()) -> RunningServer:
+    """Load (or take) a runtime, start a server on ``config.host:config.port`` and warm it up."""
+    runtime = artifact if isinstance(artifact, Runtime) else load(artifact)
+    metrics = ServerMetrics()
+    servicer = InferenceServicer(
+        runtime,
+        metrics,
+        max_batch_size=config.max_batch_size,
+        max_delay_s=config.max_delay_us / 1e6,
+        max_queue=config.max_queue,
+        workers=_workers(runtime, config.workers),
+    )
+    interceptors = [BearerTokenInterceptor(config.auth_token)] if config.auth_token else []
+    options = [
+        ("grpc.max_receive_message_length", config.max_message_bytes),
+        ("grpc.max_send_message_length", config.max_message_bytes),
+    ]
+    server = grpc.aio.server(interceptors=interceptors, options=options)
+    pb_grpc.add_InferenceServiceServicer_to_server(servicer, server)
+    health = HealthServicer()
+    health_pb2_grpc.add_HealthServicer_to_server(health, server)
+    reflection.enable_server_reflection(
+        (SERVICE_NAME, health_pb2.DESCRIPTOR.services_by_name["Health"].full_name, reflection.SERVICE_NAME), server
+    )
+    for name in ("", SERVICE_NAME):
+        await health.set(name, health_pb2.HealthCheckResponse.NOT_SERVING)
+    address = f"{config.host}:{config.port}"
+    if config.tls_cert or config.tls_key:
+        if not (config.tls_cert and config.tls_key):
+            raise ValueError("TLS needs both --tls-cert and --tls-key")
+        credentials = grpc.ssl_server_credentials(
+            [(Path(config.tls_key).read_bytes(), Path(config.tls_cert).read_bytes())]
+        )
+        port = server.add_secure_port(address, credentials)
+    else:
+        port = server.add_insecure_port(address)
+    if port == 0:
+        raise OSError(f"cannot bind {address}")
+    await server.start()
+    servicer.start()
+    metrics_port = (
+        metrics.serve_http(config.metrics_port, config.metrics_host) if config.metrics_port is not None else None
+    )
+    await _warm_up(servicer, config.warmup_batches)
+    for name in ("", SERVICE_NAME):
+        await health.set(name, health_pb2.HealthCheckResponse.SERVING)
+    logger.info(
+        "serving %s on port %d (model %s, %d features, max batch %d, delay %d us)%s",
+        runtime.path, port, servicer.version, len(runtime.feature_names), config.max_batch_size,
+        config.max_delay_us, f", metrics on port {metrics_port}" if metrics_port else "",
+    )  # fmt: skip
+    return RunningServer(server, port, servicer, health, metrics, metrics_port)
+
+
+async def serve(artifact: str | Path, config: ServerConfig = ServerConfig()) -> int:
+    """Run until SIGTERM or SIGINT, then drain: NOT_SERVING, in-flight calls finish, exit code 0."""
+    running = await create_server(artifact, config)
+    print(f"embserve: serving on port {running.port}", flush=True)
+    stop = asyncio.Event()
+    loop = asyncio.get_running_loop()
+    for signum in (signal.SIGTERM, signal.SIGINT):
+        loop.add_signal_handler(signum, stop.set)
+    await stop.wait()
+    logger.info("draining (up to %.0f s)", config.drain_seconds)
+    await running.stop(config.drain_seconds)
+    logger.info("stopped")
+    return 0

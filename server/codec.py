@@ -1,0 +1,130 @@
+"""Wire <-> tensors: decode requests into validated ``SparseFeatures``, encode pooled outputs.
+
+Both request forms end in the same validation as the library (``SparseFeatures.validate``), so a
+bad request is a ``RequestError`` naming the feature before any kernel runs.
+"""
+
+from __future__ import annotations
+
+import sys
+
+import torch
+
+from infer.config import ModelSpec
+from infer.errors import RequestError
+from infer.features import SparseFeatures
+from server.proto import inference_pb2 as pb
+
+if sys.byteorder != "little":  # pragma: no cover - every supported host is little-endian
+    raise ImportError("embserve's packed wire format is little-endian; this host is not")
+
+_ID_WIDTH = {pb.ID_TYPE_INT64: (8, torch.int64), pb.ID_TYPE_INT32: (4, torch.int32)}
+
+
+def _array(data: bytes, dtype: torch.dtype, width: int, what: str) -> torch.Tensor:
+    if len(data) % width:
+        raise RequestError(f"{what} has {len(data)} bytes, not a multiple of {width} ({dtype} values)")
+    if not data:
+        return torch.empty(0, dtype=dtype)
+    # a writable copy: frombuffer over immutable bytes would share memory the caller cannot write
+    return torch.frombuffer(bytearray(data), dtype=dtype)
+
+
+def decode_sparse(message: pb.SparseFeatures, spec: ModelSpec) -> SparseFeatures:
+    """A request's sparse part, validated and in the model's feature order."""
+    form = message.WhichOneof("form")
+    if form == "packed":
+        packed = message.packed
+        if packed.id_type not in _ID_WIDTH:
+            raise RequestError(f"unknown id_type {packed.id_type}; use ID_TYPE_INT64 or ID_TYPE_INT32")
+        width, id_dtype = _ID_WIDTH[packed.id_type]
+        keys = tuple(packed.feature_order)
+        if not keys:
+            raise RequestError("packed.feature_order is empty; list the features of `lengths` in order")
+        features = SparseFeatures(
+            keys,
+            _array(packed.ids, id_dtype, width, "packed.ids"),
+            _array(packed.lengths, torch.int32, 4, "packed.lengths"),
+            _array(packed.weights, torch.float32, 4, "packed.weights") if packed.weights else None,
+        )
+    elif form == "typed":
+        typed = message.typed.features
+        if not typed:
+            raise RequestError("typed.features is empty")
+        keys = tuple(typed)
+        weighted = [k for k in keys if len(typed[k].weights)]
+        if weighted and len(weighted) != len(keys):
+            raise RequestError(f"weights given for {weighted} but not for every feature; weight all or none")
+        features = SparseFeatures(
+            keys,
+            torch.cat([torch.tensor(typed[k].ids, dtype=torch.int64) for k in keys]),
+            torch.cat([torch.tensor(typed[k].lengths, dtype=torch.int32) for k in keys]),
+            torch.cat([torch.tensor(typed[k].weights, dtype=torch.float32) for k in keys]) if weighted else None,
+        )
+        batch_sizes = {k: len(typed[k].lengths) for k in keys}
+        if len(set(batch_sizes.values())) > 1:
+            raise RequestError(f"features have different batch sizes {batch_sizes}; send one length per example")
+    else:
+        raise RequestError("request carries no sparse features (set sparse.typed or sparse.packed)")
+    return features.validate(spec)
+
+
+def decode_dense(data: bytes, batch_size: int, num_dense: int) -> torch.Tensor:
+    dense = _array(data, torch.float32, 4, "dense_features")
+    if dense.numel() != batch_size * num_dense:
+        raise RequestError(
+            f"dense_features holds {dense.numel()} floats; expected batch {batch_size} x {num_dense} features"
+        )
+    return dense.view(batch_size, num_dense)
+
+
+def column_ranges(spec: ModelSpec) -> list[pb.ColumnRange]:
+    return [pb.ColumnRange(feature=f.name, start=f.column_start, end=f.column_end) for f in spec.features]
+
+
+def encode_embeddings(pooled: torch.Tensor, output_type: int) -> bytes:
+    if output_type == pb.OUTPUT_TYPE_FP16:
+        return pooled.to(torch.float16).contiguous().numpy().tobytes()
+    if output_type != pb.OUTPUT_TYPE_FP32:
+        raise RequestError(f"unknown output_type {output_type}; use OUTPUT_TYPE_FP32 or OUTPUT_TYPE_FP16")
+    return pooled.contiguous().numpy().tobytes()
+
+
+def encode_packed(features: SparseFeatures) -> pb.SparseFeatures:
+    """The packed wire form of a batch (what the client sends)."""
+    id_type = pb.ID_TYPE_INT32 if features.values.dtype == torch.int32 else pb.ID_TYPE_INT64
+    packed = pb.PackedFeatures(
+        feature_order=list(features.keys),
+        lengths=features.lengths.to(torch.int32).contiguous().numpy().tobytes(),
+        ids=features.values.contiguous().numpy().tobytes(),
+        id_type=id_type,
+        weights=features.weights.contiguous().numpy().tobytes() if features.weights is not None else b"",
+    )
+    return pb.SparseFeatures(packed=packed)
+
+
+def encode_typed(features: SparseFeatures) -> pb.SparseFeatures:
+    """The typed wire form of a batch (friendlier, slower)."""
+    typed = pb.TypedFeatures()
+    batch = features.batch_size
+    lengths = features.lengths.tolist()
+    values = features.values.tolist()
+    weights = features.weights.tolist() if features.weights is not None else None
+    position = 0
+    for f, key in enumerate(features.keys):
+        bag_lengths = lengths[f * batch : (f + 1) * batch]
+        count = sum(bag_lengths)
+        entry = typed.features[key]
+        entry.lengths.extend(bag_lengths)
+        entry.ids.extend(values[position : position + count])
+        if weights is not None:
+            entry.weights.extend(weights[position : position + count])
+        position += count
+    return pb.SparseFeatures(typed=typed)
+
+
+def decode_embeddings(response: pb.LookupResponse) -> torch.Tensor:
+    """The pooled output of a response as a float32 tensor ``[batch, dim]``."""
+    dtype = torch.float16 if response.output_type == pb.OUTPUT_TYPE_FP16 else torch.float32
+    flat = torch.frombuffer(bytearray(response.embeddings), dtype=dtype) if response.embeddings else torch.empty(0)
+    return flat.view(response.batch_size, response.dim).to(torch.float32)

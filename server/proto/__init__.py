@@ -1,0 +1,1 @@
+"""Generated gRPC stubs (python -m server.generate_protos); do not edit."""
