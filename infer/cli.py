@@ -62,7 +62,51 @@ def cmd_demo(args: argparse.Namespace) -> int:
     print("loading the artifact in a fresh process and running a batch:")
     sys.stdout.flush()
     command = [sys.executable, "-m", "infer.cli", "run", str(out), "--batch-size", str(args.batch_size)]
-    return subprocess.call(command)
+    code = subprocess.call(command)
+    if code != 0 or args.no_serve:
+        return code
+    return _demo_serve(out)
+
+
+def _demo_serve(artifact: Path) -> int:
+    """Serve the demo artifact on a free loopback port, query it, compare with in-process, stop with SIGTERM."""
+    import signal
+
+    import torch
+
+    from infer.export import load
+    from infer.quant import probe_batch
+    from server.client import EmbserveClient
+
+    print("\nserving the artifact over gRPC (loopback) and querying it with the Python client:", flush=True)
+    server = subprocess.Popen(
+        [sys.executable, "-m", "infer.cli", "serve", str(artifact), "--host", "127.0.0.1", "--port", "0"],
+        stdout=subprocess.PIPE,
+        text=True,
+    )
+    try:
+        assert server.stdout is not None
+        line = server.stdout.readline()
+        if "serving on port" not in line:
+            raise EmbserveError(f"the demo server did not start (it printed {line!r})")
+        port = int(line.rsplit(" ", 1)[1])
+        runtime = load(artifact)
+        batch = probe_batch(runtime.spec, batch_size=8, ids_per_bag=10, seed=3)
+        with EmbserveClient(f"127.0.0.1:{port}") as client:
+            started = time.perf_counter()
+            pooled = client.lookup(batch)
+            elapsed = time.perf_counter() - started
+            dense = torch.randn(8, runtime.spec.num_dense_features, generator=torch.Generator().manual_seed(4))
+            scores = client.predict(batch, dense)
+        same = torch.equal(pooled, runtime.lookup(batch)) and torch.equal(scores, runtime.predict(batch, dense))
+        print(f"  server on 127.0.0.1:{port}: lookup [8, {pooled.shape[1]}] in {1e3 * elapsed:.1f} ms")
+        print(f"  scores {[round(v, 4) for v in scores.tolist()]}")
+        print(f"  equal to the in-process runtime: {same}")
+    finally:
+        server.send_signal(signal.SIGTERM)
+        code = server.wait(timeout=60)
+    print(f"  server stopped on SIGTERM with exit code {code}")
+    return 0 if code == 0 and same else 1
 
 
 def cmd_export(args: argparse.Namespace) -> int:
@@ -286,6 +330,7 @@ def build_parser() -> argparse.ArgumentParser:
     demo.add_argument("--out", default="artifacts/demo", help="artifact folder (default: ./artifacts/demo)")
     demo.add_argument("--seed", type=int, default=0)
     demo.add_argument("--batch-size", type=int, default=512)
+    demo.add_argument("--no-serve", action="store_true", help="skip the gRPC serving step")
     demo.set_defaults(func=cmd_demo)
 
     exp = sub.add_parser("export", help="quantize a checkpoint and export an artifact")

@@ -99,5 +99,7 @@ def test_demo_runs_end_to_end(tmp_path):
     for table in ("user_id", "ad_id", "query_token"):
         assert table in out
     assert "M lookups/s" in out and "predict: scores [64]" in out
+    assert "equal to the in-process runtime: True" in out
+    assert "server stopped on SIGTERM with exit code 0" in out
     runtime = load(tmp_path / "demo")
     assert runtime.has_dense and len(runtime.spec.tables) == 8
