@@ -31,6 +31,7 @@ from server.service import InferenceServicer
 logger = logging.getLogger(__name__)
 
 SERVICE_NAME = pb.DESCRIPTOR.services_by_name["InferenceService"].full_name
+_SETTLE_S = 0.05
 
 
 @dataclass(frozen=True)
@@ -66,8 +67,19 @@ class RunningServer:
         if self.stopped.is_set():
             return
         await self.health.enter_graceful_shutdown()
-        await self.server.stop(grace)
+        stopping = asyncio.ensure_future(self.server.stop(grace))  # refuses new calls from here on
+        if grace is not None:
+            # A health Watch stream never ends by itself: once the Lookup/Predict calls are done, end
+            # what is left now instead of holding every shutdown for the whole grace period.
+            await asyncio.sleep(_SETTLE_S)  # calls accepted just before the stop reach their handler
+            try:
+                await asyncio.wait_for(self.servicer.drained(), max(0.0, grace - _SETTLE_S))
+            except asyncio.TimeoutError:  # not the builtin TimeoutError before Python 3.11
+                pass
+            await self.server.stop(None)
+        await stopping
         await self.servicer.close()
+        await asyncio.to_thread(self.metrics.close)
         self.stopped.set()
 
 

@@ -126,7 +126,7 @@ class DynamicBatcher:
                     break
                 try:
                     item = await asyncio.wait_for(self._queue.get(), remaining)
-                except TimeoutError:
+                except asyncio.TimeoutError:  # not the builtin TimeoutError before Python 3.11
                     break
             if size + item.features.batch_size > self.max_batch_size:
                 self._carry.append(item)

@@ -52,18 +52,28 @@ def decode_sparse(message: pb.SparseFeatures, spec: ModelSpec) -> SparseFeatures
         if not typed:
             raise RequestError("typed.features is empty")
         keys = tuple(typed)
-        weighted = [k for k in keys if len(typed[k].weights)]
-        if weighted and len(weighted) != len(keys):
-            raise RequestError(f"weights given for {weighted} but not for every feature; weight all or none")
+        batch_sizes = {k: len(typed[k].lengths) for k in keys}
+        if len(set(batch_sizes.values())) > 1:
+            raise RequestError(f"features have different batch sizes {batch_sizes}; send one length per example")
+        weighted = any(len(typed[k].weights) for k in keys)
+        for key in keys:
+            # per feature: in the concatenation, a surplus in one feature and a shortfall in another
+            # would cancel out and shift ids (or weights) into the wrong feature's bags
+            bags = typed[key]
+            num_ids, total = len(bags.ids), sum(bags.lengths)
+            if total != num_ids and min(bags.lengths, default=0) >= 0:  # validate names a negative length
+                raise RequestError(f"feature {key!r}: lengths sum to {total} but it has {num_ids} ids", feature=key)
+            if weighted and len(bags.weights) != num_ids:
+                raise RequestError(
+                    f"feature {key!r}: {len(bags.weights)} weights for {num_ids} ids; weight every id, or none",
+                    feature=key,
+                )
         features = SparseFeatures(
             keys,
             torch.cat([torch.tensor(typed[k].ids, dtype=torch.int64) for k in keys]),
             torch.cat([torch.tensor(typed[k].lengths, dtype=torch.int32) for k in keys]),
             torch.cat([torch.tensor(typed[k].weights, dtype=torch.float32) for k in keys]) if weighted else None,
         )
-        batch_sizes = {k: len(typed[k].lengths) for k in keys}
-        if len(set(batch_sizes.values())) > 1:
-            raise RequestError(f"features have different batch sizes {batch_sizes}; send one length per example")
     else:
         raise RequestError("request carries no sparse features (set sparse.typed or sparse.packed)")
     return features.validate(spec)

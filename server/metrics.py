@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from wsgiref.simple_server import WSGIServer
+
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, start_http_server
 
 LATENCY_BUCKETS = (0.0005, 0.001, 0.002, 0.005, 0.01, 0.02, 0.05, 0.1, 0.2, 0.5, 1.0, 2.0, 5.0)
@@ -13,6 +15,7 @@ class ServerMetrics:
 
     def __init__(self) -> None:
         self.registry = CollectorRegistry()
+        self._http: WSGIServer | None = None
         self.requests = Counter(
             "embserve_requests", "RPCs handled, by method and status code", ["method", "code"], registry=self.registry
         )
@@ -40,5 +43,12 @@ class ServerMetrics:
 
     def serve_http(self, port: int, host: str = "0.0.0.0") -> int:
         """Expose ``/metrics`` on ``port`` (0 picks a free one); returns the port."""
-        server, _thread = start_http_server(port, addr=host, registry=self.registry)
-        return int(server.server_port)
+        self._http, _thread = start_http_server(port, addr=host, registry=self.registry)
+        return int(self._http.server_port)
+
+    def close(self) -> None:
+        """Stop the ``/metrics`` endpoint, if one runs (blocks up to its 0.5 s poll interval)."""
+        http, self._http = self._http, None
+        if http is not None:
+            http.shutdown()
+            http.server_close()

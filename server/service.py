@@ -49,6 +49,18 @@ class InferenceServicer(pb_grpc.InferenceServiceServicer):
         )
         self._columns = codec.column_ranges(self.spec)
         self._metadata = self._build_metadata()
+        # read at scrape time: a value set when a request finished missed every request still waiting
+        metrics.queue_depth.set_function(
+            lambda: self.lookups.depth + (self.predictions.depth if self.predictions is not None else 0)
+        )
+        self._in_flight = 0
+        self._idle = asyncio.Event()
+        self._idle.set()
+
+    async def drained(self) -> None:
+        """Return once no Lookup or Predict call is in flight."""
+        while self._in_flight:
+            await self._idle.wait()
 
     # ---------------------------------------------------------------- model calls (executor threads)
     def _run_lookup(
@@ -120,16 +132,14 @@ class InferenceServicer(pb_grpc.InferenceServiceServicer):
                 f"batch of {features.batch_size} examples exceeds the server's max batch size {self.max_batch_size}; "
                 "split the request"
             )
-        try:
-            result = await batcher.submit(features, dense)
-        finally:
-            self.metrics.queue_depth.set(self.lookups.depth + (self.predictions.depth if self.predictions else 0))
-        return result
+        return await batcher.submit(features, dense)
 
     async def _handle(self, method: str, context: grpc.aio.ServicerContext, work: Awaitable[Any]) -> Any:
         started = time.perf_counter()
         code = grpc.StatusCode.OK
         message = ""
+        self._in_flight += 1
+        self._idle.clear()
         try:
             return await work
         except RequestError as err:
@@ -139,7 +149,9 @@ class InferenceServicer(pb_grpc.InferenceServiceServicer):
         except _Failure as err:
             code, message = err.code, err.message
         except asyncio.CancelledError:
-            code = grpc.StatusCode.CANCELLED
+            remaining = context.time_remaining()
+            expired = remaining is not None and remaining <= 0
+            code = grpc.StatusCode.DEADLINE_EXCEEDED if expired else grpc.StatusCode.CANCELLED
             raise
         except Exception as err:  # noqa: BLE001 - the client gets INTERNAL, the log gets the traceback
             logger.exception("%s failed", method)
@@ -147,6 +159,9 @@ class InferenceServicer(pb_grpc.InferenceServiceServicer):
         finally:
             self.metrics.requests.labels(method, code.name).inc()
             self.metrics.latency.labels(method).observe(time.perf_counter() - started)
+            self._in_flight -= 1
+            if not self._in_flight:
+                self._idle.set()
         await context.abort(code, message)
 
     def _build_metadata(self) -> pb.ModelMetadata:

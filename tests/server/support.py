@@ -1,0 +1,170 @@
+"""Helpers of the server tests (no fixtures: those are in conftest.py)."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import socket
+import threading
+import time
+from collections.abc import Callable, Coroutine
+from concurrent.futures import Future
+from pathlib import Path
+from typing import Any, TypeVar
+
+import grpc
+import pytest
+import torch
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+from infer.export import load
+from infer.features import SparseFeatures
+from infer.runtime import Runtime
+from server import codec
+from server.app import SERVICE_NAME, RunningServer, ServerConfig, create_server
+from server.proto import inference_pb2 as pb
+from server.proto import inference_pb2_grpc as pb_grpc
+
+T = TypeVar("T")
+NUM_DENSE = 5
+CALL_TIMEOUT = 10.0  # every RPC of the suite is bounded
+
+
+class LoopThread:
+    """One asyncio loop in a daemon thread; ``run`` executes a coroutine there and waits (bounded)."""
+
+    def __init__(self) -> None:
+        self.loop = asyncio.new_event_loop()
+        self.thread = threading.Thread(target=self.loop.run_forever, name="server-loop", daemon=True)
+        self.thread.start()
+
+    def submit(self, coro: Coroutine[Any, Any, T]) -> Future[T]:
+        return asyncio.run_coroutine_threadsafe(coro, self.loop)
+
+    def run(self, coro: Coroutine[Any, Any, T], timeout: float = 30.0) -> T:
+        return self.submit(coro).result(timeout)
+
+    def close(self) -> None:
+        self.loop.call_soon_threadsafe(self.loop.stop)
+        self.thread.join(10)
+
+
+class Served:
+    """A running server plus blocking helpers to talk to it."""
+
+    def __init__(self, loop: LoopThread, running: RunningServer, config: ServerConfig) -> None:
+        self.loop = loop
+        self.running = running
+        self.config = config
+        self.port = running.port
+        self.address = f"127.0.0.1:{running.port}"
+        self._channels: list[grpc.Channel] = []
+
+    @classmethod
+    def start(cls, loop: LoopThread, artifact: Path | Runtime, config: ServerConfig) -> Served:
+        return cls(loop, loop.run(create_server(artifact, config)), config)
+
+    def channel(self, **kwargs: Any) -> grpc.Channel:
+        channel = grpc.insecure_channel(self.address, **kwargs)
+        self._channels.append(channel)
+        return channel
+
+    def stub(self) -> pb_grpc.InferenceServiceStub:
+        return pb_grpc.InferenceServiceStub(self.channel())
+
+    def health(self, service: str = SERVICE_NAME) -> int:
+        stub = health_pb2_grpc.HealthStub(self.channel())
+        return stub.Check(health_pb2.HealthCheckRequest(service=service), timeout=CALL_TIMEOUT).status
+
+    def metric(self, name: str, labels: dict[str, str] | None = None) -> float:
+        value = self.running.metrics.registry.get_sample_value(name, labels or {})
+        return 0.0 if value is None else value
+
+    def stop(self, grace: float | None = 5.0) -> None:
+        self.loop.run(self.running.stop(grace))
+
+    def close_channels(self) -> None:
+        for channel in self._channels:
+            channel.close()
+        self._channels.clear()
+
+
+class GatedModule:
+    """The real scripted model behind a gate: a forward waits until the test opens it.
+
+    Lets a test hold a batch inside the model (to fill the queue, or to cancel mid-forward)
+    deterministically; the numbers are still the model's own.
+    """
+
+    def __init__(self, module: torch.jit.ScriptModule) -> None:
+        self.module = module
+        self.gate = threading.Event()
+        self.gate.set()
+        self.entered = threading.Event()  # set when a forward reaches the gate
+
+    def _wait(self) -> None:
+        self.entered.set()
+        if not self.gate.wait(30):
+            raise RuntimeError("the test never opened the gate")
+
+    def __call__(self, *args: Any) -> torch.Tensor:
+        self._wait()
+        return self.module(*args)
+
+    def predict(self, *args: Any) -> torch.Tensor:
+        self._wait()
+        return self.module.predict(*args)
+
+    def hold(self) -> None:
+        """From now on, forwards wait at the gate."""
+        self.entered.clear()
+        self.gate.clear()
+
+    def release(self) -> None:
+        self.gate.set()
+
+    def wait_entered(self, timeout: float = 10.0) -> None:
+        assert self.entered.wait(timeout), "no forward reached the gate"
+
+
+def local_config(**overrides: Any) -> ServerConfig:
+    settings: dict[str, Any] = {"host": "127.0.0.1", "port": 0, "metrics_host": "127.0.0.1", "warmup_batches": 1}
+    settings.update(overrides)
+    return ServerConfig(**settings)
+
+
+def free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return int(sock.getsockname()[1])
+
+
+def lookup_request(features: SparseFeatures, typed: bool = False, fp16: bool = False) -> pb.LookupRequest:
+    sparse = codec.encode_typed(features) if typed else codec.encode_packed(features)
+    return pb.LookupRequest(sparse=sparse, output_type=pb.OUTPUT_TYPE_FP16 if fp16 else pb.OUTPUT_TYPE_FP32)
+
+
+def rpc_error(call: Callable[[], Any]) -> grpc.RpcError:
+    """The error a call raises (failing the test when it succeeds)."""
+    with pytest.raises(grpc.RpcError) as caught:
+        call()
+    return caught.value
+
+
+def wait_until(condition: Callable[[], bool], timeout: float = 10.0, what: str = "condition") -> None:
+    deadline = time.monotonic() + timeout
+    while not condition():
+        if time.monotonic() > deadline:
+            raise AssertionError(f"timed out after {timeout} s waiting for {what}")
+        time.sleep(0.005)
+
+
+def manifest_json(artifact: Path) -> dict[str, Any]:
+    return json.loads((artifact / "manifest.json").read_text())
+
+
+def gated_runtime(artifact: Path) -> tuple[Runtime, GatedModule]:
+    """A fresh load of ``artifact`` whose model waits at a gate (open until the test closes it)."""
+    runtime = load(artifact)
+    gated = GatedModule(runtime.module)
+    return Runtime(runtime.path, runtime.manifest, gated), gated  # type: ignore[arg-type]

@@ -1,0 +1,190 @@
+"""Health, reflection, graceful stop in-process, and SIGTERM on the real `serve` command."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+
+import grpc
+import pytest
+import torch
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+from grpc_reflection.v1alpha import reflection_pb2, reflection_pb2_grpc
+
+from server import codec
+from server.app import SERVICE_NAME, create_server
+from server.proto import inference_pb2 as pb
+from server.proto import inference_pb2_grpc as pb_grpc
+from tests.conftest import random_batch
+from tests.server.support import (
+    CALL_TIMEOUT,
+    free_port,
+    local_config,
+    lookup_request,
+    rpc_error,
+    wait_until,
+)
+
+SERVING = health_pb2.HealthCheckResponse.SERVING
+NOT_SERVING = health_pb2.HealthCheckResponse.NOT_SERVING
+REPO = Path(__file__).resolve().parents[2]
+
+
+def test_serving_once_create_server_returns(dense_server):
+    assert dense_server.health("") == SERVING
+    assert dense_server.health(SERVICE_NAME) == SERVING
+    assert SERVICE_NAME == "embserve.v1.InferenceService"
+    error = rpc_error(lambda: dense_server.health("no.such.Service"))
+    assert error.code() == grpc.StatusCode.NOT_FOUND
+
+
+def test_not_serving_until_warm_up_completes(loop_thread, gated, dense_runtime, spec):
+    runtime, gate = gated
+    port = free_port()  # a fixed port: the server answers health checks before create_server returns
+    gate.hold()
+    starting = loop_thread.submit(create_server(runtime, local_config(port=port, warmup_batches=1)))
+    gate.wait_entered()  # warm-up is inside the model
+    channel = grpc.insecure_channel(f"127.0.0.1:{port}")
+    health = health_pb2_grpc.HealthStub(channel)
+    try:
+        for service in ("", SERVICE_NAME):
+            response = health.Check(health_pb2.HealthCheckRequest(service=service), timeout=CALL_TIMEOUT)
+            assert response.status == NOT_SERVING
+        gate.release()
+        running = starting.result(CALL_TIMEOUT)
+        assert running.port == port
+        for service in ("", SERVICE_NAME):
+            response = health.Check(health_pb2.HealthCheckRequest(service=service), timeout=CALL_TIMEOUT)
+            assert response.status == SERVING
+        batch = random_batch(spec, batch_size=3)
+        response = pb_grpc.InferenceServiceStub(channel).Lookup(lookup_request(batch), timeout=CALL_TIMEOUT)
+        assert torch.equal(codec.decode_embeddings(response), dense_runtime.lookup(batch))
+    finally:
+        gate.release()
+        channel.close()
+        loop_thread.run(starting.result(CALL_TIMEOUT).stop(1.0))
+
+
+def test_graceful_stop_reports_not_serving_and_finishes_in_flight_calls(
+    loop_thread, start_server, gated, dense_runtime, spec
+):
+    runtime, gate = gated
+    served = start_server(runtime, workers=1, max_delay_us=0)
+    channel = served.channel()
+    stub = pb_grpc.InferenceServiceStub(channel)
+    # a health watcher (client-side health checking) stays connected during the whole stop
+    watch = health_pb2_grpc.HealthStub(channel).Watch(
+        health_pb2.HealthCheckRequest(service=SERVICE_NAME), timeout=3 * CALL_TIMEOUT
+    )
+    assert next(watch).status == SERVING
+
+    batch = random_batch(spec, batch_size=5, weighted=True, seed=800)
+    gate.hold()
+    in_flight = stub.Lookup.future(lookup_request(batch), timeout=CALL_TIMEOUT)
+    gate.wait_entered()
+    grace = 20.0
+    started = time.monotonic()
+    stopping = loop_thread.submit(served.running.stop(grace))
+
+    assert next(watch).status == NOT_SERVING
+
+    def refused() -> bool:
+        try:
+            stub.GetModelMetadata(pb.GetModelMetadataRequest(), timeout=CALL_TIMEOUT)
+        except grpc.RpcError as err:
+            assert err.code() == grpc.StatusCode.UNAVAILABLE
+            return True
+        return False
+
+    wait_until(refused, what="new calls to be refused while draining")
+    assert not in_flight.done()
+    gate.release()
+    assert torch.equal(codec.decode_embeddings(in_flight.result()), dense_runtime.lookup(batch))
+    stopping.result(CALL_TIMEOUT)
+    # done once the in-flight call finished: the open Watch stream did not hold the stop for its grace
+    assert time.monotonic() - started < grace / 2
+    assert served.running.stopped.is_set()
+    watch.cancel()
+
+
+def test_reflection_lists_the_service(dense_server):
+    stub = reflection_pb2_grpc.ServerReflectionStub(dense_server.channel())
+    requests = [reflection_pb2.ServerReflectionRequest(list_services="")]
+    responses = list(stub.ServerReflectionInfo(iter(requests), timeout=CALL_TIMEOUT))
+    names = {s.name for s in responses[0].list_services_response.service}
+    assert "embserve.v1.InferenceService" in names
+    assert "grpc.health.v1.Health" in names
+
+    describe = [reflection_pb2.ServerReflectionRequest(file_containing_symbol="embserve.v1.InferenceService")]
+    response = next(iter(stub.ServerReflectionInfo(iter(describe), timeout=CALL_TIMEOUT)))
+    assert response.file_descriptor_response.file_descriptor_proto  # the .proto, for grpcurl and friends
+
+
+class _Lines:
+    """Collects a subprocess's stdout lines in a thread, so waiting for one is bounded."""
+
+    def __init__(self, stream) -> None:
+        self.lines: list[str] = []
+        self._stream = stream
+        self._thread = threading.Thread(target=self._read, daemon=True)
+        self._thread.start()
+
+    def _read(self) -> None:
+        for line in self._stream:
+            self.lines.append(line)
+
+    def wait_for(self, text: str, timeout: float) -> str:
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            for line in self.lines:
+                if text in line:
+                    return line
+            time.sleep(0.02)
+        raise AssertionError(f"{text!r} not printed within {timeout} s; got {self.lines}")
+
+
+@pytest.mark.slow
+def test_sigterm_loses_no_request_in_flight(sparse_artifact, sparse_runtime, spec, tmp_path):
+    port = free_port()
+    stderr = (tmp_path / "stderr.txt").open("w")
+    command = [sys.executable, "-m", "infer.cli", "serve", str(sparse_artifact), "--host", "127.0.0.1"]
+    command += ["--port", str(port), "--max-delay-us", "500000", "--drain-seconds", "20"]
+    process = subprocess.Popen(command, cwd=REPO, stdout=subprocess.PIPE, stderr=stderr, text=True)
+    channel = None
+    try:
+        stdout = _Lines(process.stdout)
+        stdout.wait_for("serving on port", timeout=60)
+        channel = grpc.insecure_channel(f"127.0.0.1:{port}")
+        stub = pb_grpc.InferenceServiceStub(channel)
+        stub.GetModelMetadata(pb.GetModelMetadataRequest(), timeout=CALL_TIMEOUT)  # connected
+        watch = health_pb2_grpc.HealthStub(channel).Watch(
+            health_pb2.HealthCheckRequest(service=""), timeout=3 * CALL_TIMEOUT
+        )
+        assert next(watch).status == SERVING
+
+        batches = [random_batch(spec, batch_size=2 + i, weighted=i % 2 == 0, seed=900 + i) for i in range(8)]
+        futures = [stub.Lookup.future(lookup_request(b), timeout=3 * CALL_TIMEOUT) for b in batches]
+        time.sleep(0.2)  # well inside the 500 ms batching window: every request is waiting in the server
+        assert not any(f.done() for f in futures)
+        signalled = time.monotonic()
+        process.send_signal(signal.SIGTERM)
+
+        assert next(watch).status == NOT_SERVING
+        for batch, future in zip(batches, futures):
+            assert torch.equal(codec.decode_embeddings(future.result()), sparse_runtime.lookup(batch))
+        assert process.wait(timeout=30) == 0, (tmp_path / "stderr.txt").read_text()
+        assert time.monotonic() - signalled < 10  # drained, not held for --drain-seconds by the watcher
+    finally:
+        if channel is not None:
+            channel.close()
+        if process.poll() is None:
+            os.kill(process.pid, signal.SIGKILL)
+            process.wait(10)
+        if process.stdout is not None:
+            process.stdout.close()
+        stderr.close()

@@ -1,0 +1,80 @@
+"""The Prometheus /metrics endpoint: requests by code, latency, batch sizes, queue depth."""
+
+from __future__ import annotations
+
+import urllib.error
+import urllib.request
+
+import grpc
+import pytest
+import torch
+from prometheus_client.parser import text_string_to_metric_families
+
+from server.client import EmbserveClient
+from tests.conftest import random_batch
+from tests.server.support import CALL_TIMEOUT, rpc_error
+
+
+def _scrape(port: int) -> dict[str, list]:
+    with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=5) as response:
+        assert response.status == 200
+        text = response.read().decode()
+    return {family.name: family.samples for family in text_string_to_metric_families(text)}
+
+
+def _value(samples: list, name: str, **labels: str) -> float:
+    matching = [s.value for s in samples if s.name == name and all(s.labels.get(k) == v for k, v in labels.items())]
+    assert len(matching) == 1, f"{name} {labels}: {matching}"
+    return float(matching[0])
+
+
+def test_metrics_endpoint(start_server, dense_artifact, dense_runtime, spec):
+    served = start_server(dense_artifact, metrics_port=0)
+    port = served.running.metrics_port
+    assert port
+    bad = {name: [[0]] for name in spec.feature_names}
+    bad["f_int2"] = [[10_000]]
+    with EmbserveClient(served.address, timeout=CALL_TIMEOUT) as client:
+        for seed in range(3):
+            batch = random_batch(spec, batch_size=4 + seed, seed=seed)
+            assert torch.equal(client.lookup(batch), dense_runtime.lookup(batch))
+        for _ in range(2):
+            assert rpc_error(lambda: client.lookup(bad)).code() == grpc.StatusCode.INVALID_ARGUMENT
+        client.predict(random_batch(spec, batch_size=2), torch.zeros(2, 5))
+        client.metadata()
+
+    metrics = _scrape(port)
+    requests = metrics["embserve_requests"]
+    assert _value(requests, "embserve_requests_total", method="Lookup", code="OK") == 3
+    assert _value(requests, "embserve_requests_total", method="Lookup", code="INVALID_ARGUMENT") == 2
+    assert _value(requests, "embserve_requests_total", method="Predict", code="OK") == 1
+    assert _value(requests, "embserve_requests_total", method="GetModelMetadata", code="OK") == 1
+
+    latency = metrics["embserve_request_latency_seconds"]
+    assert _value(latency, "embserve_request_latency_seconds_count", method="Lookup") == 5
+    assert _value(latency, "embserve_request_latency_seconds_bucket", method="Lookup", le="+Inf") == 5
+    assert _value(latency, "embserve_request_latency_seconds_sum", method="Lookup") > 0
+
+    # warm-up ran one lookup and one predict batch of 64 examples; then 3 lookups and 1 predict
+    warm_up = served.config.warmup_batches * 2
+    batch_examples = metrics["embserve_batch_examples"]
+    assert _value(batch_examples, "embserve_batch_examples_count") == warm_up + 4
+    assert _value(batch_examples, "embserve_batch_examples_sum") == 64 * warm_up + 4 + 5 + 6 + 2
+    batch_requests = metrics["embserve_batch_requests"]
+    assert _value(batch_requests, "embserve_batch_requests_count") == warm_up + 4
+    assert _value(batch_requests, "embserve_batch_requests_bucket", le="+Inf") == warm_up + 4
+
+    assert _value(metrics["embserve_queue_depth"], "embserve_queue_depth") == 0
+
+
+def test_metrics_endpoint_closes_with_the_server(start_server, dense_artifact):
+    served = start_server(dense_artifact, metrics_port=0)
+    port = served.running.metrics_port
+    assert "embserve_requests" in _scrape(port)
+    served.stop(grace=1.0)
+    with pytest.raises(urllib.error.URLError):
+        urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=2)
+
+
+def test_no_metrics_endpoint_by_default(dense_server):
+    assert dense_server.running.metrics_port is None
