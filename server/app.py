@@ -42,6 +42,7 @@ class ServerConfig:
     max_delay_us: int = 1000  # how long a request waits for others to batch with
     max_queue: int = 1024  # requests waiting; beyond it callers get RESOURCE_EXHAUSTED
     workers: int = 0  # concurrent forwards; 0 -> cores // CPU shards of the model (at least 1)
+    intra_op_threads: int = 0  # torch threads per forward; 0 -> cores // (workers x CPU shards), at least 1
     max_message_bytes: int = 64 * 1024 * 1024
     metrics_port: int | None = None  # None: no /metrics endpoint; 0: any free port
     metrics_host: str = "0.0.0.0"
@@ -83,11 +84,22 @@ class RunningServer:
         self.stopped.set()
 
 
+def _cpu_shards(runtime: Runtime) -> int:
+    return runtime.manifest.world_size if all(d == "cpu" for d in runtime.manifest.devices) else 1
+
+
 def _workers(runtime: Runtime, requested: int) -> int:
     if requested > 0:
         return requested
-    cpu_shards = runtime.manifest.world_size if all(d == "cpu" for d in runtime.manifest.devices) else 1
-    return max(1, (os.cpu_count() or 1) // max(cpu_shards, 1))
+    return max(1, (os.cpu_count() or 1) // _cpu_shards(runtime))
+
+
+def _set_intra_op_threads(runtime: Runtime, workers: int, requested: int) -> None:
+    """Concurrent forwards (and CPU shards) already fill the cores: torch's own pool would only oversubscribe."""
+    threads = requested or max(1, (os.cpu_count() or 1) // (workers * _cpu_shards(runtime)))
+    if torch.get_num_threads() != threads:
+        logger.info("intra-op threads %d -> %d (%d workers)", torch.get_num_threads(), threads, workers)
+        torch.set_num_threads(threads)
 
 
 async def _warm_up(servicer: InferenceServicer, batches: int) -> None:
@@ -105,13 +117,15 @@ async def create_server(artifact: str | Path | Runtime, config: ServerConfig = S
     """Load (or take) a runtime, start a server on ``config.host:config.port`` and warm it up."""
     runtime = artifact if isinstance(artifact, Runtime) else load(artifact)
     metrics = ServerMetrics()
+    workers = _workers(runtime, config.workers)
+    _set_intra_op_threads(runtime, workers, config.intra_op_threads)
     servicer = InferenceServicer(
         runtime,
         metrics,
         max_batch_size=config.max_batch_size,
         max_delay_s=config.max_delay_us / 1e6,
         max_queue=config.max_queue,
-        workers=_workers(runtime, config.workers),
+        workers=workers,
     )
     interceptors = [BearerTokenInterceptor(config.auth_token)] if config.auth_token else []
     options = [

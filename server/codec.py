@@ -100,13 +100,25 @@ def encode_embeddings(pooled: torch.Tensor, output_type: int) -> bytes:
     return pooled.contiguous().numpy().tobytes()
 
 
+_INT32_MIN, _INT32_MAX = -(2**31), 2**31 - 1
+
+
 def encode_packed(features: SparseFeatures) -> pb.SparseFeatures:
-    """The packed wire form of a batch (what the client sends)."""
-    id_type = pb.ID_TYPE_INT32 if features.values.dtype == torch.int32 else pb.ID_TYPE_INT64
+    """The packed wire form of a batch (what the client sends).
+
+    Ids go as int32 whenever they fit (tables have fewer than 2**31 rows, so valid ids always do):
+    half the bytes of int64 on the wire, and the kernel takes int32 ids as they are.
+    """
+    values = features.values
+    if values.dtype == torch.int64 and values.numel():
+        low, high = torch.aminmax(values)
+        if _INT32_MIN <= int(low) and int(high) <= _INT32_MAX:
+            values = values.to(torch.int32)
+    id_type = pb.ID_TYPE_INT32 if values.dtype == torch.int32 else pb.ID_TYPE_INT64
     packed = pb.PackedFeatures(
         feature_order=list(features.keys),
         lengths=features.lengths.to(torch.int32).contiguous().numpy().tobytes(),
-        ids=features.values.contiguous().numpy().tobytes(),
+        ids=values.contiguous().numpy().tobytes(),
         id_type=id_type,
         weights=features.weights.contiguous().numpy().tobytes() if features.weights is not None else b"",
     )

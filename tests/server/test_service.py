@@ -65,6 +65,15 @@ def test_int32_ids_go_on_the_wire_as_int32(dense_server, dense_runtime, spec):
     assert torch.equal(codec.decode_embeddings(response), dense_runtime.lookup(batch))
 
 
+def test_int64_ids_that_fit_go_on_the_wire_as_int32(dense_server, dense_runtime, spec):
+    batch = random_batch(spec, batch_size=5, seed=10, id_dtype=torch.int64)
+    request = lookup_request(batch)
+    assert request.sparse.packed.id_type == pb.ID_TYPE_INT32
+    assert len(request.sparse.packed.ids) == 4 * batch.num_ids()
+    response = dense_server.stub().Lookup(request, timeout=CALL_TIMEOUT)
+    assert torch.equal(codec.decode_embeddings(response), dense_runtime.lookup(batch))
+
+
 def test_lookup_from_a_dict_of_bags(client, dense_runtime, spec):
     bags = {name: [[1, 2, 3], [], [7]] for name in reversed(spec.feature_names)}
     weights = {name: [[0.5, 1.0, 2.0], [], [3.0]] for name in spec.feature_names}
@@ -213,6 +222,9 @@ def _packed(**changes: Any) -> Callable[[], tuple[str, Any]]:
     def build() -> tuple[str, Any]:
         request = lookup_request(_base())
         packed = request.sparse.packed
+        # the edits below work on int64 ids; the client would send these small ids as int32
+        packed.ids = torch.frombuffer(bytearray(packed.ids), dtype=torch.int32).to(torch.int64).numpy().tobytes()
+        packed.id_type = pb.ID_TYPE_INT64
         for key, value in changes.items():
             current = getattr(packed, key)
             new = value(current) if callable(value) else value
@@ -307,7 +319,7 @@ def _too_big_batch() -> tuple[str, Any]:
 
 def _oversize() -> tuple[str, Any]:
     bags = {name: BAGS for name in _base().keys}
-    bags["f_int8"] = [[1] * (MAX_MESSAGE // 8 + 100), [], [], []]  # valid, but more bytes than the cap
+    bags["f_int8"] = [[1] * (MAX_MESSAGE // 4 + 100), [], [], []]  # valid, but more bytes than the cap (int32 ids)
     return "Lookup", lookup_request(SparseFeatures.from_dict(bags))
 
 
