@@ -12,7 +12,7 @@ HAS_CUDA := $(shell command -v nvidia-smi >/dev/null 2>&1 && nvidia-smi -L >/dev
 FBGEMM_PKG := $(if $(HAS_CUDA),fbgemm-gpu==$(FBGEMM_VERSION),fbgemm-gpu-cpu==$(FBGEMM_VERSION))
 STAMP := $(VENV)/.installed
 
-.PHONY: demo test lint typecheck pytest bench clean
+.PHONY: demo test lint typecheck pytest bench clean cpp cpp-deps
 
 $(STAMP): pyproject.toml Makefile
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
@@ -32,7 +32,7 @@ lint: $(STAMP)
 typecheck: $(STAMP)
 	$(BIN)/mypy infer server
 
-pytest: $(STAMP)
+pytest: $(STAMP) cpp
 	$(BIN)/python -m pytest -q
 
 test: lint typecheck pytest
@@ -40,5 +40,22 @@ test: lint typecheck pytest
 bench: $(STAMP)
 	$(BIN)/python bench/lookup.py
 
+# The C++ loader (cpp_loader/): libtorch from the torch wheel in .venv; needs cmake, a C++17 compiler,
+# nlohmann-json3-dev and libssl-dev (installed with apt-get where missing, e.g. on a fresh CI machine).
+CPP_BUILD := cpp_loader/build
+SUDO := $(shell [ "$$(id -u)" != 0 ] && command -v sudo >/dev/null 2>&1 && echo sudo)
+
+cpp-deps:
+	@dpkg -s nlohmann-json3-dev libssl-dev >/dev/null 2>&1 || \
+		($(SUDO) apt-get update && $(SUDO) apt-get install -y nlohmann-json3-dev libssl-dev)
+	@command -v cmake >/dev/null 2>&1 && command -v g++ >/dev/null 2>&1 || \
+		($(SUDO) apt-get update && $(SUDO) apt-get install -y cmake g++)
+
+cpp: $(STAMP) cpp-deps
+	test -f $(CPP_BUILD)/CMakeCache.txt || cmake -S cpp_loader -B $(CPP_BUILD) -DCMAKE_BUILD_TYPE=Release \
+		-DEMBSERVE_PYTHON=$(abspath $(BIN)/python) \
+		-DCMAKE_PREFIX_PATH="$$($(BIN)/python -c 'import torch; print(torch.utils.cmake_prefix_path)')"
+	cmake --build $(CPP_BUILD) -j2
+
 clean:
-	rm -rf $(VENV) artifacts build
+	rm -rf $(VENV) artifacts build $(CPP_BUILD)

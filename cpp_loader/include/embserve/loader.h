@@ -1,0 +1,110 @@
+// embserve C++ loader: load an exported embserve artifact with libtorch (no Python) and run lookups.
+//
+//   auto model = embserve::Model::load("artifacts/quickstart");
+//   at::Tensor pooled = model.lookup(values, lengths);      // [batch, output_dim] float32
+//
+// Every failure is an exception deriving from embserve::Error (itself a std::runtime_error).
+#pragma once
+
+#include <cstdint>
+#include <memory>
+#include <optional>
+#include <stdexcept>
+#include <string>
+#include <vector>
+
+#include <ATen/Tensor.h>
+
+namespace torch::jit {
+struct Module;
+}
+
+namespace embserve {
+
+// Base of every error the loader raises.
+class Error : public std::runtime_error {
+ public:
+  using std::runtime_error::runtime_error;
+};
+// manifest.json is missing, not JSON, of another format/version, or malformed.
+class ManifestError : public Error {
+ public:
+  using Error::Error;
+};
+// A file listed in the manifest is missing, has the wrong size, or fails its sha256 check.
+class ChecksumError : public Error {
+ public:
+  using Error::Error;
+};
+// An fbgemm operator library is not found in any searched folder, or dlopen fails.
+class LibraryError : public Error {
+ public:
+  using Error::Error;
+};
+// TorchScript cannot load or run the model (unknown operator or type, bad archive, ...).
+class ModelError : public Error {
+ public:
+  using Error::Error;
+};
+// A lookup request is invalid; the message names the feature and the bad value.
+class RequestError : public Error {
+ public:
+  using Error::Error;
+};
+
+struct LoadOptions {
+  // Folders searched first for the fbgemm libraries; then $EMBSERVE_FBGEMM_LIB_DIR, the manifest's
+  // fbgemm.build_dir, and the fbgemm_gpu folder recorded when embserve_loader was built.
+  std::vector<std::string> library_dirs;
+  // Check every listed file's size and sha256 before loading (as the Python loader does).
+  bool verify_checksums = true;
+  // torch intra-op threads (process-wide): -1 = as Python's load (cores / world_size for models
+  // sharded over several CPU devices, unchanged otherwise); 0 = leave alone; n > 0 = set n.
+  int intra_op_threads = -1;
+};
+
+struct FeatureInfo {
+  std::string name;
+  std::string table;
+  int64_t num_embeddings = 0;
+  int64_t embedding_dim = 0;
+  std::string pooling;
+  int64_t column_start = 0;
+  int64_t column_end = 0;
+};
+
+class Model {
+ public:
+  // Verify and load the artifact folder written by embserve's export. Throws embserve::Error.
+  static Model load(const std::string& artifact_dir, const LoadOptions& options = LoadOptions());
+
+  // Pooled embeddings [batch, output_dim] float32, columns per feature in feature_names() order.
+  // values: 1-D int32/int64 ids; lengths: 1-D int32/int64, num_features * batch bag lengths,
+  // feature-major; weights: optional 1-D float32, one per id. Throws RequestError on bad input.
+  // Safe to call from several threads on one Model.
+  at::Tensor lookup(const at::Tensor& values, const at::Tensor& lengths,
+                    const std::optional<at::Tensor>& weights = std::nullopt) const;
+
+  // Check a request without running it (lookup does this itself). Throws RequestError.
+  void validate(const at::Tensor& values, const at::Tensor& lengths,
+                const std::optional<at::Tensor>& weights) const;
+
+  const std::vector<FeatureInfo>& features() const { return features_; }
+  std::vector<std::string> feature_names() const;
+  int64_t output_dim() const { return output_dim_; }
+  int world_size() const { return world_size_; }
+  const std::string& path() const { return path_; }
+  // Absolute paths of the fbgemm libraries loaded for this model, in load order.
+  const std::vector<std::string>& libraries() const { return libraries_; }
+
+ private:
+  Model() = default;
+  std::string path_;
+  std::vector<FeatureInfo> features_;
+  int64_t output_dim_ = 0;
+  int world_size_ = 1;
+  std::vector<std::string> libraries_;
+  std::shared_ptr<torch::jit::Module> module_;
+};
+
+}  // namespace embserve

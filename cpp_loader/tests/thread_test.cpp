@@ -1,0 +1,76 @@
+// Two (or more) threads share one embserve::Model; every thread's outputs must equal a single-thread
+// reference computed first. Usage: embserve_thread_test ARTIFACT [THREADS] [ITERATIONS]
+// Prints "ok ..." and exits 0 on success; exits 1 naming the first mismatch otherwise.
+#include <embserve/loader.h>
+
+#include <torch/torch.h>
+
+#include <atomic>
+#include <iostream>
+#include <string>
+#include <thread>
+#include <vector>
+
+int main(int argc, char** argv) {
+  if (argc < 2) {
+    std::cerr << "usage: embserve_thread_test ARTIFACT [THREADS] [ITERATIONS]\n";
+    return 2;
+  }
+  const int num_threads = argc > 2 ? std::stoi(argv[2]) : 2;
+  const int iterations = argc > 3 ? std::stoi(argv[3]) : 50;
+  try {
+    embserve::Model model = embserve::Model::load(argv[1]);
+    const auto& features = model.features();
+    const int64_t num_features = static_cast<int64_t>(features.size());
+    torch::manual_seed(0);
+    struct Req {
+      at::Tensor values, lengths, weights;
+    };
+    std::vector<Req> requests;
+    for (int r = 0; r < 16; ++r) {
+      const int64_t batch = 1 + r % 7;
+      at::Tensor lengths = torch::randint(0, 6, {num_features * batch}, torch::kInt32);
+      std::vector<at::Tensor> ids;
+      for (int64_t f = 0; f < num_features; ++f) {
+        int64_t n = lengths.slice(0, f * batch, (f + 1) * batch).sum().item<int64_t>();
+        ids.push_back(torch::randint(0, features[static_cast<size_t>(f)].num_embeddings, {n}, torch::kInt64));
+      }
+      at::Tensor values = torch::cat(ids);
+      if (r % 2) values = values.to(torch::kInt32);
+      requests.push_back({values, lengths, r % 3 == 0 ? torch::rand({values.numel()}) : at::Tensor()});
+    }
+    auto call = [&](const Req& q) {
+      return model.lookup(q.values, q.lengths,
+                          q.weights.defined() ? std::optional<at::Tensor>(q.weights) : std::nullopt);
+    };
+    std::vector<at::Tensor> reference;
+    for (const auto& q : requests) reference.push_back(call(q));
+
+    std::atomic<int> mismatches{0};
+    std::atomic<int> failures{0};
+    std::vector<std::thread> threads;
+    for (int t = 0; t < num_threads; ++t) {
+      threads.emplace_back([&, t] {
+        try {
+          for (int i = 0; i < iterations; ++i) {
+            size_t k = static_cast<size_t>(i + t * 5) % requests.size();
+            if (!torch::equal(call(requests[k]), reference[k])) ++mismatches;
+          }
+        } catch (const std::exception& err) {
+          std::cerr << "thread " << t << ": " << err.what() << "\n";
+          ++failures;
+        }
+      });
+    }
+    for (auto& thread : threads) thread.join();
+    if (mismatches || failures) {
+      std::cerr << "FAILED: " << mismatches << " mismatches, " << failures << " failed threads\n";
+      return 1;
+    }
+    std::cout << "ok " << num_threads << " threads x " << iterations << " lookups match the reference\n";
+    return 0;
+  } catch (const std::exception& err) {
+    std::cerr << "error: " << err.what() << "\n";
+    return 1;
+  }
+}

@@ -1,0 +1,82 @@
+"""Fixtures for the C++ loader tests: one build of cpp_loader/ per session, and small artifacts."""
+
+from __future__ import annotations
+
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[2]
+CPP = ROOT / "cpp_loader"
+BUILD = CPP / "build"
+
+
+def build_cpp_loader() -> Path:
+    """Configure (once) and build cpp_loader/build; incremental when `make cpp` already built it."""
+    if shutil.which("cmake") is None:
+        pytest.skip("cmake is not installed")
+    if not (BUILD / "CMakeCache.txt").is_file():
+        subprocess.run(
+            [
+                "cmake",
+                "-S",
+                str(CPP),
+                "-B",
+                str(BUILD),
+                "-DCMAKE_BUILD_TYPE=Release",
+                f"-DEMBSERVE_PYTHON={sys.executable}",
+            ],
+            check=True,
+            capture_output=True,
+            text=True,
+        )
+    result = subprocess.run(["cmake", "--build", str(BUILD), "-j2"], capture_output=True, text=True)
+    assert result.returncode == 0, result.stdout[-4000:] + result.stderr[-4000:]
+    return BUILD
+
+
+@pytest.fixture(scope="session")
+def cpp_build() -> Path:
+    return build_cpp_loader()
+
+
+@pytest.fixture(scope="session")
+def embserve_run(cpp_build: Path) -> Path:
+    return cpp_build / "embserve_run"
+
+
+@pytest.fixture(scope="session")
+def unsharded_artifact(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    from infer.export import export
+    from infer.quant import quantize
+    from infer.reference import random_weights
+    from tests.conftest import mixed_spec
+
+    spec = mixed_spec()
+    return export(quantize(spec, random_weights(spec, seed=3)), tmp_path_factory.mktemp("cpp") / "unsharded")
+
+
+@pytest.fixture(scope="session")
+def sharded_artifact(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    from infer.export import export
+    from infer.planner.types import ShardingType
+    from infer.quant import quantize
+    from infer.reference import random_weights
+    from infer.shard.builder import shard_model
+    from infer.shard.plans import make_plan
+    from tests.conftest import mixed_spec
+
+    spec = mixed_spec()
+    model = quantize(spec, random_weights(spec, seed=5))
+    layout = {  # world size 3, one of each sharding type
+        "t_int8": (ShardingType.COLUMN_WISE, (0, 1)),
+        "t_int4": (ShardingType.ROW_WISE, (0, 1, 2)),
+        "t_int2": (ShardingType.REPLICATED, (0, 1, 2)),
+        "t_fp16": (ShardingType.TABLE_WISE, (2,)),
+        "t_fp32": (ShardingType.TABLE_WISE, (1,)),
+    }
+    plan = make_plan(spec, 3, layout)
+    return export(shard_model(model, plan), tmp_path_factory.mktemp("cpp") / "sharded", plan=plan)
