@@ -155,10 +155,16 @@ async def create_server(artifact: str | Path | Runtime, config: ServerConfig = S
         raise OSError(f"cannot bind {address}")
     await server.start()
     servicer.start()
-    metrics_port = (
-        metrics.serve_http(config.metrics_port, config.metrics_host) if config.metrics_port is not None else None
-    )
-    await _warm_up(servicer, config.warmup_batches)
+    running = RunningServer(server, port, servicer, health, metrics)
+    try:
+        if config.metrics_port is not None:
+            running.metrics_port = metrics.serve_http(config.metrics_port, config.metrics_host)
+        await _warm_up(servicer, config.warmup_batches)
+    except BaseException:
+        # a server that cannot warm up must not stay bound to its port (or keep /metrics open)
+        await running.stop(0)
+        raise
+    metrics_port = running.metrics_port
     for name in ("", SERVICE_NAME):
         await health.set(name, health_pb2.HealthCheckResponse.SERVING)
     logger.info(
@@ -166,7 +172,7 @@ async def create_server(artifact: str | Path | Runtime, config: ServerConfig = S
         runtime.path, port, servicer.version, len(runtime.feature_names), config.max_batch_size,
         config.max_delay_us, f", metrics on port {metrics_port}" if metrics_port else "",
     )  # fmt: skip
-    return RunningServer(server, port, servicer, health, metrics, metrics_port)
+    return running
 
 
 async def serve(artifact: str | Path, config: ServerConfig = ServerConfig()) -> int:

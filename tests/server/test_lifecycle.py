@@ -188,3 +188,32 @@ def test_sigterm_loses_no_request_in_flight(sparse_artifact, sparse_runtime, spe
         if process.stdout is not None:
             process.stdout.close()
         stderr.close()
+
+
+def test_a_server_that_fails_to_warm_up_releases_its_port(tmp_path):
+    """Warm-up runs real batches; if the model cannot run them, create_server fails and the port is free again."""
+    import asyncio
+    import socket
+
+    import infer
+    from server.app import ServerConfig, create_server
+
+    spec = infer.ModelSpec((infer.TableConfig("t", 10, 4, ("f",)),))
+    runtime = infer.load(infer.export(infer.quantize(spec, infer.random_weights(spec)), tmp_path / "a"))
+
+    class Broken:
+        def __call__(self, *args: object) -> None:
+            raise RuntimeError("broken model")
+
+        def predict(self, *args: object) -> None:
+            raise RuntimeError("broken model")
+
+    runtime.module = Broken()  # type: ignore[assignment]
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        port = probe.getsockname()[1]
+    config = ServerConfig(host="127.0.0.1", port=port, warmup_batches=1)
+    with pytest.raises(RuntimeError, match="broken model"):
+        asyncio.run(create_server(runtime, config))
+    with socket.socket() as again:
+        again.bind(("127.0.0.1", port))  # would fail with EADDRINUSE if the server still held it
