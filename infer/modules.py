@@ -31,6 +31,23 @@ def _tbe_classes():  # type: ignore[no-untyped-def]
     return IntNBitTableBatchedEmbeddingBagsCodegen, SparseType, EmbeddingLocation, PoolingMode, BoundsCheckMode
 
 
+def bag_offsets(lengths: Tensor, values: Tensor) -> Tensor:
+    """The kernel's offsets for ``lengths``: ``[0, cumsum(lengths)]`` in the ids' dtype and device."""
+    offsets = torch.zeros(lengths.numel() + 1, dtype=values.dtype, device=values.device)
+    offsets[1:] = torch.cumsum(lengths, 0).to(values.dtype)
+    return offsets
+
+
+def check_id_range(ids: Tensor, rows: int, feature: str) -> None:
+    """Raise (``embserve.RequestError``) unless every id of ``feature`` lies in ``[0, rows)``."""
+    if ids.numel() == 0:
+        return
+    low, high = torch.aminmax(ids)
+    if int(low) < 0 or int(high) >= rows:
+        bad = int(low) if int(low) < 0 else int(high)
+        raise ValueError(f"embserve.RequestError: feature '{feature}': id {bad} is out of range [0, {rows})")
+
+
 def make_tbe(
     tables: List[Tuple[str, int, int, DataType]],
     feature_table_map: List[int],
@@ -147,17 +164,8 @@ class ValidatingCollection(nn.Module):
         ends: List[int] = lengths.view(num_features, batch).sum(1).cumsum(0).tolist()
         start = 0
         for f in range(num_features):
-            end = ends[f]
-            if end > start:
-                low, high = torch.aminmax(values[start:end])
-                if int(low) < 0 or int(high) >= self.feature_rows[f]:
-                    bad = int(low) if int(low) < 0 else int(high)
-                    raise ValueError(
-                        self._request_error(
-                            f"feature '{self.feature_names[f]}': id {bad} is out of range [0, {self.feature_rows[f]})"
-                        )
-                    )
-            start = end
+            check_id_range(values[start : ends[f]], self.feature_rows[f], self.feature_names[f])
+            start = ends[f]
 
     def forward(self, values: Tensor, lengths: Tensor, weights: Optional[Tensor] = None) -> Tensor:
         self.validate(values, lengths, weights)
@@ -205,9 +213,7 @@ class QuantizedEmbeddingBagCollection(ValidatingCollection):
 
         Not exported from the scripted module: outside callers always go through ``forward``.
         """
-        offsets = torch.zeros(lengths.numel() + 1, dtype=values.dtype, device=values.device)
-        offsets[1:] = torch.cumsum(lengths, 0).to(values.dtype)
-        return self.apply_mean(self.tbe(values, offsets, weights), lengths)
+        return self.apply_mean(self.tbe(values, bag_offsets(lengths, values), weights), lengths)
 
 
 class _NoDenseArch(nn.Module):

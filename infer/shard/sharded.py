@@ -11,7 +11,7 @@ the output is laid out exactly like the unsharded model's.
 import torch
 from torch import Tensor, nn
 
-from infer.modules import ValidatingCollection
+from infer.modules import ValidatingCollection, bag_offsets, check_id_range
 
 # How a shard reads its feature (TorchScript cannot read module globals: the methods use the literals).
 READ_ALL = 0  # table-wise and column-wise shards: every id of the feature
@@ -76,7 +76,7 @@ class DeviceShards(nn.Module):
             ids = values[starts[f] : starts[f + 1]]
             bag_lengths = lengths[f * batch : (f + 1) * batch]
             if kind != 2:  # a replica checks only its slice, below
-                self._check_ids(i, ids)
+                check_id_range(ids, self.lf_rows[i], self.lf_name[i])
             if kind == 0:  # READ_ALL
                 pieces_v.append(ids)
                 pieces_l.append(bag_lengths)
@@ -97,7 +97,7 @@ class DeviceShards(nn.Module):
                 last = (self.lf_lo[i] + 1) * batch // self.lf_hi[i]
                 begin = int(bag_lengths[:first].sum()) if first > 0 else 0
                 end = begin + (int(bag_lengths[first:last].sum()) if last > first else 0)
-                self._check_ids(i, ids[begin:end])
+                check_id_range(ids[begin:end], self.lf_rows[i], self.lf_name[i])
                 pieces_v.append(ids[begin:end])
                 sliced = torch.zeros(batch, dtype=lengths.dtype, device=lengths.device)
                 sliced[first:last] = bag_lengths[first:last]
@@ -106,8 +106,7 @@ class DeviceShards(nn.Module):
                     pieces_w.append(weights[starts[f] + begin : starts[f] + end])
         local_values = torch.cat(pieces_v)
         local_lengths = torch.cat(pieces_l)
-        offsets = torch.zeros(local_lengths.numel() + 1, dtype=local_values.dtype, device=local_values.device)
-        offsets[1:] = torch.cumsum(local_lengths, 0).to(local_values.dtype)
+        offsets = bag_offsets(local_lengths, local_values)
         local_weights: Tensor | None = None
         if weights is not None:
             local_weights = torch.cat(pieces_w).to(self.device)
@@ -127,20 +126,9 @@ class DeviceShards(nn.Module):
                 out[first:last, dst : dst + dim].copy_(pooled[first:last, src : src + dim])
         return pooled
 
-    def _check_ids(self, i: int, ids: Tensor) -> None:
-        if ids.numel() == 0:
-            return
-        low, high = torch.aminmax(ids)
-        if int(low) < 0 or int(high) >= self.lf_rows[i]:
-            bad = int(low) if int(low) < 0 else int(high)
-            raise ValueError(
-                f"embserve.RequestError: feature '{self.lf_name[i]}': id {bad} is out of range [0, {self.lf_rows[i]})"
-            )
-
     def lookup_whole(self, values: Tensor, lengths: Tensor, weights: Tensor | None) -> Tensor:
         """The kernel output for a device that holds every feature whole, in input order."""
-        offsets = torch.zeros(lengths.numel() + 1, dtype=values.dtype, device=values.device)
-        offsets[1:] = torch.cumsum(lengths, 0).to(values.dtype)
+        offsets = bag_offsets(lengths, values)
         local_weights: Tensor | None = None
         if weights is not None:
             local_weights = weights.to(self.device)
