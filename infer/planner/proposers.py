@@ -6,6 +6,7 @@ spec's table order). Every proposer is deterministic: same options and topology,
 
 from __future__ import annotations
 
+from collections import deque
 from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass
 
@@ -65,12 +66,35 @@ class _Tables:
         return tuple(table_options[i] for table_options, i in zip(self.options, choice))
 
 
-# ---------------------------------------------------------------------------- uniform
-class UniformProposer:
-    """One proposal per sharding type: every table takes that type where it can, else its cheapest option."""
+# ---------------------------------------------------------------------------- fixed lists
+class _FixedProposals:
+    """A proposer whose proposals are all known after ``load``: distinct ones, in order, one per feedback."""
 
     def __init__(self) -> None:
-        self._proposals: list[Proposal] = []
+        self._proposals: deque[Proposal] = deque()
+        self._seen: set[tuple[int, ...]] = set()
+
+    def _start(self) -> None:
+        self._proposals = deque()
+        self._seen = set()
+
+    def _add(self, tables: _Tables, choice: Sequence[int]) -> None:
+        key = tuple(choice)
+        if key not in self._seen:
+            self._seen.add(key)
+            self._proposals.append(tables.proposal(choice))
+
+    def propose(self) -> Proposal | None:
+        return self._proposals[0] if self._proposals else None
+
+    def feedback(self, proposal: Proposal, result: PartitionResult | None) -> None:
+        if self._proposals:
+            self._proposals.popleft()
+
+
+# ---------------------------------------------------------------------------- uniform
+class UniformProposer(_FixedProposals):
+    """One proposal per sharding type: every table takes that type where it can, else its cheapest option."""
 
     def load(self, options: Mapping[str, Sequence[ShardingOption]], topology: Topology) -> None:
         tables = _Tables(options)
@@ -82,8 +106,7 @@ class UniformProposer:
             )
 
         present = {option.sharding_type for table_options in tables.options for option in table_options}
-        self._proposals = []
-        seen: set[tuple[int, ...]] = set()
+        self._start()
         for sharding_type in ShardingType:
             if sharding_type not in present:
                 continue
@@ -91,17 +114,7 @@ class UniformProposer:
             for t, table_options in enumerate(tables.options):
                 of_type = [i for i, option in enumerate(table_options) if option.sharding_type == sharding_type]
                 choice.append(cheapest(t, of_type or range(len(table_options))))
-            if tuple(choice) not in seen:
-                seen.add(tuple(choice))
-                self._proposals.append(tables.proposal(choice))
-        self._proposals.reverse()  # popped from the end
-
-    def propose(self) -> Proposal | None:
-        return self._proposals[-1] if self._proposals else None
-
-    def feedback(self, proposal: Proposal, result: PartitionResult | None) -> None:
-        if self._proposals:
-            self._proposals.pop()
+            self._add(tables, choice)
 
 
 # ---------------------------------------------------------------------------- greedy
@@ -328,7 +341,7 @@ def _estimate(
 
 
 # ---------------------------------------------------------------------------- dynamic programming
-class DynamicProgrammingProposer:
+class DynamicProgrammingProposer(_FixedProposals):
     """TorchRec-style: the cheapest summed cost at every level of total device memory.
 
     The memory budget (all devices together) is cut into ``num_bins`` bins. Walking the tables in
@@ -339,8 +352,8 @@ class DynamicProgrammingProposer:
     """
 
     def __init__(self, num_bins: int = 100) -> None:
+        super().__init__()
         self.num_bins = max(1, num_bins)
-        self._proposals: list[Proposal] = []
 
     def load(self, options: Mapping[str, Sequence[ShardingOption]], topology: Topology) -> None:
         tables = _Tables(options)
@@ -372,7 +385,7 @@ class DynamicProgrammingProposer:
             keep = new_bytes <= budget
             new_bytes, new_cost, option_of, prev_bin = new_bytes[keep], new_cost[keep], option_of[keep], prev_bin[keep]
             if new_bytes.size == 0:
-                self._proposals = []
+                self._start()
                 return
             new_bin = np.minimum(new_bytes * bins // max(budget, 1), bins - 1)
             # per bin: lowest cost, then fewest bytes; lexsort is stable, so then option and bin order
@@ -394,21 +407,9 @@ class DynamicProgrammingProposer:
         for t in range(len(candidates) - 1, -1, -1):
             picks[t] = choice[t, current]
             current = previous[t, current]
-        self._proposals = []
-        seen: set[tuple[int, ...]] = set()
+        self._start()
         for column in picks.T.tolist():
-            key = tuple(column)
-            if key not in seen:
-                seen.add(key)
-                self._proposals.append(tables.proposal(column))
-        self._proposals.reverse()  # popped from the end
-
-    def propose(self) -> Proposal | None:
-        return self._proposals[-1] if self._proposals else None
-
-    def feedback(self, proposal: Proposal, result: PartitionResult | None) -> None:
-        if self._proposals:
-            self._proposals.pop()
+            self._add(tables, column)
 
 
 def _placeable(option: ShardingOption, topology: Topology, largest_device: int) -> bool:
