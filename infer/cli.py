@@ -76,20 +76,12 @@ def _demo_serve(artifact: Path) -> int:
 
     from infer.export import load
     from infer.quant import probe_batch
+    from server.app import spawn_server
     from server.client import EmbserveClient
 
     print("\nserving the artifact over gRPC (loopback) and querying it with the Python client:", flush=True)
-    server = subprocess.Popen(
-        [sys.executable, "-m", "infer.cli", "serve", str(artifact), "--host", "127.0.0.1", "--port", "0"],
-        stdout=subprocess.PIPE,
-        text=True,
-    )
+    server, port = spawn_server(artifact)
     try:
-        assert server.stdout is not None
-        line = server.stdout.readline()
-        if "serving on port" not in line:
-            raise EmbserveError(f"the demo server did not start (it printed {line!r})")
-        port = int(line.rsplit(" ", 1)[1])
         runtime = load(artifact)
         batch = probe_batch(runtime.spec, batch_size=8, ids_per_bag=10, seed=3)
         with EmbserveClient(f"127.0.0.1:{port}") as client:

@@ -10,6 +10,8 @@ import asyncio
 import logging
 import os
 import signal
+import subprocess
+import sys
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -19,6 +21,7 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 from grpc_health.v1._async import HealthServicer
 from grpc_reflection.v1alpha import reflection
 
+from infer.errors import EmbserveError
 from infer.export import load
 from infer.quant import probe_batch
 from infer.runtime import Runtime
@@ -31,6 +34,8 @@ from server.service import InferenceServicer
 logger = logging.getLogger(__name__)
 
 SERVICE_NAME = pb.DESCRIPTOR.services_by_name["InferenceService"].full_name
+# printed by `embserve serve` once the server is warm, followed by the port
+SERVING_LINE = "embserve: serving on port"
 _SETTLE_S = 0.05
 
 
@@ -175,10 +180,24 @@ async def create_server(artifact: str | Path | Runtime, config: ServerConfig = S
     return running
 
 
+def spawn_server(artifact: str | Path, *options: str) -> tuple[subprocess.Popen[str], int]:
+    """``embserve serve ARTIFACT --host 127.0.0.1 --port 0 OPTIONS`` in a subprocess; returns it and its
+    port once it serves (warmed up). Stop it with SIGTERM; it drains and exits 0."""
+    command = [sys.executable, "-m", "infer.cli", "serve", str(artifact), "--host", "127.0.0.1", "--port", "0"]
+    process = subprocess.Popen([*command, *options], stdout=subprocess.PIPE, text=True)
+    assert process.stdout is not None
+    line = process.stdout.readline()
+    if not line.startswith(SERVING_LINE):
+        process.kill()
+        process.wait()
+        raise EmbserveError(f"the server for {artifact} did not start (it printed {line!r})")
+    return process, int(line.rsplit(" ", 1)[1])
+
+
 async def serve(artifact: str | Path, config: ServerConfig = ServerConfig()) -> int:
     """Run until SIGTERM or SIGINT, then drain: NOT_SERVING, in-flight calls finish, exit code 0."""
     running = await create_server(artifact, config)
-    print(f"embserve: serving on port {running.port}", flush=True)
+    print(f"{SERVING_LINE} {running.port}", flush=True)
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
     for signum in (signal.SIGTERM, signal.SIGINT):

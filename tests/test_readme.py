@@ -4,21 +4,12 @@ from __future__ import annotations
 
 import re
 import signal
-import subprocess
-import sys
 from pathlib import Path
+
+from server.app import spawn_server
 
 README = Path(__file__).resolve().parent.parent / "README.md"
 README_ADDRESS = "127.0.0.1:50051"
-
-
-def _serve(artifact: Path) -> tuple[subprocess.Popen[str], str]:
-    command = [sys.executable, "-m", "infer.cli", "serve", str(artifact), "--host", "127.0.0.1", "--port", "0"]
-    server = subprocess.Popen(command, stdout=subprocess.PIPE, text=True)
-    assert server.stdout is not None
-    line = server.stdout.readline()
-    assert "serving on port" in line, line
-    return server, f"127.0.0.1:{line.rsplit(' ', 1)[1].strip()}"
 
 
 def test_readme_python_blocks_run(tmp_path, monkeypatch):
@@ -31,8 +22,8 @@ def test_readme_python_blocks_run(tmp_path, monkeypatch):
         for block in blocks:
             if README_ADDRESS in block:
                 # the serving example talks to a server on the quickstart artifact
-                server, address = _serve(tmp_path / "artifacts" / "quickstart")
-                block = block.replace(README_ADDRESS, address)
+                server, port = spawn_server(tmp_path / "artifacts" / "quickstart")
+                block = block.replace(README_ADDRESS, f"127.0.0.1:{port}")
             exec(compile(block, str(README), "exec"), namespace)
     finally:
         if server is not None:
