@@ -25,7 +25,8 @@ import torch.nn.functional as F
 
 from infer.config import DataType, ModelSpec, TableConfig
 from infer.export import export, load
-from infer.planner.types import ShardingType
+from infer.planner.planner import plan_for_inference
+from infer.planner.types import ComputeDevice, ParameterConstraints, ShardingPlan, ShardingType, Topology
 from infer.quant import quantize
 from infer.shard.builder import shard_model
 from infer.shard.plans import make_plan
@@ -100,12 +101,16 @@ def measure(
     return {name: statistics.median(s) for name, s in samples.items()}
 
 
-def shard_layout(kind: str, spec: ModelSpec, shards: int) -> dict[str, tuple[ShardingType, tuple[int, ...]]]:
-    devices = tuple(range(shards))
+def sharding_plan(kind: str, spec: ModelSpec, shards: int, w: Workload) -> ShardingPlan:
+    """Table-wise: the planner's plan restricted to table-wise (what a user gets); row-/column-wise:
+    every table split evenly over every device."""
     if kind == "table_wise":
-        return {t.name: (ShardingType.TABLE_WISE, (i % shards,)) for i, t in enumerate(spec.tables)}
+        only = ParameterConstraints(sharding_types=(ShardingType.TABLE_WISE,))
+        topology = Topology(shards, ComputeDevice.CPU)
+        return plan_for_inference(spec, topology, {t.name: only for t in spec.tables}, batch_size=w.batch_size)
     sharding = ShardingType.ROW_WISE if kind == "row_wise" else ShardingType.COLUMN_WISE
-    return {t.name: (sharding, devices) for t in spec.tables}
+    layout = {t.name: (sharding, tuple(range(shards))) for t in spec.tables}
+    return make_plan(spec, shards, layout, column_unit=min(32, w.dim // shards))
 
 
 def run_sharded(
@@ -124,8 +129,7 @@ def run_sharded(
         for kind in ("table_wise", "row_wise", "column_wise"):
             if kind != "table_wise" and shards == 1:
                 continue
-            unit = min(32, w.dim // shards)
-            plan = make_plan(spec, shards, shard_layout(kind, spec, shards), column_unit=unit)
+            plan = sharding_plan(kind, spec, shards, w)
             with tempfile.TemporaryDirectory() as tmp:
                 runtime = load(export(shard_model(model, plan), f"{tmp}/sharded", plan=plan))
             # load() chose the intra-op threads for this artifact (one per core for the shards' own kernels);
@@ -152,6 +156,7 @@ def run_sharded(
                     "case": f"{kind}_{shards}",
                     "shards": shards,
                     "plan": kind,
+                    "devices_of_tables": [[s.device for s in t.shards] for t in plan.tables],
                     "mlookups_per_s": round(lookups / seconds["sharded"] / 1e6, 2),
                     "unsharded_mlookups_per_s": round(lookups / seconds["unsharded"] / 1e6, 2),
                     "ratio_to_unsharded": round(seconds["unsharded"] / seconds["sharded"], 3),

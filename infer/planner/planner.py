@@ -14,6 +14,7 @@ from infer.planner.partitioners import (
     ExactPartitioner,
     GreedyPartitioner,
     global_lower_bound,
+    keep_features_together,
     partition_lower_bound,
 )
 from infer.planner.proposers import DynamicProgrammingProposer, GreedyProposer, UniformProposer
@@ -100,6 +101,7 @@ class EmbeddingPlanner:
             exact = self.final_partitioner.partition(best.proposal, topology)
             if exact.bottleneck < best.bottleneck * (1 - 1e-9):
                 best, best_source = exact, f"{best_source}+exact"
+        best = keep_features_together(best)
         lower_bound = global_lower_bound(ordered, topology.world_size)
         seconds = time.monotonic() - started
         logger.info(

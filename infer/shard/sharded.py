@@ -19,6 +19,12 @@ READ_ROW_BLOCK = 1  # row-wise: ids in [lo, hi), shifted by -lo
 READ_BATCH_SLICE = 2  # replicated: bags of replica lo out of hi (lo * B // hi .. (lo + 1) * B // hi)
 
 
+def values_of(run_values: Tensor, starts: list[int], first: int, feature: int) -> Tensor:
+    """The ids of ``feature`` inside ``run_values``, the slice of the request starting at feature ``first``."""
+    base = starts[first]
+    return run_values[starts[feature] - base : starts[feature + 1] - base]
+
+
 class DeviceShards(nn.Module):
     """Every shard placed on one device, in one TBE."""
 
@@ -33,6 +39,11 @@ class DeviceShards(nn.Module):
     lf_rows: list[int]
     lf_name: list[str]
     has_partials: bool
+    contiguous_input: bool
+    min_rows: int
+    copy_src: list[int]
+    copy_dst: list[int]
+    copy_width: list[int]
 
     def __init__(
         self,
@@ -62,11 +73,46 @@ class DeviceShards(nn.Module):
             col += lf[5]
         self.lf_local_col = local_cols
         self.has_partials = READ_ROW_BLOCK in self.lf_kind
+        # Every feature read whole and the features consecutive in the input: the kernel input is one
+        # slice of the request (no gather), and one range check covers it unless an id is suspicious.
+        first = self.lf_feature[0] if self.lf_feature else 0
+        self.contiguous_input = all(kind == READ_ALL for kind in self.lf_kind) and self.lf_feature == list(
+            range(first, first + len(self.lf_feature))
+        )
+        self.min_rows = min(self.lf_rows) if self.lf_rows else 0
+        # Whole-feature columns, merged where neighbours are adjacent in both the kernel output and the
+        # output: one wide copy streams through memory once instead of once per feature.
+        self.copy_src, self.copy_dst, self.copy_width = [], [], []
+        for i, kind in enumerate(self.lf_kind):
+            if kind != READ_ALL:
+                continue
+            src, dst, dim = self.lf_local_col[i], self.lf_out_col[i], self.lf_dim[i]
+            if self.copy_src and self.copy_src[-1] + self.copy_width[-1] == src:
+                if self.copy_dst[-1] + self.copy_width[-1] == dst:
+                    self.copy_width[-1] += dim
+                    continue
+            self.copy_src.append(src)
+            self.copy_dst.append(dst)
+            self.copy_width.append(dim)
 
     def forward(
         self, values: Tensor, lengths: Tensor, weights: Tensor | None, starts: list[int], batch: int, out: Tensor
     ) -> Tensor:
         """Run this device's shards; write exclusive columns into ``out``; return the kernel output."""
+        if self.contiguous_input:
+            first = self.lf_feature[0]
+            last = self.lf_feature[-1] + 1
+            run_values = values[starts[first] : starts[last]]
+            self.check_run(run_values, starts, first)
+            run_weights: Tensor | None = None
+            if weights is not None:
+                run_weights = weights[starts[first] : starts[last]].to(self.device)
+            run_lengths = lengths[first * batch : last * batch]
+            pooled = self.tbe(
+                run_values.to(self.device), bag_offsets(run_lengths, run_values).to(self.device), run_weights
+            )
+            self.copy_out(pooled, batch, out)
+            return pooled
         pieces_v: list[Tensor] = []
         pieces_l: list[Tensor] = []
         pieces_w: list[Tensor] = []
@@ -111,20 +157,35 @@ class DeviceShards(nn.Module):
         if weights is not None:
             local_weights = torch.cat(pieces_w).to(self.device)
         pooled = self.tbe(local_values.to(self.device), offsets.to(self.device), local_weights)
+        self.copy_out(pooled, batch, out)
+        return pooled
+
+    def check_run(self, run_values: Tensor, starts: list[int], first: int) -> None:
+        """Range-check the ids of consecutive whole features: one reduction unless one looks out of range."""
+        if run_values.numel() == 0:
+            return
+        low, high = torch.aminmax(run_values)
+        if int(low) >= 0 and int(high) < self.min_rows:
+            return
         for i in range(len(self.lf_feature)):
-            kind = self.lf_kind[i]
-            if kind == 1:  # READ_ROW_BLOCK
-                continue
-            src = self.lf_local_col[i]
-            dst = self.lf_out_col[i]
-            dim = self.lf_dim[i]
-            if kind == 0:  # READ_ALL
-                out[:, dst : dst + dim].copy_(pooled[:, src : src + dim])
-            else:
+            f = self.lf_feature[i]
+            check_id_range(values_of(run_values, starts, first, f), self.lf_rows[i], self.lf_name[i])
+
+    def copy_out(self, pooled: Tensor, batch: int, out: Tensor) -> None:
+        """Write whole-feature columns (merged runs) and replica rows of the kernel output into ``out``."""
+        for j in range(len(self.copy_src)):
+            src = self.copy_src[j]
+            dst = self.copy_dst[j]
+            width = self.copy_width[j]
+            out[:, dst : dst + width].copy_(pooled[:, src : src + width])
+        for i in range(len(self.lf_feature)):
+            if self.lf_kind[i] == 2:  # READ_BATCH_SLICE
+                src = self.lf_local_col[i]
+                dst = self.lf_out_col[i]
+                dim = self.lf_dim[i]
                 first = self.lf_lo[i] * batch // self.lf_hi[i]
                 last = (self.lf_lo[i] + 1) * batch // self.lf_hi[i]
                 out[first:last, dst : dst + dim].copy_(pooled[first:last, src : src + dim])
-        return pooled
 
     def lookup_whole(self, values: Tensor, lengths: Tensor, weights: Tensor | None) -> Tensor:
         """The kernel output for a device that holds every feature whole, in input order."""

@@ -8,7 +8,12 @@ import pytest
 
 from infer.config import DataType
 from infer.errors import PlanError, PlanErrorKind
-from infer.planner.partitioners import ExactPartitioner, GreedyPartitioner, partition_lower_bound
+from infer.planner.partitioners import (
+    ExactPartitioner,
+    GreedyPartitioner,
+    keep_features_together,
+    partition_lower_bound,
+)
 from infer.planner.types import (
     PartitionResult,
     Placement,
@@ -289,3 +294,47 @@ def test_greedy_partitions_a_thousand_tables_on_64_devices_quickly() -> None:
     check_valid(result, topology)
     assert result.bottleneck <= 1.05 * partition_lower_bound(result.proposal, world)
     assert elapsed < 0.25, f"{elapsed * 1e3:.0f} ms"  # typically ~10 ms; generous for loaded CI machines
+
+
+def loads(result: PartitionResult, world: int) -> list[float]:
+    """Per-device cost recomputed from the assignment, independently of the partitioner's bookkeeping."""
+    costs = [0.0] * world
+    for option, devices in zip(result.proposal, result.devices):
+        for shard, device in zip(option.shards, devices):
+            costs[device] += shard.cost
+    return costs
+
+
+def test_identical_tables_are_grouped_per_device_without_changing_any_load() -> None:
+    topology = Topology(2, device_memory=(100,))
+    greedy = GreedyPartitioner().partition(table_wise(*[5.0] * 8), topology)
+    assert [d[0] for d in greedy.devices] == [0, 1, 0, 1, 0, 1, 0, 1]  # LPT alternates equal tables
+    grouped = keep_features_together(greedy)
+    assert [d[0] for d in grouped.devices] == [0, 0, 0, 0, 1, 1, 1, 1]
+    assert loads(grouped, 2) == loads(greedy, 2) == list(grouped.device_costs)
+
+
+def test_only_interchangeable_tables_change_devices() -> None:
+    topology = Topology(3, device_memory=(100,))
+    # t0, t2, t4 are identical; t1 (cost 7) and t3 (bigger) are not and keep their devices
+    proposal = (
+        option("t0", [2.0]),
+        option("t1", [7.0]),
+        option("t2", [2.0]),
+        option("t3", [2.0], device_bytes=3),
+        option("t4", [2.0]),
+        option("cw", [1.0, 1.0], sharding_type=ShardingType.COLUMN_WISE),
+    )
+    greedy = GreedyPartitioner().partition(proposal, topology)
+    grouped = keep_features_together(greedy)
+    for index in (1, 3, 5):
+        assert grouped.devices[index] == greedy.devices[index]
+    same = [0, 2, 4]
+    assert sorted(grouped.devices[i] for i in same) == sorted(greedy.devices[i] for i in same)
+    assert [grouped.devices[i][0] for i in same] == sorted(greedy.devices[i][0] for i in same)
+    assert loads(grouped, 3) == loads(greedy, 3)
+    storage = [0] * 3
+    for option_, devices in zip(grouped.proposal, grouped.devices):
+        for shard, device in zip(option_.shards, devices):
+            storage[device] += shard.storage.device
+    assert storage == [s.device for s in grouped.device_storage]

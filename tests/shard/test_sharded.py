@@ -43,6 +43,8 @@ def layout(kind: str, world: int) -> dict[str, tuple[ShardingType, tuple[int, ..
     split = tuple(range(min(world, 4)))  # 64- and 96-column tables split into at most 2-3 slices of 32
     if kind == "table_wise":
         return {name: (TW, (i % world,)) for i, name in enumerate(["shared", "int4", "fp16", "plain"])}
+    if kind == "table_blocks":  # each device's features consecutive in the request: read as one slice
+        return {"shared": (TW, (0,)), "int4": (TW, (0,)), "fp16": (TW, (1 % world,)), "plain": (TW, (1 % world,))}
     if kind == "row_wise":
         return {name: (RW, every) for name in ["shared", "int4", "fp16", "plain"]}
     if kind == "column_wise":
@@ -60,7 +62,7 @@ def layout(kind: str, world: int) -> dict[str, tuple[ShardingType, tuple[int, ..
 
 def assert_parity(kind: str, got: torch.Tensor, expected: torch.Tensor) -> None:
     assert got.shape == expected.shape
-    if kind in ("table_wise", "column_wise", "replicated"):
+    if kind in ("table_wise", "table_blocks", "column_wise", "replicated"):
         assert torch.equal(got, expected)
     else:
         scale = max(float(expected.abs().max()), 1.0)
@@ -73,7 +75,7 @@ def quantized(request):
     return spec, quantize(spec, random_weights(spec, seed=4))
 
 
-@pytest.mark.parametrize("kind", ["table_wise", "row_wise", "column_wise", "replicated", "mixed"])
+@pytest.mark.parametrize("kind", ["table_wise", "table_blocks", "row_wise", "column_wise", "replicated", "mixed"])
 @pytest.mark.parametrize("world", [1, 2, 3, 5, 8])
 def test_sharded_equals_unsharded(quantized, kind, world):
     spec, model = quantized
@@ -145,6 +147,28 @@ def test_bad_requests_are_rejected_and_leave_the_model_usable(quantized, tmp_pat
         with pytest.raises((torch.jit.Error, RuntimeError), match="embserve.RequestError"):
             runtime.module(bad.values, bad.lengths, None)
     assert torch.equal(runtime.lookup(good), expected)
+
+
+def test_a_device_reading_one_slice_checks_each_features_own_range(quantized):
+    spec, model = quantized
+    # device 0 holds "shared" (1009 rows: features s1, s2) and "int4" (503 rows: feature i4), consecutive
+    sharded = torch.jit.script(shard_model(model, make_plan(spec, 2, layout("table_blocks", 2))))
+    good = random_batch(spec, 4, seed=8)
+    starts = [0, *good.lengths.view(len(good.keys), -1).sum(1).cumsum(0).tolist()]
+    keys = list(good.keys)
+    assert all(starts[keys.index(f) + 1] > starts[keys.index(f)] for f in ("s1", "s2", "i4"))  # ids to corrupt
+    assert [device.contiguous_input for device in sharded.embeddings.shards] == [True, True]
+    with torch.no_grad():
+        # 700 is past the smaller table but inside "shared": legal for s2, so the slow path must accept it
+        legal = good.values.clone()
+        legal[starts[keys.index("s2")]] = 700
+        assert torch.equal(sharded(legal, good.lengths, None), model(legal, good.lengths, None))
+        for feature, bad_id in (("i4", 503), ("i4", 700), ("s1", 1009), ("s2", -1)):
+            bad = good.values.clone()
+            bad[starts[keys.index(feature)]] = bad_id
+            with pytest.raises((torch.jit.Error, RuntimeError), match=f"feature '{feature}': id {bad_id} is out"):
+                sharded(bad, good.lengths, None)
+        assert torch.equal(sharded(good.values, good.lengths, None), model(good.values, good.lengths, None))
 
 
 def test_sharded_artifact_round_trips_in_a_fresh_process(quantized, tmp_path):
