@@ -48,6 +48,12 @@ def check_id_range(ids: Tensor, rows: int, feature: str) -> None:
         raise ValueError(f"embserve.RequestError: feature '{feature}': id {bad} is out of range [0, {rows})")
 
 
+def check_each_feature(values: Tensor, bounds: List[int], rows: List[int], names: List[str]) -> None:
+    """Range-check feature by feature: feature i's ids are ``values[bounds[i]:bounds[i + 1]]``."""
+    for i in range(len(rows)):
+        check_id_range(values[bounds[i] : bounds[i + 1]], rows[i], names[i])
+
+
 def make_tbe(
     tables: List[Tuple[str, int, int, DataType]],
     feature_table_map: List[int],
@@ -162,10 +168,7 @@ class ValidatingCollection(nn.Module):
         if int(low) >= 0 and int(high) < self.min_rows:
             return
         ends: List[int] = lengths.view(num_features, batch).sum(1).cumsum(0).tolist()
-        start = 0
-        for f in range(num_features):
-            check_id_range(values[start : ends[f]], self.feature_rows[f], self.feature_names[f])
-            start = ends[f]
+        check_each_feature(values, [0] + ends, self.feature_rows, self.feature_names)
 
     def forward(self, values: Tensor, lengths: Tensor, weights: Optional[Tensor] = None) -> Tensor:
         self.validate(values, lengths, weights)

@@ -11,18 +11,12 @@ the output is laid out exactly like the unsharded model's.
 import torch
 from torch import Tensor, nn
 
-from infer.modules import ValidatingCollection, bag_offsets, check_id_range
+from infer.modules import ValidatingCollection, bag_offsets, check_each_feature, check_id_range
 
 # How a shard reads its feature (TorchScript cannot read module globals: the methods use the literals).
 READ_ALL = 0  # table-wise and column-wise shards: every id of the feature
 READ_ROW_BLOCK = 1  # row-wise: ids in [lo, hi), shifted by -lo
 READ_BATCH_SLICE = 2  # replicated: bags of replica lo out of hi (lo * B // hi .. (lo + 1) * B // hi)
-
-
-def values_of(run_values: Tensor, starts: list[int], first: int, feature: int) -> Tensor:
-    """The ids of ``feature`` inside ``run_values``, the slice of the request starting at feature ``first``."""
-    base = starts[first]
-    return run_values[starts[feature] - base : starts[feature + 1] - base]
 
 
 class DeviceShards(nn.Module):
@@ -103,14 +97,11 @@ class DeviceShards(nn.Module):
             first = self.lf_feature[0]
             last = self.lf_feature[-1] + 1
             run_values = values[starts[first] : starts[last]]
-            self.check_run(run_values, starts, first)
+            self.check_run(run_values, [start - starts[first] for start in starts[first : last + 1]])
             run_weights: Tensor | None = None
             if weights is not None:
-                run_weights = weights[starts[first] : starts[last]].to(self.device)
-            run_lengths = lengths[first * batch : last * batch]
-            pooled = self.tbe(
-                run_values.to(self.device), bag_offsets(run_lengths, run_values).to(self.device), run_weights
-            )
+                run_weights = weights[starts[first] : starts[last]]
+            pooled = self.run_kernel(run_values, lengths[first * batch : last * batch], run_weights)
             self.copy_out(pooled, batch, out)
             return pooled
         pieces_v: list[Tensor] = []
@@ -150,26 +141,22 @@ class DeviceShards(nn.Module):
                 pieces_l.append(sliced)
                 if weights is not None:
                     pieces_w.append(weights[starts[f] + begin : starts[f] + end])
-        local_values = torch.cat(pieces_v)
-        local_lengths = torch.cat(pieces_l)
-        offsets = bag_offsets(local_lengths, local_values)
         local_weights: Tensor | None = None
         if weights is not None:
-            local_weights = torch.cat(pieces_w).to(self.device)
-        pooled = self.tbe(local_values.to(self.device), offsets.to(self.device), local_weights)
+            local_weights = torch.cat(pieces_w)
+        pooled = self.run_kernel(torch.cat(pieces_v), torch.cat(pieces_l), local_weights)
         self.copy_out(pooled, batch, out)
         return pooled
 
-    def check_run(self, run_values: Tensor, starts: list[int], first: int) -> None:
-        """Range-check the ids of consecutive whole features: one reduction unless one looks out of range."""
+    def check_run(self, run_values: Tensor, bounds: list[int]) -> None:
+        """Range-check consecutive whole features (feature i at ``run_values[bounds[i]:bounds[i + 1]]``):
+        one reduction unless an id looks out of range."""
         if run_values.numel() == 0:
             return
         low, high = torch.aminmax(run_values)
         if int(low) >= 0 and int(high) < self.min_rows:
             return
-        for i in range(len(self.lf_feature)):
-            f = self.lf_feature[i]
-            check_id_range(values_of(run_values, starts, first, f), self.lf_rows[i], self.lf_name[i])
+        check_each_feature(run_values, bounds, self.lf_rows, self.lf_name)
 
     def copy_out(self, pooled: Tensor, batch: int, out: Tensor) -> None:
         """Write whole-feature columns (merged runs) and replica rows of the kernel output into ``out``."""
@@ -187,8 +174,8 @@ class DeviceShards(nn.Module):
                 last = (self.lf_lo[i] + 1) * batch // self.lf_hi[i]
                 out[first:last, dst : dst + dim].copy_(pooled[first:last, src : src + dim])
 
-    def lookup_whole(self, values: Tensor, lengths: Tensor, weights: Tensor | None) -> Tensor:
-        """The kernel output for a device that holds every feature whole, in input order."""
+    def run_kernel(self, values: Tensor, lengths: Tensor, weights: Tensor | None) -> Tensor:
+        """The kernel output for this device's kernel input (ids, bag lengths, weights in its feature order)."""
         offsets = bag_offsets(lengths, values)
         local_weights: Tensor | None = None
         if weights is not None:
@@ -227,7 +214,7 @@ class ShardedEmbeddingBagCollection(ValidatingCollection):
         ends: list[int] = lengths.to(torch.int64).view(self.num_features, batch).sum(1).cumsum(0).tolist()
         starts: list[int] = [0] + ends
         if self.identity_layout:
-            whole = self.shards[0].lookup_whole(values, lengths, weights).to(self.output_device)  # type: ignore[operator]
+            whole = self.shards[0].run_kernel(values, lengths, weights).to(self.output_device)  # type: ignore[operator]
             return self.apply_mean(whole, lengths)
         if self.needs_zero_init:
             out = torch.zeros(batch, self.output_dim, device=self.output_device)

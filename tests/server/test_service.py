@@ -56,17 +56,9 @@ def test_packed_lookup_equals_the_model(client, dense_runtime, spec, weighted, i
     assert torch.equal(got, dense_runtime.lookup(batch))
 
 
-def test_int32_ids_go_on_the_wire_as_int32(dense_server, dense_runtime, spec):
-    batch = random_batch(spec, batch_size=5, seed=9, id_dtype=torch.int32)
-    request = lookup_request(batch)
-    assert request.sparse.packed.id_type == pb.ID_TYPE_INT32
-    assert len(request.sparse.packed.ids) == 4 * batch.num_ids()
-    response = dense_server.stub().Lookup(request, timeout=CALL_TIMEOUT)
-    assert torch.equal(codec.decode_embeddings(response), dense_runtime.lookup(batch))
-
-
-def test_int64_ids_that_fit_go_on_the_wire_as_int32(dense_server, dense_runtime, spec):
-    batch = random_batch(spec, batch_size=5, seed=10, id_dtype=torch.int64)
+@pytest.mark.parametrize(("seed", "id_dtype"), [(9, torch.int32), (10, torch.int64)], ids=["int32", "int64"])
+def test_ids_that_fit_go_on_the_wire_as_int32(dense_server, dense_runtime, spec, seed, id_dtype):
+    batch = random_batch(spec, batch_size=5, seed=seed, id_dtype=id_dtype)
     request = lookup_request(batch)
     assert request.sparse.packed.id_type == pb.ID_TYPE_INT32
     assert len(request.sparse.packed.ids) == 4 * batch.num_ids()
