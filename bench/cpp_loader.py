@@ -25,15 +25,16 @@ import torch
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
+from infer.artifact.cpp_io import Request, write_requests  # noqa: E402
+from infer.artifact.export import export  # noqa: E402
+from infer.artifact.load import load  # noqa: E402
 from infer.config import DataType, ModelSpec, PoolingType, TableConfig  # noqa: E402
-from infer.cpp_io import Request, write_requests  # noqa: E402
-from infer.export import export, load  # noqa: E402
 from infer.features import SparseFeatures  # noqa: E402
 from infer.planner.types import ShardingType  # noqa: E402
-from infer.quant import quantize  # noqa: E402
-from infer.reference import random_weights  # noqa: E402
+from infer.quant.quantize import quantize  # noqa: E402
 from infer.shard.builder import shard_model  # noqa: E402
 from infer.shard.plans import make_plan  # noqa: E402
+from infer.weights import random_weights  # noqa: E402
 
 TABLES, ROWS, DIM, IDS_PER_BAG, REQUESTS = 8, 20_000, 128, 20, 256
 

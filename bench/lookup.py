@@ -23,11 +23,12 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
+from infer.artifact.export import export
+from infer.artifact.load import load
 from infer.config import DataType, ModelSpec, TableConfig
-from infer.export import export, load
 from infer.planner.planner import plan_for_inference
 from infer.planner.types import ComputeDevice, ParameterConstraints, ShardingPlan, ShardingType, Topology
-from infer.quant import quantize
+from infer.quant.quantize import quantize
 from infer.shard.builder import shard_model
 from infer.shard.plans import make_plan
 

@@ -43,11 +43,12 @@ if sys.path and os.path.abspath(sys.path[0]) == os.path.dirname(os.path.abspath(
 import grpc
 import torch
 
+from infer.artifact.export import export
+from infer.artifact.load import load
+from infer.artifact.runtime import Runtime
 from infer.config import DataType, ModelSpec, TableConfig
-from infer.export import export, load
 from infer.features import SparseFeatures
-from infer.quant import probe_batch, quantize
-from infer.runtime import Runtime
+from infer.quant.quantize import quantize
 from server import codec
 from server.client import EmbserveClient
 from server.proto import inference_pb2 as pb
@@ -556,7 +557,7 @@ def main() -> int:
             server.wait_ready(timeout_s=180)
             for batch_size in args.batch_sizes:
                 batches = [
-                    probe_batch(runtime.spec, batch_size, args.ids_per_bag, seed=1000 * batch_size + s)
+                    SparseFeatures.random(runtime.spec, batch_size, args.ids_per_bag, seed=1000 * batch_size + s)
                     for s in range(args.pool)
                 ]
                 cases += run_batch_size(args, runtime, server, batches, client_counts)

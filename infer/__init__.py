@@ -1,49 +1,69 @@
-"""embserve's library: quantize, export and load embedding-bag models served on fbgemm's TBE kernels.
+"""embserve's library: plan, quantize, shard, export and load embedding-bag models served on fbgemm's TBE kernels.
 
-Importing ``infer`` is light: torch only. fbgemm is imported on first use of ``quantize`` or
-``load``; CUDA is never initialised by the import.
+The flow, one room each: ``infer.planner`` (where tables go) -> ``infer.quant`` (fp32 -> TBE rows) ->
+``infer.shard`` (plan -> sharded model) -> ``infer.artifact`` (export, verified load, runtime).
+Importing ``infer`` is light: torch (and numpy) only. fbgemm is imported on first use of ``quantize``
+or ``load``; CUDA is never initialised by the import; the server (``server``) is never imported.
 """
 
 from __future__ import annotations
 
+from infer.artifact.export import export
+from infer.artifact.load import load
+from infer.artifact.runtime import Runtime
 from infer.config import DataType, FeatureInfo, ModelSpec, PoolingType, TableConfig
 from infer.errors import (
     ArtifactError,
+    ArtifactErrorKind,
     ConfigError,
     EmbserveError,
+    FileFormatError,
     PlanError,
     PlanErrorKind,
     RequestError,
     WeightsError,
 )
-from infer.export import export, load
 from infer.features import SparseFeatures
-from infer.quant import accuracy_report, load_checkpoint, quantize
-from infer.reference import FloatEmbeddingBagCollection, random_weights
-from infer.runtime import Runtime
+from infer.planner.planner import EmbeddingPlanner, plan_for_inference
+from infer.planner.types import ComputeDevice, ParameterConstraints, ShardingPlan, ShardingType, Topology
+from infer.quant.accuracy import accuracy_report
+from infer.quant.quantize import quantize
+from infer.reference import FloatEmbeddingBagCollection
+from infer.shard.builder import shard_model
 from infer.version import __version__
+from infer.weights import load_checkpoint, random_weights
 
 __all__ = [
     "ArtifactError",
+    "ArtifactErrorKind",
+    "ComputeDevice",
     "ConfigError",
     "DataType",
+    "EmbeddingPlanner",
     "EmbserveError",
     "FeatureInfo",
+    "FileFormatError",
+    "FloatEmbeddingBagCollection",
     "ModelSpec",
+    "ParameterConstraints",
     "PlanError",
     "PlanErrorKind",
     "PoolingType",
     "RequestError",
+    "Runtime",
+    "ShardingPlan",
+    "ShardingType",
     "SparseFeatures",
     "TableConfig",
+    "Topology",
     "WeightsError",
     "__version__",
     "accuracy_report",
     "export",
-    "FloatEmbeddingBagCollection",
     "load",
     "load_checkpoint",
+    "plan_for_inference",
     "quantize",
     "random_weights",
-    "Runtime",
+    "shard_model",
 ]

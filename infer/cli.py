@@ -1,15 +1,16 @@
-"""The ``embserve`` command line: demo, export, inspect, run."""
+"""The ``embserve`` command line: demo, export, inspect, plan, run (and serve, query from ``server.cli``)."""
 
 from __future__ import annotations
 
 import argparse
-import json
+import importlib
 import logging
 import subprocess
 import sys
 import time
 from collections.abc import Sequence
 from pathlib import Path
+from types import ModuleType
 from typing import TYPE_CHECKING
 
 from infer.errors import EmbserveError
@@ -40,10 +41,11 @@ def _parse_table_dtypes(items: Sequence[str]) -> dict[str, str]:
 
 
 def cmd_demo(args: argparse.Namespace) -> int:
+    from infer.artifact.export import export
     from infer.demo import demo_spec
-    from infer.export import export
-    from infer.quant import accuracy_report, format_accuracy, quantize
-    from infer.reference import random_weights
+    from infer.quant.accuracy import accuracy_report, format_accuracy
+    from infer.quant.quantize import quantize
+    from infer.weights import random_weights
 
     spec = demo_spec()
     print(f"demo model: {len(spec.tables)} tables, {len(spec.feature_names)} features, output dim {spec.output_dim}")
@@ -65,46 +67,19 @@ def cmd_demo(args: argparse.Namespace) -> int:
     code = subprocess.call(command)
     if code != 0 or args.no_serve:
         return code
-    return _demo_serve(out)
-
-
-def _demo_serve(artifact: Path) -> int:
-    """Serve the demo artifact on a free loopback port, query it, compare with in-process, stop with SIGTERM."""
-    import signal
-
-    import torch
-
-    from infer.export import load
-    from infer.quant import probe_batch
-    from server.app import spawn_server
-    from server.client import EmbserveClient
-
-    print("\nserving the artifact over gRPC (loopback) and querying it with the Python client:", flush=True)
-    server, port = spawn_server(artifact)
-    try:
-        runtime = load(artifact)
-        batch = probe_batch(runtime.spec, batch_size=8, ids_per_bag=10, seed=3)
-        with EmbserveClient(f"127.0.0.1:{port}") as client:
-            started = time.perf_counter()
-            pooled = client.lookup(batch)
-            elapsed = time.perf_counter() - started
-            dense = torch.randn(8, runtime.spec.num_dense_features, generator=torch.Generator().manual_seed(4))
-            scores = client.predict(batch, dense)
-        same = torch.equal(pooled, runtime.lookup(batch)) and torch.equal(scores, runtime.predict(batch, dense))
-        print(f"  server on 127.0.0.1:{port}: lookup [8, {pooled.shape[1]}] in {1e3 * elapsed:.1f} ms")
-        print(f"  scores {[round(v, 4) for v in scores.tolist()]}")
-        print(f"  equal to the in-process runtime: {same}")
-    finally:
-        server.send_signal(signal.SIGTERM)
-        code = server.wait(timeout=60)
-    print(f"  server stopped on SIGTERM with exit code {code}")
-    return 0 if code == 0 and same else 1
+    server_cli = _server_cli()
+    if server_cli is None:
+        print("\nthe server package is not installed: skipping the gRPC serving step")
+        return 0
+    return int(server_cli.serve_demo(out))
 
 
 def cmd_export(args: argparse.Namespace) -> int:
+    from infer.artifact.export import export
     from infer.config import ModelSpec
-    from infer.export import export
-    from infer.quant import accuracy_report, format_accuracy, load_checkpoint, quantize
+    from infer.quant.accuracy import accuracy_report, format_accuracy
+    from infer.quant.quantize import quantize
+    from infer.weights import load_checkpoint
 
     spec = ModelSpec.load(args.spec).with_data_types(args.dtype, _parse_table_dtypes(args.table_dtype))
     plan = _export_plan(args, spec)
@@ -129,7 +104,8 @@ def cmd_export(args: argparse.Namespace) -> int:
 def _export_plan(args: argparse.Namespace, spec: ModelSpec) -> ShardingPlan | None:
     """The plan to shard with: read from --plan, made for --world-size, or none (unsharded)."""
     from infer.planner.planner import EmbeddingPlanner
-    from infer.planner.types import ComputeDevice, ShardingPlan, Topology, load_constraints, parse_bytes
+    from infer.planner.types import ComputeDevice, ShardingPlan, Topology, load_constraints
+    from infer.planner.utils import parse_bytes
 
     if args.device == "cuda":
         import torch
@@ -154,7 +130,7 @@ def _export_plan(args: argparse.Namespace, spec: ModelSpec) -> ShardingPlan | No
 
 
 def cmd_inspect(args: argparse.Namespace) -> int:
-    from infer.manifest import Manifest
+    from infer.artifact.manifest import Manifest
 
     folder = Path(args.artifact)
     manifest = Manifest.read(folder)
@@ -191,14 +167,14 @@ def cmd_inspect(args: argparse.Namespace) -> int:
 def cmd_run(args: argparse.Namespace) -> int:
     import torch
 
-    from infer.export import load
-    from infer.quant import probe_batch
+    from infer.artifact.load import load
+    from infer.features import SparseFeatures
 
     started = time.monotonic()
     device_map = dict(item.split("=", 1) for item in args.device_map.split(",")) if args.device_map else None
     runtime = load(args.artifact, device_map=device_map)
     print(f"loaded {args.artifact} (checksums verified) in {time.monotonic() - started:.2f}s")
-    batch = probe_batch(runtime.spec, batch_size=args.batch_size, ids_per_bag=args.ids_per_bag, seed=1)
+    batch = SparseFeatures.random(runtime.spec, batch_size=args.batch_size, ids_per_bag=args.ids_per_bag, seed=1)
     pooled = runtime.lookup(batch)
     times = []
     for _ in range(args.iterations):
@@ -226,7 +202,8 @@ def cmd_plan(args: argparse.Namespace) -> int:
     from infer.demo import demo_spec
     from infer.planner.planner import EmbeddingPlanner
     from infer.planner.stats import format_stats, plot_plan
-    from infer.planner.types import ComputeDevice, Topology, load_constraints, parse_bytes
+    from infer.planner.types import ComputeDevice, Topology, load_constraints
+    from infer.planner.utils import parse_bytes
 
     spec = demo_spec() if args.spec == "demo" else ModelSpec.load(args.spec)
     spec = spec.with_data_types(args.dtype, _parse_table_dtypes(args.table_dtype))
@@ -248,70 +225,15 @@ def cmd_plan(args: argparse.Namespace) -> int:
     return 0
 
 
-def cmd_serve(args: argparse.Namespace) -> int:
-    import asyncio
-
-    from server.app import ServerConfig, serve
-    from server.auth import read_token_file
-
-    config = ServerConfig(
-        host=args.host,
-        port=args.port,
-        max_batch_size=args.max_batch_size,
-        max_delay_us=args.max_delay_us,
-        max_queue=args.max_queue,
-        workers=args.workers,
-        intra_op_threads=args.intra_op_threads,
-        max_message_bytes=args.max_message_mb * 1024 * 1024,
-        metrics_port=args.metrics_port,
-        tls_cert=args.tls_cert,
-        tls_key=args.tls_key,
-        auth_token=read_token_file(args.auth_token_file) if args.auth_token_file else None,
-        drain_seconds=args.drain_seconds,
-    )
-    return asyncio.run(serve(args.artifact, config))
-
-
-def cmd_query(args: argparse.Namespace) -> int:
-    import torch
-
-    from infer.config import ModelSpec, TableConfig
-    from infer.quant import probe_batch
-    from server.auth import read_token_file
-    from server.client import EmbserveClient
-
-    token = read_token_file(args.token_file) if args.token_file else None
-    root = Path(args.tls_root).read_bytes() if args.tls_root else None
-    with EmbserveClient(args.address, token=token, root_certificates=root, timeout=args.timeout) as client:
-        metadata = client.metadata()
-        print(
-            f"model {metadata.model_version}: {len(metadata.tables)} tables, features {list(metadata.feature_order)}, "
-            f"output dim {metadata.output_dim}"
-        )
-        if args.features:
-            features = json.loads(args.features)
-        else:
-            spec = ModelSpec(
-                tuple(
-                    TableConfig(t.name, t.num_embeddings, t.embedding_dim, tuple(t.feature_names))
-                    for t in metadata.tables
-                )
-            )
-            features = probe_batch(spec, batch_size=args.batch_size, ids_per_bag=args.ids_per_bag, seed=args.seed)
-        started = time.perf_counter()
-        pooled = client.lookup(features, fp16=args.fp16)
-        elapsed = time.perf_counter() - started
-        print(f"lookup: output {list(pooled.shape)} in {1e3 * elapsed:.2f} ms")
-        for column in metadata.columns[: args.show]:
-            values = [round(v, 4) for v in pooled[0, column.start : min(column.end, column.start + 4)].tolist()]
-            print(f"  row 0 {column.feature:<20} [{column.start}:{column.end}] {values} ...")
-        if metadata.has_dense and not args.features:
-            dense = torch.randn(
-                pooled.shape[0], metadata.num_dense_features, generator=torch.Generator().manual_seed(0)
-            )
-            scores = client.predict(features, dense)
-            print(f"predict: first scores {[round(v, 4) for v in scores[:5].tolist()]}")
-    return 0
+def _server_cli() -> ModuleType | None:
+    """``server.cli`` (serve and query subcommands), loaded only when the CLI runs: ``infer`` itself never
+    imports ``server``, and a host with the library alone still gets every other subcommand."""
+    try:
+        return importlib.import_module("server.cli")
+    except ModuleNotFoundError as err:
+        if err.name not in ("server", "server.cli"):
+            raise
+        return None
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -358,35 +280,9 @@ def build_parser() -> argparse.ArgumentParser:
     plan.add_argument("--plot", default=None, help="PNG with per-device memory and cost bars")
     plan.set_defaults(func=cmd_plan)
 
-    srv = sub.add_parser("serve", help="serve an artifact over gRPC (SIGTERM drains, then exits 0)")
-    srv.add_argument("artifact")
-    srv.add_argument("--host", default="0.0.0.0")
-    srv.add_argument("--port", type=int, default=50051)
-    srv.add_argument("--max-batch-size", type=int, default=4096, help="examples per batched forward")
-    srv.add_argument("--max-delay-us", type=int, default=1000, help="how long a request waits to be batched")
-    srv.add_argument("--max-queue", type=int, default=1024, help="queued requests before RESOURCE_EXHAUSTED")
-    srv.add_argument("--workers", type=int, default=0, help="concurrent forwards (0: cores / CPU shards)")
-    srv.add_argument("--intra-op-threads", type=int, default=0, help="torch threads per forward (0: auto)")
-    srv.add_argument("--max-message-mb", type=int, default=64)
-    srv.add_argument("--metrics-port", type=int, default=None, help="Prometheus /metrics port")
-    srv.add_argument("--tls-cert", default=None)
-    srv.add_argument("--tls-key", default=None)
-    srv.add_argument("--auth-token-file", default=None, help="require 'authorization: Bearer <token>'")
-    srv.add_argument("--drain-seconds", type=float, default=30.0)
-    srv.set_defaults(func=cmd_serve)
-
-    qry = sub.add_parser("query", help="query a server: metadata and one lookup")
-    qry.add_argument("address", help="host:port")
-    qry.add_argument("--features", default=None, help='JSON {"feature": [[ids], ...]}; default: a random batch')
-    qry.add_argument("--batch-size", type=int, default=4)
-    qry.add_argument("--ids-per-bag", type=int, default=5)
-    qry.add_argument("--seed", type=int, default=0)
-    qry.add_argument("--fp16", action="store_true", help="ask for fp16 output")
-    qry.add_argument("--show", type=int, default=4, help="features to print")
-    qry.add_argument("--token-file", default=None)
-    qry.add_argument("--tls-root", default=None, help="PEM root certificate of a TLS server")
-    qry.add_argument("--timeout", type=float, default=30.0)
-    qry.set_defaults(func=cmd_query)
+    server_cli = _server_cli()
+    if server_cli is not None:
+        server_cli.add_subcommands(sub)
 
     run = sub.add_parser("run", help="load an artifact and time lookups on a random batch")
     run.add_argument("artifact")

@@ -21,12 +21,29 @@ class RequestError(EmbserveError, ValueError):
         self.feature = feature
 
 
-class ArtifactError(EmbserveError):
-    """An exported artifact is missing, corrupted, or incompatible (names the file)."""
+class ArtifactErrorKind(enum.Enum):
+    """Why an artifact cannot be used; the C++ loader throws ``ManifestError``, ``ChecksumError``,
+    ``LibraryError`` and ``ModelError`` for the same four."""
 
-    def __init__(self, message: str, path: str | None = None) -> None:
+    MANIFEST = "manifest"  # manifest.json missing, not JSON, another format/version, malformed
+    CHECKSUM = "checksum"  # a listed file is missing, has the wrong size or fails its sha256
+    LIBRARY = "library"  # an operator library (fbgemm) is missing or cannot be loaded
+    MODEL = "model"  # the model file cannot be loaded or does not fit this host
+
+
+class ArtifactError(EmbserveError):
+    """An exported artifact is missing, corrupted, or incompatible (names the file); ``kind`` says which."""
+
+    def __init__(
+        self, message: str, path: str | None = None, kind: ArtifactErrorKind = ArtifactErrorKind.MANIFEST
+    ) -> None:
         super().__init__(message)
         self.path = path
+        self.kind = kind
+
+
+class FileFormatError(EmbserveError, ValueError):
+    """A request or response file (``cpp_io``, shared with ``embserve_run``) is malformed (names the file)."""
 
 
 class WeightsError(EmbserveError, ValueError):
@@ -34,6 +51,8 @@ class WeightsError(EmbserveError, ValueError):
 
 
 class PlanErrorKind(enum.Enum):
+    """Why the planner cannot place the tables."""
+
     INSUFFICIENT_MEMORY = "insufficient_memory"
     INVALID_CONSTRAINT = "invalid_constraint"
     INVALID_TOPOLOGY = "invalid_topology"

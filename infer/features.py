@@ -13,6 +13,7 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
+from infer import request_rules as rules
 from infer.errors import RequestError
 
 if TYPE_CHECKING:
@@ -48,14 +49,11 @@ class SparseFeatures:
             raise RequestError(f"lengths must be int32 (or int64), got {self.lengths.dtype}")
         if self.weights is not None:
             if not isinstance(self.weights, torch.Tensor) or self.weights.dim() != 1:
-                raise RequestError("weights must be a 1-D float32 tensor with one weight per id")
+                raise RequestError(rules.WEIGHTS_DTYPE)
             if self.weights.dtype != torch.float32:
                 raise RequestError(f"weights must be float32, got {self.weights.dtype}")
             if self.weights.numel() != self.values.numel():
-                raise RequestError(
-                    f"weights has {self.weights.numel()} entries but there are {self.values.numel()} ids; "
-                    "give one weight per id"
-                )
+                raise RequestError(rules.weights_count(self.weights.numel(), self.values.numel()))
         if len(set(self.keys)) != len(self.keys):
             raise RequestError(f"feature names {list(self.keys)} contain duplicates")
         if not self.keys:
@@ -118,6 +116,18 @@ class SparseFeatures:
         )
 
     @classmethod
+    def random(cls, spec: ModelSpec, batch_size: int = 256, ids_per_bag: int = 20, seed: int = 0) -> SparseFeatures:
+        """Seeded uniform random ids, ``ids_per_bag`` per bag, for every feature of ``spec`` (in its order):
+        probe batches for warm-up, accuracy reports and benchmarks."""
+        generator = torch.Generator().manual_seed(seed)
+        values = [
+            torch.randint(0, info.num_embeddings, (batch_size * ids_per_bag,), generator=generator)
+            for info in spec.features
+        ]
+        lengths = torch.full((len(spec.features) * batch_size,), ids_per_bag, dtype=torch.int32)
+        return cls(spec.feature_names, torch.cat(values), lengths)
+
+    @classmethod
     def from_tensors(
         cls,
         keys: Sequence[str],
@@ -173,26 +183,17 @@ class SparseFeatures:
             )
         num_features = len(self.keys)
         if self.lengths.numel() % num_features != 0:
-            raise RequestError(
-                f"lengths has {self.lengths.numel()} entries, not a multiple of the {num_features} features; "
-                "features have inconsistent batch sizes"
-            )
+            raise RequestError(rules.uneven_batch(self.lengths.numel(), num_features))
         batch = self.batch_size
         lengths = self.lengths.to(torch.int64)
         if lengths.numel() and int(lengths.min()) < 0:
             position = int(torch.nonzero(lengths < 0)[0])
             key = self.keys[position // batch]
-            raise RequestError(
-                f"feature {key!r}: bag {position % batch} has negative length {int(lengths[position])}",
-                feature=key,
-            )
+            raise RequestError(rules.negative_length(key, position % batch, int(lengths[position])), feature=key)
         per_feature = lengths.view(num_features, batch).sum(dim=1)
         total = int(per_feature.sum())
         if total != self.values.numel():
-            raise RequestError(
-                f"lengths sum to {total} but there are {self.values.numel()} ids; "
-                "lengths must add up to the number of ids"
-            )
+            raise RequestError(rules.lengths_sum(total, self.values.numel()))
         ends = torch.cumsum(per_feature, 0).tolist()
         starts = [0] + ends[:-1]
         rows = {f.name: f.num_embeddings for f in spec.features}
@@ -205,8 +206,7 @@ class SparseFeatures:
                 bad_mask = (ids < 0) | (ids >= rows[key])
                 position = int(torch.nonzero(bad_mask)[0])
                 raise RequestError(
-                    f"feature {key!r}: id {int(ids[position])} is out of range [0, {rows[key]}) "
-                    f"(id #{position} of the feature)",
+                    rules.id_out_of_range(key, int(ids[position]), rows[key]) + f" (id #{position} of the feature)",
                     feature=key,
                 )
         if self.keys == expected:

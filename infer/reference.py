@@ -11,37 +11,8 @@ import torch
 import torch.nn.functional as F
 
 from infer.config import ModelSpec, PoolingType
-from infer.errors import WeightsError
 from infer.features import SparseFeatures
-
-
-def random_weights(spec: ModelSpec, seed: int = 0, std: float = 1.0) -> dict[str, torch.Tensor]:
-    """Seeded N(0, std²) fp32 weights for every table of ``spec``."""
-    generator = torch.Generator().manual_seed(seed)
-    return {t.name: torch.randn(t.num_embeddings, t.embedding_dim, generator=generator) * std for t in spec.tables}
-
-
-def check_weights(spec: ModelSpec, weights: Mapping[str, torch.Tensor]) -> None:
-    """Raise ``WeightsError`` unless ``weights`` holds one float [rows, dim] tensor per table."""
-    names = [t.name for t in spec.tables]
-    missing = [n for n in names if n not in weights]
-    unknown = [n for n in weights if n not in names]
-    if missing or unknown:
-        raise WeightsError(
-            f"checkpoint tables do not match the spec: missing {missing}, unknown {unknown}; the spec has {names}"
-        )
-    for table in spec.tables:
-        weight = weights[table.name]
-        if not isinstance(weight, torch.Tensor):
-            raise WeightsError(f"table {table.name!r}: weight is a {type(weight).__name__}, expected a tensor")
-        expected = (table.num_embeddings, table.embedding_dim)
-        if tuple(weight.shape) != expected:
-            raise WeightsError(
-                f"table {table.name!r}: weight shape {list(weight.shape)} does not match the spec's "
-                f"[num_embeddings, embedding_dim] = {list(expected)}"
-            )
-        if not weight.is_floating_point():
-            raise WeightsError(f"table {table.name!r}: weight dtype {weight.dtype} is not floating point")
+from infer.weights import check_weights
 
 
 class FloatEmbeddingBagCollection(torch.nn.Module):

@@ -1,7 +1,8 @@
 """Create, run and stop the embserve gRPC server (grpc.aio).
 
 ``create_server`` builds a started server and returns it with its port (tests bind port 0);
-``serve`` runs one until SIGTERM/SIGINT, then drains in-flight calls and returns 0.
+``serve`` runs one until SIGTERM/SIGINT, then drains in-flight calls and returns 0. Starting one in
+a subprocess (demo, tests, benchmarks) is ``server.launch``'s job.
 """
 
 from __future__ import annotations
@@ -10,8 +11,6 @@ import asyncio
 import logging
 import os
 import signal
-import subprocess
-import sys
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -21,10 +20,10 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 from grpc_health.v1._async import HealthServicer
 from grpc_reflection.v1alpha import reflection
 
-from infer.errors import EmbserveError
-from infer.export import load
-from infer.quant import probe_batch
-from infer.runtime import Runtime
+from infer.artifact.load import load
+from infer.artifact.runtime import Runtime
+from infer.errors import ConfigError
+from infer.features import SparseFeatures
 from server.auth import BearerTokenInterceptor
 from server.metrics import ServerMetrics
 from server.proto import inference_pb2 as pb
@@ -111,7 +110,7 @@ async def _warm_up(servicer: InferenceServicer, batches: int) -> None:
     """Run a few batches through the batcher before reporting SERVING (first calls pay one-time costs)."""
     spec = servicer.spec
     for seed in range(batches):
-        features = probe_batch(spec, batch_size=min(64, servicer.max_batch_size), ids_per_bag=8, seed=seed)
+        features = SparseFeatures.random(spec, batch_size=min(64, servicer.max_batch_size), ids_per_bag=8, seed=seed)
         await servicer.lookups.submit(features)
         if servicer.predictions is not None:
             dense = torch.zeros(features.batch_size, spec.num_dense_features)
@@ -149,7 +148,7 @@ async def create_server(artifact: str | Path | Runtime, config: ServerConfig = S
     address = f"{config.host}:{config.port}"
     if config.tls_cert or config.tls_key:
         if not (config.tls_cert and config.tls_key):
-            raise ValueError("TLS needs both --tls-cert and --tls-key")
+            raise ConfigError("TLS needs both --tls-cert and --tls-key (PEM files); give both or neither")
         credentials = grpc.ssl_server_credentials(
             [(Path(config.tls_key).read_bytes(), Path(config.tls_cert).read_bytes())]
         )
@@ -178,20 +177,6 @@ async def create_server(artifact: str | Path | Runtime, config: ServerConfig = S
         config.max_delay_us, f", metrics on port {metrics_port}" if metrics_port else "",
     )  # fmt: skip
     return running
-
-
-def spawn_server(artifact: str | Path, *options: str) -> tuple[subprocess.Popen[str], int]:
-    """``embserve serve ARTIFACT --host 127.0.0.1 --port 0 OPTIONS`` in a subprocess; returns it and its
-    port once it serves (warmed up). Stop it with SIGTERM; it drains and exits 0."""
-    command = [sys.executable, "-m", "infer.cli", "serve", str(artifact), "--host", "127.0.0.1", "--port", "0"]
-    process = subprocess.Popen([*command, *options], stdout=subprocess.PIPE, text=True)
-    assert process.stdout is not None
-    line = process.stdout.readline()
-    if not line.startswith(SERVING_LINE):
-        process.kill()
-        process.wait()
-        raise EmbserveError(f"the server for {artifact} did not start (it printed {line!r})")
-    return process, int(line.rsplit(" ", 1)[1])
 
 
 async def serve(artifact: str | Path, config: ServerConfig = ServerConfig()) -> int:

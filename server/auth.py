@@ -8,6 +8,8 @@ from typing import Any
 
 import grpc
 
+from infer.errors import ConfigError
+
 # Probes (health) and tooling (reflection) must work without the token.
 OPEN_PREFIXES = ("/grpc.health.v1.Health/", "/grpc.reflection.")
 
@@ -21,7 +23,7 @@ class BearerTokenInterceptor(grpc.aio.ServerInterceptor):
 
     def __init__(self, token: str) -> None:
         if not token:
-            raise ValueError("the bearer token is empty")
+            raise ConfigError("the bearer token is empty; give a non-empty token (or no --auth-token-file)")
         self._expected = f"Bearer {token}".encode()
         self._deny_handler = grpc.unary_unary_rpc_method_handler(_deny)
 
@@ -45,5 +47,5 @@ def read_token_file(path: str) -> str:
     with open(path) as handle:
         token = handle.read().strip()
     if not token:
-        raise ValueError(f"token file {path!r} is empty")
+        raise ConfigError(f"token file {path!r} is empty; write the bearer token into it")
     return token

@@ -17,6 +17,7 @@ from dataclasses import dataclass, field
 
 import torch
 
+from infer.errors import ConfigError, EmbserveError
 from infer.features import SparseFeatures
 
 logger = logging.getLogger(__name__)
@@ -25,7 +26,7 @@ logger = logging.getLogger(__name__)
 Runner = Callable[[torch.Tensor, torch.Tensor, torch.Tensor | None, torch.Tensor | None], torch.Tensor]
 
 
-class QueueFullError(Exception):
+class QueueFullError(EmbserveError):
     """The request queue is at its bound: the caller should back off (RESOURCE_EXHAUSTED)."""
 
 
@@ -78,7 +79,10 @@ class DynamicBatcher:
         on_batch: Callable[[int, int], None] | None = None,
     ) -> None:
         if max_batch_size < 1 or max_queue < 1 or workers < 1 or max_delay_s < 0:
-            raise ValueError("max_batch_size, max_queue and workers must be >= 1 and max_delay_s >= 0")
+            raise ConfigError(
+                f"batcher settings max_batch_size={max_batch_size}, max_queue={max_queue}, workers={workers}, "
+                f"max_delay_s={max_delay_s}: the first three must be >= 1 and the delay >= 0"
+            )
         self.run = run
         self.max_batch_size = max_batch_size
         self.max_delay_s = max_delay_s

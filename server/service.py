@@ -5,14 +5,15 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
+import uuid
 from collections.abc import Awaitable
 from typing import Any
 
 import grpc
 import torch
 
+from infer.artifact.runtime import Runtime
 from infer.errors import RequestError
-from infer.runtime import Runtime
 from infer.version import __version__
 from server import codec
 from server.batcher import DynamicBatcher, QueueFullError
@@ -153,9 +154,10 @@ class InferenceServicer(pb_grpc.InferenceServiceServicer):
             expired = remaining is not None and remaining <= 0
             code = grpc.StatusCode.DEADLINE_EXCEEDED if expired else grpc.StatusCode.CANCELLED
             raise
-        except Exception as err:  # noqa: BLE001 - the client gets INTERNAL, the log gets the traceback
-            logger.exception("%s failed", method)
-            code, message = grpc.StatusCode.INTERNAL, f"internal error: {type(err).__name__}: {err}"
+        except Exception:  # noqa: BLE001 - the client gets INTERNAL and a request id, the log gets the traceback
+            request_id = uuid.uuid4().hex[:12]
+            logger.exception("%s failed (request id %s)", method, request_id)
+            code, message = grpc.StatusCode.INTERNAL, f"internal error (request id {request_id}); see the server log"
         finally:
             self.metrics.requests.labels(method, code.name).inc()
             self.metrics.latency.labels(method).observe(time.perf_counter() - started)

@@ -9,10 +9,10 @@ import sys
 import pytest
 import torch
 
+from infer.artifact.load import load
 from infer.cli import main
 from infer.config import DataType, ModelSpec, PoolingType, TableConfig
-from infer.export import load
-from infer.reference import random_weights
+from infer.weights import random_weights
 
 
 def _write_inputs(tmp_path):

@@ -1,4 +1,4 @@
-"""``import infer`` stays light: no fbgemm, no CUDA initialisation."""
+"""``import infer`` stays light: no fbgemm, no CUDA initialisation, no server, no optional extras."""
 
 from __future__ import annotations
 
@@ -13,9 +13,15 @@ def test_import_infer_does_not_load_fbgemm_or_cuda():
         import sys
         import torch
         import infer
-        import infer.config, infer.features, infer.errors, infer.manifest, infer.runtime, infer.export, infer.quant
+        import infer.config, infer.features, infer.errors, infer.weights, infer.reference, infer.request_rules
+        import infer.planner, infer.shard, infer.quant.rowwise, infer.quant.quantize, infer.quant.accuracy
+        import infer.modules.tbe, infer.modules.collection, infer.modules.sharded
+        import infer.artifact.manifest, infer.artifact.export, infer.artifact.load, infer.artifact.runtime
+        import infer.artifact.cpp_io, infer.artifact.fbgemm_libs
         from infer import ModelSpec, SparseFeatures, TableConfig
-        loaded = sorted(m for m in sys.modules if m.startswith("fbgemm"))
+        from infer import plan_for_inference, shard_model, Topology, ComputeDevice, export, load
+        heavy = ("fbgemm", "server", "grpc", "matplotlib", "torchrec", "onnx", "onnxruntime", "tritonclient")
+        loaded = sorted(m for m in sys.modules if m.split(".")[0] in heavy)
         assert not loaded, loaded
         assert not torch.cuda.is_initialized()
         print("lean")

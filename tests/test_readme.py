@@ -6,7 +6,7 @@ import re
 import signal
 from pathlib import Path
 
-from server.app import spawn_server
+from server.launch import spawn_server
 
 README = Path(__file__).resolve().parent.parent / "README.md"
 README_ADDRESS = "127.0.0.1:50051"

@@ -11,7 +11,8 @@ import torch
 from infer.config import ModelSpec, TableConfig
 from infer.errors import EmbserveError, RequestError, WeightsError
 from infer.features import SparseFeatures
-from infer.reference import FloatEmbeddingBagCollection, check_weights, random_weights
+from infer.reference import FloatEmbeddingBagCollection
+from infer.weights import check_weights, random_weights
 
 # (table, rows, dim, pooling, features) -- the reference loop reads this, never spec.features
 Layout = list[tuple[str, int, int, str, tuple[str, ...]]]

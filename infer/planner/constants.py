@@ -2,8 +2,8 @@
 
 from __future__ import annotations
 
-GB = 1024**3
-MB = 1024**2
+from infer.planner.utils import GB, MB  # noqa: F401 - re-exported: sizes below and callers' C.GB
+from infer.quant.rowwise import CPU_ROW_ALIGNMENT, CUDA_ROW_ALIGNMENT, TABLE_ALIGNMENT  # noqa: F401 - re-exported
 
 # CUDA hosts (H100-class): effective, not peak, figures.
 CUDA_DEVICE_MEMORY = 80 * GB
@@ -12,18 +12,12 @@ CUDA_HBM_BANDWIDTH = 2000e9
 CUDA_DDR_BANDWIDTH = 100e9
 CUDA_HOST_TO_DEVICE_BANDWIDTH = 25e9
 CUDA_INTRA_HOST_BANDWIDTH = 300e9  # NVLink-class device-to-device
-CUDA_ROW_ALIGNMENT = 16
 
 # CPU hosts: a "device" is one core running one TBE; memory is its share of DDR.
 CPU_HOST_MEMORY = 256 * GB
 CPU_DDR_BANDWIDTH_PER_CORE = 4.5e9  # one TBE core: ~25-31 M lookups/s of 192/128-byte rows (bench/lookup.py)
 CPU_INTRA_HOST_BANDWIDTH = 20e9  # memcpy between shards of one process
-CPU_ROW_ALIGNMENT = 1
 
-# The TBE places every table on a 128-byte boundary.
-TABLE_ALIGNMENT = 128
-# fp16 scale + fp16 bias per INT row.
-SCALE_BIAS_BYTES = 4
 # Memory is read in sectors: a narrow row still costs a whole sector.
 CUDA_READ_GRANULARITY = 32
 CPU_READ_GRANULARITY = 64

@@ -8,12 +8,7 @@ from collections.abc import Mapping
 from infer.config import ModelSpec, TableConfig
 from infer.errors import PlanError, PlanErrorKind
 from infer.planner import constants as C
-from infer.planner.shard_estimators import (
-    InferencePerfEstimator,
-    InferenceStorageEstimator,
-    input_bytes,
-    output_bytes,
-)
+from infer.planner.shard_estimators import InferencePerfEstimator, InferenceStorageEstimator, input_bytes, output_bytes
 from infer.planner.types import (
     ParameterConstraints,
     PerfEstimator,

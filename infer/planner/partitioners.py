@@ -15,16 +15,8 @@ from dataclasses import dataclass
 import numpy as np
 
 from infer.errors import PlanError, PlanErrorKind
-from infer.planner import constants as C
-from infer.planner.types import (
-    Partitioner,
-    PartitionResult,
-    Proposal,
-    ShardingOption,
-    ShardingType,
-    Storage,
-    Topology,
-)
+from infer.planner.types import Partitioner, PartitionResult, Proposal, ShardingOption, ShardingType, Storage, Topology
+from infer.planner.utils import format_bytes
 
 logger = logging.getLogger(__name__)
 
@@ -46,14 +38,6 @@ def global_lower_bound(options: Mapping[str, Sequence[ShardingOption]], world_si
     total = sum(min(o.total_cost for o in opts) for opts in options.values())
     largest = max(min(o.max_shard_cost for o in opts) for opts in options.values())
     return max(total / world_size, largest)
-
-
-def format_bytes(num_bytes: float) -> str:
-    """``81.2 GB``, ``512.0 MB``, ``3.0 KB`` or ``17 B`` (binary units, like the rest of the planner)."""
-    for unit, scale in (("GB", C.GB), ("MB", C.MB), ("KB", 1024)):
-        if abs(num_bytes) >= scale:
-            return f"{num_bytes / scale:.1f} {unit}"
-    return f"{int(num_bytes)} B"
 
 
 # ---------------------------------------------------------------------------- option layouts

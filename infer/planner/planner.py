@@ -34,6 +34,7 @@ from infer.planner.types import (
     TablePlan,
     Topology,
 )
+from infer.planner.utils import format_gb
 
 logger = logging.getLogger(__name__)
 
@@ -151,12 +152,12 @@ class EmbeddingPlanner:
         need_host = sum(o.total_storage.host for o in leanest.values())
         largest = max(leanest.values(), key=lambda o: max(s.storage.device for s in o.shards))
         largest_shard = max(s.storage.device for s in largest.shards)
-        per_device = ", ".join(f"device {d}: {m / C.GB:.2f} GB" for d, m in enumerate(topology.device_memory))
-        host = f"; host memory needed {need_host / C.GB:.2f} GB, available {topology.host_memory / C.GB:.2f} GB"
+        per_device = ", ".join(f"device {d}: {format_gb(m)}" for d, m in enumerate(topology.device_memory))
+        host = f"; host memory needed {format_gb(need_host)}, available {format_gb(topology.host_memory)}"
         return (
-            f"the tables do not fit: even in their leanest placement they need {need_device / C.GB:.2f} GB of device "
-            f"memory ({need_device / topology.world_size / C.GB:.2f} GB per device; largest shard: table "
-            f"{largest.table!r}, {largest_shard / C.GB:.2f} GB) "
+            f"the tables do not fit: even in their leanest placement they need {format_gb(need_device)} of device "
+            f"memory ({format_gb(need_device / topology.world_size)} per device; largest shard: table "
+            f"{largest.table!r}, {format_gb(largest_shard)}) "
             f"and devices have (after reservation) {per_device}{host if need_host else ''}. "
             "Add devices, give them more memory, or use a smaller data type (--dtype int4)"
         )

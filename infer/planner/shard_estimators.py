@@ -12,28 +12,10 @@ from __future__ import annotations
 from infer.config import DataType
 from infer.planner import constants as C
 from infer.planner.types import Placement, ShardContext, ShardingType, Storage
+from infer.quant.rowwise import TABLE_ALIGNMENT, round_up, table_bytes, unpadded_row_bytes
 
 INDEX_BYTES = 8  # int64 ids and offsets
 OUTPUT_BYTES = 4  # fp32 pooled output
-
-
-def _round_up(value: int, multiple: int) -> int:
-    return (value + multiple - 1) // multiple * multiple
-
-
-def unpadded_row_bytes(num_cols: int, data_type: DataType) -> int:
-    data = num_cols * data_type.bits // 8
-    return data + (C.SCALE_BIAS_BYTES if data_type.is_integer else 0)
-
-
-def row_bytes(num_cols: int, data_type: DataType, row_alignment: int) -> int:
-    """Bytes of one stored row as the TBE lays it out (``rounded_row_size_in_bytes``)."""
-    return _round_up(unpadded_row_bytes(num_cols, data_type), row_alignment)
-
-
-def weight_bytes(num_rows: int, num_cols: int, data_type: DataType, row_alignment: int) -> int:
-    """Bytes the TBE allocates for one table (or shard) of ``num_rows`` rows: 128-byte aligned."""
-    return _round_up(num_rows * row_bytes(num_cols, data_type, row_alignment), C.TABLE_ALIGNMENT)
 
 
 def _row_fraction(ctx: ShardContext) -> float:
@@ -72,11 +54,11 @@ class InferenceStorageEstimator:
 
     def storage(self, ctx: ShardContext) -> Storage:
         if self.is_inference:
-            weights = weight_bytes(ctx.num_rows, ctx.num_cols, ctx.data_type, ctx.topology.row_alignment)
+            weights = table_bytes(ctx.num_rows, ctx.num_cols, ctx.data_type, ctx.topology.row_alignment)
             extra = 0
         else:
-            weights = weight_bytes(ctx.num_rows, ctx.num_cols, DataType.FP32, ctx.topology.row_alignment)
-            optimizer = _round_up(ctx.num_rows * C.TRAINING_OPTIMIZER_BYTES_PER_ROW, C.TABLE_ALIGNMENT)
+            weights = table_bytes(ctx.num_rows, ctx.num_cols, DataType.FP32, ctx.topology.row_alignment)
+            optimizer = round_up(ctx.num_rows * C.TRAINING_OPTIMIZER_BYTES_PER_ROW, TABLE_ALIGNMENT)
             num_features = len(ctx.table.feature_names)
             output_grad = ctx.batch_size * ctx.num_cols * num_features * OUTPUT_BYTES
             sparse_grad = int(_ids(ctx)) * ctx.num_cols * OUTPUT_BYTES
@@ -86,7 +68,7 @@ class InferenceStorageEstimator:
             return Storage(device=weights + io, host=0)
         if ctx.placement == Placement.HOST:
             return Storage(device=io, host=weights)
-        cache = _round_up(int(weights * ctx.constraints.cache_load_factor), C.TABLE_ALIGNMENT)
+        cache = round_up(int(weights * ctx.constraints.cache_load_factor), TABLE_ALIGNMENT)
         return Storage(device=io + cache, host=weights)
 
 
@@ -112,7 +94,7 @@ class InferencePerfEstimator:
         topo = ctx.topology
         granularity = C.CUDA_READ_GRANULARITY if topo.is_cuda else C.CPU_READ_GRANULARITY
         data_type = ctx.data_type if self.is_inference else DataType.FP32
-        bytes_per_row = _round_up(unpadded_row_bytes(ctx.num_cols, data_type), granularity)
+        bytes_per_row = round_up(unpadded_row_bytes(ctx.num_cols, data_type), granularity)
         ids = _ids(ctx)
         lookup = ids * bytes_per_row / self._lookup_bandwidth(ctx)
         input_bw = topo.host_to_device_bandwidth if topo.is_cuda else topo.intra_host_bandwidth

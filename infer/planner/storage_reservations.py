@@ -6,6 +6,7 @@ from infer.config import ModelSpec
 from infer.errors import PlanError, PlanErrorKind
 from infer.planner import constants as C
 from infer.planner.types import Topology
+from infer.planner.utils import format_gb
 
 
 def dense_part_bytes(spec: ModelSpec, batch_size: int = C.DEFAULT_BATCH_SIZE) -> int:
@@ -34,7 +35,7 @@ class HeuristicalStorageReservation:
         if short:
             raise PlanError(
                 f"devices {short} have no memory left after reserving {self.percentage}% and the dense part "
-                f"({dense / C.GB:.2f} GB); give them more memory or reserve less",
+                f"({format_gb(dense)}); give them more memory or reserve less",
                 PlanErrorKind.INSUFFICIENT_MEMORY,
             )
         return topology.with_device_memory(caps)

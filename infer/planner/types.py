@@ -38,28 +38,6 @@ class ComputeDevice(enum.Enum):
     CUDA = "cuda"
 
 
-def parse_bytes(value: str | int | float) -> int:
-    """``"80GB"``, ``"512MiB"``, ``"1.5TB"`` or a number of bytes -> bytes (binary units)."""
-    if isinstance(value, (int, float)) and not isinstance(value, bool):
-        if value < 0:
-            raise PlanError(f"memory size {value} is negative", PlanErrorKind.INVALID_TOPOLOGY)
-        return int(value)
-    text = str(value).strip().upper().replace(" ", "")
-    units = {"TIB": 1024**4, "TB": 1024**4, "GIB": C.GB, "GB": C.GB, "MIB": C.MB, "MB": C.MB, "KIB": 1024, "KB": 1024}
-    for unit, scale in units.items():
-        if text.endswith(unit):
-            try:
-                return int(float(text[: -len(unit)]) * scale)
-            except ValueError:
-                break
-    try:
-        return int(text.rstrip("B"))
-    except ValueError:
-        raise PlanError(
-            f"cannot read memory size {value!r}; write e.g. 80GB, 512MB or a byte count", PlanErrorKind.INVALID_TOPOLOGY
-        ) from None
-
-
 @dataclass(frozen=True)
 class Topology:
     """The devices of one serving host: how many, what memory, what bandwidths."""

@@ -12,10 +12,18 @@ from collections.abc import Mapping
 import torch
 
 from infer.config import DataType, ModelSpec
-from infer.errors import PlanError, PlanErrorKind
-from infer.modules import EmbserveModel, QuantizedEmbeddingBagCollection, make_tbe
+from infer.errors import ConfigError, PlanError, PlanErrorKind
+from infer.modules.collection import EmbserveModel, QuantizedEmbeddingBagCollection
+from infer.modules.sharded import (
+    READ_ALL,
+    READ_BATCH_SLICE,
+    READ_ROW_BLOCK,
+    DeviceShards,
+    ShardedEmbeddingBagCollection,
+)
+from infer.modules.tbe import make_tbe
 from infer.planner.types import ShardingPlan, ShardingType
-from infer.shard.sharded import READ_ALL, READ_BATCH_SLICE, READ_ROW_BLOCK, DeviceShards, ShardedEmbeddingBagCollection
+from infer.quant.rowwise import column_byte_range, column_slice_aligned
 
 logger = logging.getLogger(__name__)
 
@@ -54,8 +62,7 @@ def check_plan(spec: ModelSpec, plan: ShardingPlan) -> None:
             inside = inside and 0 <= shard.col_offset and shard.col_offset + shard.num_cols <= table.embedding_dim
             if not inside or shard.num_rows < 1 or shard.num_cols < 1:
                 raise PlanError(f"table {name!r}: shard {shard} lies outside the table", PlanErrorKind.INVALID_PLAN)
-            per_byte = 8 // min(table.data_type.bits, 8)
-            if shard.col_offset % max(per_byte, 4) or shard.num_cols % 4:
+            if not column_slice_aligned(shard.col_offset, shard.num_cols, table.data_type):
                 raise PlanError(
                     f"table {name!r}: column slice {shard.col_offset}+{shard.num_cols} is not 4-column aligned",
                     PlanErrorKind.INVALID_PLAN,
@@ -89,11 +96,6 @@ def _covers(ranges: list[tuple[int, int]], total: int) -> bool:
     return position == total
 
 
-def _byte_range(col_offset: int, num_cols: int, data_type: DataType) -> tuple[int, int]:
-    bits = data_type.bits
-    return col_offset * bits // 8, (col_offset + num_cols) * bits // 8
-
-
 def shard_model(
     model: EmbserveModel,
     plan: ShardingPlan,
@@ -104,7 +106,10 @@ def shard_model(
     spec = model.spec
     source = model.embeddings
     if not isinstance(source, QuantizedEmbeddingBagCollection):
-        raise PlanError("shard_model takes an unsharded model from infer.quantize()", PlanErrorKind.INVALID_PLAN)
+        raise ConfigError(
+            f"shard_model takes the unsharded model returned by infer.quantize(), got one whose embeddings are "
+            f"{type(source).__name__}; quantize the tables first, then shard that model"
+        )
     check_plan(spec, plan)
     devices = plan_devices(plan, device_map)
     source_weights = dict(zip([t.name for t in spec.tables], source.table_weights()))
@@ -143,7 +148,7 @@ def shard_model(
             for (data, scale_bias), (table, shard) in zip(split, local_sources):
                 src_data, src_scale_bias = source_weights[table.name]
                 rows = slice(shard.row_offset, shard.row_offset + shard.num_rows)
-                first, last = _byte_range(shard.col_offset, shard.num_cols, table.data_type)
+                first, last = column_byte_range(shard.col_offset, shard.num_cols, table.data_type)
                 data.copy_(src_data[rows, first:last])
                 if scale_bias is not None and src_scale_bias is not None:
                     scale_bias.copy_(src_scale_bias[rows])

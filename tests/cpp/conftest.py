@@ -50,9 +50,9 @@ def embserve_run(cpp_build: Path) -> Path:
 
 @pytest.fixture(scope="session")
 def unsharded_artifact(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    from infer.export import export
-    from infer.quant import quantize
-    from infer.reference import random_weights
+    from infer.artifact.export import export
+    from infer.quant.quantize import quantize
+    from infer.weights import random_weights
     from tests.conftest import mixed_spec
 
     spec = mixed_spec()
@@ -61,12 +61,12 @@ def unsharded_artifact(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 @pytest.fixture(scope="session")
 def sharded_artifact(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    from infer.export import export
+    from infer.artifact.export import export
     from infer.planner.types import ShardingType
-    from infer.quant import quantize
-    from infer.reference import random_weights
+    from infer.quant.quantize import quantize
     from infer.shard.builder import shard_model
     from infer.shard.plans import make_plan
+    from infer.weights import random_weights
     from tests.conftest import mixed_spec
 
     spec = mixed_spec()

@@ -8,7 +8,7 @@ import sys
 
 import pytest
 
-from infer.export import load
+from infer.artifact.load import load
 from tests.cpp.conftest import CPP, ROOT
 
 CONSUMER = CPP / "examples" / "consumer"

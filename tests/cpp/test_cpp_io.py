@@ -1,11 +1,11 @@
-"""infer.cpp_io: the request/response files shared with embserve_run round-trip exactly."""
+"""infer.artifact.cpp_io: the request/response files shared with embserve_run round-trip exactly."""
 
 from __future__ import annotations
 
 import pytest
 import torch
 
-from infer.cpp_io import Response, read_requests, read_responses, write_requests, write_responses
+from infer.artifact.cpp_io import Response, read_requests, read_responses, write_requests, write_responses
 
 
 def test_requests_round_trip(tmp_path):

@@ -10,8 +10,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from infer.cpp_io import read_responses, write_requests
-from infer.export import load
+from infer.artifact.cpp_io import read_responses, write_requests
+from infer.artifact.load import load
 from infer.features import SparseFeatures
 from tests.conftest import mixed_spec, random_batch
 
@@ -147,11 +147,11 @@ def test_manifest_format_version_is_checked(embserve_run, unsharded_artifact, tm
 
 
 def test_library_dir_env_var_is_searched(embserve_run, unsharded_artifact, tmp_path):
-    import infer.fbgemm_libs
+    import infer.artifact.fbgemm_libs
 
     artifact = copy_artifact(unsharded_artifact, tmp_path)
     edit_manifest(artifact, lambda d: d["fbgemm"].update(build_dir=str(tmp_path / "gone")))
-    (tmp_path / "libs").symlink_to(infer.fbgemm_libs.fbgemm_library_dir(), target_is_directory=True)
+    (tmp_path / "libs").symlink_to(infer.artifact.fbgemm_libs.fbgemm_library_dir(), target_is_directory=True)
     env = {"EMBSERVE_FBGEMM_LIB_DIR": str(tmp_path / "libs"), "PATH": "/usr/bin:/bin"}
     result = subprocess.run([str(embserve_run), str(artifact)], capture_output=True, text=True, env=env, timeout=300)
     assert result.returncode == 0, result.stderr

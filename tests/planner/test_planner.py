@@ -14,14 +14,7 @@ from infer.planner import constants as C
 from infer.planner.planner import EmbeddingPlanner, plan_for_inference
 from infer.planner.stats import format_stats, plot_plan
 from infer.planner.storage_reservations import dense_part_bytes
-from infer.planner.types import (
-    ComputeDevice,
-    ParameterConstraints,
-    Placement,
-    ShardingPlan,
-    ShardingType,
-    Topology,
-)
+from infer.planner.types import ComputeDevice, ParameterConstraints, Placement, ShardingPlan, ShardingType, Topology
 
 
 def spec_of(num_tables: int, rows: int = 100_000, dim: int = 64) -> ModelSpec:

@@ -9,14 +9,8 @@ import pytest
 from infer.config import ModelSpec, TableConfig
 from infer.errors import PlanError, PlanErrorKind
 from infer.planner import constants as C
-from infer.planner.types import (
-    ComputeDevice,
-    ParameterConstraints,
-    ShardingType,
-    Topology,
-    load_constraints,
-    parse_bytes,
-)
+from infer.planner.types import ComputeDevice, ParameterConstraints, ShardingType, Topology, load_constraints
+from infer.planner.utils import parse_bytes
 
 
 def test_parse_bytes():

@@ -5,12 +5,7 @@ from __future__ import annotations
 import pytest
 
 from infer.config import DataType, TableConfig
-from infer.planner.shard_estimators import (
-    InferencePerfEstimator,
-    InferenceStorageEstimator,
-    row_bytes,
-    weight_bytes,
-)
+from infer.planner.shard_estimators import InferencePerfEstimator, InferenceStorageEstimator
 from infer.planner.types import (
     ComputeDevice,
     ParameterConstraints,
@@ -44,51 +39,6 @@ def ctx(
         table, data_type, ParameterConstraints(), topology, sharding, placement,
         num_rows or rows, num_cols or dim, shards, batch, pooling,
     )  # fmt: skip
-
-
-@pytest.mark.parametrize(
-    "data_type, dim, alignment, expected",
-    [
-        (DataType.INT8, 128, 1, 132),  # D + fp16 scale + fp16 bias
-        (DataType.INT8, 128, 16, 144),
-        (DataType.INT4, 128, 1, 68),  # D/2 + 4
-        (DataType.INT4, 128, 16, 80),
-        (DataType.INT2, 128, 1, 36),  # D/4 + 4
-        (DataType.INT2, 128, 16, 48),
-        (DataType.FP16, 100, 1, 200),
-        (DataType.FP16, 100, 16, 208),
-        (DataType.FP32, 12, 16, 48),
-    ],
-)
-def test_row_bytes(data_type, dim, alignment, expected):
-    assert row_bytes(dim, data_type, alignment) == expected
-
-
-def test_weight_bytes_align_every_table_to_128():
-    assert weight_bytes(1000, 128, DataType.INT8, 1) == 132_096  # 132,000 rounded up to 1032 x 128
-    assert weight_bytes(1024, 128, DataType.INT8, 1) == 135_168  # already aligned
-
-
-@pytest.mark.parametrize("data_type", [DataType.INT8, DataType.INT4, DataType.INT2, DataType.FP16], ids=str)
-@pytest.mark.parametrize("alignment", [1, 16])
-def test_weight_bytes_equal_the_tbe_allocation(data_type, alignment):
-    """To the byte: what fbgemm's inference TBE allocates for these tables on CPU."""
-    from fbgemm_gpu.split_embedding_configs import SparseType
-    from fbgemm_gpu.split_table_batched_embeddings_ops_common import EmbeddingLocation
-    from fbgemm_gpu.split_table_batched_embeddings_ops_inference import IntNBitTableBatchedEmbeddingBagsCodegen
-
-    shapes = [(1001, 64), (77, 32), (3000, 256), (5, 8)]
-    tbe = IntNBitTableBatchedEmbeddingBagsCodegen(
-        [
-            (f"t{i}", rows, dim, SparseType(data_type.value), EmbeddingLocation.HOST)
-            for i, (rows, dim) in enumerate(shapes)
-        ],
-        device="cpu",
-        row_alignment=alignment,
-    )
-    tbe.initialize_weights()
-    allocated = tbe.weights_host.numel() * tbe.weights_host.element_size()
-    assert allocated == sum(weight_bytes(rows, dim, data_type, alignment) for rows, dim in shapes)
 
 
 def test_inference_storage_is_weights_plus_io_buffers():

@@ -14,10 +14,11 @@ from typing import Any
 import pytest
 import torch
 
-from infer.export import export, load
-from infer.quant import quantize
-from infer.reference import random_weights
-from infer.runtime import Runtime
+from infer.artifact.export import export
+from infer.artifact.load import load
+from infer.artifact.runtime import Runtime
+from infer.quant.quantize import quantize
+from infer.weights import random_weights
 from tests.conftest import mixed_spec
 from tests.server.support import NUM_DENSE, GatedModule, LoopThread, Served, gated_runtime, local_config
 from tests.test_export import TinyOverArch

@@ -17,9 +17,9 @@ import pytest
 import torch
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
-from infer.export import load
+from infer.artifact.load import load
+from infer.artifact.runtime import Runtime
 from infer.features import SparseFeatures
-from infer.runtime import Runtime
 from server import codec
 from server.app import SERVICE_NAME, RunningServer, ServerConfig, create_server
 from server.proto import inference_pb2 as pb

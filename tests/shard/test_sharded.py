@@ -10,17 +10,18 @@ import textwrap
 import pytest
 import torch
 
+from infer.artifact.export import export
+from infer.artifact.load import load
 from infer.config import DataType, ModelSpec, PoolingType, TableConfig
 from infer.errors import PlanError, PlanErrorKind, RequestError
-from infer.export import export, load
 from infer.features import SparseFeatures
 from infer.planner.planner import plan_for_inference
-from infer.planner.shard_estimators import weight_bytes
 from infer.planner.types import ComputeDevice, ShardingType, Topology
-from infer.quant import quantize
-from infer.reference import random_weights
+from infer.quant.quantize import quantize
+from infer.quant.rowwise import table_bytes
 from infer.shard.builder import shard_model
 from infer.shard.plans import make_plan
+from infer.weights import random_weights
 from tests.conftest import random_batch
 
 TW, RW, CW, REP = ShardingType.TABLE_WISE, ShardingType.ROW_WISE, ShardingType.COLUMN_WISE, ShardingType.REPLICATED
@@ -120,7 +121,7 @@ def test_allocated_bytes_match_the_planner_estimate(quantized):
     for got, want in zip(allocated, estimated):
         assert abs(got - want) <= 0.01 * want, (got, want)
     # and the estimate is the estimator's own formula, to the byte, for one table-wise table
-    assert weight_bytes(1009, 128, DataType.INT8, 1) == (1009 * 132 + 127) // 128 * 128
+    assert table_bytes(1009, 128, DataType.INT8, 1) == (1009 * 132 + 127) // 128 * 128
 
 
 def test_bad_requests_are_rejected_and_leave_the_model_usable(quantized, tmp_path):
@@ -183,7 +184,7 @@ def test_sharded_artifact_round_trips_in_a_fresh_process(quantized, tmp_path):
     script = textwrap.dedent(
         f"""
         import torch
-        from infer.export import load
+        from infer.artifact.load import load
         from infer.features import SparseFeatures
         runtime = load({str(path)!r})
         values, lengths, weights = torch.load({str(tmp_path / "in.pt")!r})

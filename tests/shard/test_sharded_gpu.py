@@ -5,13 +5,14 @@ from __future__ import annotations
 import pytest
 import torch
 
+from infer.artifact.export import export
+from infer.artifact.load import load
 from infer.config import PoolingType
-from infer.export import export, load
 from infer.planner.types import ComputeDevice, ShardingType
-from infer.quant import quantize
-from infer.reference import random_weights
+from infer.quant.quantize import quantize
 from infer.shard.builder import shard_model
 from infer.shard.plans import make_plan
+from infer.weights import random_weights
 from tests.conftest import random_batch
 from tests.shard.test_sharded import assert_parity, layout, sharding_spec
 

@@ -10,7 +10,7 @@ import importlib.metadata
 from pathlib import Path
 from types import ModuleType
 
-from infer.errors import EmbserveError
+from infer.errors import ArtifactError, ArtifactErrorKind
 
 # Operator libraries a scripted TBE inference model calls into, in load order. A C++ host must
 # dlopen these (RTLD_GLOBAL) before torch::jit::load; their own dependencies resolve via $ORIGIN.
@@ -28,9 +28,10 @@ def load_fbgemm() -> ModuleType:
     try:
         return importlib.import_module("fbgemm_gpu")
     except ImportError as err:
-        raise EmbserveError(
+        raise ArtifactError(
             f"fbgemm_gpu is not importable ({err}); install fbgemm-gpu-cpu==1.8.0 (CPU hosts) "
-            "or fbgemm-gpu==1.8.0 (CUDA hosts) next to torch 2.13.0"
+            "or fbgemm-gpu==1.8.0 (CUDA hosts) next to torch 2.13.0",
+            kind=ArtifactErrorKind.LIBRARY,
         ) from None
 
 
@@ -52,5 +53,7 @@ def required_library_paths() -> list[Path]:
     folder = fbgemm_library_dir()
     missing = [name for name in REQUIRED_LIBRARIES if not (folder / name).is_file()]
     if missing:
-        raise EmbserveError(f"fbgemm_gpu at {folder} lacks operator libraries {missing}; reinstall it")
+        raise ArtifactError(
+            f"fbgemm_gpu at {folder} lacks operator libraries {missing}; reinstall it", kind=ArtifactErrorKind.LIBRARY
+        )
     return [folder / name for name in REQUIRED_LIBRARIES]

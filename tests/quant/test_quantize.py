@@ -11,15 +11,11 @@ import torch
 
 from infer.config import DataType, ModelSpec, PoolingType, TableConfig
 from infer.errors import WeightsError
-from infer.quant import (
-    accuracy_report,
-    dequantize_rows,
-    dequantized_weights,
-    load_checkpoint,
-    quantize,
-    quantize_rows,
-)
-from infer.reference import FloatEmbeddingBagCollection, random_weights
+from infer.quant.accuracy import accuracy_report
+from infer.quant.quantize import dequantized_weights, quantize
+from infer.quant.rowwise import dequantize_rows, quantize_rows
+from infer.reference import FloatEmbeddingBagCollection
+from infer.weights import load_checkpoint, random_weights
 from tests.conftest import mixed_spec, random_batch, small_spec
 
 ALL_TYPES = [DataType.INT8, DataType.INT4, DataType.INT2, DataType.FP16, DataType.FP32]
@@ -162,7 +158,7 @@ def test_quantizing_a_large_table_holds_no_extra_fp32_copy():
         """
         import resource, torch
         from infer.config import ModelSpec, TableConfig
-        from infer.quant import quantize
+        from infer.quant.quantize import quantize
         rows, dim = 1_500_000, 128
         spec = ModelSpec((TableConfig("big", rows, dim, ("f",)),))
         weight = torch.randn(rows, dim)

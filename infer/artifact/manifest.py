@@ -14,7 +14,7 @@ from pathlib import Path
 from typing import Any
 
 from infer.config import ModelSpec
-from infer.errors import ArtifactError, ConfigError
+from infer.errors import ArtifactError, ArtifactErrorKind, ConfigError
 
 FORMAT_NAME = "embserve-artifact"
 FORMAT_VERSION = 1
@@ -23,6 +23,7 @@ MODEL_FILE = "model.pt"
 PLAN_FILE = "plan.json"
 MAX_MANIFEST_BYTES = 16 * 1024 * 1024
 _CHUNK = 1 << 20
+CHECKSUM = ArtifactErrorKind.CHECKSUM
 
 
 def sha256_file(path: Path) -> str:
@@ -171,24 +172,28 @@ class Manifest:
     def verify_files(self, folder: Path) -> None:
         """Check every listed file's size and sha256; raise ``ArtifactError`` naming the first bad one."""
         if self.model_file not in {e.name for e in self.files}:
-            raise ArtifactError(f"{MANIFEST_FILE} has no checksum for {self.model_file}", path=self.model_file)
+            raise ArtifactError(
+                f"{MANIFEST_FILE} has no checksum for {self.model_file}", path=self.model_file, kind=CHECKSUM
+            )
         for entry in self.files:
             path = folder / entry.name
             if Path(entry.name).name != entry.name:
                 raise ArtifactError(
-                    f"{MANIFEST_FILE} lists a file outside the artifact: {entry.name!r}", path=entry.name
+                    f"{MANIFEST_FILE} lists a file outside the artifact: {entry.name!r}", path=entry.name, kind=CHECKSUM
                 )
             if not path.is_file():
-                raise ArtifactError(f"{path} is missing from the artifact", path=str(path))
+                raise ArtifactError(f"{path} is missing from the artifact", path=str(path), kind=CHECKSUM)
             size = path.stat().st_size
             if size != entry.bytes:
                 raise ArtifactError(
                     f"{path} is {size} bytes but the manifest says {entry.bytes}; the file is truncated or corrupted",
                     path=str(path),
+                    kind=CHECKSUM,
                 )
             digest = sha256_file(path)
             if digest != entry.sha256:
                 raise ArtifactError(
                     f"{path} fails its sha256 check ({digest[:12]}… != {entry.sha256[:12]}…); the file is corrupted",
                     path=str(path),
+                    kind=CHECKSUM,
                 )

@@ -5,10 +5,11 @@ from __future__ import annotations
 import pytest
 import torch
 
+from infer.artifact.export import export
+from infer.artifact.load import load
 from infer.config import DataType, PoolingType
-from infer.export import export, load
-from infer.quant import quantize
-from infer.reference import random_weights
+from infer.quant.quantize import quantize
+from infer.weights import random_weights
 from tests.conftest import mixed_spec, random_batch, small_spec
 
 

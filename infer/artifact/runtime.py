@@ -9,11 +9,13 @@ from typing import Any
 
 import torch
 
+from infer import request_rules as rules
+from infer.artifact.manifest import Manifest
 from infer.errors import RequestError
 from infer.features import SparseFeatures
-from infer.manifest import Manifest
+from infer.request_rules import REQUEST_ERROR_PREFIX
 
-_SCRIPT_REQUEST_ERROR = re.compile(r"embserve\.RequestError: (.*)")
+_SCRIPT_REQUEST_ERROR = re.compile(re.escape(REQUEST_ERROR_PREFIX) + "(.*)")
 
 
 class Runtime:
@@ -51,7 +53,7 @@ class Runtime:
     def predict(self, batch: SparseFeatures | Mapping[str, Any], dense_features: torch.Tensor) -> torch.Tensor:
         """Scores of the dense part for ``dense_features [batch, num_dense_features]`` and ``batch``."""
         if not self.has_dense:
-            raise RequestError("this artifact has no dense part; use lookup()")
+            raise RequestError(rules.NO_DENSE_PART)
         features = self._features(batch)
         if not isinstance(dense_features, torch.Tensor) or dense_features.dtype != torch.float32:
             raise RequestError("dense_features must be a float32 tensor [batch, num_dense_features]")

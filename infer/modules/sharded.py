@@ -8,12 +8,16 @@ partial sums are added afterwards, then MEAN features are divided by their full 
 the output is laid out exactly like the unsharded model's.
 """
 
+from typing import Final, Optional
+
 import torch
 from torch import Tensor, nn
 
-from infer.modules import ValidatingCollection, bag_offsets, check_each_feature, check_id_range
+from infer import request_rules as rules
+from infer.modules.collection import ValidatingCollection
+from infer.modules.tbe import bag_offsets, first_id_error
 
-# How a shard reads its feature (TorchScript cannot read module globals: the methods use the literals).
+# How a shard reads its feature; the scripted methods read them as DeviceShards' Final attributes.
 READ_ALL = 0  # table-wise and column-wise shards: every id of the feature
 READ_ROW_BLOCK = 1  # row-wise: ids in [lo, hi), shifted by -lo
 READ_BATCH_SLICE = 2  # replicated: bags of replica lo out of hi (lo * B // hi .. (lo + 1) * B // hi)
@@ -38,6 +42,10 @@ class DeviceShards(nn.Module):
     copy_src: list[int]
     copy_dst: list[int]
     copy_width: list[int]
+    read_all: Final[int] = READ_ALL
+    read_row_block: Final[int] = READ_ROW_BLOCK
+    read_batch_slice: Final[int] = READ_BATCH_SLICE
+    request_error_prefix: Final[str] = rules.REQUEST_ERROR_PREFIX
 
     def __init__(
         self,
@@ -112,14 +120,14 @@ class DeviceShards(nn.Module):
             kind = self.lf_kind[i]
             ids = values[starts[f] : starts[f + 1]]
             bag_lengths = lengths[f * batch : (f + 1) * batch]
-            if kind != 2:  # a replica checks only its slice, below
-                check_id_range(ids, self.lf_rows[i], self.lf_name[i])
-            if kind == 0:  # READ_ALL
+            if kind != self.read_batch_slice:  # a replica checks only its slice, below
+                self.check_ids(ids, self.lf_rows[i], self.lf_name[i])
+            if kind == self.read_all:
                 pieces_v.append(ids)
                 pieces_l.append(bag_lengths)
                 if weights is not None:
                     pieces_w.append(weights[starts[f] : starts[f + 1]])
-            elif kind == 1:  # READ_ROW_BLOCK
+            elif kind == self.read_row_block:
                 lo = self.lf_lo[i]
                 mask = (ids >= lo) & (ids < self.lf_hi[i])
                 pieces_v.append(ids[mask] - lo)
@@ -134,7 +142,7 @@ class DeviceShards(nn.Module):
                 last = (self.lf_lo[i] + 1) * batch // self.lf_hi[i]
                 begin = int(bag_lengths[:first].sum()) if first > 0 else 0
                 end = begin + (int(bag_lengths[first:last].sum()) if last > first else 0)
-                check_id_range(ids[begin:end], self.lf_rows[i], self.lf_name[i])
+                self.check_ids(ids[begin:end], self.lf_rows[i], self.lf_name[i])
                 pieces_v.append(ids[begin:end])
                 sliced = torch.zeros(batch, dtype=lengths.dtype, device=lengths.device)
                 sliced[first:last] = bag_lengths[first:last]
@@ -156,7 +164,14 @@ class DeviceShards(nn.Module):
         low, high = torch.aminmax(run_values)
         if int(low) >= 0 and int(high) < self.min_rows:
             return
-        check_each_feature(run_values, bounds, self.lf_rows, self.lf_name)
+        error = first_id_error(run_values, bounds, self.lf_rows, self.lf_name)
+        if error is not None:
+            raise ValueError(self.request_error_prefix + error)
+
+    def check_ids(self, ids: Tensor, rows: int, feature: str) -> None:
+        error: Optional[str] = rules.id_range_error(ids, rows, feature)
+        if error is not None:
+            raise ValueError(self.request_error_prefix + error)
 
     def copy_out(self, pooled: Tensor, batch: int, out: Tensor) -> None:
         """Write whole-feature columns (merged runs) and replica rows of the kernel output into ``out``."""
@@ -166,7 +181,7 @@ class DeviceShards(nn.Module):
             width = self.copy_width[j]
             out[:, dst : dst + width].copy_(pooled[:, src : src + width])
         for i in range(len(self.lf_feature)):
-            if self.lf_kind[i] == 2:  # READ_BATCH_SLICE
+            if self.lf_kind[i] == self.read_batch_slice:
                 src = self.lf_local_col[i]
                 dst = self.lf_out_col[i]
                 dim = self.lf_dim[i]
@@ -185,7 +200,7 @@ class DeviceShards(nn.Module):
     def add_partials(self, pooled: Tensor, out: Tensor) -> None:
         """Add this device's row-wise partial sums into ``out`` (run after every device finished)."""
         for i in range(len(self.lf_feature)):
-            if self.lf_kind[i] == 1:  # READ_ROW_BLOCK
+            if self.lf_kind[i] == self.read_row_block:
                 src = self.lf_local_col[i]
                 dst = self.lf_out_col[i]
                 dim = self.lf_dim[i]

@@ -21,6 +21,8 @@ from typing import BinaryIO
 
 import torch
 
+from infer.errors import FileFormatError
+
 REQUEST_MAGIC = b"EMBSRQ01"
 RESPONSE_MAGIC = b"EMBSRS01"
 _CODES = {torch.int32: 1, torch.int64: 2, torch.float32: 3}
@@ -47,7 +49,7 @@ def _write_tensor(handle: BinaryIO, tensor: torch.Tensor | None) -> None:
         handle.write(b"\x00")
         return
     if tensor.dtype not in _CODES:
-        raise ValueError(f"cpp_io stores int32, int64 and float32 tensors, not {tensor.dtype}")
+        raise FileFormatError(f"cpp_io stores int32, int64 and float32 tensors, not {tensor.dtype}")
     tensor = tensor.detach().cpu().contiguous()
     handle.write(struct.pack("<BB", _CODES[tensor.dtype], tensor.dim()))
     handle.write(struct.pack(f"<{tensor.dim()}q", *tensor.shape))
@@ -57,7 +59,7 @@ def _write_tensor(handle: BinaryIO, tensor: torch.Tensor | None) -> None:
 def _read_exact(handle: BinaryIO, size: int) -> bytes:
     data = handle.read(size)
     if len(data) != size:
-        raise ValueError("cpp_io file is truncated")
+        raise FileFormatError("cpp_io file is truncated")
     return data
 
 
@@ -66,7 +68,7 @@ def _read_tensor(handle: BinaryIO) -> torch.Tensor | None:
     if code == 0:
         return None
     if code not in _DTYPES:
-        raise ValueError(f"cpp_io file has unknown dtype code {code}")
+        raise FileFormatError(f"cpp_io file has unknown dtype code {code}")
     (ndim,) = struct.unpack("<B", _read_exact(handle, 1))
     shape = struct.unpack(f"<{ndim}q", _read_exact(handle, 8 * ndim))
     dtype = _DTYPES[code]
@@ -79,7 +81,7 @@ def _read_tensor(handle: BinaryIO) -> torch.Tensor | None:
 
 def _check_magic(handle: BinaryIO, magic: bytes, path: Path) -> int:
     if handle.read(len(magic)) != magic:
-        raise ValueError(f"{path} is not a cpp_io file (expected magic {magic.decode()})")
+        raise FileFormatError(f"{path} is not a cpp_io file (expected magic {magic.decode()})")
     (count,) = struct.unpack("<I", _read_exact(handle, 4))
     return int(count)
 
@@ -104,7 +106,7 @@ def read_requests(path: str | Path) -> list[Request]:
         for _ in range(_check_magic(handle, REQUEST_MAGIC, path)):
             values, lengths, weights = _read_tensor(handle), _read_tensor(handle), _read_tensor(handle)
             if values is None or lengths is None:
-                raise ValueError(f"{path}: a request lacks values or lengths")
+                raise FileFormatError(f"{path}: a request lacks values or lengths")
             requests.append((values, lengths, weights))
     return requests
 

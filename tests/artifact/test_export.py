@@ -11,13 +11,15 @@ import textwrap
 import pytest
 import torch
 
+from infer.artifact.export import export
+from infer.artifact.load import load
+from infer.artifact.manifest import FORMAT_VERSION
 from infer.config import DataType, ModelSpec, PoolingType, TableConfig
 from infer.errors import ArtifactError, ConfigError, RequestError
-from infer.export import export, load
 from infer.features import SparseFeatures
-from infer.manifest import FORMAT_VERSION
-from infer.quant import dequantized_weights, quantize
-from infer.reference import FloatEmbeddingBagCollection, random_weights
+from infer.quant.quantize import dequantized_weights, quantize
+from infer.reference import FloatEmbeddingBagCollection
+from infer.weights import random_weights
 from tests.conftest import mixed_spec, random_batch
 
 
@@ -92,7 +94,7 @@ def test_fresh_process_round_trip_is_bit_identical(exported, tmp_path):
     script = textwrap.dedent(
         f"""
         import torch
-        from infer.export import load
+        from infer.artifact.load import load
         from infer.features import SparseFeatures
         runtime = load({str(path)!r})
         data = torch.load({str(tmp_path / "in.pt")!r})

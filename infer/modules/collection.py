@@ -2,79 +2,17 @@
 
 Their ``forward`` takes plain tensors ``(values, lengths, weights)`` so TorchScript hosts (Python
 or C++) call them without embserve. Every input is validated inside the module before the kernel
-sees it; validation failures raise with the prefix ``embserve.RequestError:``.
+sees it; validation failures raise with ``REQUEST_ERROR_PREFIX`` and the wording of ``request_rules``.
 """
 
-from typing import List, Optional, Tuple
+from typing import Final, List, Optional, Tuple
 
 import torch
 from torch import Tensor, nn
 
-from infer.config import DataType, ModelSpec, PoolingType
-from infer.fbgemm_libs import load_fbgemm
-
-REQUEST_ERROR_PREFIX = "embserve.RequestError: "
-
-
-def _tbe_classes():  # type: ignore[no-untyped-def]
-    load_fbgemm()
-    from fbgemm_gpu.split_embedding_configs import SparseType
-    from fbgemm_gpu.split_table_batched_embeddings_ops_common import (
-        BoundsCheckMode,
-        EmbeddingLocation,
-        PoolingMode,
-    )
-    from fbgemm_gpu.split_table_batched_embeddings_ops_inference import (
-        IntNBitTableBatchedEmbeddingBagsCodegen,
-    )
-
-    return IntNBitTableBatchedEmbeddingBagsCodegen, SparseType, EmbeddingLocation, PoolingMode, BoundsCheckMode
-
-
-def bag_offsets(lengths: Tensor, values: Tensor) -> Tensor:
-    """The kernel's offsets for ``lengths``: ``[0, cumsum(lengths)]`` in the ids' dtype and device."""
-    offsets = torch.zeros(lengths.numel() + 1, dtype=values.dtype, device=values.device)
-    offsets[1:] = torch.cumsum(lengths, 0).to(values.dtype)
-    return offsets
-
-
-def check_id_range(ids: Tensor, rows: int, feature: str) -> None:
-    """Raise (``embserve.RequestError``) unless every id of ``feature`` lies in ``[0, rows)``."""
-    if ids.numel() == 0:
-        return
-    low, high = torch.aminmax(ids)
-    if int(low) < 0 or int(high) >= rows:
-        bad = int(low) if int(low) < 0 else int(high)
-        raise ValueError(f"embserve.RequestError: feature '{feature}': id {bad} is out of range [0, {rows})")
-
-
-def check_each_feature(values: Tensor, bounds: List[int], rows: List[int], names: List[str]) -> None:
-    """Range-check feature by feature: feature i's ids are ``values[bounds[i]:bounds[i + 1]]``."""
-    for i in range(len(rows)):
-        check_id_range(values[bounds[i] : bounds[i + 1]], rows[i], names[i])
-
-
-def make_tbe(
-    tables: List[Tuple[str, int, int, DataType]],
-    feature_table_map: List[int],
-    device: torch.device,
-    row_alignment: Optional[int] = None,
-) -> nn.Module:
-    """One inference TBE over ``tables`` (name, rows, dim, data type): SUM pooling, fp32 output,
-    FATAL bounds checks (WARNING/IGNORE would rewrite the caller's ids in place). Weights allocated."""
-    TBE, SparseType, EmbeddingLocation, PoolingMode, BoundsCheckMode = _tbe_classes()
-    location = EmbeddingLocation.HOST if device.type == "cpu" else EmbeddingLocation.DEVICE
-    tbe = TBE(
-        embedding_specs=[(name, rows, dim, SparseType(dtype.value), location) for name, rows, dim, dtype in tables],
-        feature_table_map=feature_table_map,
-        pooling_mode=PoolingMode.SUM,
-        device=device,
-        bounds_check_mode=BoundsCheckMode.FATAL,
-        output_dtype=SparseType.FP32,
-        row_alignment=row_alignment,
-    )
-    tbe.initialize_weights()
-    return tbe
+from infer import request_rules as rules
+from infer.config import ModelSpec, PoolingType
+from infer.modules.tbe import bag_offsets, first_id_error, make_tbe
 
 
 class ValidatingCollection(nn.Module):
@@ -93,6 +31,7 @@ class ValidatingCollection(nn.Module):
     min_rows: int
     output_dim: int
     checks_ids_in_validate: bool
+    request_error_prefix: Final[str] = rules.REQUEST_ERROR_PREFIX
 
     def __init_subclass__(cls, **kwargs: object) -> None:
         # TorchScript types attributes from the scripted class's own annotations only: copy ours down.
@@ -113,8 +52,7 @@ class ValidatingCollection(nn.Module):
         self.checks_ids_in_validate = True
 
     def _request_error(self, message: str) -> str:
-        # TorchScript cannot read a global str; keep this literal equal to REQUEST_ERROR_PREFIX.
-        return "embserve.RequestError: " + message
+        return self.request_error_prefix + message
 
     def validate(self, values: Tensor, lengths: Tensor, weights: Optional[Tensor]) -> None:
         """Check the request; raise naming the feature and the bad value.
@@ -123,38 +61,31 @@ class ValidatingCollection(nn.Module):
         happens only when an id lies outside the smallest table's range.
         """
         if values.dim() != 1 or (values.dtype != torch.int64 and values.dtype != torch.int32):
-            raise ValueError(self._request_error("values must be a 1-D int64 or int32 tensor of ids"))
+            raise ValueError(self._request_error(rules.IDS_DTYPE))
         if lengths.dim() != 1 or (lengths.dtype != torch.int32 and lengths.dtype != torch.int64):
-            raise ValueError(self._request_error("lengths must be a 1-D int32 tensor"))
+            raise ValueError(self._request_error(rules.LENGTHS_DTYPE))
         num_features = self.num_features
         if lengths.numel() % num_features != 0:
-            raise ValueError(
-                self._request_error(
-                    f"lengths has {lengths.numel()} entries, not a multiple of the {num_features} features "
-                    + "(batch sizes differ)"
-                )
-            )
+            raise ValueError(self._request_error(rules.uneven_batch(lengths.numel(), num_features)))
         batch = lengths.numel() // num_features
         if lengths.numel() > 0:
             if int(lengths.min()) < 0:
                 position = int(torch.nonzero(lengths < 0)[0][0])
                 raise ValueError(
                     self._request_error(
-                        f"feature '{self.feature_names[position // batch]}': bag {position % batch} "
-                        + f"has negative length {int(lengths[position])}"
+                        rules.negative_length(
+                            self.feature_names[position // batch], position % batch, int(lengths[position])
+                        )
                     )
                 )
         total = int(lengths.sum()) if lengths.numel() > 0 else 0
         if total != values.numel():
-            raise ValueError(
-                self._request_error(
-                    f"lengths sum to {total} but there are {values.numel()} ids; "
-                    + "lengths must add up to the number of ids"
-                )
-            )
+            raise ValueError(self._request_error(rules.lengths_sum(total, values.numel())))
         if weights is not None:
-            if weights.dim() != 1 or weights.dtype != torch.float32 or weights.numel() != values.numel():
-                raise ValueError(self._request_error("weights must be a 1-D float32 tensor with one weight per id"))
+            if weights.dim() != 1 or weights.dtype != torch.float32:
+                raise ValueError(self._request_error(rules.WEIGHTS_DTYPE))
+            if weights.numel() != values.numel():
+                raise ValueError(self._request_error(rules.weights_count(weights.numel(), values.numel())))
         if self.checks_ids_in_validate:
             self.validate_ids(values, lengths)
 
@@ -168,7 +99,9 @@ class ValidatingCollection(nn.Module):
         if int(low) >= 0 and int(high) < self.min_rows:
             return
         ends: List[int] = lengths.view(num_features, batch).sum(1).cumsum(0).tolist()
-        check_each_feature(values, [0] + ends, self.feature_rows, self.feature_names)
+        error = first_id_error(values, [0] + ends, self.feature_rows, self.feature_names)
+        if error is not None:
+            raise ValueError(self._request_error(error))
 
     def forward(self, values: Tensor, lengths: Tensor, weights: Optional[Tensor] = None) -> Tensor:
         self.validate(values, lengths, weights)
@@ -220,8 +153,10 @@ class QuantizedEmbeddingBagCollection(ValidatingCollection):
 
 
 class _NoDenseArch(nn.Module):
+    request_error_prefix: Final[str] = rules.REQUEST_ERROR_PREFIX
+
     def forward(self, dense_features: Tensor, pooled: Tensor) -> Tensor:
-        raise RuntimeError("embserve.RequestError: this model has no dense part; use lookup, not predict")
+        raise RuntimeError(self.request_error_prefix + rules.NO_DENSE_PART)
 
 
 class EmbserveModel(nn.Module):
@@ -231,6 +166,7 @@ class EmbserveModel(nn.Module):
 
     has_dense: bool
     num_dense_features: int
+    request_error_prefix: Final[str] = rules.REQUEST_ERROR_PREFIX
 
     def __init__(
         self,
@@ -253,7 +189,7 @@ class EmbserveModel(nn.Module):
         self, dense_features: Tensor, values: Tensor, lengths: Tensor, weights: Optional[Tensor] = None
     ) -> Tensor:
         if not self.has_dense:
-            raise RuntimeError("embserve.RequestError: this model has no dense part; use lookup, not predict")
+            raise RuntimeError(self.request_error_prefix + rules.NO_DENSE_PART)
         pooled = self.embeddings(values, lengths, weights)
         if (
             dense_features.dim() != 2
@@ -261,9 +197,9 @@ class EmbserveModel(nn.Module):
             or dense_features.size(1) != self.num_dense_features
         ):
             raise ValueError(
-                f"embserve.RequestError: dense_features must have shape [{pooled.size(0)}, "
-                + f"{self.num_dense_features}], got {dense_features.shape}"
+                self.request_error_prefix
+                + rules.dense_shape(pooled.size(0), self.num_dense_features, str(list(dense_features.shape)))
             )
         if dense_features.dtype != torch.float32:
-            raise ValueError("embserve.RequestError: dense_features must be float32")
+            raise ValueError(self.request_error_prefix + rules.DENSE_DTYPE)
         return self.dense_arch(dense_features.to(pooled.device), pooled)

@@ -1,0 +1,92 @@
+"""Export a quantized model as a self-describing TorchScript artifact.
+
+An artifact is a folder: ``model.pt`` (``torch.jit.script``) and ``manifest.json`` (see the README's
+"Artifact format"). Export writes into a temporary sibling folder and renames it into place, so an
+interrupted export never leaves a half-written artifact where a good one was.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import shutil
+import tempfile
+import time
+from pathlib import Path
+
+import torch
+
+from infer.artifact.manifest import MANIFEST_FILE, MODEL_FILE, PLAN_FILE, FileEntry, Manifest
+from infer.errors import ArtifactError, ConfigError
+from infer.planner.types import ShardingPlan
+from infer.version import __version__
+
+logger = logging.getLogger(__name__)
+
+
+def export(model: torch.nn.Module, out_dir: str | Path, plan: ShardingPlan | None = None) -> Path:
+    """Script ``model`` (from ``infer.quantize``, or ``infer.shard_model`` with its ``plan``)
+    and write the artifact to ``out_dir``; a plan is stored beside the model as ``plan.json``.
+
+    An existing artifact at ``out_dir`` is replaced; any other non-empty folder is left alone
+    and ``ArtifactError`` is raised.
+    """
+    from infer.artifact.fbgemm_libs import REQUIRED_LIBRARIES, fbgemm_library_dir, fbgemm_version
+    from infer.modules.collection import EmbserveModel
+
+    if not isinstance(model, EmbserveModel):
+        raise ConfigError(f"export takes the model returned by infer.quantize(), got {type(model).__name__}")
+    out_dir = Path(out_dir).absolute()
+    if out_dir.exists() and (
+        not out_dir.is_dir() or (any(out_dir.iterdir()) and not (out_dir / MANIFEST_FILE).exists())
+    ):
+        raise ArtifactError(
+            f"{out_dir} exists and is not an embserve artifact; choose an empty or new folder", path=str(out_dir)
+        )
+    started = time.monotonic()
+    try:
+        scripted = torch.jit.script(model)
+    except Exception as err:  # noqa: BLE001 - TorchScript reports many error types
+        raise ConfigError(f"the model (or its dense_arch) cannot be scripted with torch.jit.script: {err}") from None
+    out_dir.parent.mkdir(parents=True, exist_ok=True)
+    staging = Path(tempfile.mkdtemp(prefix=f".{out_dir.name}.", dir=out_dir.parent))
+    try:
+        scripted.save(str(staging / MODEL_FILE))
+        files = [FileEntry.of(staging, MODEL_FILE)]
+        if plan is not None:
+            (staging / PLAN_FILE).write_text(plan.to_json(), encoding="utf-8")
+            files.append(FileEntry.of(staging, PLAN_FILE))
+        devices = _model_devices(model)
+        manifest = Manifest(
+            spec=model.spec,
+            has_dense=bool(model.has_dense),
+            devices=tuple(devices),
+            embserve_version=__version__,
+            torch_version=torch.__version__,
+            fbgemm_version=fbgemm_version(),
+            fbgemm_libraries=REQUIRED_LIBRARIES,
+            fbgemm_library_dir=str(fbgemm_library_dir()),
+            files=tuple(files),
+            plan_file=PLAN_FILE if plan is not None else None,
+            world_size=plan.topology.world_size if plan is not None else 1,
+        )
+        (staging / MANIFEST_FILE).write_text(manifest.to_json(), encoding="utf-8")
+        os.chmod(staging, 0o755)
+        if out_dir.exists():
+            shutil.rmtree(out_dir)
+        staging.rename(out_dir)
+    except BaseException:
+        shutil.rmtree(staging, ignore_errors=True)
+        raise
+    logger.debug("exported %s in %.1fs", out_dir, time.monotonic() - started)
+    return out_dir
+
+
+def _model_devices(model: torch.nn.Module) -> list[str]:
+    """Devices of the model's kernels, in order of first appearance (``cuda:0`` before ``cuda:1``)."""
+    seen: list[str] = []
+    for buffer in model.buffers():
+        name = str(buffer.device)
+        if name not in seen:
+            seen.append(name)
+    return seen or ["cpu"]

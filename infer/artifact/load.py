@@ -1,0 +1,108 @@
+"""Load an exported artifact: verify its manifest and checksums, then the TorchScript model, into a ``Runtime``."""
+
+from __future__ import annotations
+
+import logging
+import os
+from collections.abc import Mapping, Sequence
+from pathlib import Path
+
+import torch
+
+from infer.artifact.fbgemm_libs import load_fbgemm
+from infer.artifact.manifest import MANIFEST_FILE, Manifest
+from infer.artifact.runtime import Runtime
+from infer.errors import ArtifactError, ArtifactErrorKind
+
+logger = logging.getLogger(__name__)
+
+MODEL = ArtifactErrorKind.MODEL
+
+
+def load(
+    artifact_dir: str | Path,
+    device_map: Mapping[str, str] | None = None,
+    intra_op_threads: int | None = None,
+) -> Runtime:
+    """Verify and load an artifact; returns a ``Runtime`` with ``lookup`` and ``predict``.
+
+    ``device_map`` (e.g. ``{"cuda:0": "cpu", "cuda:1": "cpu"}``) moves an artifact built for other
+    devices onto this host's; without it an artifact built for CUDA does not load on a CPU-only host.
+
+    A model sharded over N CPU devices runs one kernel per core itself; torch's intra-op pool would
+    only compete with it, so unless ``intra_op_threads`` says otherwise it is set (process-wide) to
+    cores // N (at least 1). ``intra_op_threads=0`` leaves torch's setting alone.
+    """
+    folder = Path(artifact_dir)
+    if not folder.is_dir():
+        raise ArtifactError(f"{folder} is not a folder; pass the artifact folder written by export", path=str(folder))
+    manifest = Manifest.read(folder)
+    manifest.verify_files(folder)
+    mapping = dict(device_map or {})
+    targets = [mapping.get(d, d) for d in manifest.devices]
+    missing = [d for d in targets if d.startswith("cuda") and not _cuda_device_exists(d)]
+    if missing:
+        raise ArtifactError(
+            f"{folder} was exported for devices {list(manifest.devices)} and this host lacks {missing}; "
+            "load it with a device map, e.g. load(path, device_map={'cuda:0': 'cpu'}) or "
+            "`embserve run --device-map cuda:0=cpu`",
+            path=str(folder / MANIFEST_FILE),
+            kind=MODEL,
+        )
+    load_fbgemm()
+    model_path = folder / manifest.model_file
+    try:
+        module = torch.jit.load(str(model_path), map_location=_map_location(manifest.devices, mapping))
+    except Exception as err:  # noqa: BLE001 - torch raises RuntimeError and others for a bad archive
+        first_line = str(err).strip().splitlines()[0] if str(err).strip() else type(err).__name__
+        raise ArtifactError(
+            f"{model_path} cannot be loaded by TorchScript: {first_line}", path=str(model_path), kind=MODEL
+        ) from None
+    module.eval()
+    if mapping:
+        _remap_shard_devices(module, mapping)
+    _set_intra_op_threads(manifest, targets, intra_op_threads)
+    return Runtime(folder, manifest, module)
+
+
+def _set_intra_op_threads(manifest: Manifest, devices: Sequence[str], requested: int | None) -> None:
+    if requested == 0:
+        return
+    threads = requested
+    if threads is None:
+        if manifest.world_size < 2 or any(d != "cpu" for d in devices):
+            return
+        threads = max(1, (os.cpu_count() or 1) // manifest.world_size)
+    if torch.get_num_threads() != threads:
+        logger.info("intra-op threads %d -> %d (%d CPU shards)", torch.get_num_threads(), threads, manifest.world_size)
+        torch.set_num_threads(threads)
+
+
+def _cuda_device_exists(name: str) -> bool:
+    index = torch.device(name).index or 0
+    return torch.cuda.is_available() and index < torch.cuda.device_count()
+
+
+def _map_location(devices: Sequence[str], mapping: Mapping[str, str]) -> str | None:
+    """``torch.jit.load`` moves every tensor to one device or none: the map must agree with that."""
+    if not mapping:
+        return None
+    targets = sorted({mapping.get(d, d) for d in devices})
+    if targets == sorted(set(devices)):
+        return None
+    if len(targets) != 1:
+        raise ArtifactError(
+            f"a device map must send every device to one device (TorchScript loads to one); got {dict(mapping)}",
+            kind=MODEL,
+        )
+    return targets[0]
+
+
+def _remap_shard_devices(module: torch.jit.ScriptModule, mapping: Mapping[str, str]) -> None:
+    """Point a sharded model's per-device routing at the mapped devices."""
+    embeddings = module.embeddings
+    if hasattr(embeddings, "output_device"):
+        embeddings.output_device = mapping.get(embeddings.output_device, embeddings.output_device)
+    if hasattr(embeddings, "shards"):
+        for shard in embeddings.shards:
+            shard.device = mapping.get(shard.device, shard.device)

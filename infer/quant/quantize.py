@@ -1,0 +1,93 @@
+"""Quantization: fp32 tables -> the quantized, scriptable model (rows in the layout of ``rowwise``).
+
+Tables are converted in row chunks straight into the kernel's buffer, so at most one chunk of
+temporaries exists beside the caller's weights.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Callable, Mapping
+
+import torch
+
+from infer.config import DataType, ModelSpec
+from infer.errors import WeightsError
+from infer.modules.collection import EmbserveModel, QuantizedEmbeddingBagCollection
+from infer.quant.rowwise import dequantize_rows, quantize_rows
+from infer.weights import check_weights
+
+logger = logging.getLogger(__name__)
+
+CHUNK_ROWS = 1 << 16
+# Tables at least this large report progress while they are converted.
+PROGRESS_MIN_ROWS = 1 << 20
+
+# progress(table_name, rows_done, rows_total)
+ProgressFn = Callable[[str, int, int], None]
+
+
+def quantize(
+    spec: ModelSpec,
+    weights: Mapping[str, torch.Tensor],
+    *,
+    device: torch.device | str = "cpu",
+    progress: ProgressFn | None = None,
+) -> EmbserveModel:
+    """Build the quantized, scriptable model of ``spec`` from fp32 ``weights`` (one tensor per table).
+
+    Each table is stored in its ``data_type``; all tables of the device share one TBE.
+    Returns an ``EmbserveModel`` (carrying ``spec.dense_arch`` when present).
+    """
+    check_weights(spec, weights)
+    collection = QuantizedEmbeddingBagCollection(spec, device=device)
+    targets = collection.table_weights()
+    for table, (data, scale_bias) in zip(spec.tables, targets):
+        _fill_table(table.name, weights[table.name], table.data_type, data, scale_bias, progress)
+    return EmbserveModel(spec, collection, spec.dense_arch)
+
+
+def _fill_table(
+    name: str,
+    weight: torch.Tensor,
+    data_type: DataType,
+    data: torch.Tensor,
+    scale_bias: torch.Tensor | None,
+    progress: ProgressFn | None,
+) -> None:
+    rows = weight.shape[0]
+    report = progress if progress is not None else (_log_progress if rows >= PROGRESS_MIN_ROWS else None)
+    started = time.monotonic()
+    with torch.no_grad():
+        for start in range(0, rows, CHUNK_ROWS):
+            end = min(start + CHUNK_ROWS, rows)
+            chunk = weight[start:end]
+            if not torch.isfinite(chunk).all():
+                bad = start + int(torch.nonzero(~torch.isfinite(chunk).all(dim=1))[0])
+                raise WeightsError(f"table {name!r}: row {bad} holds a NaN or infinite value; fix the checkpoint")
+            q_data, q_scale_bias = quantize_rows(chunk, data_type)
+            data[start:end].copy_(q_data)
+            if scale_bias is not None and q_scale_bias is not None:
+                scale_bias[start:end].copy_(q_scale_bias)
+            if report is not None:
+                report(name, end, rows)
+    logger.debug("quantized table %s (%d rows, %s) in %.2fs", name, rows, data_type.value, time.monotonic() - started)
+
+
+def _log_progress(name: str, done: int, total: int) -> None:
+    step = max(total // 10, 1)
+    if done == total or done // step != (done - CHUNK_ROWS) // step:
+        logger.info("quantizing %s: %d/%d rows (%.0f%%)", name, done, total, 100.0 * done / total)
+
+
+def dequantized_weights(spec: ModelSpec, model: EmbserveModel) -> dict[str, torch.Tensor]:
+    """fp32 tables as the quantized model stores them (the exact values the kernel reads)."""
+    collection = model.embeddings
+    assert isinstance(collection, QuantizedEmbeddingBagCollection)
+    out = {}
+    for table, (data, scale_bias) in zip(spec.tables, collection.table_weights()):
+        out[table.name] = dequantize_rows(
+            data.cpu(), None if scale_bias is None else scale_bias.cpu(), table.data_type, table.embedding_dim
+        )
+    return out

@@ -1,0 +1,146 @@
+"""The server's subcommands of ``embserve`` (serve, query) and the demo's serving step.
+
+``infer.cli`` loads this module when the command line runs, so ``infer`` never imports ``server``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import time
+from pathlib import Path
+from typing import Any
+
+
+def cmd_serve(args: argparse.Namespace) -> int:
+    import asyncio
+
+    from server.app import ServerConfig, serve
+    from server.auth import read_token_file
+
+    config = ServerConfig(
+        host=args.host,
+        port=args.port,
+        max_batch_size=args.max_batch_size,
+        max_delay_us=args.max_delay_us,
+        max_queue=args.max_queue,
+        workers=args.workers,
+        intra_op_threads=args.intra_op_threads,
+        max_message_bytes=args.max_message_mb * 1024 * 1024,
+        metrics_port=args.metrics_port,
+        tls_cert=args.tls_cert,
+        tls_key=args.tls_key,
+        auth_token=read_token_file(args.auth_token_file) if args.auth_token_file else None,
+        drain_seconds=args.drain_seconds,
+    )
+    return asyncio.run(serve(args.artifact, config))
+
+
+def cmd_query(args: argparse.Namespace) -> int:
+    import torch
+
+    from infer.config import ModelSpec, TableConfig
+    from infer.features import SparseFeatures
+    from server.auth import read_token_file
+    from server.client import EmbserveClient
+
+    token = read_token_file(args.token_file) if args.token_file else None
+    root = Path(args.tls_root).read_bytes() if args.tls_root else None
+    with EmbserveClient(args.address, token=token, root_certificates=root, timeout=args.timeout) as client:
+        metadata = client.metadata()
+        print(
+            f"model {metadata.model_version}: {len(metadata.tables)} tables, features {list(metadata.feature_order)}, "
+            f"output dim {metadata.output_dim}"
+        )
+        if args.features:
+            features = json.loads(args.features)
+        else:
+            spec = ModelSpec(
+                tuple(
+                    TableConfig(t.name, t.num_embeddings, t.embedding_dim, tuple(t.feature_names))
+                    for t in metadata.tables
+                )
+            )
+            features = SparseFeatures.random(
+                spec, batch_size=args.batch_size, ids_per_bag=args.ids_per_bag, seed=args.seed
+            )
+        started = time.perf_counter()
+        pooled = client.lookup(features, fp16=args.fp16)
+        elapsed = time.perf_counter() - started
+        print(f"lookup: output {list(pooled.shape)} in {1e3 * elapsed:.2f} ms")
+        for column in metadata.columns[: args.show]:
+            values = [round(v, 4) for v in pooled[0, column.start : min(column.end, column.start + 4)].tolist()]
+            print(f"  row 0 {column.feature:<20} [{column.start}:{column.end}] {values} ...")
+        if metadata.has_dense and not args.features:
+            dense = torch.randn(
+                pooled.shape[0], metadata.num_dense_features, generator=torch.Generator().manual_seed(0)
+            )
+            scores = client.predict(features, dense)
+            print(f"predict: first scores {[round(v, 4) for v in scores[:5].tolist()]}")
+    return 0
+
+
+def serve_demo(artifact: Path) -> int:
+    """Serve the demo artifact on a free loopback port, query it, compare with in-process, stop with SIGTERM."""
+    import signal
+
+    import torch
+
+    from infer.artifact.load import load
+    from infer.features import SparseFeatures
+    from server.client import EmbserveClient
+    from server.launch import spawn_server
+
+    print("\nserving the artifact over gRPC (loopback) and querying it with the Python client:", flush=True)
+    server, port = spawn_server(artifact)
+    try:
+        runtime = load(artifact)
+        batch = SparseFeatures.random(runtime.spec, batch_size=8, ids_per_bag=10, seed=3)
+        with EmbserveClient(f"127.0.0.1:{port}") as client:
+            started = time.perf_counter()
+            pooled = client.lookup(batch)
+            elapsed = time.perf_counter() - started
+            dense = torch.randn(8, runtime.spec.num_dense_features, generator=torch.Generator().manual_seed(4))
+            scores = client.predict(batch, dense)
+        same = torch.equal(pooled, runtime.lookup(batch)) and torch.equal(scores, runtime.predict(batch, dense))
+        print(f"  server on 127.0.0.1:{port}: lookup [8, {pooled.shape[1]}] in {1e3 * elapsed:.1f} ms")
+        print(f"  scores {[round(v, 4) for v in scores.tolist()]}")
+        print(f"  equal to the in-process runtime: {same}")
+    finally:
+        server.send_signal(signal.SIGTERM)
+        code = server.wait(timeout=60)
+    print(f"  server stopped on SIGTERM with exit code {code}")
+    return 0 if code == 0 and same else 1
+
+
+def add_subcommands(subcommands: Any) -> None:
+    """Register ``serve`` and ``query`` on the ``embserve`` parser's subcommands."""
+    srv = subcommands.add_parser("serve", help="serve an artifact over gRPC (SIGTERM drains, then exits 0)")
+    srv.add_argument("artifact")
+    srv.add_argument("--host", default="0.0.0.0")
+    srv.add_argument("--port", type=int, default=50051)
+    srv.add_argument("--max-batch-size", type=int, default=4096, help="examples per batched forward")
+    srv.add_argument("--max-delay-us", type=int, default=1000, help="how long a request waits to be batched")
+    srv.add_argument("--max-queue", type=int, default=1024, help="queued requests before RESOURCE_EXHAUSTED")
+    srv.add_argument("--workers", type=int, default=0, help="concurrent forwards (0: cores / CPU shards)")
+    srv.add_argument("--intra-op-threads", type=int, default=0, help="torch threads per forward (0: auto)")
+    srv.add_argument("--max-message-mb", type=int, default=64)
+    srv.add_argument("--metrics-port", type=int, default=None, help="Prometheus /metrics port")
+    srv.add_argument("--tls-cert", default=None)
+    srv.add_argument("--tls-key", default=None)
+    srv.add_argument("--auth-token-file", default=None, help="require 'authorization: Bearer <token>'")
+    srv.add_argument("--drain-seconds", type=float, default=30.0)
+    srv.set_defaults(func=cmd_serve)
+
+    qry = subcommands.add_parser("query", help="query a server: metadata and one lookup")
+    qry.add_argument("address", help="host:port")
+    qry.add_argument("--features", default=None, help='JSON {"feature": [[ids], ...]}; default: a random batch')
+    qry.add_argument("--batch-size", type=int, default=4)
+    qry.add_argument("--ids-per-bag", type=int, default=5)
+    qry.add_argument("--seed", type=int, default=0)
+    qry.add_argument("--fp16", action="store_true", help="ask for fp16 output")
+    qry.add_argument("--show", type=int, default=4, help="features to print")
+    qry.add_argument("--token-file", default=None)
+    qry.add_argument("--tls-root", default=None, help="PEM root certificate of a TLS server")
+    qry.add_argument("--timeout", type=float, default=30.0)
+    qry.set_defaults(func=cmd_query)
