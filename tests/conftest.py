@@ -63,3 +63,14 @@ def pytest_collection_modifyitems(config, items):
     for item in items:
         if "gpu" in item.keywords:
             item.add_marker(skip)
+
+
+class TinyOverArch(torch.nn.Module):
+    """A one-layer dense part ``(dense [B, n], pooled [B, d]) -> scores [B]`` for models with predict()."""
+
+    def __init__(self, num_dense: int, pooled_dim: int) -> None:
+        super().__init__()
+        self.linear = torch.nn.Linear(num_dense + pooled_dim, 1)
+
+    def forward(self, dense_features: torch.Tensor, pooled: torch.Tensor) -> torch.Tensor:
+        return self.linear(torch.cat([dense_features, pooled], dim=1)).squeeze(1)

@@ -20,16 +20,7 @@ from infer.features import SparseFeatures
 from infer.quant.quantize import dequantized_weights, quantize
 from infer.reference import FloatEmbeddingBagCollection
 from infer.weights import random_weights
-from tests.conftest import mixed_spec, random_batch
-
-
-class TinyOverArch(torch.nn.Module):
-    def __init__(self, num_dense: int, pooled_dim: int) -> None:
-        super().__init__()
-        self.linear = torch.nn.Linear(num_dense + pooled_dim, 1)
-
-    def forward(self, dense_features: torch.Tensor, pooled: torch.Tensor) -> torch.Tensor:
-        return self.linear(torch.cat([dense_features, pooled], dim=1)).squeeze(1)
+from tests.conftest import TinyOverArch, mixed_spec, random_batch
 
 
 @pytest.fixture(scope="module")

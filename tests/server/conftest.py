@@ -19,9 +19,8 @@ from infer.artifact.load import load
 from infer.artifact.runtime import Runtime
 from infer.quant.quantize import quantize
 from infer.weights import random_weights
-from tests.conftest import mixed_spec
+from tests.conftest import TinyOverArch, mixed_spec
 from tests.server.support import NUM_DENSE, GatedModule, LoopThread, Served, gated_runtime, local_config
-from tests.test_export import TinyOverArch
 
 
 @pytest.fixture(scope="session")

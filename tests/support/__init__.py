@@ -1,0 +1,1 @@
+"""Shared test corpora, used by the tests of every entry point."""
