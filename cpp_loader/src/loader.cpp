@@ -241,6 +241,10 @@ void check_lengths(const at::Tensor& lengths, const std::vector<FeatureInfo>& fe
     if (data[i] < 0)
       throw RequestError("feature '" + features[static_cast<size_t>(i / batch)].name + "': bag " +
                          std::to_string(i % batch) + " has negative length " + std::to_string(data[i]));
+    if (static_cast<int64_t>(data[i]) > num_ids)  // before summing: huge lengths could wrap the sum around
+      throw RequestError("feature '" + features[static_cast<size_t>(i / batch)].name + "': bag " +
+                         std::to_string(i % batch) + " has length " + std::to_string(data[i]) +
+                         " but the batch has only " + std::to_string(num_ids) + " ids");
     per_feature[static_cast<size_t>(i / batch)] += data[i];
     total += data[i];
   }

@@ -53,6 +53,12 @@ BAD_REQUESTS: tuple[BadRequest, ...] = (
     # 15 is a valid row of t1 but not of t0
     _case("id_legal_elsewhere", [15, 2, 3, 4], [1, 1, 1, 1], "feature 'f0': id 15 is out of range [0, 10)"),
     _case("negative_length", [1, 2, 3], [2, -1, 1, 1], "feature 'f0': bag 1 has negative length -1"),
+    _case(
+        "length_past_every_id",  # a sum of such lengths can wrap around; no entry point may sum them first
+        [1, 2, 3],
+        [2**31 - 1, 1, 1, 1],
+        "feature 'f0': bag 0 has length 2147483647 but the batch has only 3 ids",
+    ),
     _case("lengths_short_of_ids", [1, 2, 3, 4, 5], [1, 1, 1, 1], "lengths sum to 4 but there are 5 ids"),
     _case("lengths_past_ids", [1, 2], [1, 1, 1, 1], "lengths sum to 4 but there are 2 ids"),
     _case("uneven_batch", [1, 2, 3], [1, 1, 1], "lengths has 3 entries, not a multiple of the 2 features"),
