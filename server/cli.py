@@ -14,6 +14,11 @@ from typing import Any
 
 def cmd_serve(args: argparse.Namespace) -> int:
     import asyncio
+    import signal
+    import sys
+
+    # Until the server's event loop takes the signals over, a SIGTERM while loading ends the process quietly.
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(0))
 
     from server.app import ServerConfig, serve
     from server.auth import read_token_file
