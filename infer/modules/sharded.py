@@ -213,14 +213,22 @@ class ShardedEmbeddingBagCollection(ValidatingCollection):
     output_device: str
     needs_zero_init: bool
     identity_layout: bool
+    partial: bool
 
-    def __init__(self, spec, shards: list[DeviceShards], output_device: str, identity_layout: bool) -> None:  # type: ignore[no-untyped-def]
+    def __init__(
+        self, spec, shards: list[DeviceShards], output_device: str, identity_layout: bool, partial: bool = False
+    ) -> None:  # type: ignore[no-untyped-def]
+        """``partial``: the shards of one host of several (``infer.shard.hosts``): the output has this host's
+        columns filled, zeros elsewhere, row-wise partial sums of this host only and MEAN not yet divided; the
+        hosts' outputs summed, then divided by the bag lengths, are the model's output."""
         super().__init__()
+        self.partial = partial
+        identity_layout = identity_layout and not partial
         self._set_features(spec)
         self.checks_ids_in_validate = identity_layout  # otherwise each device checks its own ids, in parallel
         self.shards = nn.ModuleList(shards)
         self.output_device = output_device
-        self.needs_zero_init = any(s.has_partials for s in shards)
+        self.needs_zero_init = partial or any(s.has_partials for s in shards)
         # one device holding every feature whole, in input order: its kernel output is the output
         self.identity_layout = identity_layout
 
@@ -249,4 +257,6 @@ class ShardedEmbeddingBagCollection(ValidatingCollection):
             for j, device_shards in enumerate(self.shards):
                 if device_shards.has_partials:
                     device_shards.add_partials(results[j], out)  # type: ignore[operator]
+        if self.partial:
+            return out
         return self.apply_mean(out, lengths)

@@ -150,6 +150,29 @@ def device_layouts(spec: ModelSpec, plan: ShardingPlan) -> list[DeviceLayout]:
     return layouts
 
 
+def build_device_shards(
+    spec: ModelSpec,
+    layout: DeviceLayout,
+    device: str,
+    source_weights: Mapping[str, tuple[torch.Tensor, torch.Tensor | None]],
+) -> DeviceShards:
+    """One device's TBE filled with its shards' rows, copied from the unsharded model's kernel bytes."""
+    tbe = make_tbe(list(layout.tables), list(layout.feature_table_map), torch.device(device))
+    with torch.no_grad():
+        split = tbe.split_embedding_weights()  # type: ignore[operator]
+        for (data, scale_bias), (table, shard) in zip(split, layout.sources):
+            src_data, src_scale_bias = source_weights[table.name]
+            rows = slice(shard.row_offset, shard.row_offset + shard.num_rows)
+            first, last = column_byte_range(shard.col_offset, shard.num_cols, table.data_type)
+            data.copy_(src_data[rows, first:last])
+            if scale_bias is not None and src_scale_bias is not None:
+                scale_bias.copy_(src_scale_bias[rows])
+    routing = [list(feature) for feature in layout.features]
+    features = spec.features
+    logger.debug("device %s: %d shards, %d features", device, len(layout.tables), len(routing))
+    return DeviceShards(tbe, device, routing, [f.num_embeddings for f in features], [f.name for f in features])
+
+
 def shard_model(
     model: EmbserveModel,
     plan: ShardingPlan,
@@ -168,24 +191,9 @@ def shard_model(
     devices = plan_devices(plan, device_map)
     source_weights = dict(zip([t.name for t in spec.tables], source.table_weights()))
     features = spec.features
-    feature_rows = [f.num_embeddings for f in features]
-    feature_names = [f.name for f in features]
     shards: list[DeviceShards] = []
     for layout in device_layouts(spec, plan):
-        device = devices[layout.rank]
-        tbe = make_tbe(list(layout.tables), list(layout.feature_table_map), torch.device(device))
-        with torch.no_grad():
-            split = tbe.split_embedding_weights()  # type: ignore[operator]
-            for (data, scale_bias), (table, shard) in zip(split, layout.sources):
-                src_data, src_scale_bias = source_weights[table.name]
-                rows = slice(shard.row_offset, shard.row_offset + shard.num_rows)
-                first, last = column_byte_range(shard.col_offset, shard.num_cols, table.data_type)
-                data.copy_(src_data[rows, first:last])
-                if scale_bias is not None and src_scale_bias is not None:
-                    scale_bias.copy_(src_scale_bias[rows])
-        routing = [list(feature) for feature in layout.features]
-        shards.append(DeviceShards(tbe, device, routing, feature_rows, feature_names))
-        logger.debug("device %s: %d shards, %d features", device, len(layout.tables), len(routing))
+        shards.append(build_device_shards(spec, layout, devices[layout.rank], source_weights))
     identity = (
         len(shards) == 1
         and shards[0].lf_feature == list(range(len(features)))
