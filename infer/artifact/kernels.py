@@ -93,6 +93,11 @@ def kernels_of(model: Any, plan: ShardingPlan | None) -> list[Kernel]:
     ranks = [k.rank for k in expected_kernels(model.spec, plan, ("cpu",))]
     if len(ranks) != len(tbes):  # pragma: no cover - shard_model builds one TBE per device holding shards
         raise ArtifactError(f"the model has {len(tbes)} kernels but its plan places shards on {len(ranks)} devices")
+    return kernels_from_tbes(ranks, tbes)
+
+
+def kernels_from_tbes(ranks: list[int], tbes: list[Any]) -> list[Kernel]:
+    """The kernels of eager TBEs serving plan ranks ``ranks`` (one each, in order)."""
     kernels = []
     for rank, tbe in zip(ranks, tbes):
         tables = tuple(

@@ -41,6 +41,10 @@ def load(
     if not folder.is_dir():
         raise ArtifactError(f"{folder} is not a folder; pass the artifact folder written by export", path=str(folder))
     manifest = Manifest.read(folder)
+    if manifest.host_parts:
+        from infer.artifact.hosts import whole_load_refused
+
+        raise whole_load_refused(folder, manifest)
     manifest.verify_files(folder)
     if manifest.plan_file is not None:
         verify_plan(folder, manifest)

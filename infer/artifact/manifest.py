@@ -15,7 +15,7 @@ from pathlib import Path
 from typing import Any
 
 from infer.artifact.kernels import Kernel, expected_kernels
-from infer.artifact.schema import parse_document, validate
+from infer.artifact.schema import is_host_file, parse_document, validate
 from infer.config import ModelSpec
 from infer.errors import ArtifactError, ArtifactErrorKind, ConfigError
 
@@ -65,6 +65,13 @@ class Manifest:
     plan_file: str | None = None  # the ShardingPlan the model was sharded with, when it is sharded
     world_size: int = 1
     kernels: tuple[Kernel, ...] = ()  # every TBE of the model, in model order
+    # a multi-host artifact (infer.artifact.hosts): one model file per host, hosts/<h>/model.pt; () otherwise
+    host_parts: tuple[str, ...] = ()
+    devices_per_host: int = 0
+
+    @property
+    def num_hosts(self) -> int:
+        return max(1, len(self.host_parts))
 
     def file(self, name: str) -> FileEntry:
         for entry in self.files:
@@ -74,7 +81,7 @@ class Manifest:
 
     def to_dict(self) -> dict[str, Any]:
         spec = self.spec
-        return {
+        data: dict[str, Any] = {
             "format": FORMAT_NAME,
             "format_version": self.format_version,
             "model_file": self.model_file,
@@ -113,6 +120,13 @@ class Manifest:
             "fbgemm": {"libraries": list(self.fbgemm_libraries), "build_dir": self.fbgemm_library_dir},
             "files": {e.name: {"bytes": e.bytes, "sha256": e.sha256} for e in self.files},
         }
+        if self.host_parts:  # only then: a one-host manifest stays what every loader already reads
+            data["hosts"] = {
+                "count": len(self.host_parts),
+                "devices_per_host": self.devices_per_host,
+                "parts": list(self.host_parts),
+            }
+        return data
 
     def to_json(self) -> str:
         return json.dumps(self.to_dict(), indent=2) + "\n"
@@ -156,6 +170,8 @@ class Manifest:
             plan_file=data["sharding"]["plan_file"],
             world_size=data["sharding"]["world_size"],
             kernels=tuple(Kernel.from_dict(k) for k in data["kernels"]),
+            host_parts=tuple(data["hosts"]["parts"]) if "hosts" in data else (),
+            devices_per_host=data["hosts"]["devices_per_host"] if "hosts" in data else 0,
         )
         manifest._check_consistency(data)
         return manifest
@@ -202,11 +218,45 @@ class Manifest:
             raise ArtifactError(
                 f"{MANIFEST_FILE} has no checksum for {self.plan_file}", path=self.plan_file, kind=CHECKSUM
             )
+        if self.host_parts:
+            self._check_hosts(data, names)
         if self.plan_file is None:
             devices = (self.kernels[0].device,) if self.kernels else self.devices
             expected = [k.layout() for k in expected_kernels(spec, None, devices)]
             if [k.layout() for k in self.kernels] != expected:
                 raise fail("'kernels' disagrees with 'tables' (an unsharded model has one kernel holding every table)")
+
+    def _check_hosts(self, data: Mapping[str, Any], names: set[str]) -> None:
+        count = data["hosts"]["count"]
+        if len(self.host_parts) != count:
+            raise ArtifactError(
+                f"{MANIFEST_FILE}: hosts.count is {count} but hosts.parts lists {len(self.host_parts)}",
+                path=MANIFEST_FILE,
+            )
+        for host, part in enumerate(self.host_parts):
+            if not part.startswith(f"hosts/{host}/"):
+                raise ArtifactError(
+                    f"{MANIFEST_FILE}: hosts.parts[{host}] is {part!r}; host {host}'s part lies under hosts/{host}/",
+                    path=MANIFEST_FILE,
+                )
+            if part not in names:
+                raise ArtifactError(f"{MANIFEST_FILE} has no checksum for {part}", path=part, kind=CHECKSUM)
+        if self.model_file != self.host_parts[0]:
+            raise ArtifactError(
+                f"{MANIFEST_FILE}: model_file of a multi-host artifact is host 0's part {self.host_parts[0]!r}",
+                path=MANIFEST_FILE,
+            )
+        if self.plan_file is None or self.world_size != count * self.devices_per_host:
+            raise ArtifactError(
+                f"{MANIFEST_FILE}: {count} hosts x {self.devices_per_host} devices need a plan of "
+                f"{count * self.devices_per_host} devices (sharding.world_size is {self.world_size})",
+                path=MANIFEST_FILE,
+            )
+
+    def host_files(self, host: int) -> tuple[str, ...]:
+        """The files host ``host`` reads: the shared ones (plan) and its own part, not the other hosts' parts."""
+        own = f"hosts/{host}/"
+        return tuple(e.name for e in self.files if "/" not in e.name or e.name.startswith(own))
 
     @classmethod
     def read(cls, folder: Path) -> Manifest:
@@ -218,15 +268,18 @@ class Manifest:
             raise ArtifactError(f"{path} is {size} bytes, over the {MAX_MANIFEST_BYTES}-byte cap", path=str(path))
         return cls.from_dict(parse_document(path.read_bytes(), str(path)))
 
-    def verify_files(self, folder: Path) -> None:
-        """Check every listed file's size and sha256; raise ``ArtifactError`` naming the first bad one."""
+    def verify_files(self, folder: Path, only: tuple[str, ...] | None = None) -> None:
+        """Check every listed file's (or the ``only`` ones') size and sha256; raise ``ArtifactError`` naming the
+        first bad one."""
         if self.model_file not in {e.name for e in self.files}:
             raise ArtifactError(
                 f"{MANIFEST_FILE} has no checksum for {self.model_file}", path=self.model_file, kind=CHECKSUM
             )
         for entry in self.files:
+            if only is not None and entry.name not in only:
+                continue
             path = folder / entry.name
-            if Path(entry.name).name != entry.name:
+            if Path(entry.name).name != entry.name and not is_host_file(entry.name):
                 raise ArtifactError(
                     f"{MANIFEST_FILE} lists a file outside the artifact: {entry.name!r}", path=entry.name, kind=CHECKSUM
                 )

@@ -21,6 +21,7 @@ from infer.errors import ArtifactError, ArtifactErrorKind
 _NAME = re.compile(r"[A-Za-z_][A-Za-z0-9_.\-]*")
 _DEVICE = re.compile(r"cpu|cuda:[0-9]{1,4}")
 _SHA256 = re.compile(r"[0-9a-f]{64}")
+_HOST = re.compile(r"0|[1-9][0-9]{0,3}")
 # An echoed value is cut to this many characters in messages.
 _ECHO = 64
 
@@ -180,6 +181,18 @@ def _check_count(count: int, rule: dict[str, Any], path: str, document: str) -> 
         raise _fail(document, path, f"has {count} entries, over the limit of {rule['max_items']}")
 
 
+def _is_file_name(value: str) -> bool:
+    return not (
+        value in ("", ".", "..") or "/" in value or "\\" in value or any(ord(c) < 0x20 or ord(c) == 0x7F for c in value)
+    )
+
+
+def is_host_file(value: str) -> bool:
+    """``hosts/<int>/<file_name>`` exactly: a decimal host index without leading zeros, one plain file name."""
+    parts = value.split("/")
+    return len(parts) == 3 and parts[0] == "hosts" and bool(_HOST.fullmatch(parts[1])) and _is_file_name(parts[2])
+
+
 def _check_string(value: str, rule: dict[str, Any], path: str, document: str) -> None:
     size = len(value.encode("utf-8", errors="surrogatepass"))
     if size > rule.get("max_length", 1 << 20):
@@ -191,10 +204,14 @@ def _check_string(value: str, rule: dict[str, Any], path: str, document: str) ->
         raise _fail(
             document, path, f"must be a name (letters, digits, _ . -; not starting with a digit), got {_echo(value)}"
         )
-    if fmt == "file_name" and (
-        value in ("", ".", "..") or "/" in value or "\\" in value or any(ord(c) < 0x20 or ord(c) == 0x7F for c in value)
-    ):
+    if fmt == "file_name" and not _is_file_name(value):
         raise _fail(document, path, f"must be a plain file name inside the artifact, got {_echo(value)}")
+    if fmt == "host_file" and not is_host_file(value):
+        raise _fail(document, path, f"must be hosts/<host>/<file name> (one host's part), got {_echo(value)}")
+    if fmt == "artifact_file" and not (_is_file_name(value) or is_host_file(value)):
+        raise _fail(
+            document, path, f"must be a file name or hosts/<host>/<file name> inside the artifact, got {_echo(value)}"
+        )
     if fmt == "device" and not _DEVICE.fullmatch(value):
         raise _fail(document, path, f"must be a device ('cpu' or 'cuda:N'), got {_echo(value)}")
     if fmt == "sha256" and not _SHA256.fullmatch(value):

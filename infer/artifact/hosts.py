@@ -1,0 +1,193 @@
+"""Multi-host artifacts: one folder, one manifest and plan, and one part per host (``hosts/<h>/model.pt``).
+
+Each part holds only its host's shards (``infer.shard.hosts.shard_host``) and is checksummed in the shared
+manifest; host 0's part also holds the dense part. A host verifies and loads the shared files and its own part
+only, so its memory is its shards plus the fixed cost of a process with torch and fbgemm. Serving the parts
+together is ``server.distributed``'s job (torchrun, one process per host).
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import shutil
+import tempfile
+import time
+from collections.abc import Mapping
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from infer.artifact.kernels import check_kernel, kernels_from_tbes, model_tbes
+from infer.artifact.manifest import MANIFEST_FILE, PLAN_FILE, FileEntry, Manifest
+from infer.errors import ArtifactError, ArtifactErrorKind, ConfigError
+from infer.planner.types import ShardingPlan
+from infer.version import __version__
+
+logger = logging.getLogger(__name__)
+
+HOST_MODEL_FILE = "model.pt"
+MODEL = ArtifactErrorKind.MODEL
+
+
+def host_part_file(host: int) -> str:
+    return f"hosts/{host}/{HOST_MODEL_FILE}"
+
+
+def export_hosts(model: torch.nn.Module, out_dir: str | Path, plan: ShardingPlan) -> Path:
+    """Shard ``model`` (from ``infer.quantize``) by ``plan`` (a topology of several hosts: ``world_size`` =
+    hosts x ``local_world_size``) and write a multi-host artifact to ``out_dir``: ``manifest.json``,
+    ``plan.json`` and ``hosts/<h>/model.pt`` per host. Replaces an existing artifact like ``export``."""
+    from infer.artifact.fbgemm_libs import REQUIRED_LIBRARIES, fbgemm_library_dir, fbgemm_version
+    from infer.modules.collection import EmbserveModel
+    from infer.shard.hosts import host_layouts, local_device, num_hosts, shard_host
+
+    if not isinstance(model, EmbserveModel):
+        raise ConfigError(f"export_hosts takes the model returned by infer.quantize(), got {type(model).__name__}")
+    hosts = num_hosts(plan)
+    if hosts < 2:
+        raise ConfigError(
+            f"the plan's topology is one host ({plan.topology.world_size} devices); export it with infer.export, "
+            "or plan for several hosts (Topology(world_size=H*G, local_world_size=G))"
+        )
+    out_dir = Path(out_dir).absolute()
+    if out_dir.exists() and (
+        not out_dir.is_dir() or (any(out_dir.iterdir()) and not (out_dir / MANIFEST_FILE).exists())
+    ):
+        raise ArtifactError(
+            f"{out_dir} exists and is not an embserve artifact; choose an empty or new folder", path=str(out_dir)
+        )
+    started = time.monotonic()
+    out_dir.parent.mkdir(parents=True, exist_ok=True)
+    staging = Path(tempfile.mkdtemp(prefix=f".{out_dir.name}.", dir=out_dir.parent))
+    try:
+        files = []
+        kernels = []
+        for host in range(hosts):
+            part = shard_host(model, plan, host)  # type: ignore[arg-type]
+            try:
+                scripted = torch.jit.script(part)
+            except Exception as err:  # noqa: BLE001 - TorchScript reports many error types
+                raise ConfigError(f"host {host}'s part cannot be scripted with torch.jit.script: {err}") from None
+            (staging / "hosts" / str(host)).mkdir(parents=True)
+            scripted.save(str(staging / host_part_file(host)))
+            files.append(FileEntry.of(staging, host_part_file(host)))
+            ranks = [layout.rank for layout in host_layouts(model.spec, plan, host)]
+            kernels.extend(kernels_from_tbes(ranks, model_tbes(part)))
+            del part, scripted
+        (staging / PLAN_FILE).write_text(plan.to_json(), encoding="utf-8")
+        files.append(FileEntry.of(staging, PLAN_FILE))
+        local = plan.topology.local_world_size
+        manifest = Manifest(
+            spec=model.spec,
+            has_dense=bool(model.has_dense),
+            devices=tuple(dict.fromkeys(local_device(plan, rank) for rank in range(local))),
+            embserve_version=__version__,
+            torch_version=torch.__version__,
+            fbgemm_version=fbgemm_version(),
+            fbgemm_libraries=REQUIRED_LIBRARIES,
+            fbgemm_library_dir=str(fbgemm_library_dir()),
+            files=tuple(files),
+            model_file=host_part_file(0),
+            plan_file=PLAN_FILE,
+            world_size=plan.topology.world_size,
+            kernels=tuple(kernels),
+            host_parts=tuple(host_part_file(h) for h in range(hosts)),
+            devices_per_host=local,
+        )
+        (staging / MANIFEST_FILE).write_text(manifest.to_json(), encoding="utf-8")
+        for folder in [staging, staging / "hosts", *(staging / "hosts").iterdir()]:
+            os.chmod(folder, 0o755)
+        if out_dir.exists():
+            shutil.rmtree(out_dir)
+        staging.rename(out_dir)
+    except BaseException:
+        shutil.rmtree(staging, ignore_errors=True)
+        raise
+    logger.debug("exported %s (%d hosts) in %.1fs", out_dir, hosts, time.monotonic() - started)
+    return out_dir
+
+
+@dataclass(frozen=True)
+class HostPart:
+    """One host's loaded part: ``module(values, lengths, weights)`` is its partial output (see
+    ``infer.shard.hosts``); on host 0 ``module.dense_arch`` is the dense part."""
+
+    path: Path
+    manifest: Manifest
+    plan: ShardingPlan
+    host: int
+    module: torch.jit.ScriptModule
+
+    @property
+    def num_hosts(self) -> int:
+        return self.manifest.num_hosts
+
+    @property
+    def part_bytes(self) -> int:
+        return self.manifest.file(self.manifest.host_parts[self.host]).bytes
+
+
+def whole_load_refused(folder: Path, manifest: Manifest) -> ArtifactError:
+    hosts = manifest.num_hosts
+    return ArtifactError(
+        f"{folder} is a multi-host artifact ({hosts} hosts x {manifest.devices_per_host} devices): no single "
+        f"process loads it whole. Serve it on {hosts} hosts with `torchrun --nnodes {hosts} --nproc-per-node 1 "
+        f"--rdzv-endpoint HOST0:PORT -m infer.cli serve {folder}` (the same command on every host), or load one "
+        "host's part with infer.artifact.hosts.load_host_part(path, host)",
+        path=str(folder / MANIFEST_FILE),
+        kind=MODEL,
+    )
+
+
+def load_host_part(artifact_dir: str | Path, host: int, device_map: Mapping[str, str] | None = None) -> HostPart:
+    """Verify the manifest, the plan and host ``host``'s part (sizes, sha256, kernels) and load that part only."""
+    from infer.artifact.fbgemm_libs import load_fbgemm
+    from infer.artifact.load import _map_location, _remap_shard_devices, verify_plan
+    from infer.shard.hosts import host_of_rank, num_hosts
+
+    folder = Path(artifact_dir)
+    if not folder.is_dir():
+        raise ArtifactError(f"{folder} is not a folder; pass the artifact folder written by export", path=str(folder))
+    manifest = Manifest.read(folder)
+    if not manifest.host_parts:
+        raise ArtifactError(
+            f"{folder} is a one-host artifact; load it whole with infer.load(path) (or `embserve serve`)",
+            path=str(folder / MANIFEST_FILE),
+            kind=MODEL,
+        )
+    hosts = manifest.num_hosts
+    if not 0 <= host < hosts:
+        raise ArtifactError(f"host {host} is outside the artifact's {hosts} hosts (0..{hosts - 1})", kind=MODEL)
+    manifest.verify_files(folder, only=manifest.host_files(host))
+    plan = verify_plan(folder, manifest)
+    if num_hosts(plan) != hosts or plan.topology.local_world_size != manifest.devices_per_host:
+        raise ArtifactError(
+            f"{PLAN_FILE} plans {num_hosts(plan)} hosts x {plan.topology.local_world_size} devices, {MANIFEST_FILE} "
+            f"says {hosts} x {manifest.devices_per_host}",
+            path=str(folder / PLAN_FILE),
+        )
+    mapping = dict(device_map or {})
+    load_fbgemm()
+    part_path = folder / manifest.host_parts[host]
+    try:
+        module = torch.jit.load(str(part_path), map_location=_map_location(manifest.devices, mapping))
+    except Exception as err:  # noqa: BLE001 - torch raises RuntimeError and others for a bad archive
+        first_line = str(err).strip().splitlines()[0] if str(err).strip() else type(err).__name__
+        raise ArtifactError(
+            f"{part_path} cannot be loaded by TorchScript: {first_line}", path=str(part_path), kind=MODEL
+        ) from None
+    module.eval()
+    expected = [k for k in manifest.kernels if host_of_rank(plan, k.rank) == host]
+    tbes = model_tbes(module)
+    if len(tbes) != len(expected):
+        raise ArtifactError(
+            f"{part_path} has {len(tbes)} kernels, {MANIFEST_FILE} lists {len(expected)} for host {host}", kind=MODEL
+        )
+    for index, (tbe, kernel) in enumerate(zip(tbes, expected)):
+        check_kernel(tbe, kernel, index)
+    if mapping:
+        _remap_shard_devices(module, mapping)
+    logger.info("host %d: loaded %s (%d kernels)", host, part_path, len(tbes))
+    return HostPart(folder, manifest, plan, host, module)
