@@ -95,6 +95,13 @@ def cmd_export(args: argparse.Namespace) -> int:
 
         print()
         print(format_stats(plan))
+        if plan.topology.world_size > plan.topology.local_world_size:
+            from infer.artifact.hosts import export_hosts
+
+            out = export_hosts(model, args.out, plan)
+            hosts = plan.topology.world_size // plan.topology.local_world_size
+            print(f"exported {out} ({hosts} hosts x {plan.topology.local_world_size} devices)")
+            return 0
         model = shard_model(model, plan)
     out = export(model, args.out, plan=plan)
     print(f"exported {out}" + (f" ({plan.topology.world_size} shards)" if plan is not None else ""))
@@ -118,12 +125,17 @@ def _export_plan(args: argparse.Namespace, spec: ModelSpec) -> ShardingPlan | No
         except OSError as err:
             raise EmbserveError(f"cannot read plan {args.plan!r}: {err.strerror}") from None
         return ShardingPlan.from_json(text)
-    if not args.world_size:
+    hosts = max(1, args.hosts)
+    if hosts > 1 and args.world_size:
+        raise EmbserveError("give either --world-size (one host) or --hosts with --devices-per-host, not both")
+    devices = args.devices_per_host * hosts if hosts > 1 else args.world_size
+    if not devices:
         return None
     topology = Topology(
-        args.world_size,
+        devices,
         ComputeDevice(args.device),
         (parse_bytes(args.device_memory),) if args.device_memory else (),
+        local_world_size=args.devices_per_host if hosts > 1 else 0,
     )
     constraints = load_constraints(args.constraints, spec) if args.constraints else {}
     return EmbeddingPlanner(topology).plan(spec, constraints)
@@ -255,6 +267,8 @@ def build_parser() -> argparse.ArgumentParser:
     exp.add_argument("--dtype", default=None, help="data type for every table (int8, int4, int2, fp16, fp32)")
     exp.add_argument("--table-dtype", action="append", default=[], metavar="NAME=DTYPE", help="per-table data type")
     exp.add_argument("--world-size", type=int, default=0, help="shard over this many devices (planned)")
+    exp.add_argument("--hosts", type=int, default=0, help="shard over this many hosts (one part per host)")
+    exp.add_argument("--devices-per-host", type=int, default=1, help="devices of each host, with --hosts")
     exp.add_argument("--device", choices=["cpu", "cuda"], default="cpu", help="device kind of the shards")
     exp.add_argument("--device-memory", default=None, help="memory per device for planning, e.g. 16GB")
     exp.add_argument("--constraints", default=None, help="planner constraints JSON")

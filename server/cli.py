@@ -14,6 +14,7 @@ from typing import Any
 
 def cmd_serve(args: argparse.Namespace) -> int:
     import asyncio
+    import os
     import signal
     import sys
 
@@ -39,6 +40,17 @@ def cmd_serve(args: argparse.Namespace) -> int:
         drain_grace_s=args.drain_grace_s,
         drain_seconds=args.drain_seconds,
     )
+    from server.distributed import GroupConfig, is_multi_host, serve_distributed
+
+    if is_multi_host(args.artifact):
+        group = GroupConfig(collective_timeout_s=args.collective_timeout_s, failure_grace_s=args.failure_grace_s)
+        code = serve_distributed(args.artifact, config, group)
+        if code != 0:
+            # a broken group's peers may never answer: do not wait in process-group teardown at exit
+            sys.stdout.flush()
+            sys.stderr.flush()
+            os._exit(code)
+        return code
     return asyncio.run(serve(args.artifact, config))
 
 
@@ -143,6 +155,18 @@ def add_subcommands(subcommands: Any) -> None:
     )
     srv.add_argument(
         "--drain-seconds", type=float, default=30.0, help="then: the longest wait for accepted calls to finish"
+    )
+    srv.add_argument(
+        "--collective-timeout-s",
+        type=float,
+        default=30.0,
+        help="multi-host artifacts (under torchrun): a rank that does not answer within this long fails the group",
+    )
+    srv.add_argument(
+        "--failure-grace-s",
+        type=float,
+        default=2.0,
+        help="multi-host: after a failure, seconds of NOT_SERVING and UNAVAILABLE before exiting 1",
     )
     srv.set_defaults(func=cmd_serve)
 

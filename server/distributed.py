@@ -1,0 +1,350 @@
+"""Serve a multi-host artifact: one process per host (torchrun), joined in one torch.distributed group.
+
+Every rank loads its own part (``infer.artifact.hosts.load_host_part``). Rank 0 runs the gRPC front end
+(``server.app``: validation, batching, health, drain) on a ``Runtime`` whose module does the distributed
+forward: per merged batch it broadcasts a small header, then the ids, lengths and weights; every rank runs its
+partial forward; the partial outputs are summed on rank 0 (``reduce``), which divides MEAN features by their
+bag lengths and runs the dense part. Collectives must be issued in the same order on every rank, so rank 0
+serialises them with one lock (forwards come from the batcher's worker threads, pings from a heartbeat thread).
+
+Failure: every collective has the group's timeout. When one fails (a rank died or hangs), rank 0 reports
+NOT_SERVING, answers UNAVAILABLE, and exits 1 so torchrun (or the orchestrator) restarts the group. SIGTERM on
+rank 0 drains the front end, then sends the other ranks a stop header: every rank exits 0.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import datetime
+import logging
+import os
+import signal
+import threading
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import grpc
+import torch
+import torch.distributed as dist
+
+from infer import request_rules as rules
+from infer.artifact.hosts import HostPart, load_host_part
+from infer.artifact.manifest import Manifest
+from infer.artifact.runtime import Runtime
+from infer.errors import ArtifactError, EmbserveError, RequestError
+from infer.shard.hosts import finish_partial
+from server.app import SERVING_LINE, ServerConfig, create_server
+from server.service import SERVICE_NAME, _Failure
+
+logger = logging.getLogger(__name__)
+
+# Header broadcast before every message: [op, num_ids, num_lengths, weighted, batch, values dtype, lengths dtype]
+OP_STOP = 0
+OP_FORWARD = 1
+OP_PING = 2
+HEADER_SIZE = 7
+_DTYPES = (torch.int64, torch.int32)
+# printed by every rank other than 0 once it joined the group (tests and logs wait for it)
+JOINED_LINE = "embserve: joined the group as rank"
+
+
+class GroupFailure(EmbserveError):
+    """A collective failed or timed out: a rank died or hangs. The group cannot serve any more."""
+
+
+@dataclass(frozen=True)
+class GroupConfig:
+    collective_timeout_s: float = 30.0  # every collective (and joining the group) fails after this long
+    failure_grace_s: float = 2.0  # after a failure: NOT_SERVING and UNAVAILABLE this long, then exit 1
+    ping_interval_s: float = 0.0  # an idle rank 0 pings the group this often; 0 -> timeout / 3
+
+
+def is_multi_host(artifact: str | Path) -> bool:
+    """Whether ``artifact`` is a multi-host artifact (its manifest lists host parts)."""
+    folder = Path(artifact)
+    if not folder.is_dir():
+        return False
+    try:
+        return bool(Manifest.read(folder).host_parts)
+    except ArtifactError:
+        return False  # the one-host loader reports the manifest's problem
+
+
+def request_bytes(num_ids: int, num_lengths: int, batch: int, output_dim: int, weighted: bool, hosts: int) -> int:
+    """Bytes rank 0 exchanges per merged batch with int64 ids and int32 lengths: to each other host the header,
+    ids, lengths (and weights); back from each the partial output. (Gloo's reduce sends each rank's
+    ``batch x output_dim`` fp32 partial once; the broadcast sends rank 0's tensors once per other rank.)"""
+    sent = HEADER_SIZE * 8 + num_ids * 8 + num_lengths * 4 + (num_ids * 4 if weighted else 0)
+    received = batch * output_dim * 4
+    return (hosts - 1) * (sent + received)
+
+
+class _Collectives:
+    """The tensors both sides exchange, on the group's device (cpu for gloo, cuda for NCCL)."""
+
+    def __init__(self, device: str) -> None:
+        self.device = device
+
+    def send_header(self, op: int, values: torch.Tensor | None, lengths: torch.Tensor | None, weighted: bool) -> None:
+        header = torch.zeros(HEADER_SIZE, dtype=torch.int64)
+        header[0] = op
+        if values is not None and lengths is not None:
+            header[1] = values.numel()
+            header[2] = lengths.numel()
+            header[3] = int(weighted)
+            header[5] = _DTYPES.index(values.dtype)
+            header[6] = _DTYPES.index(lengths.dtype)
+        dist.broadcast(header.to(self.device), src=0)
+
+    def recv_header(self) -> list[int]:
+        header = torch.zeros(HEADER_SIZE, dtype=torch.int64, device=self.device)
+        dist.broadcast(header, src=0)
+        return [int(x) for x in header.cpu().tolist()]
+
+    def broadcast(self, tensor: torch.Tensor) -> torch.Tensor:
+        if tensor.numel() == 0:  # both sides know the count from the header: nothing to send
+            return tensor
+        moved = tensor.to(self.device)
+        dist.broadcast(moved, src=0)
+        return moved
+
+    def reduce(self, partial: torch.Tensor) -> torch.Tensor:
+        moved = partial.to(self.device)
+        if moved.numel() > 0:
+            dist.reduce(moved, dst=0, op=dist.ReduceOp.SUM)
+        return moved
+
+
+class DistributedModel:
+    """Rank 0's model: ``model(values, lengths, weights)`` and ``model.predict(dense, values, lengths, weights)``
+    run one distributed forward each (the interface ``Runtime`` and the server's batcher call)."""
+
+    def __init__(self, part: HostPart, config: GroupConfig, comm_device: str = "cpu") -> None:
+        self.part = part
+        self.spec = part.manifest.spec
+        self.config = config
+        self._comm = _Collectives(comm_device)
+        self._lock = threading.Lock()
+        self._last_collective = time.monotonic()
+        self.failed = threading.Event()
+        self.failure = ""
+        self.forwards = 0
+        self._stopping = threading.Event()
+        self._heartbeat: threading.Thread | None = None
+
+    # ----------------------------------------------------------------- the Runtime module interface
+    def __call__(self, values: torch.Tensor, lengths: torch.Tensor, weights: torch.Tensor | None = None) -> Any:
+        embeddings = self.part.module.embeddings
+        embeddings.validate(values, lengths, weights)  # every rule, before any other rank sees the batch
+        embeddings.validate_ids(values, lengths)
+        summed = self._forward(values, lengths, weights)
+        return finish_partial(self.spec, summed, lengths.cpu())
+
+    forward = __call__
+
+    def predict(
+        self, dense: torch.Tensor, values: torch.Tensor, lengths: torch.Tensor, weights: torch.Tensor | None = None
+    ) -> Any:
+        module = self.part.module
+        if not module.has_dense:
+            raise RequestError(rules.NO_DENSE_PART)
+        batch = lengths.numel() // len(self.spec.features)
+        width = self.spec.num_dense_features
+        if dense.dim() != 2 or dense.size(0) != batch or dense.size(1) != width:
+            raise RequestError(rules.dense_shape(batch, width, str(list(dense.shape))))
+        if dense.dtype != torch.float32:
+            raise RequestError(rules.DENSE_DTYPE)
+        pooled = self(values, lengths, weights)
+        return module.dense_arch(dense.to(pooled.device), pooled)
+
+    # ----------------------------------------------------------------- collectives
+    def _unavailable(self) -> _Failure:
+        return _Failure(
+            grpc.StatusCode.UNAVAILABLE,
+            f"a host of this multi-host server failed ({self.failure}); retry on another replica",
+            "group_failed",
+        )
+
+    def _forward(self, values: torch.Tensor, lengths: torch.Tensor, weights: torch.Tensor | None) -> torch.Tensor:
+        if self.failed.is_set():
+            raise self._unavailable()
+        with self._lock:
+            if self.failed.is_set():
+                raise self._unavailable()
+            try:
+                self._comm.send_header(OP_FORWARD, values, lengths, weights is not None)
+                self._comm.broadcast(values)
+                self._comm.broadcast(lengths)
+                if weights is not None:
+                    self._comm.broadcast(weights)
+                partial = self.part.module(values, lengths, weights)
+                summed = self._comm.reduce(partial)
+            except Exception as err:  # noqa: BLE001 - gloo raises RuntimeError/DistBackendError on a lost peer
+                self._fail(err)
+                raise self._unavailable() from None
+            finally:
+                self._last_collective = time.monotonic()
+            self.forwards += 1
+        return summed.to(partial.device)
+
+    def _fail(self, err: BaseException) -> None:
+        if not self.failed.is_set():
+            first_line = (str(err).strip().splitlines() or [type(err).__name__])[0][:300]
+            self.failure = f"{type(err).__name__}: {first_line}"
+            logger.error("the group failed: %s", self.failure)
+            self.failed.set()
+
+    def ping(self) -> None:
+        """One round trip with every rank (header + one-element reduce): a dead or hung rank shows up even
+        when no request arrives, and idle ranks' waits never reach the timeout."""
+        with self._lock:
+            if self.failed.is_set():
+                return
+            try:
+                self._comm.send_header(OP_PING, None, None, False)
+                self._comm.reduce(torch.zeros(1))
+            except Exception as err:  # noqa: BLE001
+                self._fail(err)
+            finally:
+                self._last_collective = time.monotonic()
+
+    def start_heartbeat(self) -> None:
+        interval = self.config.ping_interval_s or self.config.collective_timeout_s / 3
+
+        def beat() -> None:
+            while not self._stopping.wait(interval / 4):
+                if self.failed.is_set():
+                    return
+                if time.monotonic() - self._last_collective >= interval:
+                    self.ping()
+
+        self._heartbeat = threading.Thread(target=beat, name="embserve-group-heartbeat", daemon=True)
+        self._heartbeat.start()
+
+    def stop_group(self) -> bool:
+        """Tell every other rank to exit (after the front end drained); False when the group already failed."""
+        self._stopping.set()
+        if self._heartbeat is not None:
+            self._heartbeat.join()
+        with self._lock:
+            if self.failed.is_set():
+                return False
+            try:
+                self._comm.send_header(OP_STOP, None, None, False)
+            except Exception as err:  # noqa: BLE001
+                self._fail(err)
+                return False
+        return True
+
+
+def follow(part: HostPart, comm_device: str = "cpu") -> int:
+    """A rank other than 0: run partial forwards for rank 0 until it sends stop (0) or the group fails (1)."""
+    comm = _Collectives(comm_device)
+    module = part.module
+    forwards = 0
+    with torch.inference_mode():
+        while True:
+            try:
+                op, num_ids, num_lengths, weighted, _, values_code, lengths_code = comm.recv_header()
+                if op == OP_STOP:
+                    logger.info("rank %d: stop from rank 0 after %d forwards", part.host, forwards)
+                    return 0
+                if op == OP_PING:
+                    comm.reduce(torch.zeros(1))
+                    continue
+                values = comm.broadcast(torch.empty(num_ids, dtype=_DTYPES[values_code], device=comm_device))
+                lengths = comm.broadcast(torch.empty(num_lengths, dtype=_DTYPES[lengths_code], device=comm_device))
+                weights = comm.broadcast(torch.empty(num_ids, device=comm_device)) if weighted else None
+                comm.reduce(module(values, lengths, weights))
+                forwards += 1
+            except Exception as err:  # noqa: BLE001 - rank 0 died or hangs, or the batch broke this rank
+                logger.error("rank %d: the group failed after %d forwards: %s", part.host, forwards, err)
+                return 1
+
+
+def _group_env() -> tuple[int, int]:
+    missing = [name for name in ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT") if name not in os.environ]
+    if missing:
+        raise EmbserveError(
+            f"a multi-host artifact is served by one process per host under torchrun; {', '.join(missing)} "
+            "missing from the environment. Run on every host: torchrun --nnodes H --nproc-per-node 1 "
+            "--rdzv-endpoint HOST0:PORT -m infer.cli serve ARTIFACT"
+        )
+    return int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
+
+
+def join_group(part: HostPart, rank: int, world_size: int, timeout_s: float) -> str:
+    """Join the process group (env:// rendezvous: torchrun's, or MASTER_ADDR/MASTER_PORT); returns the device
+    collectives run on: NCCL and the host's first GPU when its part is on CUDA, else gloo and the CPU."""
+    hosts = part.num_hosts
+    if world_size != hosts:
+        raise EmbserveError(
+            f"the artifact has {hosts} host parts but the group has {world_size} processes; run one process per "
+            f"host: torchrun --nnodes {hosts} --nproc-per-node 1"
+        )
+    on_cuda = any(d.startswith("cuda") for d in part.manifest.devices) and torch.cuda.is_available()
+    backend, device = ("nccl", "cuda:0") if on_cuda else ("gloo", "cpu")
+    if on_cuda:
+        torch.cuda.set_device(0)
+    dist.init_process_group(backend, rank=rank, world_size=world_size, timeout=datetime.timedelta(seconds=timeout_s))
+    logger.info("rank %d of %d joined (%s)", rank, world_size, backend)
+    return device
+
+
+def serve_distributed(artifact: str | Path, config: ServerConfig, group: GroupConfig) -> int:
+    """``embserve serve`` of a multi-host artifact on this rank: load this host's part, join the group; rank 0
+    serves gRPC until SIGTERM (then stops every rank), the others follow rank 0. Returns the exit code."""
+    rank, world_size = _group_env()
+    part = load_host_part(artifact, rank)
+    device = join_group(part, rank, world_size, group.collective_timeout_s)
+    if rank != 0:
+        print(f"{JOINED_LINE} {rank}", flush=True)
+        code = follow(part, device)
+        if code == 0:
+            dist.destroy_process_group()
+        return code
+    model = DistributedModel(part, group, device)
+    code = asyncio.run(_serve_rank0(part, model, config, group))
+    if code == 0:
+        dist.destroy_process_group()
+    return code
+
+
+async def _serve_rank0(part: HostPart, model: DistributedModel, config: ServerConfig, group: GroupConfig) -> int:
+    from grpc_health.v1 import health_pb2
+
+    stop = asyncio.Event()
+    loop = asyncio.get_running_loop()
+    for signum in (signal.SIGTERM, signal.SIGINT):
+        loop.add_signal_handler(signum, stop.set)
+    runtime = Runtime(part.path, part.manifest, model)  # type: ignore[arg-type]
+    model.start_heartbeat()
+    try:
+        running = await create_server(runtime, config)
+    except Exception:
+        if model.failed.is_set():
+            logger.error("the group failed during warm-up: %s", model.failure)
+            return 1
+        raise
+    print(f"{SERVING_LINE} {running.port}", flush=True)
+    while not stop.is_set() and not model.failed.is_set():
+        try:
+            await asyncio.wait_for(stop.wait(), 0.05)
+        except asyncio.TimeoutError:
+            pass
+    if model.failed.is_set():
+        for name in ("", SERVICE_NAME):
+            await running.health.set(name, health_pb2.HealthCheckResponse.NOT_SERVING)
+        logger.error("NOT_SERVING: %s; exiting 1 in %.1f s for the launcher to restart the group", model.failure,
+                     group.failure_grace_s)  # fmt: skip
+        await asyncio.sleep(group.failure_grace_s)
+        await running.stop(1.0)
+        return 1
+    logger.info("draining (grace %.1f s, then up to %.0f s for accepted calls)", config.drain_grace_s,
+                config.drain_seconds)  # fmt: skip
+    await running.drain(config.drain_grace_s, config.drain_seconds)
+    stopped = await asyncio.to_thread(model.stop_group)
+    logger.info("stopped after %d distributed forwards%s", model.forwards, "" if stopped else " (group failed)")
+    return 0 if stopped else 1

@@ -1,0 +1,54 @@
+"""One rank of a test group (run as a subprocess with RANK/WORLD_SIZE/MASTER_ADDR/MASTER_PORT set, like torchrun
+sets them): for each artifact of the job, load this host's part and serve rank 0's forwards; rank 0 runs the
+job's batches through a ``Runtime`` on ``server.distributed.DistributedModel`` and saves the outputs."""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+
+import torch
+import torch.distributed as dist
+
+from infer.artifact.hosts import load_host_part
+from infer.artifact.runtime import Runtime
+from infer.features import SparseFeatures
+from server.distributed import JOINED_LINE, DistributedModel, GroupConfig, follow, join_group
+
+
+def main(job_path: str) -> int:
+    job = json.loads(open(job_path).read())
+    rank, world_size = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
+    batches = torch.load(job["batches"])
+    joined = False
+    results = {}
+    for name, artifact in job["artifacts"].items():
+        part = load_host_part(artifact, rank)
+        if not joined:
+            device = join_group(part, rank, world_size, job["timeout_s"])
+            print(f"{JOINED_LINE} {rank}", flush=True)
+            joined = True
+        if rank != 0:
+            if follow(part, device) != 0:
+                return 1
+            continue
+        model = DistributedModel(part, GroupConfig(collective_timeout_s=job["timeout_s"]), device)
+        runtime = Runtime(part.path, part.manifest, model)  # type: ignore[arg-type]
+        outputs = []
+        for batch in batches:
+            features = SparseFeatures(tuple(batch["keys"]), batch["values"], batch["lengths"], batch["weights"])
+            pooled = runtime.lookup(features)
+            scores = runtime.predict(features, batch["dense"]) if part.manifest.has_dense else None
+            outputs.append((pooled, scores))
+        results[name] = outputs
+        if not model.stop_group():
+            return 1
+    if rank == 0:
+        torch.save(results, job["out"])
+    dist.destroy_process_group()
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1]))
