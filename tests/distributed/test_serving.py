@@ -1,0 +1,170 @@
+"""`embserve serve` of a multi-host artifact: one process per "host" on 127.0.0.1 with the environment torchrun
+gives its workers, rank 0 serving gRPC. Served outputs, SIGTERM on rank 0 under load (nothing lost, every rank
+exits 0), and a killed rank under load (NOT_SERVING and UNAVAILABLE within the timeout, rank 0 exits 1)."""
+
+from __future__ import annotations
+
+import signal
+import subprocess
+import sys
+import threading
+import time
+from collections import Counter
+from pathlib import Path
+
+import grpc
+import pytest
+import torch
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+from infer.shard.builder import shard_model
+from server.app import SERVING_LINE
+from server.client import EmbserveClient
+from server.distributed import JOINED_LINE
+from tests.conftest import random_batch
+from tests.distributed.conftest import NUM_DENSE, ROOT, free_port, group_env, host_plan
+from tests.server.support import LineReader
+
+TIMEOUT_S = 4.0  # --collective-timeout-s of these groups
+
+
+class _Group:
+    def __init__(self, artifact: Path, hosts: int, folder: Path, *options: str) -> None:
+        port = free_port()
+        command = [sys.executable, "-m", "infer.cli", "serve", str(artifact), "--host", "127.0.0.1", "--port", "0",
+                   "--collective-timeout-s", str(TIMEOUT_S), *options]  # fmt: skip
+        self.logs = [folder / f"rank{rank}.err" for rank in range(hosts)]
+        self.processes = [
+            subprocess.Popen(
+                command,
+                env=group_env(rank, hosts, port),
+                stdout=subprocess.PIPE,
+                stderr=open(self.logs[rank], "w"),
+                text=True,
+                cwd=ROOT,
+            )  # fmt: skip
+            for rank in range(hosts)
+        ]
+        self.readers = [LineReader(p.stdout) for p in self.processes]
+        line = self.readers[0].wait_for(SERVING_LINE, timeout=120)
+        self.port = int(line.rsplit(" ", 1)[1])
+        for reader in self.readers[1:]:
+            reader.wait_for(JOINED_LINE, timeout=30)
+
+    def stderr(self, rank: int) -> str:
+        return self.logs[rank].read_text()[-3000:]
+
+    def kill(self) -> None:
+        for process in self.processes:
+            if process.poll() is None:
+                process.kill()
+                process.wait()
+
+
+class _Load:
+    """Clients calling Lookup without pause until stopped; outcomes counted by status code."""
+
+    def __init__(self, port: int, batches, expected, clients: int) -> None:
+        self.outcomes: Counter[str] = Counter()
+        self.wrong = 0
+        self.first_unavailable: float | None = None
+        self.stop = threading.Event()
+        self._lock = threading.Lock()
+        self.threads = [
+            threading.Thread(target=self._run, args=(port, batches[i % len(batches)], expected[i % len(batches)]))
+            for i in range(clients)
+        ]
+        for thread in self.threads:
+            thread.start()
+
+    def _run(self, port: int, batch, expected) -> None:
+        with EmbserveClient(f"127.0.0.1:{port}", timeout=30) as client:
+            while not self.stop.is_set():
+                try:
+                    got = client.lookup(batch)
+                    outcome, right = "OK", bool((got - expected).abs().max() <= 1e-6 * float(expected.abs().max()))
+                except grpc.RpcError as err:
+                    outcome, right = err.code().name, True
+                with self._lock:
+                    self.outcomes[outcome] += 1
+                    self.wrong += 0 if right else 1
+                    if outcome == "UNAVAILABLE" and self.first_unavailable is None:
+                        self.first_unavailable = time.monotonic()
+                if outcome == "UNAVAILABLE":
+                    return  # a refused client goes elsewhere (and a closed port would spin)
+
+    def join(self, timeout: float) -> None:
+        self.stop.set()
+        for thread in self.threads:
+            thread.join(timeout)
+        assert not any(t.is_alive() for t in self.threads), "a client call hung"
+
+
+def _expected(quantized, kind, hosts, devices, batches):
+    reference = shard_model(quantized, host_plan(quantized.spec, kind, hosts, devices))
+    with torch.inference_mode():
+        return [reference(b.values, b.lengths, b.weights) for b in batches], reference
+
+
+def test_sigterm_on_rank0_under_load_loses_nothing(host_artifacts, quantized, tmp_path):
+    """2 hosts x 2 devices, mixed plan: gRPC Lookup and Predict equal the one-process model; then 8 clients send
+    without pause through SIGTERM on rank 0: no call CANCELLED, failed or wrong, every rank exits 0."""
+    spec = quantized.spec
+    batches = [random_batch(spec, batch_size=4 + i, weighted=i % 2 == 0, seed=300 + i) for i in range(4)]
+    expected, reference = _expected(quantized, "mixed", 2, 2, batches)
+    group = _Group(host_artifacts[(2, "mixed")], 2, tmp_path, "--drain-grace-s", "0.5", "--max-delay-us", "2000")
+    try:
+        dense = torch.randn(batches[0].batch_size, NUM_DENSE, generator=torch.Generator().manual_seed(1))
+        with EmbserveClient(f"127.0.0.1:{group.port}") as client:
+            pooled = client.lookup(batches[0])
+            scores = client.predict(batches[0], dense)
+        with torch.inference_mode():
+            want_scores = reference.predict(dense, batches[0].values, batches[0].lengths, batches[0].weights)
+        assert (pooled - expected[0]).abs().max() <= 1e-6 * float(expected[0].abs().max())
+        assert (scores - want_scores).abs().max() <= 1e-6 * max(1.0, float(want_scores.abs().max()))
+        load = _Load(group.port, batches, expected, clients=8)
+        time.sleep(1.0)
+        group.processes[0].send_signal(signal.SIGTERM)
+        codes = [p.wait(timeout=60) for p in group.processes]
+        load.join(30)
+        assert codes == [0, 0], (codes, group.stderr(0), group.stderr(1))
+        assert load.outcomes["OK"] > 0 and load.wrong == 0, load.outcomes
+        assert set(load.outcomes) <= {"OK", "UNAVAILABLE"}, load.outcomes  # UNAVAILABLE: refused, never accepted
+        assert "stop from rank 0" in group.stderr(1)
+    finally:
+        group.kill()
+
+
+@pytest.mark.parametrize("victim", [2])
+def test_killed_rank_under_load_turns_rank0_unavailable(host_artifacts, quantized, tmp_path, victim):
+    """3 hosts: SIGKILL on one rank while 6 clients send: within the collective timeout calls answer UNAVAILABLE,
+    health says NOT_SERVING, rank 0 exits 1 and the surviving rank exits too; no client call hangs."""
+    spec = quantized.spec
+    batches = [random_batch(spec, batch_size=6, weighted=True, seed=400 + i) for i in range(3)]
+    expected, _ = _expected(quantized, "column", 3, 1, batches)
+    group = _Group(host_artifacts[(3, "column")], 3, tmp_path, "--failure-grace-s", "3")
+    try:
+        load = _Load(group.port, batches, expected, clients=6)
+        time.sleep(1.0)
+        assert load.outcomes["OK"] > 0, (load.outcomes, group.stderr(0))
+        killed = time.monotonic()
+        group.processes[victim].kill()
+        deadline = killed + TIMEOUT_S + 10  # the timeout, plus slack for a loaded 2-core machine
+        while load.first_unavailable is None and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert load.first_unavailable is not None, (load.outcomes, group.stderr(0))
+        unavailable_after = load.first_unavailable - killed
+        channel = grpc.insecure_channel(f"127.0.0.1:{group.port}")
+        status = health_pb2_grpc.HealthStub(channel).Check(health_pb2.HealthCheckRequest(service=""), timeout=5)
+        channel.close()
+        assert status.status == health_pb2.HealthCheckResponse.NOT_SERVING
+        load.join(30)
+        assert group.processes[0].wait(timeout=30) == 1, group.stderr(0)
+        survivor = 1 if victim == 2 else 2
+        assert group.processes[survivor].wait(timeout=TIMEOUT_S + 30) != 0
+        assert load.wrong == 0 and set(load.outcomes) <= {"OK", "UNAVAILABLE"}, load.outcomes
+        assert unavailable_after <= TIMEOUT_S + 10, unavailable_after
+        print(f"UNAVAILABLE {unavailable_after:.2f} s after the kill (timeout {TIMEOUT_S} s)")
+        assert "the group failed" in group.stderr(0)
+    finally:
+        group.kill()
