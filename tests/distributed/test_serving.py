@@ -135,10 +135,11 @@ def test_sigterm_on_rank0_under_load_loses_nothing(host_artifacts, quantized, tm
         group.kill()
 
 
-@pytest.mark.parametrize("victim", [2])
-def test_killed_rank_under_load_turns_rank0_unavailable(host_artifacts, quantized, tmp_path, victim):
-    """3 hosts: SIGKILL on one rank while 6 clients send: within the collective timeout calls answer UNAVAILABLE,
-    health says NOT_SERVING, rank 0 exits 1 and the surviving rank exits too; no client call hangs."""
+@pytest.mark.parametrize("victim, signum", [(2, signal.SIGKILL), (1, signal.SIGSTOP)], ids=["dies", "hangs"])
+def test_failed_rank_under_load_turns_rank0_unavailable(host_artifacts, quantized, tmp_path, victim, signum):
+    """3 hosts: one rank dies (SIGKILL) or hangs (SIGSTOP) while 6 clients send: within the collective timeout
+    calls answer UNAVAILABLE, health says NOT_SERVING, rank 0 exits 1 and the surviving rank exits too; no client
+    call hangs."""
     spec = quantized.spec
     batches = [random_batch(spec, batch_size=6, weighted=True, seed=400 + i) for i in range(3)]
     expected, _ = _expected(quantized, "column", 3, 1, batches)
@@ -148,7 +149,7 @@ def test_killed_rank_under_load_turns_rank0_unavailable(host_artifacts, quantize
         time.sleep(1.0)
         assert load.outcomes["OK"] > 0, (load.outcomes, group.stderr(0))
         killed = time.monotonic()
-        group.processes[victim].kill()
+        group.processes[victim].send_signal(signum)
         deadline = killed + TIMEOUT_S + 10  # the timeout, plus slack for a loaded 2-core machine
         while load.first_unavailable is None and time.monotonic() < deadline:
             time.sleep(0.05)
@@ -164,7 +165,7 @@ def test_killed_rank_under_load_turns_rank0_unavailable(host_artifacts, quantize
         assert group.processes[survivor].wait(timeout=TIMEOUT_S + 30) != 0
         assert load.wrong == 0 and set(load.outcomes) <= {"OK", "UNAVAILABLE"}, load.outcomes
         assert unavailable_after <= TIMEOUT_S + 10, unavailable_after
-        print(f"UNAVAILABLE {unavailable_after:.2f} s after the kill (timeout {TIMEOUT_S} s)")
+        print(f"UNAVAILABLE {unavailable_after:.2f} s after {signum.name} (timeout {TIMEOUT_S} s)")
         assert "the group failed" in group.stderr(0)
     finally:
         group.kill()
