@@ -40,11 +40,14 @@ from server.service import SERVICE_NAME, _Failure
 
 logger = logging.getLogger(__name__)
 
-# Header broadcast before every message: [op, num_ids, num_lengths, weighted, batch, values dtype, lengths dtype]
+# Header broadcast before every message: [op, num_ids, num_lengths, weighted, combine, values dtype, lengths dtype]
 OP_STOP = 0
 OP_FORWARD = 1
 OP_PING = 2
 HEADER_SIZE = 7
+# How the partial outputs reach rank 0: summed on the way (reduce) or gathered whole and summed by rank 0.
+COMBINE_REDUCE = 0
+COMBINE_GATHER = 1
 _DTYPES = (torch.int64, torch.int32)
 # printed by every rank other than 0 once it joined the group (tests and logs wait for it)
 JOINED_LINE = "embserve: joined the group as rank"
@@ -59,6 +62,7 @@ class GroupConfig:
     collective_timeout_s: float = 30.0  # every collective (and joining the group) fails after this long
     failure_grace_s: float = 2.0  # after a failure: NOT_SERVING and UNAVAILABLE this long, then exit 1
     ping_interval_s: float = 0.0  # an idle rank 0 pings the group this often; 0 -> timeout / 3
+    combine: int = COMBINE_REDUCE  # COMBINE_GATHER: bench/multihost.py compares both
 
 
 def is_multi_host(artifact: str | Path) -> bool:
@@ -87,9 +91,12 @@ class _Collectives:
     def __init__(self, device: str) -> None:
         self.device = device
 
-    def send_header(self, op: int, values: torch.Tensor | None, lengths: torch.Tensor | None, weighted: bool) -> None:
+    def send_header(
+        self, op: int, values: torch.Tensor | None, lengths: torch.Tensor | None, weighted: bool, combine: int = 0
+    ) -> None:
         header = torch.zeros(HEADER_SIZE, dtype=torch.int64)
         header[0] = op
+        header[4] = combine
         if values is not None and lengths is not None:
             header[1] = values.numel()
             header[2] = lengths.numel()
@@ -115,6 +122,21 @@ class _Collectives:
         if moved.numel() > 0:
             dist.reduce(moved, dst=0, op=dist.ReduceOp.SUM)
         return moved
+
+    def gather_sum(self, partial: torch.Tensor, rank: int, world_size: int) -> torch.Tensor:
+        """The alternative to ``reduce``: every partial sent whole to rank 0, which adds them in rank order."""
+        moved = partial.to(self.device).contiguous()
+        if moved.numel() == 0:
+            return moved
+        if rank != 0:
+            dist.gather(moved, dst=0)
+            return moved
+        pieces = [torch.empty_like(moved) for _ in range(world_size)]
+        dist.gather(moved, gather_list=pieces, dst=0)
+        total = pieces[0]
+        for piece in pieces[1:]:
+            total.add_(piece)
+        return total
 
 
 class DistributedModel:
@@ -174,13 +196,16 @@ class DistributedModel:
             if self.failed.is_set():
                 raise self._unavailable()
             try:
-                self._comm.send_header(OP_FORWARD, values, lengths, weights is not None)
+                self._comm.send_header(OP_FORWARD, values, lengths, weights is not None, self.config.combine)
                 self._comm.broadcast(values)
                 self._comm.broadcast(lengths)
                 if weights is not None:
                     self._comm.broadcast(weights)
                 partial = self.part.module(values, lengths, weights)
-                summed = self._comm.reduce(partial)
+                if self.config.combine == COMBINE_GATHER:
+                    summed = self._comm.gather_sum(partial, 0, self.part.num_hosts)
+                else:
+                    summed = self._comm.reduce(partial)
             except Exception as err:  # noqa: BLE001 - gloo raises RuntimeError/DistBackendError on a lost peer
                 self._fail(err)
                 raise self._unavailable() from None
@@ -247,7 +272,7 @@ def follow(part: HostPart, comm_device: str = "cpu") -> int:
     with torch.inference_mode():
         while True:
             try:
-                op, num_ids, num_lengths, weighted, _, values_code, lengths_code = comm.recv_header()
+                op, num_ids, num_lengths, weighted, combine, values_code, lengths_code = comm.recv_header()
                 if op == OP_STOP:
                     logger.info("rank %d: stop from rank 0 after %d forwards", part.host, forwards)
                     return 0
@@ -257,7 +282,11 @@ def follow(part: HostPart, comm_device: str = "cpu") -> int:
                 values = comm.broadcast(torch.empty(num_ids, dtype=_DTYPES[values_code], device=comm_device))
                 lengths = comm.broadcast(torch.empty(num_lengths, dtype=_DTYPES[lengths_code], device=comm_device))
                 weights = comm.broadcast(torch.empty(num_ids, device=comm_device)) if weighted else None
-                comm.reduce(module(values, lengths, weights))
+                partial = module(values, lengths, weights)
+                if combine == COMBINE_GATHER:
+                    comm.gather_sum(partial, part.host, part.num_hosts)
+                else:
+                    comm.reduce(partial)
                 forwards += 1
             except Exception as err:  # noqa: BLE001 - rank 0 died or hangs, or the batch broke this rank
                 logger.error("rank %d: the group failed after %d forwards: %s", part.host, forwards, err)

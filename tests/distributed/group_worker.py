@@ -1,6 +1,7 @@
 """One rank of a test group (run as a subprocess with RANK/WORLD_SIZE/MASTER_ADDR/MASTER_PORT set, like torchrun
 sets them): for each artifact of the job, load this host's part and serve rank 0's forwards; rank 0 runs the
-job's batches through a ``Runtime`` on ``server.distributed.DistributedModel`` and saves the outputs."""
+job's batches through a ``Runtime`` on ``server.distributed.DistributedModel`` (partials combined by reduce,
+then by gather) and saves the outputs."""
 
 from __future__ import annotations
 
@@ -14,7 +15,15 @@ import torch.distributed as dist
 from infer.artifact.hosts import load_host_part
 from infer.artifact.runtime import Runtime
 from infer.features import SparseFeatures
-from server.distributed import JOINED_LINE, DistributedModel, GroupConfig, follow, join_group
+from server.distributed import (
+    COMBINE_GATHER,
+    COMBINE_REDUCE,
+    JOINED_LINE,
+    DistributedModel,
+    GroupConfig,
+    follow,
+    join_group,
+)
 
 
 def main(job_path: str) -> int:
@@ -33,15 +42,17 @@ def main(job_path: str) -> int:
             if follow(part, device) != 0:
                 return 1
             continue
-        model = DistributedModel(part, GroupConfig(collective_timeout_s=job["timeout_s"]), device)
-        runtime = Runtime(part.path, part.manifest, model)  # type: ignore[arg-type]
-        outputs = []
-        for batch in batches:
-            features = SparseFeatures(tuple(batch["keys"]), batch["values"], batch["lengths"], batch["weights"])
-            pooled = runtime.lookup(features)
-            scores = runtime.predict(features, batch["dense"]) if part.manifest.has_dense else None
-            outputs.append((pooled, scores))
-        results[name] = outputs
+        for combine in (COMBINE_REDUCE, COMBINE_GATHER):  # the followers read the mode from each header
+            config = GroupConfig(collective_timeout_s=job["timeout_s"], combine=combine)
+            model = DistributedModel(part, config, device)
+            runtime = Runtime(part.path, part.manifest, model)  # type: ignore[arg-type]
+            outputs = []
+            for batch in batches:
+                features = SparseFeatures(tuple(batch["keys"]), batch["values"], batch["lengths"], batch["weights"])
+                pooled = runtime.lookup(features)
+                scores = runtime.predict(features, batch["dense"]) if part.manifest.has_dense else None
+                outputs.append((pooled, scores))
+            results[(name, combine)] = outputs
         if not model.stop_group():
             return 1
     if rank == 0:

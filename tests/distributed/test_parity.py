@@ -9,6 +9,7 @@ import torch
 
 from infer.shard.builder import shard_model
 from infer.shard.hosts import shard_host
+from server.distributed import COMBINE_GATHER, COMBINE_REDUCE
 from tests.conftest import random_batch
 from tests.distributed.conftest import KINDS, NUM_DENSE, host_plan, run_group
 
@@ -47,13 +48,15 @@ def test_served_outputs_match_one_process(hosts, host_artifacts, quantized, tmp_
         plan = host_plan(spec, kind, hosts, 2 if (hosts, kind) == (2, "mixed") else 1)
         reference = shard_model(quantized, plan)
         exact = kind == "column"
-        for index, (batch, (pooled, scores)) in enumerate(zip(batches, results[kind])):
-            with torch.inference_mode():
-                want = reference(batch["values"], batch["lengths"], batch["weights"])
-                want_scores = reference.predict(batch["dense"], batch["values"], batch["lengths"], batch["weights"])
-            assert pooled.shape == want.shape and (float(want.abs().max()) > 0) == (batch["values"].numel() > 0)
-            assert _close(pooled, want, exact), (kind, index, float((pooled - want).abs().max()))
-            assert _close(scores, want_scores, exact), (kind, index)
+        for combine in (COMBINE_REDUCE, COMBINE_GATHER):
+            for index, (batch, (pooled, scores)) in enumerate(zip(batches, results[(kind, combine)])):
+                with torch.inference_mode():
+                    want = reference(batch["values"], batch["lengths"], batch["weights"])
+                    dense = batch["dense"]
+                    want_scores = reference.predict(dense, batch["values"], batch["lengths"], batch["weights"])
+                assert pooled.shape == want.shape and (float(want.abs().max()) > 0) == (batch["values"].numel() > 0)
+                assert _close(pooled, want, exact), (kind, combine, index, float((pooled - want).abs().max()))
+                assert _close(scores, want_scores, exact), (kind, combine, index)
 
 
 def test_host_parts_sum_to_the_model_in_one_process(quantized):
