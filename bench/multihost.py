@@ -102,7 +102,8 @@ def rank_main(args: argparse.Namespace) -> int:
     timings = {}
     joined = False
     for kind in PLANS:
-        part = load_host_part(job["artifacts"][kind], rank)
+        # one core per "host": on loopback the hosts share this machine's cores (the baseline: cores // shards)
+        part = load_host_part(job["artifacts"][kind], rank, intra_op_threads=max(1, (os.cpu_count() or 1) // HOSTS))
         if not joined:
             device = join_group(part, rank, HOSTS, 120.0)
             joined = True

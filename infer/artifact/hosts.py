@@ -141,8 +141,17 @@ def whole_load_refused(folder: Path, manifest: Manifest) -> ArtifactError:
     )
 
 
-def load_host_part(artifact_dir: str | Path, host: int, device_map: Mapping[str, str] | None = None) -> HostPart:
-    """Verify the manifest, the plan and host ``host``'s part (sizes, sha256, kernels) and load that part only."""
+def load_host_part(
+    artifact_dir: str | Path,
+    host: int,
+    device_map: Mapping[str, str] | None = None,
+    intra_op_threads: int | None = None,
+) -> HostPart:
+    """Verify the manifest, the plan and host ``host``'s part (sizes, sha256, kernels) and load that part only.
+
+    Threads as ``infer.load``: a part of N CPU devices runs one kernel per core itself, so unless
+    ``intra_op_threads`` says otherwise torch's intra-op pool is set (process-wide) to cores // N;
+    ``intra_op_threads=0`` leaves it alone."""
     from infer.artifact.fbgemm_libs import load_fbgemm
     from infer.artifact.load import _map_location, _remap_shard_devices, verify_plan
     from infer.shard.hosts import host_of_rank, num_hosts
@@ -189,5 +198,12 @@ def load_host_part(artifact_dir: str | Path, host: int, device_map: Mapping[str,
         check_kernel(tbe, kernel, index)
     if mapping:
         _remap_shard_devices(module, mapping)
+    targets = [mapping.get(d, d) for d in manifest.devices]
+    threads = intra_op_threads
+    if threads is None and all(d == "cpu" for d in targets):
+        threads = max(1, (os.cpu_count() or 1) // manifest.devices_per_host)
+    if threads and torch.get_num_threads() != threads:
+        logger.info("intra-op threads %d -> %d", torch.get_num_threads(), threads)
+        torch.set_num_threads(threads)
     logger.info("host %d: loaded %s (%d kernels)", host, part_path, len(tbes))
     return HostPart(folder, manifest, plan, host, module)
