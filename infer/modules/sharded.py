@@ -260,3 +260,16 @@ class ShardedEmbeddingBagCollection(ValidatingCollection):
         if self.partial:
             return out
         return self.apply_mean(out, lengths)
+
+
+class EmptyPartialCollection(ValidatingCollection):
+    """The partial output of a host that holds no shard (a plan with more hosts than tables need): zeros."""
+
+    def __init__(self, spec) -> None:  # type: ignore[no-untyped-def]
+        super().__init__()
+        self._set_features(spec)
+        self.checks_ids_in_validate = False  # the hosts holding shards check their ids
+        self.shards = nn.ModuleList()  # no kernels (what the artifact's kernel checks read)
+
+    def lookup_validated(self, values: Tensor, lengths: Tensor, weights: Optional[Tensor] = None) -> Tensor:
+        return torch.zeros(lengths.numel() // self.num_features, self.output_dim)

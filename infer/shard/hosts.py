@@ -17,7 +17,7 @@ import torch
 from infer.config import ModelSpec, PoolingType
 from infer.errors import ConfigError, PlanError, PlanErrorKind
 from infer.modules.collection import EmbserveModel, QuantizedEmbeddingBagCollection
-from infer.modules.sharded import ShardedEmbeddingBagCollection
+from infer.modules.sharded import EmptyPartialCollection, ShardedEmbeddingBagCollection
 from infer.planner.types import ShardingPlan
 from infer.shard.builder import DeviceLayout, build_device_shards, check_plan, device_layouts
 
@@ -67,7 +67,9 @@ def shard_host(
         device = local_device(plan, layout.rank)
         shards.append(build_device_shards(spec, layout, mapping.get(device, device), source_weights))
     output_device = mapping.get(local_device(plan, host * plan.topology.local_world_size), "cpu")
-    collection = ShardedEmbeddingBagCollection(spec, shards, output_device, False, partial=True)
+    collection: torch.nn.Module = ShardedEmbeddingBagCollection(spec, shards, output_device, False, partial=True)
+    if not shards:
+        collection = EmptyPartialCollection(spec)
     logger.debug("host %d: %d devices with shards", host, len(shards))
     return EmbserveModel(spec, collection, model.dense_arch if host == 0 and model.has_dense else None)
 

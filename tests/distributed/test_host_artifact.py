@@ -15,6 +15,7 @@ from infer.artifact.schema import validate
 from infer.cli import main
 from infer.config import ModelSpec, PoolingType, TableConfig
 from infer.errors import ArtifactError, ArtifactErrorKind, ConfigError
+from infer.planner.types import ShardingType
 from infer.shard.hosts import num_hosts
 from infer.shard.plans import make_plan
 from infer.weights import random_weights
@@ -143,3 +144,24 @@ def test_cli_export_for_hosts(tmp_path, capsys):
         want = quantize(spec, torch.load(tmp_path / "ckpt.pt"))(batch.values, batch.lengths, batch.weights)
     got = finish_partial(spec, copy.copy(summed), batch.lengths)
     assert (got - want).abs().max() <= 1e-6 * float(want.abs().max())
+
+
+def test_a_host_without_shards_exports_and_contributes_zeros(tmp_path):
+    """More hosts than tables: the idle hosts' parts load (no kernels) and their partial outputs are zeros."""
+    import dataclasses
+
+    from infer.features import SparseFeatures
+    from infer.planner.types import ComputeDevice, Topology
+    from infer.quant.quantize import quantize
+
+    spec = ModelSpec((TableConfig("t", 50, 8, ("f",)),))
+    model = quantize(spec, random_weights(spec))
+    plan = make_plan(spec, 3, {"t": (ShardingType.TABLE_WISE, (1,))})
+    plan = dataclasses.replace(plan, topology=Topology(3, ComputeDevice.CPU, local_world_size=1))
+    parts = [load_host_part(export_hosts(model, tmp_path / "art", plan), host) for host in range(3)]
+    batch = SparseFeatures.random(spec, batch_size=3, ids_per_bag=2, seed=0)
+    with torch.inference_mode():
+        outputs = [p.module(batch.values, batch.lengths, batch.weights) for p in parts]
+        want = model(batch.values, batch.lengths, batch.weights)
+    assert not outputs[0].any() and not outputs[2].any()
+    assert torch.equal(outputs[0] + outputs[1] + outputs[2], want)
