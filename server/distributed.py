@@ -21,6 +21,7 @@ import os
 import signal
 import threading
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -155,6 +156,8 @@ class DistributedModel:
         self.forwards = 0
         self._stopping = threading.Event()
         self._heartbeat: threading.Thread | None = None
+        # called once, on the thread that saw the failure, before any caller hears UNAVAILABLE (health first)
+        self.on_failure: Callable[[], None] | None = None
 
     # ----------------------------------------------------------------- the Runtime module interface
     def __call__(self, values: torch.Tensor, lengths: torch.Tensor, weights: torch.Tensor | None = None) -> Any:
@@ -220,6 +223,8 @@ class DistributedModel:
             self.failure = f"{type(err).__name__}: {first_line}"
             logger.error("the group failed: %s", self.failure)
             self.failed.set()
+            if self.on_failure is not None:
+                self.on_failure()
 
     def ping(self) -> None:
         """One round trip with every rank (header + one-element reduce): a dead or hung rank shows up even
@@ -357,6 +362,23 @@ async def _serve_rank0(part: HostPart, model: DistributedModel, config: ServerCo
             logger.error("the group failed during warm-up: %s", model.failure)
             return 1
         raise
+    loop_thread = threading.get_ident()
+
+    async def not_serving() -> None:
+        for name in ("", SERVICE_NAME):
+            await running.health.set(name, health_pb2.HealthCheckResponse.NOT_SERVING)
+
+    def report_failure() -> None:
+        future = asyncio.run_coroutine_threadsafe(not_serving(), loop)
+        if threading.get_ident() != loop_thread:  # a forward or heartbeat thread: wait, so health leads
+            try:
+                future.result(timeout=2.0)
+            except Exception:  # noqa: BLE001 - the main loop sets it again below
+                logger.warning("could not report NOT_SERVING at once")
+
+    model.on_failure = report_failure
+    if model.failed.is_set():
+        report_failure()
     print(f"{SERVING_LINE} {running.port}", flush=True)
     while not stop.is_set() and not model.failed.is_set():
         try:
@@ -364,8 +386,7 @@ async def _serve_rank0(part: HostPart, model: DistributedModel, config: ServerCo
         except asyncio.TimeoutError:
             pass
     if model.failed.is_set():
-        for name in ("", SERVICE_NAME):
-            await running.health.set(name, health_pb2.HealthCheckResponse.NOT_SERVING)
+        await not_serving()
         logger.error("NOT_SERVING: %s; exiting 1 in %.1f s for the launcher to restart the group", model.failure,
                      group.failure_grace_s)  # fmt: skip
         await asyncio.sleep(group.failure_grace_s)
