@@ -155,6 +155,8 @@ def cmd_inspect(args: argparse.Namespace) -> int:
     print(f"versions     torch {manifest.torch_version}, fbgemm_gpu {manifest.fbgemm_version}")
     print(f"devices      {', '.join(manifest.devices)}")
     sharding = f"{manifest.world_size} shards, plan in {manifest.plan_file}" if manifest.plan_file else "unsharded"
+    if manifest.host_parts:
+        sharding += f", {manifest.num_hosts} hosts x {manifest.devices_per_host} devices (hosts/<h>/model.pt)"
     print(f"sharding     {sharding}")
     dense = f"yes ({spec.num_dense_features} dense features)" if manifest.has_dense else "no"
     print(f"dense part   {dense}")

@@ -165,3 +165,17 @@ def test_a_host_without_shards_exports_and_contributes_zeros(tmp_path):
         want = model(batch.values, batch.lengths, batch.weights)
     assert not outputs[0].any() and not outputs[2].any()
     assert torch.equal(outputs[0] + outputs[1] + outputs[2], want)
+
+
+def test_inspect_names_the_hosts_and_serve_outside_torchrun_says_how(two_hosts, capsys, monkeypatch):
+    from infer.errors import EmbserveError
+    from server.distributed import GroupConfig, serve_distributed
+
+    assert main(["inspect", str(two_hosts)]) == 0
+    assert "2 hosts x 1 devices" in capsys.readouterr().out
+    for name in ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT"):
+        monkeypatch.delenv(name, raising=False)
+    from server.app import ServerConfig
+
+    with pytest.raises(EmbserveError, match="torchrun --nnodes H --nproc-per-node 1"):
+        serve_distributed(two_hosts, ServerConfig(), GroupConfig())
