@@ -111,6 +111,9 @@ def rank_main(args: argparse.Namespace) -> int:
             if follow(part, device) != 0:
                 return 1
             continue
+        # rank 0's own partial forward alone (rank 1 waits for the next header meanwhile): what the group adds
+        # on top of it is communication, validation on rank 0 and waiting for the slower host
+        timings[f"{kind}/rank0-local"] = _time(part.module, batches, job["iters"])
         model = None
         for name, combine in (("reduce", COMBINE_REDUCE), ("gather", COMBINE_GATHER)):
             model = DistributedModel(part, GroupConfig(collective_timeout_s=120.0, combine=combine), device)
@@ -197,6 +200,8 @@ def main(argv: list[str] | None = None) -> int:
                         "one_process_spread": round(abs(before[kind] - after[kind]) / one_process, 3),
                         "ratio_vs_one_process": round(one_process / seconds, 3),
                         "ms_per_request_multihost": round(1e3 * seconds, 3),
+                        "ms_per_request_one_process": round(1e3 * one_process, 3),
+                        "ms_rank0_partial_alone": round(1e3 * timings[f"{kind}/rank0-local"], 3),
                         "bytes_per_request": per_request,
                         "bytes_formula": formula,
                     }
