@@ -38,6 +38,12 @@ std::string first_line(const std::string& text) {
   return end == std::string::npos ? text : text.substr(0, end);
 }
 
+// An exception's message without c10's C++ backtrace ("Exception raised from ... frame #0 ...").
+std::string message_of(const std::exception& err) {
+  if (const auto* c10_error = dynamic_cast<const c10::Error*>(&err)) return c10_error->what_without_backtrace();
+  return err.what();
+}
+
 std::string sha256_file(const fs::path& path) {
   std::ifstream in(path, std::ios::binary);
   if (!in) throw ChecksumError(path.string() + " cannot be opened");
@@ -147,7 +153,7 @@ std::vector<std::string> load_libraries(const std::vector<std::string>& names, c
 
 // Turn an error from the TorchScript interpreter into a typed one.
 [[noreturn]] void rethrow_script_error(const std::exception& err) {
-  std::string text = err.what();
+  std::string text = message_of(err);
   auto at = text.rfind(kRequestPrefix);
   if (at != std::string::npos) throw RequestError(first_line(text.substr(at + std::string(kRequestPrefix).size())));
   throw ModelError("the model failed: " + text);
@@ -209,7 +215,7 @@ Model Model::load(const std::string& artifact_dir, const LoadOptions& options) {
     model.module_ = std::make_shared<torch::jit::Module>(torch::jit::load(model_path.string()));
     model.module_->eval();
   } catch (const std::exception& err) {
-    throw ModelError(model_path.string() + " cannot be loaded by TorchScript: " + first_line(err.what()) +
+    throw ModelError(model_path.string() + " cannot be loaded by TorchScript: " + first_line(message_of(err)) +
                      " (are the fbgemm libraries in the manifest's fbgemm.libraries the ones it was exported with?)");
   }
 
@@ -232,11 +238,26 @@ std::vector<std::string> Model::feature_names() const {
 // The request rules. Every sentence below is worded exactly as in infer/request_rules.py (Python, TorchScript
 // and the server use that module); tests/support/bad_requests.py holds all entry points to the same fragments.
 namespace {
+std::string to_string_wide(__int128 value) {
+  if (value >= INT64_MIN && value <= INT64_MAX) return std::to_string(static_cast<int64_t>(value));
+  std::string digits;
+  const bool negative = value < 0;
+  unsigned __int128 magnitude = negative ? -static_cast<unsigned __int128>(value) : static_cast<unsigned __int128>(value);
+  while (magnitude > 0) {
+    digits.insert(digits.begin(), static_cast<char>('0' + static_cast<int>(magnitude % 10)));
+    magnitude /= 10;
+  }
+  return negative ? "-" + digits : digits;
+}
+
+// Sums are 128-bit: with every length checked against the ids count first, n lengths of at most 2^63
+// each cannot wrap, so a wrapping int64 request is reported with its true total, never a bogus one.
 template <typename T>
 void check_lengths(const at::Tensor& lengths, const std::vector<FeatureInfo>& features, int64_t batch,
                    int64_t num_ids, std::vector<int64_t>& per_feature) {
   const T* data = lengths.data_ptr<T>();
-  int64_t total = 0;
+  __int128 total = 0;
+  std::vector<__int128> sums(per_feature.size(), 0);
   for (int64_t i = 0; i < lengths.numel(); ++i) {
     if (data[i] < 0)
       throw RequestError("feature '" + features[static_cast<size_t>(i / batch)].name + "': bag " +
@@ -245,12 +266,13 @@ void check_lengths(const at::Tensor& lengths, const std::vector<FeatureInfo>& fe
       throw RequestError("feature '" + features[static_cast<size_t>(i / batch)].name + "': bag " +
                          std::to_string(i % batch) + " has length " + std::to_string(data[i]) +
                          " but the batch has only " + std::to_string(num_ids) + " ids");
-    per_feature[static_cast<size_t>(i / batch)] += data[i];
+    sums[static_cast<size_t>(i / batch)] += data[i];
     total += data[i];
   }
   if (total != num_ids)
-    throw RequestError("lengths sum to " + std::to_string(total) + " but there are " + std::to_string(num_ids) +
+    throw RequestError("lengths sum to " + to_string_wide(total) + " but there are " + std::to_string(num_ids) +
                        " ids; lengths must add up to the number of ids");
+  for (size_t f = 0; f < sums.size(); ++f) per_feature[f] = static_cast<int64_t>(sums[f]);  // each <= total
 }
 
 template <typename T>
