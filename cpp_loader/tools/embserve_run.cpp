@@ -1,4 +1,4 @@
-// embserve_run ARTIFACT [--requests FILE --out FILE] [--bench N] [--library-dir DIR]... [--threads N]
+// embserve_run ARTIFACT [--requests FILE --out FILE]... [--bench N] [--library-dir DIR]... [--threads N]
 //
 // Runs the lookups in FILE (written by infer.cpp_io.write_requests) and writes one result per request
 // to --out (read by infer.cpp_io.read_responses). A request that fails validation is reported on
@@ -187,13 +187,56 @@ std::string error_kind(const std::exception& err) {
 }
 
 int usage() {
-  std::cerr << "usage: embserve_run ARTIFACT [--requests FILE --out FILE] [--bench N] [--library-dir DIR]... "
-               "[--threads N]\n";
+  std::cerr << "usage: embserve_run ARTIFACT [--requests FILE --out FILE]... [--library-dir DIR]... [--threads N]\n"
+               "       embserve_run ARTIFACT --requests FILE --bench N [--library-dir DIR]... [--threads N]\n";
   return 2;
 }
 
+// Run one request file, writing its responses to out_path; false when the file or any request failed.
+bool run_file(const embserve::Model& model, const std::string& requests_path, const std::string& out_path) {
+  std::vector<Request> requests;
+  try {
+    requests = read_requests(requests_path);
+  } catch (const std::exception& err) {
+    std::cerr << "embserve_run: " << requests_path << ": " << one_line(err) << "\n";
+    return false;
+  }
+  std::ofstream out(out_path, std::ios::binary);
+  if (!out) {
+    std::cerr << "embserve_run: " << out_path << ": cannot be written\n";
+    return false;
+  }
+  out.write(kResponseMagic, 8);
+  write_pod<uint32_t>(out, static_cast<uint32_t>(requests.size()));
+  bool ok = true;
+  for (size_t i = 0; i < requests.size(); ++i) {
+    const auto& r = requests[i];
+    at::Tensor result;
+    try {
+      result = model.lookup(r.values, r.lengths, r.weights);
+    } catch (const std::exception& err) {
+      ok = false;
+      const std::string message = one_line(err);
+      std::cerr << "embserve_run: " << requests_path << ": request " << i << ": " << error_kind(err) << ": " << message
+                << "\n";
+      write_pod<uint8_t>(out, 1);
+      write_string(out, error_kind(err));
+      write_string(out, message);
+      continue;
+    }
+    write_pod<uint8_t>(out, 0);
+    write_tensor(out, result);
+  }
+  if (!out) {
+    std::cerr << "embserve_run: " << out_path << ": writing failed\n";
+    return false;
+  }
+  return ok;
+}
+
 int run(int argc, char** argv) {
-  std::string artifact, requests_path, out_path;
+  std::string artifact;
+  std::vector<std::string> requests_paths, out_paths;
   long bench = 0;
   embserve::LoadOptions options;
   for (int i = 1; i < argc; ++i) {
@@ -203,8 +246,8 @@ int run(int argc, char** argv) {
       return argv[++i];
     };
     try {
-      if (arg == "--requests") requests_path = next();
-      else if (arg == "--out") out_path = next();
+      if (arg == "--requests") requests_paths.push_back(next());
+      else if (arg == "--out") out_paths.push_back(next());
       else if (arg == "--bench") bench = std::stol(next());
       else if (arg == "--library-dir") options.library_dirs.push_back(next());
       else if (arg == "--threads") options.intra_op_threads = std::stoi(next());
@@ -217,7 +260,10 @@ int run(int argc, char** argv) {
       return usage();
     }
   }
-  if (artifact.empty() || (requests_path.empty() && (bench > 0 || !out_path.empty()))) return usage();
+  // --requests/--out pairs run in order (one process, one load); --bench times the one --requests file.
+  if (artifact.empty() || (bench > 0 ? requests_paths.size() != 1 || !out_paths.empty()
+                                     : requests_paths.size() != out_paths.size()))
+    return usage();
 
   std::optional<embserve::Model> loaded;
   try {
@@ -227,54 +273,24 @@ int run(int argc, char** argv) {
     return 1;
   }
   const embserve::Model& model = *loaded;
-  if (requests_path.empty()) {
+  if (requests_paths.empty()) {
     std::cout << "loaded " << artifact << ": " << model.features().size() << " features, output_dim "
               << model.output_dim() << "; fbgemm libraries:";
     for (const auto& library : model.libraries()) std::cout << " " << library;
     std::cout << "\n";
     return 0;
   }
-  std::vector<Request> requests;
-  try {
-    requests = read_requests(requests_path);
-  } catch (const std::exception& err) {
-    std::cerr << "embserve_run: " << requests_path << ": " << one_line(err) << "\n";
-    return 1;
-  }
-
-  int failed = 0;
-  if (!out_path.empty()) {
-    std::ofstream out(out_path, std::ios::binary);
-    if (!out) {
-      std::cerr << "embserve_run: " << out_path << ": cannot be written\n";
-      return 1;
-    }
-    out.write(kResponseMagic, 8);
-    write_pod<uint32_t>(out, static_cast<uint32_t>(requests.size()));
-    for (size_t i = 0; i < requests.size(); ++i) {
-      const auto& r = requests[i];
-      at::Tensor result;
-      try {
-        result = model.lookup(r.values, r.lengths, r.weights);
-      } catch (const std::exception& err) {
-        ++failed;
-        const std::string message = one_line(err);
-        std::cerr << "embserve_run: request " << i << ": " << error_kind(err) << ": " << message << "\n";
-        write_pod<uint8_t>(out, 1);
-        write_string(out, error_kind(err));
-        write_string(out, message);
-        continue;
-      }
-      write_pod<uint8_t>(out, 0);
-      write_tensor(out, result);
-    }
-    if (!out) {
-      std::cerr << "embserve_run: " << out_path << ": writing failed\n";
-      return 1;
-    }
-  }
+  bool all_ok = true;
+  for (size_t i = 0; i < out_paths.size(); ++i) all_ok = run_file(model, requests_paths[i], out_paths[i]) && all_ok;
 
   if (bench > 0) {
+    std::vector<Request> requests;
+    try {
+      requests = read_requests(requests_paths[0]);
+    } catch (const std::exception& err) {
+      std::cerr << "embserve_run: " << requests_paths[0] << ": " << one_line(err) << "\n";
+      return 1;
+    }
     if (requests.empty()) return usage();
     try {
       long warmup = std::min<long>(bench, 100);
@@ -312,7 +328,7 @@ int run(int argc, char** argv) {
     }
   }
   // A failed request is answered with its error record, and the run says so in its status.
-  return failed > 0 ? 1 : 0;
+  return all_ok ? 0 : 1;
 }
 
 }  // namespace

@@ -75,7 +75,8 @@ def test_bad_requests_are_typed_errors_and_the_process_goes_on(embserve_run, uns
     ]
     write_requests(tmp_path / "requests.bin", requests)
     result = run(embserve_run, unsharded_artifact, "--requests", tmp_path / "requests.bin", "--out", tmp_path / "o")
-    assert result.returncode == 0, result.stderr
+    assert result.returncode == 1, result.stderr  # any failed request: status 1, every record still written
+    assert len(result.stderr.splitlines()) == 5 and "frame #" not in result.stderr
     responses = read_responses(tmp_path / "o")
     expected = load(unsharded_artifact).lookup(SparseFeatures(spec.feature_names, good.values, good.lengths))
     assert [r.ok for r in responses] == [True, False, False, False, False, False, True]

@@ -35,11 +35,11 @@ def test_wrapping_lengths_are_one_request_error(embserve_run, unsharded_artifact
     result = run(embserve_run, unsharded_artifact, "--requests", tmp_path / "r.bin", "--out", tmp_path / "o.bin")
     assert result.returncode == 1, (result.returncode, result.stderr)
     lines = result.stderr.splitlines()
+    prefix = f"embserve_run: {tmp_path / 'r.bin'}: request"
+    error = "RequestError: feature"
     assert lines == [
-        "embserve_run: request 0: RequestError: feature 'f_int8': bag 0 has length 4611686018427387904 "
-        "but the batch has only 0 ids",
-        "embserve_run: request 1: RequestError: feature 'f_int4': bag 0 has length 9223372036854775807 "
-        "but the batch has only 1 ids",
+        f"{prefix} 0: {error} 'f_int8': bag 0 has length 4611686018427387904 but the batch has only 0 ids",
+        f"{prefix} 1: {error} 'f_int4': bag 0 has length 9223372036854775807 but the batch has only 1 ids",
     ]
     responses = read_responses(tmp_path / "o.bin")
     assert [r.ok for r in responses] == [False, False, True]
@@ -66,7 +66,10 @@ IMPOSSIBLE = {
     "truncated sizes": (request_file(1, struct.pack("<BB", 2, 3) + b"\x01" * 10), "truncated at byte"),
     "bad magic": (b"EMBSRQ02" + b"\x00" * 4, "not an embserve request file"),
     "empty file": (b"", "not an embserve request file"),
-    "count larger than the file": (request_file(1 << 31, tensor_record(2, [1], _ids(1)), LENGTHS), "requests but 52 bytes hold at most 10"),
+    "count larger than the file": (
+        request_file(1 << 31, tensor_record(2, [1], _ids(1)), LENGTHS),
+        "52 bytes hold at most 10",
+    ),
     "unknown dtype": (request_file(1, tensor_record(9, [1], _ids(1)), LENGTHS, b"\x00"), "unknown dtype code 9"),
     "no lengths": (request_file(1, tensor_record(2, [1], _ids(1)), b"\x00", b"\x00"), "lacks values or lengths"),
     "trailing bytes": (request_file(1, tensor_record(2, [1], _ids(1)), LENGTHS, b"\x00", b"junk"), "4 bytes after"),
