@@ -8,7 +8,10 @@
 #include <cstdlib>
 #include <filesystem>
 #include <fstream>
+#include <map>
 #include <mutex>
+#include <set>
+#include <tuple>
 #include <sstream>
 #include <thread>
 
@@ -17,6 +20,8 @@
 #include <nlohmann/json.hpp>
 #include <torch/cuda.h>
 #include <torch/script.h>
+
+#include "schema.h"
 
 #ifndef EMBSERVE_FBGEMM_DIR
 #define EMBSERVE_FBGEMM_DIR ""
@@ -28,9 +33,7 @@ using json = nlohmann::json;
 namespace embserve {
 namespace {
 
-constexpr const char* kFormat = "embserve-artifact";
-constexpr int kFormatVersion = 1;
-constexpr std::uintmax_t kMaxManifestBytes = 16u * 1024u * 1024u;
+constexpr int kFormatVersion = 2;
 constexpr const char* kRequestPrefix = "embserve.RequestError: ";
 
 std::string first_line(const std::string& text) {
@@ -67,30 +70,186 @@ std::string sha256_file(const fs::path& path) {
   return out;
 }
 
-json read_manifest(const fs::path& folder) {
-  fs::path path = folder / "manifest.json";
+// manifest.json or plan.json: size cap, then schema.cpp's parse (BOM, UTF-8, depth, duplicates, NaN) and rules.
+schema::Document read_document(const fs::path& path, const std::string& which) {
   std::error_code ec;
-  if (!fs::is_regular_file(path, ec))
-    throw ManifestError(path.string() + " is missing; " + folder.string() + " is not an embserve artifact");
-  auto size = fs::file_size(path, ec);
-  if (size > kMaxManifestBytes)
-    throw ManifestError(path.string() + " is " + std::to_string(size) + " bytes, over the 16 MiB cap");
-  std::ifstream in(path, std::ios::binary);
-  json data;
-  try {
-    data = json::parse(in);
-  } catch (const json::exception& err) {
-    throw ManifestError(path.string() + " is not valid JSON (" + err.what() + "); the file is corrupted");
+  if (!fs::is_regular_file(path, ec)) {
+    if (which == "manifest")
+      throw ManifestError(path.string() + " is missing; " + path.parent_path().string() +
+                          " is not an embserve artifact");
+    throw ManifestError(path.string() + " is missing from the artifact");
   }
-  if (!data.is_object()) throw ManifestError(path.string() + " is not a JSON object");
-  auto format = data.value("format", json());
-  if (!format.is_string() || format.get<std::string>() != kFormat)
-    throw ManifestError(path.string() + " is not an embserve manifest (format=" + format.dump() + ")");
-  auto version = data.value("format_version", json());
-  if (!version.is_number_integer() || version.get<int>() != kFormatVersion)
-    throw ManifestError(path.string() + " has format_version " + version.dump() + "; this loader reads version " +
-                        std::to_string(kFormatVersion) + ". Re-export the model with a matching embserve");
+  const auto size = fs::file_size(path, ec);
+  const auto cap = schema::max_bytes(which);
+  if (ec || size > cap)
+    throw ManifestError(path.string() + " is " + std::to_string(size) + " bytes, over the " + std::to_string(cap) +
+                        "-byte cap");
+  std::ifstream in(path, std::ios::binary);
+  std::string bytes(static_cast<size_t>(size), '\0');
+  if (!in.read(bytes.data(), static_cast<std::streamsize>(size)))
+    throw ManifestError(path.string() + " cannot be read");
+  schema::Document data = schema::parse_document(bytes, path.string());
+  if (which == "manifest" && data.is_object() && data.contains("format_version") &&
+      data["format_version"].is_number_integer() && data["format_version"] != kFormatVersion)
+    throw ManifestError(path.string() + " has format_version " + data["format_version"].dump() +
+                        "; this loader reads version " + std::to_string(kFormatVersion) +
+                        ". Re-export the model with a matching embserve");
+  schema::validate(data, which, path.string());
   return data;
+}
+
+// The rules that tie the manifest's parts together (as infer.artifact.manifest.Manifest.from_dict).
+// Runs after schema::validate, so every key exists with its type.
+void check_manifest(const schema::Document& data, const std::string& document) {
+  auto fail = [&](const std::string& message) { throw ManifestError(document + ": " + message); };
+  const auto& tables = data["tables"];
+  std::set<std::string> table_names, feature_names;
+  std::vector<std::string> order;
+  int64_t column = 0;
+  size_t f = 0;
+  const auto& features = data["features"];
+  for (size_t t = 0; t < tables.size(); ++t) {
+    const auto& table = tables[t];
+    const auto name = table["name"].get<std::string>();
+    if (!table_names.insert(name).second) fail("tables[" + std::to_string(t) + "].name '" + name + "' appears twice");
+    for (const auto& feature_name : table["feature_names"]) {
+      const auto fname = feature_name.get<std::string>();
+      if (!feature_names.insert(fname).second)
+        fail("tables[" + std::to_string(t) + "].feature_names: feature '" + fname + "' appears twice");
+      const std::string where = "features[" + std::to_string(f) + "]";
+      if (f >= features.size()) fail("'features' lists " + std::to_string(features.size()) +
+                                     " features but 'tables' name more; 'features' disagrees with 'tables'");
+      const auto& got = features[f];
+      const int64_t dim = table["embedding_dim"].get<int64_t>();
+      auto differs = [&](const char* key, const schema::Document& expected) {
+        if (got[key] != expected)
+          fail(where + "." + key + " is " + got[key].dump() + " but 'tables' imply " + expected.dump() +
+               "; 'features' disagrees with 'tables'");
+      };
+      differs("name", fname);
+      differs("table", name);
+      differs("num_embeddings", table["num_embeddings"]);
+      differs("embedding_dim", table["embedding_dim"]);
+      differs("pooling", table["pooling"]);
+      differs("column_start", column);
+      differs("column_end", column + dim);
+      column += dim;
+      order.push_back(fname);
+      ++f;
+    }
+  }
+  if (f != features.size())
+    fail("'features' lists " + std::to_string(features.size()) + " features but 'tables' name " +
+         std::to_string(f) + "; 'features' disagrees with 'tables'");
+  if (data["input_schema"]["feature_order"].get<std::vector<std::string>>() != order)
+    fail("input_schema.feature_order differs from the features' order in 'tables'");
+  const auto& dense = data["dense"];
+  if (dense["present"].get<bool>() && dense["num_dense_features"].get<int64_t>() < 1)
+    fail("dense.present is true but dense.num_dense_features is 0; a dense part needs at least one input");
+  const auto& sharding = data["sharding"];
+  const int64_t world_size = sharding["world_size"].get<int64_t>();
+  if (world_size > 1 && sharding["plan_file"].is_null())
+    fail("sharding.world_size is " + std::to_string(world_size) + " but sharding.plan_file is null");
+  const auto& files = data["files"];
+  if (!files.contains(data["model_file"].get<std::string>()))
+    fail("model_file '" + data["model_file"].get<std::string>() + "' is not listed in 'files'");
+  if (!sharding["plan_file"].is_null() && !files.contains(sharding["plan_file"].get<std::string>()))
+    fail("sharding.plan_file '" + sharding["plan_file"].get<std::string>() + "' is not listed in 'files'");
+  // kernels: in the model's order; each feature_table_map entry names one of its kernel's tables
+  const auto& kernels = data["kernels"];
+  std::set<std::string> devices;
+  for (const auto& device : data["devices"]) devices.insert(device.get<std::string>());
+  int64_t last_rank = -1;
+  for (size_t k = 0; k < kernels.size(); ++k) {
+    const auto& kernel = kernels[k];
+    const std::string where = "kernels[" + std::to_string(k) + "]";
+    const int64_t rank = kernel["rank"].get<int64_t>();
+    if (rank >= world_size || rank <= last_rank)
+      fail(where + ".rank " + std::to_string(rank) + " is not in increasing order below sharding.world_size " +
+           std::to_string(world_size));
+    last_rank = rank;
+    const auto device = kernel["device"].get<std::string>();
+    if (!devices.count(device)) fail(where + ".device '" + device + "' is not listed in 'devices'");
+    const int64_t alignment = kernel["row_alignment"].get<int64_t>();
+    if (alignment != (device == "cpu" ? 1 : 16))
+      fail(where + ".row_alignment " + std::to_string(alignment) + " is not the kernel's for " + device +
+           " (1 on CPU, 16 on CUDA)");
+    const auto num_tables = kernel["tables"].size();
+    for (size_t i = 0; i < kernel["feature_table_map"].size(); ++i)
+      if (kernel["feature_table_map"][i].get<uint64_t>() >= num_tables)
+        fail(where + ".feature_table_map[" + std::to_string(i) + "] is " +
+             kernel["feature_table_map"][i].dump() + " but the kernel has " + std::to_string(num_tables) +
+             " tables");
+  }
+  if (sharding["plan_file"].is_null()) {
+    // unsharded: one kernel holding every table, features mapped to their tables in order
+    if (kernels.size() != 1) fail("an unsharded model has one kernel; 'kernels' lists " + std::to_string(kernels.size()));
+    const auto& kernel = kernels[0];
+    if (kernel["tables"].size() != tables.size())
+      fail("kernels[0] has " + std::to_string(kernel["tables"].size()) + " tables; 'tables' has " +
+           std::to_string(tables.size()));
+    std::vector<uint64_t> expected_map;
+    for (size_t t = 0; t < tables.size(); ++t) {
+      const auto& want = tables[t];
+      const auto& got = kernel["tables"][t];
+      if (got["rows"] != want["num_embeddings"] || got["dim"] != want["embedding_dim"] ||
+          got["data_type"] != want["data_type"])
+        fail("kernels[0].tables[" + std::to_string(t) + "] " + got.dump() + " differs from tables[" +
+             std::to_string(t) + "] ('" + want["name"].get<std::string>() + "')");
+      for (size_t i = 0; i < want["feature_names"].size(); ++i) expected_map.push_back(t);
+    }
+    if (kernel["feature_table_map"].get<std::vector<uint64_t>>() != expected_map)
+      fail("kernels[0].feature_table_map differs from the features' tables");
+  }
+}
+
+// plan.json against the manifest: same tables, same world size, and per rank the kernel tables are
+// exactly the plan's shards on that rank (as a multiset of rows, columns and data type).
+void check_plan(const schema::Document& plan, const schema::Document& data, const std::string& document) {
+  auto fail = [&](const std::string& message) { throw ManifestError(document + ": " + message); };
+  const auto& tables = data["tables"];
+  const auto& planned = plan["tables"];
+  if (planned.size() != tables.size())
+    fail("plans " + std::to_string(planned.size()) + " tables but the manifest has " +
+         std::to_string(tables.size()));
+  const int64_t world_size = data["sharding"]["world_size"].get<int64_t>();
+  if (plan["topology"]["world_size"].get<int64_t>() != world_size)
+    fail("topology.world_size is " + plan["topology"]["world_size"].dump() + " but the manifest's sharding.world_size is " +
+         std::to_string(world_size));
+  using Shard = std::tuple<int64_t, int64_t, std::string>;
+  std::map<int64_t, std::multiset<Shard>> by_rank;
+  for (size_t t = 0; t < planned.size(); ++t) {
+    const auto& entry = planned[t];
+    const std::string where = "tables[" + std::to_string(t) + "]";
+    if (entry["table"] != tables[t]["name"] || entry["data_type"] != tables[t]["data_type"])
+      fail(where + " plans table " + entry["table"].dump() + " (" + entry["data_type"].dump() +
+           ") where the manifest has " + tables[t]["name"].dump() + " (" + tables[t]["data_type"].dump() + ")");
+    for (size_t s = 0; s < entry["shards"].size(); ++s) {
+      const auto& shard = entry["shards"][s];
+      const int64_t rank = shard["device"].get<int64_t>();
+      if (rank >= world_size)
+        fail(where + ".shards[" + std::to_string(s) + "].device " + std::to_string(rank) +
+             " is outside the world size " + std::to_string(world_size));
+      by_rank[rank].insert({shard["num_rows"].get<int64_t>(), shard["num_cols"].get<int64_t>(),
+                            entry["data_type"].get<std::string>()});
+    }
+  }
+  std::map<int64_t, std::multiset<Shard>> kernels;
+  for (const auto& kernel : data["kernels"]) {
+    auto& shards = kernels[kernel["rank"].get<int64_t>()];
+    for (const auto& table : kernel["tables"])
+      shards.insert({table["rows"].get<int64_t>(), table["dim"].get<int64_t>(), table["data_type"].get<std::string>()});
+  }
+  if (by_rank != kernels) {
+    for (int64_t rank = 0; rank < world_size; ++rank) {
+      const auto planned_count = by_rank.count(rank) ? by_rank[rank].size() : 0;
+      const auto kernel_count = kernels.count(rank) ? kernels[rank].size() : 0;
+      if (by_rank[rank] != kernels[rank])
+        fail("the shards planned on rank " + std::to_string(rank) + " (" + std::to_string(planned_count) +
+             ") differ from the manifest's kernel tables on that rank (" + std::to_string(kernel_count) +
+             "): rows, columns or data types disagree");
+    }
+  }
 }
 
 void verify_files(const fs::path& folder, const json& files, const std::string& model_file) {
@@ -159,6 +318,180 @@ std::vector<std::string> load_libraries(const std::vector<std::string>& names, c
   throw ModelError("the model failed: " + text);
 }
 
+// The TBE's view of the world must be the one the manifest's kernels describe, checked before the
+// first lookup: a tampered-but-rehashed model.pt fails here as a ModelError instead of crashing in the
+// kernel. Codes and layout as fbgemm 1.8.0's IntNBitTableBatchedEmbeddingBagsCodegen.
+int data_type_code(const std::string& type) {  // SparseType
+  if (type == "fp32") return 0;
+  if (type == "fp16") return 1;
+  if (type == "int8") return 2;
+  if (type == "int4") return 3;
+  return 4;  // int2 (the schema allows no other)
+}
+
+int64_t data_type_bits(const std::string& type) {
+  if (type == "fp32") return 32;
+  if (type == "fp16") return 16;
+  if (type == "int8") return 8;
+  if (type == "int4") return 4;
+  return 2;
+}
+
+int64_t round_up(int64_t value, int64_t step) { return (value + step - 1) / step * step; }
+
+class KernelCheck {
+ public:
+  KernelCheck(const torch::jit::Module& tbe, std::string where) : tbe_(tbe), where_(std::move(where)) {}
+
+  [[noreturn]] void fail(const std::string& message) const { throw ModelError(where_ + ": " + message); }
+
+  c10::IValue attr(const std::string& name) const {
+    if (!tbe_.hasattr(name)) fail("the kernel has no attribute '" + name + "'");
+    return tbe_.attr(name);
+  }
+
+  // A tensor attribute of the expected dtype and, when given, 1-D with `length` entries; CPU, contiguous.
+  at::Tensor tensor(const std::string& name, at::ScalarType dtype, std::optional<int64_t> length) const {
+    c10::IValue value = attr(name);
+    if (!value.isTensor()) fail(name + " is not a tensor (" + value.tagKind() + ")");
+    at::Tensor found = value.toTensor();
+    if (found.scalar_type() != dtype)
+      fail(name + " has dtype " + std::string(c10::toString(found.scalar_type())) + ", expected " +
+           std::string(c10::toString(dtype)));
+    if (length.has_value() && (found.dim() != 1 || found.size(0) != *length)) {
+      std::ostringstream shape;
+      shape << found.sizes();
+      fail(name + " has shape " + shape.str() + ", expected [" + std::to_string(*length) + "]");
+    }
+    return found.to(at::kCPU).contiguous();
+  }
+
+  int64_t integer(const std::string& name) const {
+    c10::IValue value = attr(name);
+    if (!value.isInt()) fail(name + " is not an int (" + value.tagKind() + ")");
+    return value.toInt();
+  }
+
+  void expect_empty(const std::string& name) const {
+    c10::IValue value = attr(name);
+    if (!value.isTensor() || value.toTensor().numel() != 0) fail(name + " must be empty (no index remapping, no cache)");
+  }
+
+  template <typename T>
+  void expect_values(const std::string& name, const at::Tensor& found, const std::vector<int64_t>& expected) const {
+    const T* data = found.data_ptr<T>();
+    for (size_t i = 0; i < expected.size(); ++i)
+      if (static_cast<int64_t>(data[i]) != expected[i])
+        fail(name + "[" + std::to_string(i) + "] is " + std::to_string(static_cast<int64_t>(data[i])) +
+             " but the manifest's kernel implies " + std::to_string(expected[i]));
+  }
+
+  void expect_int(const std::string& name, int64_t expected) const {
+    const int64_t found = integer(name);
+    if (found != expected)
+      fail(name + " is " + std::to_string(found) + " but the manifest's kernel implies " + std::to_string(expected));
+  }
+
+ private:
+  const torch::jit::Module& tbe_;
+  std::string where_;
+};
+
+void check_kernel(const torch::jit::Module& tbe, const schema::Document& kernel, const std::string& where) {
+  KernelCheck check(tbe, where);
+  const auto& tables = kernel["tables"];
+  const auto ftm = kernel["feature_table_map"].get<std::vector<size_t>>();
+  const auto num_features = static_cast<int64_t>(ftm.size());
+  const int64_t alignment = kernel["row_alignment"].get<int64_t>();
+  const bool on_cpu = kernel["device"].get<std::string>() == "cpu";
+
+  std::vector<int64_t> table_offsets;
+  std::map<int, int64_t> max_dim;  // per data type code, as the kernel's max_*_D
+  int64_t total_bytes = 0;
+  for (const auto& table : tables) {
+    const auto type = table["data_type"].get<std::string>();
+    const int64_t rows = table["rows"].get<int64_t>(), dim = table["dim"].get<int64_t>();
+    const int64_t scale_bias = (type == "int8" || type == "int4" || type == "int2") ? 4 : 0;
+    const int64_t row_bytes = round_up(dim * data_type_bits(type) / 8 + scale_bias, alignment);
+    table_offsets.push_back(total_bytes);
+    total_bytes += round_up(rows * row_bytes, 128);  // rows < 2^31, row bytes < 2^14: no overflow
+    max_dim[data_type_code(type)] = std::max(max_dim[data_type_code(type)], dim);
+  }
+  std::vector<int64_t> types, rows, d_offsets{0}, offsets;
+  for (size_t table : ftm) {
+    const auto& spec = tables[table];
+    types.push_back(data_type_code(spec["data_type"].get<std::string>()));
+    rows.push_back(spec["rows"].get<int64_t>());
+    d_offsets.push_back(d_offsets.back() + spec["dim"].get<int64_t>());
+    offsets.push_back(table_offsets[table]);
+  }
+  // dtypes and shapes first: a flipped byte may have changed a shape, and values are read only after
+  check.expect_values<uint8_t>("weights_tys", check.tensor("weights_tys", at::kByte, num_features), types);
+  check.expect_values<int64_t>("rows_per_table", check.tensor("rows_per_table", at::kLong, num_features), rows);
+  check.expect_values<int32_t>("D_offsets", check.tensor("D_offsets", at::kInt, num_features + 1), d_offsets);
+  check.expect_values<int64_t>("weights_offsets", check.tensor("weights_offsets", at::kLong, num_features), offsets);
+  const int64_t placement = on_cpu ? 3 : 0;  // EmbeddingLocation.HOST / DEVICE
+  check.expect_values<int32_t>("weights_placements", check.tensor("weights_placements", at::kInt, num_features),
+                               std::vector<int64_t>(ftm.size(), placement));
+  check.tensor(on_cpu ? "weights_host" : "weights_dev", at::kByte, total_bytes);
+  check.expect_empty(on_cpu ? "weights_dev" : "weights_host");
+  check.expect_empty("weights_uvm");
+  check.expect_empty("lxu_cache_weights");
+  check.expect_empty("index_remappings_array");
+  check.expect_empty("index_remappings_array_offsets");
+  check.expect_empty("index_remapping_hash_table");
+  check.expect_empty("index_remapping_hash_table_offsets");
+  check.expect_int("bounds_check_mode_int", 0);  // BoundsCheckMode.FATAL: bad ids raise, never read past a table
+  check.expect_int("pooling_mode", 0);           // PoolingMode.SUM
+  check.expect_int("output_dtype", 0);           // SparseType.FP32
+  check.expect_int("row_alignment", alignment);
+  check.expect_int("total_D", d_offsets.back());
+  check.expect_int("max_float32_D", max_dim[0]);
+  check.expect_int("max_float16_D", max_dim[1]);
+  check.expect_int("max_int8_D", max_dim[2]);
+  check.expect_int("max_int4_D", max_dim[3]);
+  check.expect_int("max_int2_D", max_dim[4]);
+}
+
+torch::jit::Module child(const torch::jit::Module& parent, const std::string& name, const std::string& where) {
+  if (!parent.hasattr(name) || !parent.attr(name).isModule())
+    throw ModelError(where + ": the model has no submodule '" + name + "'");
+  return parent.attr(name).toModule();
+}
+
+// Every TBE of the model (embeddings.tbe, or embeddings.shards[i].tbe) against manifest kernel i.
+void check_kernels(const torch::jit::Module& model, const schema::Document& kernels, const std::string& model_path) {
+  try {
+    torch::jit::Module embeddings = child(model, "embeddings", model_path);
+    if (embeddings.hasattr("shards")) {
+      torch::jit::Module shards = child(embeddings, "shards", model_path);
+      size_t count = 0;
+      for (const auto& unused : shards.named_children()) {
+        (void)unused;
+        ++count;
+      }
+      if (count != kernels.size())
+        throw ModelError(model_path + ": the model has " + std::to_string(count) + " kernels (embeddings.shards) but " +
+                         "the manifest lists " + std::to_string(kernels.size()));
+      for (size_t i = 0; i < count; ++i) {
+        const std::string where = model_path + ": kernel " + std::to_string(i) + " (embeddings.shards." +
+                                  std::to_string(i) + ".tbe)";
+        check_kernel(child(child(shards, std::to_string(i), where), "tbe", where), kernels[i], where);
+      }
+    } else {
+      if (kernels.size() != 1)
+        throw ModelError(model_path + ": the model has one kernel (embeddings.tbe) but the manifest lists " +
+                         std::to_string(kernels.size()));
+      const std::string where = model_path + ": kernel 0 (embeddings.tbe)";
+      check_kernel(child(embeddings, "tbe", where), kernels[0], where);
+    }
+  } catch (const Error&) {
+    throw;
+  } catch (const std::exception& err) {
+    throw ModelError(model_path + ": the kernels cannot be checked: " + first_line(message_of(err)));
+  }
+}
+
 }  // namespace
 
 Model Model::load(const std::string& artifact_dir, const LoadOptions& options) {
@@ -166,37 +499,36 @@ Model Model::load(const std::string& artifact_dir, const LoadOptions& options) {
   std::error_code ec;
   if (!fs::is_directory(folder, ec))
     throw ManifestError(artifact_dir + " is not a folder; pass the artifact folder written by export");
-  json data = read_manifest(folder);
+  const fs::path manifest_path = folder / "manifest.json";
+  const schema::Document data = read_document(manifest_path, "manifest");
+  check_manifest(data, manifest_path.string());  // from here on every key exists with its type and range
   Model model;
   model.path_ = artifact_dir;
-  std::vector<std::string> libraries;
-  std::string build_dir, model_file;
-  std::vector<std::string> devices;
-  try {
-    model_file = data.at("model_file").get<std::string>();
-    for (const auto& f : data.at("features")) {
-      FeatureInfo info;
-      info.name = f.at("name").get<std::string>();
-      info.table = f.at("table").get<std::string>();
-      info.num_embeddings = f.at("num_embeddings").get<int64_t>();
-      info.embedding_dim = f.at("embedding_dim").get<int64_t>();
-      info.pooling = f.value("pooling", std::string("sum"));
-      info.column_start = f.at("column_start").get<int64_t>();
-      info.column_end = f.at("column_end").get<int64_t>();
-      model.output_dim_ = std::max(model.output_dim_, info.column_end);
-      model.features_.push_back(std::move(info));
-    }
-    libraries = data.at("fbgemm").at("libraries").get<std::vector<std::string>>();
-    build_dir = data.at("fbgemm").value("build_dir", std::string());
-    if (data.contains("devices")) devices = data.at("devices").get<std::vector<std::string>>();
-    if (data.contains("sharding") && data.at("sharding").is_object())
-      model.world_size_ = data.at("sharding").value("world_size", 1);
-    if (model.features_.empty()) throw ManifestError("manifest.json lists no features");
-    if (fs::path(model_file).filename().string() != model_file)
-      throw ManifestError("manifest.json names a model file outside the artifact: '" + model_file + "'");
-    if (options.verify_checksums) verify_files(folder, data.at("files"), model_file);
-  } catch (const json::exception& err) {
-    throw ManifestError((folder / "manifest.json").string() + " is malformed: " + err.what());
+  const auto model_file = data["model_file"].get<std::string>();
+  for (const auto& f : data["features"]) {
+    FeatureInfo info;
+    info.name = f["name"].get<std::string>();
+    info.table = f["table"].get<std::string>();
+    info.num_embeddings = f["num_embeddings"].get<int64_t>();
+    info.embedding_dim = f["embedding_dim"].get<int64_t>();
+    info.pooling = f["pooling"].get<std::string>();
+    info.column_start = f["column_start"].get<int64_t>();
+    info.column_end = f["column_end"].get<int64_t>();
+    model.output_dim_ = std::max(model.output_dim_, info.column_end);
+    model.features_.push_back(std::move(info));
+  }
+  const auto libraries = data["fbgemm"]["libraries"].get<std::vector<std::string>>();
+  const auto build_dir = data["fbgemm"]["build_dir"].get<std::string>();
+  const auto devices = data["devices"].get<std::vector<std::string>>();
+  model.world_size_ = static_cast<int>(data["sharding"]["world_size"].get<int64_t>());
+  if (options.verify_checksums) {
+    json files = json::object();
+    for (const auto& [name, entry] : data["files"].items()) files[name] = json::parse(entry.dump());
+    verify_files(folder, files, model_file);
+  }
+  if (!data["sharding"]["plan_file"].is_null()) {
+    const fs::path plan_path = folder / data["sharding"]["plan_file"].get<std::string>();
+    check_plan(read_document(plan_path, "plan"), data, plan_path.string());
   }
   for (const auto& device : devices) {
     if (device.rfind("cuda", 0) == 0 && !torch::cuda::is_available())
@@ -218,6 +550,7 @@ Model Model::load(const std::string& artifact_dir, const LoadOptions& options) {
     throw ModelError(model_path.string() + " cannot be loaded by TorchScript: " + first_line(message_of(err)) +
                      " (are the fbgemm libraries in the manifest's fbgemm.libraries the ones it was exported with?)");
   }
+  check_kernels(*model.module_, data["kernels"], model_path.string());
 
   int threads = options.intra_op_threads;
   if (threads < 0 && model.world_size_ >= 2) {
