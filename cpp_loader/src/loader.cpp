@@ -89,6 +89,10 @@ schema::Document read_document(const fs::path& path, const std::string& which) {
   if (!in.read(bytes.data(), static_cast<std::streamsize>(size)))
     throw ManifestError(path.string() + " cannot be read");
   schema::Document data = schema::parse_document(bytes, path.string());
+  if (which == "manifest" && data.is_object() && data.value("format", schema::Document()) != "embserve-artifact")
+    throw ManifestError(path.string() + " is not an embserve manifest (format=" +
+                        data.value("format", schema::Document()).dump(-1, ' ', false, json::error_handler_t::replace)
+                            .substr(0, 64) + ")");
   if (which == "manifest" && data.is_object() && data.contains("format_version") &&
       data["format_version"].is_number_integer() && data["format_version"] != kFormatVersion)
     throw ManifestError(path.string() + " has format_version " + data["format_version"].dump() +
@@ -150,11 +154,15 @@ void check_manifest(const schema::Document& data, const std::string& document) {
   const int64_t world_size = sharding["world_size"].get<int64_t>();
   if (world_size > 1 && sharding["plan_file"].is_null())
     fail("sharding.world_size is " + std::to_string(world_size) + " but sharding.plan_file is null");
+  const auto& output_shape = data["output"]["shape"];
+  if (output_shape.empty() || output_shape.back() != column)
+    fail("output.shape must end with the output dim " + std::to_string(column));
+  // a file without a checksum is a ChecksumError, as in Python
   const auto& files = data["files"];
   if (!files.contains(data["model_file"].get<std::string>()))
-    fail("model_file '" + data["model_file"].get<std::string>() + "' is not listed in 'files'");
+    throw ChecksumError(document + " has no checksum for " + data["model_file"].get<std::string>());
   if (!sharding["plan_file"].is_null() && !files.contains(sharding["plan_file"].get<std::string>()))
-    fail("sharding.plan_file '" + sharding["plan_file"].get<std::string>() + "' is not listed in 'files'");
+    throw ChecksumError(document + " has no checksum for " + sharding["plan_file"].get<std::string>());
   // kernels: in the model's order; each feature_table_map entry names one of its kernel's tables
   const auto& kernels = data["kernels"];
   std::set<std::string> devices;
