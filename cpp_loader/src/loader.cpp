@@ -89,6 +89,7 @@ schema::Document read_document(const fs::path& path, const std::string& which) {
   if (!in.read(bytes.data(), static_cast<std::streamsize>(size)))
     throw ManifestError(path.string() + " cannot be read");
   schema::Document data = schema::parse_document(bytes, path.string());
+  if (!data.is_object()) throw ManifestError(path.string() + " is not a JSON object");
   if (which == "manifest" && data.is_object() && data.value("format", schema::Document()) != "embserve-artifact")
     throw ManifestError(path.string() + " is not an embserve manifest (format=" +
                         data.value("format", schema::Document()).dump(-1, ' ', false, json::error_handler_t::replace)

@@ -267,6 +267,112 @@ class Validator {
   const std::string& document_;
 };
 
+// nlohmann's message without its "[json.exception.parse_error.101] " prefix, control bytes blanked.
+std::string reason_of(const std::exception& err) {
+  std::string reason = err.what();
+  if (auto at = reason.find("] "); at != std::string::npos && reason.rfind("[json.exception", 0) == 0)
+    reason = reason.substr(at + 2);
+  for (char& c : reason)
+    if (static_cast<unsigned char>(c) < 0x20) c = ' ';
+  return reason;
+}
+
+// Builds the document from SAX events, keeping the key path of every value so that a parse error
+// (1e400, a bad token, a duplicate key) names where it happened.
+class DocumentBuilder {
+ public:
+  using number_integer_t = Document::number_integer_t;
+  using number_unsigned_t = Document::number_unsigned_t;
+  using number_float_t = Document::number_float_t;
+  using string_t = Document::string_t;
+  using binary_t = Document::binary_t;
+
+  explicit DocumentBuilder(const std::string& document) : document_(document) {}
+
+  bool null() { return add(Document(nullptr)); }
+  bool boolean(bool value) { return add(Document(value)); }
+  bool number_integer(number_integer_t value) { return add(Document(value)); }
+  bool number_unsigned(number_unsigned_t value) { return add(Document(value)); }
+  bool number_float(number_float_t value, const string_t&) { return add(Document(value)); }
+  bool string(string_t& value) { return add(Document(value)); }
+  bool binary(binary_t&) { return fail(document_, here(), "holds binary data"), false; }
+  bool start_object(std::size_t) { return open(Document::object()); }
+  bool start_array(std::size_t) { return open(Document::array()); }
+  bool end_object() { return close(); }
+  bool end_array() { return close(); }
+
+  bool key(string_t& name) {
+    Frame& frame = frames_.back();
+    if (!frame.keys.insert(name).second)
+      fail(document_, frame.path,
+           "is not valid JSON (key " + cut(quote(name)) + " appears twice in one object); the file is corrupted");
+    frame.key = name;
+    return true;
+  }
+
+  bool parse_error(std::size_t, const std::string&, const nlohmann::detail::exception& err) {
+    // NaN, Infinity and numbers beyond double range (1e400) are parse errors in nlohmann::json
+    fail(document_, here(), "is not valid JSON (" + cut(reason_of(err), 200) + "); the file is corrupted");
+  }
+
+  Document take() { return std::move(root_); }
+
+ private:
+  struct Frame {
+    Document* value;
+    std::string path;
+    std::unordered_set<std::string> keys;
+    std::string key;
+    size_t items = 0;
+  };
+
+  // The key path of the value being read now.
+  std::string here() const {
+    if (frames_.empty()) return "";
+    const Frame& frame = frames_.back();
+    if (frame.value->is_array()) return frame.path + "[" + std::to_string(frame.items) + "]";
+    if (frame.key.empty() && frame.keys.empty()) return frame.path;
+    return frame.path.empty() ? frame.key : frame.path + "." + frame.key;
+  }
+
+  Document* place(Document&& value) {
+    if (frames_.empty()) {
+      root_ = std::move(value);
+      return &root_;
+    }
+    Frame& frame = frames_.back();
+    if (frame.value->is_array()) {
+      frame.value->push_back(std::move(value));
+      ++frame.items;
+      return &frame.value->back();
+    }
+    Document& slot = (*frame.value)[frame.key];
+    slot = std::move(value);
+    return &slot;
+  }
+
+  bool add(Document&& value) {
+    place(std::move(value));
+    return true;
+  }
+
+  bool open(Document&& container) {
+    const std::string path = here();
+    Document* value = place(std::move(container));
+    frames_.push_back(Frame{value, path, {}, {}, 0});
+    return true;
+  }
+
+  bool close() {
+    frames_.pop_back();
+    return true;
+  }
+
+  const std::string& document_;
+  Document root_;
+  std::vector<Frame> frames_;
+};
+
 }  // namespace
 
 const json& rules() {
@@ -309,37 +415,16 @@ Document parse_document(const std::string& data, const std::string& document) {
     fail(document, "",
          "nests " + std::to_string(depth) + " levels deep, over the limit of " + std::to_string(limit) +
              "; the file is corrupted");
-  // Duplicate keys are refused while parsing (nlohmann would keep the last one silently).
-  std::vector<std::unordered_set<std::string>> open_objects;
-  std::string duplicate;
-  Document::parser_callback_t on_event = [&](int, nlohmann::detail::parse_event_t event, Document& parsed) {
-    using Event = nlohmann::detail::parse_event_t;
-    if (event == Event::object_start) {
-      open_objects.emplace_back();
-    } else if (event == Event::object_end) {
-      if (!open_objects.empty()) open_objects.pop_back();
-    } else if (event == Event::key && !open_objects.empty()) {
-      const auto& key = parsed.get_ref<const std::string&>();
-      if (!open_objects.back().insert(key).second) {
-        duplicate = key;
-        throw std::invalid_argument("duplicate key");
-      }
-    }
-    return true;
-  };
+  DocumentBuilder builder(document);
   try {
-    return Document::parse(data, on_event, /*allow_exceptions=*/true, /*ignore_comments=*/false);
-  } catch (const std::invalid_argument&) {
-    fail(document, "", "is not valid JSON (key " + cut(quote(duplicate)) + " appears twice in one object); the file is corrupted");
-  } catch (const nlohmann::json::exception& err) {
-    // NaN, Infinity and 1e400 (number overflow) are parse errors in nlohmann::json.
-    std::string reason = err.what();
-    if (auto at = reason.find("] "); at != std::string::npos && reason.rfind("[json.exception", 0) == 0)
-      reason = reason.substr(at + 2);
-    for (char& c : reason)
-      if (static_cast<unsigned char>(c) < 0x20) c = ' ';
-    fail(document, "", "is not valid JSON (" + cut(reason, 200) + "); the file is corrupted");
+    Document::sax_parse(data, &builder, nlohmann::detail::input_format_t::json, /*strict=*/true,
+                        /*ignore_comments=*/false);
+  } catch (const ManifestError&) {
+    throw;
+  } catch (const nlohmann::json::exception& err) {  // the builder reports parse errors itself; this is a backstop
+    fail(document, "", "is not valid JSON (" + cut(reason_of(err), 200) + "); the file is corrupted");
   }
+  return builder.take();
 }
 
 void validate(const Document& value, const std::string& which, const std::string& document) {
