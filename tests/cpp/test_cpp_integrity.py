@@ -7,6 +7,8 @@ ModelError naming the attribute; a consistent tampered plan.json is a ManifestEr
 from __future__ import annotations
 
 import json
+import random
+import zipfile
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
@@ -15,7 +17,9 @@ from typing import Any
 import pytest
 import torch
 
-from tests.cpp.support import assert_clean_failure, run
+from infer.artifact.cpp_io import write_requests
+from tests.conftest import mixed_spec, random_batch
+from tests.cpp.support import BACKTRACE_MARKERS, assert_clean_failure, run
 from tests.support.artifacts import copy_artifact, rehash
 
 
@@ -116,3 +120,50 @@ def test_a_consistent_tampered_plan_is_a_manifest_error(edit, embserve_run, shar
     (copy / "plan.json").write_text(json.dumps(plan))
     rehash(copy, "plan.json")
     assert_clean_failure(run(embserve_run, copy), "embserve_run: ManifestError: ", "plan.json", fragment)
+
+
+def _rewrite_entry(model: Path, name: str, data: bytes) -> None:
+    """Replace one zip entry (with a valid CRC), as a tool that edits the archive would."""
+    with zipfile.ZipFile(model) as source:
+        entries = [(info, source.read(info.filename)) for info in source.infolist()]
+    with zipfile.ZipFile(model, "w") as target:
+        for info, content in entries:
+            target.writestr(info, data if info.filename == name else content)
+
+
+@pytest.mark.parametrize("which", ["unsharded", "sharded"])
+def test_byte_flips_in_small_tensors_never_crash_embserve_run(
+    which, embserve_run, unsharded_artifact, sharded_artifact, tmp_path
+):
+    """Flip a bit in one of model.pt's small tensor records (where the kernels' metadata lives), rewrite
+    the zip and the checksum, then load and run a request: an answer or a one-line error, never a signal."""
+    artifact = unsharded_artifact if which == "unsharded" else sharded_artifact
+    with zipfile.ZipFile(artifact / "model.pt") as archive:
+        small = [i.filename for i in archive.infolist() if "/data/" in i.filename and 0 < i.file_size <= 256]
+        records = {name: archive.read(name) for name in small}
+    batch = random_batch(mixed_spec(), batch_size=4, seed=2)
+    write_requests(tmp_path / "r.bin", [(batch.values, batch.lengths, None)])
+    rng = random.Random(7 if which == "unsharded" else 8)
+    copies = []
+    for case in range(16):
+        name = rng.choice(small)
+        data = bytearray(records[name])
+        data[rng.randrange(len(data))] ^= 1 << rng.randrange(8)
+        copy = copy_artifact(artifact, tmp_path / f"c{case}")
+        _rewrite_entry(copy / "model.pt", name, bytes(data))
+        rehash(copy, "model.pt")
+        copies.append(copy)
+
+    def one(copy: Path):  # type: ignore[no-untyped-def]
+        return copy, run(embserve_run, copy, "--requests", tmp_path / "r.bin", "--out", copy / "o.bin", timeout=120)
+
+    with ThreadPoolExecutor(max_workers=2) as pool:
+        results = list(pool.map(one, copies))
+    kinds = []
+    for copy, result in results:
+        assert result.returncode in (0, 1), (copy.name, result.returncode, result.stderr[-1500:])
+        assert not any(marker in result.stderr for marker in BACKTRACE_MARKERS), result.stderr[-1500:]
+        if result.returncode == 1:
+            line = assert_clean_failure(result)
+            kinds.append(line.split(":")[1].strip())
+    assert "ModelError" in kinds, kinds  # the flips do reach the kernel checks
