@@ -103,6 +103,24 @@ schema::Document read_document(const fs::path& path, const std::string& which) {
   return data;
 }
 
+int data_type_code(const std::string& type) {  // SparseType
+  if (type == "fp32") return 0;
+  if (type == "fp16") return 1;
+  if (type == "int8") return 2;
+  if (type == "int4") return 3;
+  return 4;  // int2 (the schema allows no other)
+}
+
+int64_t data_type_bits(const std::string& type) {
+  if (type == "fp32") return 32;
+  if (type == "fp16") return 16;
+  if (type == "int8") return 8;
+  if (type == "int4") return 4;
+  return 2;
+}
+
+int64_t round_up(int64_t value, int64_t step) { return (value + step - 1) / step * step; }
+
 // The rules that tie the manifest's parts together (as infer.artifact.manifest.Manifest.from_dict).
 // Runs after schema::validate, so every key exists with its type.
 void check_manifest(const schema::Document& data, const std::string& document) {
@@ -164,21 +182,12 @@ void check_manifest(const schema::Document& data, const std::string& document) {
     throw ChecksumError(document + " has no checksum for " + data["model_file"].get<std::string>());
   if (!sharding["plan_file"].is_null() && !files.contains(sharding["plan_file"].get<std::string>()))
     throw ChecksumError(document + " has no checksum for " + sharding["plan_file"].get<std::string>());
-  // kernels: in the model's order; each feature_table_map entry names one of its kernel's tables
+  // kernels: each feature_table_map entry names one of its kernel's tables; the row alignment is the device's
   const auto& kernels = data["kernels"];
-  std::set<std::string> devices;
-  for (const auto& device : data["devices"]) devices.insert(device.get<std::string>());
-  int64_t last_rank = -1;
   for (size_t k = 0; k < kernels.size(); ++k) {
     const auto& kernel = kernels[k];
     const std::string where = "kernels[" + std::to_string(k) + "]";
-    const int64_t rank = kernel["rank"].get<int64_t>();
-    if (rank >= world_size || rank <= last_rank)
-      fail(where + ".rank " + std::to_string(rank) + " is not in increasing order below sharding.world_size " +
-           std::to_string(world_size));
-    last_rank = rank;
     const auto device = kernel["device"].get<std::string>();
-    if (!devices.count(device)) fail(where + ".device '" + device + "' is not listed in 'devices'");
     const int64_t alignment = kernel["row_alignment"].get<int64_t>();
     if (alignment != (device == "cpu" ? 1 : 16))
       fail(where + ".row_alignment " + std::to_string(alignment) + " is not the kernel's for " + device +
@@ -186,9 +195,8 @@ void check_manifest(const schema::Document& data, const std::string& document) {
     const auto num_tables = kernel["tables"].size();
     for (size_t i = 0; i < kernel["feature_table_map"].size(); ++i)
       if (kernel["feature_table_map"][i].get<uint64_t>() >= num_tables)
-        fail(where + ".feature_table_map[" + std::to_string(i) + "] is " +
-             kernel["feature_table_map"][i].dump() + " but the kernel has " + std::to_string(num_tables) +
-             " tables");
+        fail(where + ".feature_table_map[" + std::to_string(i) + "] is " + kernel["feature_table_map"][i].dump() +
+             " but the kernel has " + std::to_string(num_tables) + " tables");
   }
   if (sharding["plan_file"].is_null()) {
     // unsharded: one kernel holding every table, features mapped to their tables in order
@@ -212,53 +220,126 @@ void check_manifest(const schema::Document& data, const std::string& document) {
   }
 }
 
-// plan.json against the manifest: same tables, same world size, and per rank the kernel tables are
-// exactly the plan's shards on that rank (as a multiset of rows, columns and data type).
+// plan.json against the manifest, with the rules of infer.shard.builder.check_plan and device_layouts
+// (the Python loader's verify_plan): the plan places exactly the manifest's tables, whole, with their data
+// types, on the manifest's world size; and the kernels it implies (one per rank holding a shard: local
+// tables in table order then shard order, features sorted by input feature, output column and row
+// block) are exactly the manifest's `kernels`.
 void check_plan(const schema::Document& plan, const schema::Document& data, const std::string& document) {
   auto fail = [&](const std::string& message) { throw ManifestError(document + ": " + message); };
   const auto& tables = data["tables"];
-  const auto& planned = plan["tables"];
-  if (planned.size() != tables.size())
-    fail("plans " + std::to_string(planned.size()) + " tables but the manifest has " +
-         std::to_string(tables.size()));
+  std::map<std::string, size_t> table_index;
+  std::vector<std::string> model_names, planned_names;
+  for (size_t t = 0; t < tables.size(); ++t) {
+    table_index[tables[t]["name"].get<std::string>()] = t;
+    model_names.push_back(tables[t]["name"].get<std::string>());
+  }
+  for (const auto& entry : plan["tables"]) planned_names.push_back(entry["table"].get<std::string>());
+  std::sort(model_names.begin(), model_names.end());
+  std::sort(planned_names.begin(), planned_names.end());
+  if (planned_names != model_names)
+    fail("the plan's tables are not the model's (" + std::to_string(planned_names.size()) + " planned, " +
+         std::to_string(model_names.size()) + " in the manifest, or other names)");
+  const int64_t plan_world_size = plan["topology"]["world_size"].get<int64_t>();
+  std::map<std::string, const schema::Document*> plan_of;
+  for (const auto& entry : plan["tables"]) {
+    const auto name = entry["table"].get<std::string>();
+    plan_of[name] = &entry;
+    const auto& table = tables[table_index[name]];
+    const auto type = table["data_type"].get<std::string>();
+    const int64_t rows = table["num_embeddings"].get<int64_t>(), dim = table["embedding_dim"].get<int64_t>();
+    if (entry["data_type"].get<std::string>() != type)
+      fail("table '" + name + "': plan says " + entry["data_type"].get<std::string>() + ", model is " + type);
+    const int64_t per_byte = 8 / std::min<int64_t>(data_type_bits(type), 8);
+    std::vector<std::pair<int64_t, int64_t>> row_ranges, col_ranges;
+    for (const auto& shard : entry["shards"]) {
+      const int64_t device = shard["device"].get<int64_t>();
+      const int64_t row_offset = shard["row_offset"].get<int64_t>(), num_rows = shard["num_rows"].get<int64_t>();
+      const int64_t col_offset = shard["col_offset"].get<int64_t>(), num_cols = shard["num_cols"].get<int64_t>();
+      if (device >= plan_world_size)
+        fail("table '" + name + "': shard on device " + std::to_string(device) + " outside the topology");
+      if (row_offset + num_rows > rows || col_offset + num_cols > dim)
+        fail("table '" + name + "': a shard lies outside the table");
+      if (col_offset % std::max<int64_t>(per_byte, 4) != 0 || num_cols % 4 != 0)
+        fail("table '" + name + "': column slice " + std::to_string(col_offset) + "+" + std::to_string(num_cols) +
+             " is not 4-column aligned");
+      row_ranges.emplace_back(row_offset, num_rows);
+      col_ranges.emplace_back(col_offset, num_cols);
+    }
+    std::sort(row_ranges.begin(), row_ranges.end());
+    std::sort(col_ranges.begin(), col_ranges.end());
+    auto covers = [](const std::vector<std::pair<int64_t, int64_t>>& ranges, int64_t total) {
+      int64_t position = 0;
+      for (const auto& [offset, size] : ranges) {
+        if (offset != position) return false;
+        position += size;
+      }
+      return position == total;
+    };
+    auto all_equal = [](const std::vector<std::pair<int64_t, int64_t>>& ranges, int64_t total) {
+      return std::all_of(ranges.begin(), ranges.end(), [&](const auto& r) { return r.first == 0 && r.second == total; });
+    };
+    const auto kind = entry["sharding_type"].get<std::string>();
+    bool covered;
+    if (kind == "row_wise" || kind == "table_row_wise")
+      covered = covers(row_ranges, rows) && all_equal(col_ranges, dim);
+    else if (kind == "column_wise")
+      covered = covers(col_ranges, dim) && all_equal(row_ranges, rows);
+    else
+      covered = all_equal(row_ranges, rows) && all_equal(col_ranges, dim) &&
+                (kind != "table_wise" || entry["shards"].size() == 1);
+    if (!covered) fail("table '" + name + "': " + kind + " shards do not cover the table exactly");
+  }
   const int64_t world_size = data["sharding"]["world_size"].get<int64_t>();
-  if (plan["topology"]["world_size"].get<int64_t>() != world_size)
-    fail("topology.world_size is " + plan["topology"]["world_size"].dump() + " but the manifest's sharding.world_size is " +
+  if (plan_world_size != world_size)
+    fail("plans " + std::to_string(plan_world_size) + " devices, the manifest says sharding.world_size " +
          std::to_string(world_size));
-  using Shard = std::tuple<int64_t, int64_t, std::string>;
-  std::map<int64_t, std::multiset<Shard>> by_rank;
-  for (size_t t = 0; t < planned.size(); ++t) {
-    const auto& entry = planned[t];
-    const std::string where = "tables[" + std::to_string(t) + "]";
-    if (entry["table"] != tables[t]["name"] || entry["data_type"] != tables[t]["data_type"])
-      fail(where + " plans table " + entry["table"].dump() + " (" + entry["data_type"].dump() +
-           ") where the manifest has " + tables[t]["name"].dump() + " (" + tables[t]["data_type"].dump() + ")");
-    for (size_t s = 0; s < entry["shards"].size(); ++s) {
-      const auto& shard = entry["shards"][s];
-      const int64_t rank = shard["device"].get<int64_t>();
-      if (rank >= world_size)
-        fail(where + ".shards[" + std::to_string(s) + "].device " + std::to_string(rank) +
-             " is outside the world size " + std::to_string(world_size));
-      by_rank[rank].insert({shard["num_rows"].get<int64_t>(), shard["num_cols"].get<int64_t>(),
-                            entry["data_type"].get<std::string>()});
+
+  // the kernels the plan implies, as shard_model builds them
+  const int64_t alignment = plan["topology"]["compute_device"] == "cuda" ? 16 : 1;
+  const auto& features = data["features"];
+  schema::Document expected = schema::Document::array();
+  for (int64_t rank = 0; rank < plan_world_size; ++rank) {
+    schema::Document local_tables = schema::Document::array();
+    struct LocalFeature {
+      size_t feature;
+      int64_t out_col, lo;
+      size_t local;
+    };
+    std::vector<LocalFeature> local_features;
+    for (const auto& table : tables) {
+      const auto name = table["name"].get<std::string>();
+      const auto& entry = *plan_of[name];
+      const auto kind = entry["sharding_type"].get<std::string>();
+      for (size_t s = 0; s < entry["shards"].size(); ++s) {
+        const auto& shard = entry["shards"][s];
+        if (shard["device"].get<int64_t>() != rank) continue;
+        const size_t local = local_tables.size();
+        local_tables.push_back({{"rows", shard["num_rows"]}, {"dim", shard["num_cols"]}, {"data_type", table["data_type"]}});
+        for (size_t f = 0; f < features.size(); ++f) {
+          if (features[f]["table"] != name) continue;
+          int64_t lo = 0;
+          if (kind == "row_wise" || kind == "table_row_wise") lo = shard["row_offset"].get<int64_t>();
+          else if (kind == "replicated") lo = static_cast<int64_t>(s);
+          const int64_t out_col = features[f]["column_start"].get<int64_t>() + shard["col_offset"].get<int64_t>();
+          local_features.push_back({f, out_col, lo, local});
+        }
+      }
     }
+    if (local_tables.empty()) continue;
+    std::stable_sort(local_features.begin(), local_features.end(), [](const LocalFeature& a, const LocalFeature& b) {
+      return std::tie(a.feature, a.out_col, a.lo) < std::tie(b.feature, b.out_col, b.lo);
+    });
+    schema::Document feature_table_map = schema::Document::array();
+    for (const auto& lf : local_features) feature_table_map.push_back(lf.local);
+    expected.push_back({{"row_alignment", alignment}, {"tables", local_tables}, {"feature_table_map", feature_table_map}});
   }
-  std::map<int64_t, std::multiset<Shard>> kernels;
-  for (const auto& kernel : data["kernels"]) {
-    auto& shards = kernels[kernel["rank"].get<int64_t>()];
-    for (const auto& table : kernel["tables"])
-      shards.insert({table["rows"].get<int64_t>(), table["dim"].get<int64_t>(), table["data_type"].get<std::string>()});
-  }
-  if (by_rank != kernels) {
-    for (int64_t rank = 0; rank < world_size; ++rank) {
-      const auto planned_count = by_rank.count(rank) ? by_rank[rank].size() : 0;
-      const auto kernel_count = kernels.count(rank) ? kernels[rank].size() : 0;
-      if (by_rank[rank] != kernels[rank])
-        fail("the shards planned on rank " + std::to_string(rank) + " (" + std::to_string(planned_count) +
-             ") differ from the manifest's kernel tables on that rank (" + std::to_string(kernel_count) +
-             "): rows, columns or data types disagree");
-    }
-  }
+  const auto& kernels = data["kernels"];
+  bool same = kernels.size() == expected.size();
+  for (size_t k = 0; same && k < kernels.size(); ++k)
+    same = kernels[k]["row_alignment"] == expected[k]["row_alignment"] && kernels[k]["tables"] == expected[k]["tables"] &&
+           kernels[k]["feature_table_map"] == expected[k]["feature_table_map"];
+  if (!same) fail("the manifest's 'kernels' disagree with the plan (the shards each device holds)");
 }
 
 void verify_files(const fs::path& folder, const json& files, const std::string& model_file) {
@@ -330,24 +411,6 @@ std::vector<std::string> load_libraries(const std::vector<std::string>& names, c
 // The TBE's view of the world must be the one the manifest's kernels describe, checked before the
 // first lookup: a tampered-but-rehashed model.pt fails here as a ModelError instead of crashing in the
 // kernel. Codes and layout as fbgemm 1.8.0's IntNBitTableBatchedEmbeddingBagsCodegen.
-int data_type_code(const std::string& type) {  // SparseType
-  if (type == "fp32") return 0;
-  if (type == "fp16") return 1;
-  if (type == "int8") return 2;
-  if (type == "int4") return 3;
-  return 4;  // int2 (the schema allows no other)
-}
-
-int64_t data_type_bits(const std::string& type) {
-  if (type == "fp32") return 32;
-  if (type == "fp16") return 16;
-  if (type == "int8") return 8;
-  if (type == "int4") return 4;
-  return 2;
-}
-
-int64_t round_up(int64_t value, int64_t step) { return (value + step - 1) / step * step; }
-
 class KernelCheck {
  public:
   KernelCheck(const torch::jit::Module& tbe, std::string where) : tbe_(tbe), where_(std::move(where)) {}
@@ -503,14 +566,32 @@ void check_kernels(const torch::jit::Module& model, const schema::Document& kern
 
 }  // namespace
 
-Model Model::load(const std::string& artifact_dir, const LoadOptions& options) {
-  fs::path folder(artifact_dir);
+namespace {
+schema::Document read_checked_manifest(const fs::path& folder) {
   std::error_code ec;
   if (!fs::is_directory(folder, ec))
-    throw ManifestError(artifact_dir + " is not a folder; pass the artifact folder written by export");
+    throw ManifestError(folder.string() + " is not a folder; pass the artifact folder written by export");
   const fs::path manifest_path = folder / "manifest.json";
-  const schema::Document data = read_document(manifest_path, "manifest");
+  schema::Document data = read_document(manifest_path, "manifest");
   check_manifest(data, manifest_path.string());  // from here on every key exists with its type and range
+  return data;
+}
+
+void read_checked_plan(const fs::path& folder, const schema::Document& data) {
+  if (data["sharding"]["plan_file"].is_null()) return;
+  const fs::path plan_path = folder / data["sharding"]["plan_file"].get<std::string>();
+  check_plan(read_document(plan_path, "plan"), data, plan_path.string());
+}
+}  // namespace
+
+void check_manifest(const std::string& artifact_dir) {
+  const fs::path folder(artifact_dir);
+  read_checked_plan(folder, read_checked_manifest(folder));
+}
+
+Model Model::load(const std::string& artifact_dir, const LoadOptions& options) {
+  const fs::path folder(artifact_dir);
+  const schema::Document data = read_checked_manifest(folder);
   Model model;
   model.path_ = artifact_dir;
   const auto model_file = data["model_file"].get<std::string>();
@@ -535,10 +616,7 @@ Model Model::load(const std::string& artifact_dir, const LoadOptions& options) {
     for (const auto& [name, entry] : data["files"].items()) files[name] = json::parse(entry.dump());
     verify_files(folder, files, model_file);
   }
-  if (!data["sharding"]["plan_file"].is_null()) {
-    const fs::path plan_path = folder / data["sharding"]["plan_file"].get<std::string>();
-    check_plan(read_document(plan_path, "plan"), data, plan_path.string());
-  }
+  read_checked_plan(folder, data);  // after the checksums: plan.json is the file the export wrote
   for (const auto& device : devices) {
     if (device.rfind("cuda", 0) == 0 && !torch::cuda::is_available())
       throw ModelError(artifact_dir + " was exported for device " + device +

@@ -98,14 +98,14 @@ def test_tampered_kernels_are_model_errors(embserve_run, unsharded_artifact, sha
 
 
 PLAN_EDITS: dict[str, tuple[Callable[[dict[str, Any]], Any], str]] = {
-    "moved_shard": (lambda plan: plan["tables"][0]["shards"][0].update(device=2), "on rank 0"),
-    "rows": (lambda plan: plan["tables"][1]["shards"][0].update(num_rows=7), "on rank 0"),
+    "moved_shard": (lambda plan: plan["tables"][0]["shards"][0].update(device=2), "'kernels' disagree"),
+    "rows": (lambda plan: plan["tables"][1]["shards"][0].update(num_rows=7), "do not cover"),
     "world_size": (
         lambda plan: plan["topology"].update(world_size=4, local_world_size=4, device_memory=[1 << 30] * 4),
-        "topology.world_size is 4",
+        "plans 4 devices",
     ),
-    "dtype": (lambda plan: plan["tables"][1].update(data_type="fp16"), '"fp16"'),
-    "missing_table": (lambda plan: plan.update(tables=plan["tables"][:-1]), "plans 4 tables"),
+    "dtype": (lambda plan: plan["tables"][1].update(data_type="fp16"), "plan says fp16"),
+    "missing_table": (lambda plan: plan.update(tables=plan["tables"][:-1]), "the plan's tables are not the model's"),
     "type": (lambda plan: plan["tables"][0]["shards"][0].update(num_rows="7"), "num_rows must be an integer"),
     "unknown_key": (lambda plan: plan.update(extra=1), "unknown key 'extra'"),
 }
