@@ -183,12 +183,14 @@ std::string error_kind(const std::exception& err) {
   if (dynamic_cast<const embserve::ChecksumError*>(&err)) return "ChecksumError";
   if (dynamic_cast<const embserve::ManifestError*>(&err)) return "ManifestError";
   if (dynamic_cast<const embserve::Error*>(&err)) return "Error";
-  return "std::exception";
+  if (dynamic_cast<const std::bad_alloc*>(&err)) return "OutOfMemory";
+  if (dynamic_cast<const c10::Error*>(&err)) return "TorchError";
+  return "Error";
 }
 
 int usage() {
   std::cerr << "usage: embserve_run ARTIFACT [--requests FILE --out FILE]... [--library-dir DIR]... [--threads N]\n"
-               "       embserve_run ARTIFACT --requests FILE --bench N [--library-dir DIR]... [--threads N]\n";
+               "       embserve_run ARTIFACT --requests FILE [--out FILE] --bench N [--library-dir DIR]... [--threads N]\n";
   return 2;
 }
 
@@ -261,7 +263,7 @@ int run(int argc, char** argv) {
     }
   }
   // --requests/--out pairs run in order (one process, one load); --bench times the one --requests file.
-  if (artifact.empty() || (bench > 0 ? requests_paths.size() != 1 || !out_paths.empty()
+  if (artifact.empty() || (bench > 0 ? requests_paths.size() != 1 || out_paths.size() > 1
                                      : requests_paths.size() != out_paths.size()))
     return usage();
 
