@@ -532,7 +532,25 @@ torch::jit::Module child(const torch::jit::Module& parent, const std::string& na
 }
 
 // Every TBE of the model (embeddings.tbe, or embeddings.shards[i].tbe) against manifest kernel i.
-void check_kernels(const torch::jit::Module& model, const schema::Document& kernels, const std::string& model_path) {
+// The module around a kernel (the unsharded collection, or one device's shards) runs it batch-parallel
+// (infer.modules.tbe.KernelRunner); its attributes steer slicing of the request, so they are checked too.
+void check_kernel_holder(torch::jit::Module& holder, const schema::Document& kernel, const std::string& where,
+                         int threads) {
+  if (!holder.hasattr("kernel_features")) return;  // exported before batch-parallel kernels: one call
+  KernelCheck check(holder, where);
+  check.expect_int("kernel_features", static_cast<int64_t>(kernel["feature_table_map"].size()));
+  const c10::IValue device = check.attr("kernel_device");
+  if (!device.isString() || device.toStringRef() != kernel["device"].get<std::string>())
+    check.fail("kernel_device is not the manifest's '" + kernel["device"].get<std::string>() + "'");
+  if (check.integer("min_ids_per_chunk") < 1) check.fail("min_ids_per_chunk must be at least 1");
+  if (check.integer("threads") < 1) check.fail("threads must be at least 1");
+  if (threads > 0) holder.setattr("threads", c10::IValue(static_cast<int64_t>(threads)));
+}
+
+// Every TBE of the model (embeddings.tbe, or embeddings.shards[i].tbe) against manifest kernel i; then
+// each CPU kernel may split a batch over `threads` example ranges (0: leave the exported setting).
+void check_kernels(const torch::jit::Module& model, const schema::Document& kernels, const std::string& model_path,
+                   int threads) {
   try {
     torch::jit::Module embeddings = child(model, "embeddings", model_path);
     if (embeddings.hasattr("shards")) {
@@ -546,9 +564,12 @@ void check_kernels(const torch::jit::Module& model, const schema::Document& kern
         throw ModelError(model_path + ": the model has " + std::to_string(count) + " kernels (embeddings.shards) but " +
                          "the manifest lists " + std::to_string(kernels.size()));
       for (size_t i = 0; i < count; ++i) {
-        const std::string where = model_path + ": kernel " + std::to_string(i) + " (embeddings.shards." +
-                                  std::to_string(i) + ".tbe)";
-        check_kernel(child(child(shards, std::to_string(i), where), "tbe", where), kernels[i], where);
+        const std::string holder_name = "embeddings.shards." + std::to_string(i);
+        const std::string where = model_path + ": kernel " + std::to_string(i) + " (" + holder_name + ".tbe)";
+        torch::jit::Module holder = child(shards, std::to_string(i), where);
+        check_kernel(child(holder, "tbe", where), kernels[i], where);
+        check_kernel_holder(holder, kernels[i], model_path + ": kernel " + std::to_string(i) + " (" + holder_name + ")",
+                            threads);
       }
     } else {
       if (kernels.size() != 1)
@@ -556,6 +577,7 @@ void check_kernels(const torch::jit::Module& model, const schema::Document& kern
                          std::to_string(kernels.size()));
       const std::string where = model_path + ": kernel 0 (embeddings.tbe)";
       check_kernel(child(embeddings, "tbe", where), kernels[0], where);
+      check_kernel_holder(embeddings, kernels[0], model_path + ": kernel 0 (embeddings)", threads);
     }
   } catch (const Error&) {
     throw;
@@ -637,7 +659,15 @@ Model Model::load(const std::string& artifact_dir, const LoadOptions& options) {
     throw ModelError(model_path.string() + " cannot be loaded by TorchScript: " + first_line(message_of(err)) +
                      " (are the fbgemm libraries in the manifest's fbgemm.libraries the ones it was exported with?)");
   }
-  check_kernels(*model.module_, data["kernels"], model_path.string());
+  // batch-parallel kernels, as Python's load: cores shared by the CPU kernels unless the options say otherwise
+  int kernel_threads = options.kernel_threads;
+  if (kernel_threads < 0) {
+    int64_t cpu_kernels = 0;
+    for (const auto& kernel : data["kernels"]) cpu_kernels += kernel["device"] == "cpu" ? 1 : 0;
+    const auto cores = static_cast<int64_t>(std::max(1u, std::thread::hardware_concurrency()));
+    kernel_threads = static_cast<int>(std::max<int64_t>(1, cores / std::max<int64_t>(1, cpu_kernels)));
+  }
+  check_kernels(*model.module_, data["kernels"], model_path.string(), kernel_threads);
 
   int threads = options.intra_op_threads;
   if (threads < 0 && model.world_size_ >= 2) {

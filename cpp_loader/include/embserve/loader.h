@@ -63,6 +63,9 @@ struct LoadOptions {
   // torch intra-op threads (process-wide): -1 = as Python's load (cores / world_size for models
   // sharded over several CPU devices, unchanged otherwise); 0 = leave alone; n > 0 = set n.
   int intra_op_threads = -1;
+  // Example ranges each CPU kernel may split a batch into, run in parallel on the same weights (output
+  // bit-identical): -1 = as Python's load (cores / CPU kernels, at least 1); 0 = as exported; n > 0 = n.
+  int kernel_threads = -1;
 };
 
 struct FeatureInfo {
