@@ -1,4 +1,5 @@
 // embserve_run ARTIFACT [--requests FILE --out FILE]... [--bench N] [--library-dir DIR]... [--threads N]
+//              [--kernel-threads N]
 //
 // Runs the lookups in FILE (written by infer.cpp_io.write_requests) and writes one result per request
 // to --out (read by infer.cpp_io.read_responses). A request that fails validation is reported on
@@ -6,6 +7,8 @@
 // requests) after a warm-up and prints one JSON line with per-call latency and lookups (ids) per second.
 // Exit status: 0 when every request succeeded, 1 when any failed (or the artifact or request file is bad),
 // 2 on a usage error. Every error is one line on stderr ("embserve_run: ..."), never a backtrace.
+// --threads sets torch's intra-op threads; --kernel-threads how many example ranges each CPU kernel may split
+// a batch into (LoadOptions::kernel_threads; default cores / CPU kernels, as Python's load).
 // File format: see infer/cpp_io.py.
 #include <embserve/loader.h>
 
@@ -190,6 +193,7 @@ std::string error_kind(const std::exception& err) {
 
 int usage() {
   std::cerr << "usage: embserve_run ARTIFACT [--requests FILE --out FILE]... [--library-dir DIR]... [--threads N]\n"
+               "                    [--kernel-threads N]\n"
                "       embserve_run ARTIFACT --requests FILE [--out FILE] --bench N [--library-dir DIR]... [--threads N]\n";
   return 2;
 }
@@ -253,6 +257,7 @@ int run(int argc, char** argv) {
       else if (arg == "--bench") bench = std::stol(next());
       else if (arg == "--library-dir") options.library_dirs.push_back(next());
       else if (arg == "--threads") options.intra_op_threads = std::stoi(next());
+      else if (arg == "--kernel-threads") options.kernel_threads = std::stoi(next());
       else if (arg == "-h" || arg == "--help") return usage(), 0;
       else if (!arg.empty() && arg[0] == '-') return usage();
       else if (artifact.empty()) artifact = arg;

@@ -167,3 +167,13 @@ def test_byte_flips_in_small_tensors_never_crash_embserve_run(
             line = assert_clean_failure(result)
             kinds.append(line.split(":")[1].strip())
     assert "ModelError" in kinds, kinds  # the flips do reach the kernel checks
+
+
+def test_a_tampered_kernel_holder_is_a_model_error(embserve_run, unsharded_artifact, tmp_path):
+    """The batch-parallel runner's attributes steer how a request is sliced: a wrong feature count is caught."""
+    copy = copy_artifact(unsharded_artifact, tmp_path)
+    module = torch.jit.load(str(copy / "model.pt"))
+    module.embeddings.kernel_features = 99
+    module.save(str(copy / "model.pt"))
+    rehash(copy, "model.pt")
+    assert_clean_failure(run(embserve_run, copy), "ModelError", "kernel 0 (embeddings)", "kernel_features is 99")

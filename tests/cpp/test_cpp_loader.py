@@ -177,3 +177,23 @@ def test_bench_prints_one_json_line(embserve_run, unsharded_artifact, tmp_path):
     assert result.returncode == 0, result.stderr
     line = json.loads(result.stdout.strip().splitlines()[-1])
     assert line["calls"] == 50 and line["mean_us"] > 0 and line["lookups_per_s"] > 0
+
+
+@pytest.mark.parametrize("kind", ["unsharded", "sharded"])
+def test_batch_parallel_kernels_are_bit_identical(kind, embserve_run, unsharded_artifact, sharded_artifact, tmp_path):
+    """A batch large enough to split over two example ranges per CPU kernel gives the single call's output."""
+    artifact = unsharded_artifact if kind == "unsharded" else sharded_artifact
+    b = random_batch(mixed_spec(), batch_size=1024, max_len=40, seed=9, weighted=True)  # ~100k ids: 2 ranges
+    write_requests(tmp_path / "r.bin", [(b.values, b.lengths, b.weights)])
+    outputs = []
+    for threads in (1, 2):
+        out = tmp_path / f"o{threads}.bin"
+        result = run(
+            embserve_run, artifact, "--requests", tmp_path / "r.bin", "--out", out, "--kernel-threads", threads
+        )
+        assert result.returncode == 0, result.stderr
+        outputs.append(read_responses(out)[0].output)
+    expected = load(artifact, threads=1).lookup(
+        SparseFeatures(mixed_spec().feature_names, b.values, b.lengths, b.weights)
+    )
+    assert torch.equal(outputs[0], expected) and torch.equal(outputs[1], expected)
