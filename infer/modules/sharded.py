@@ -38,6 +38,8 @@ class DeviceShards(nn.Module, KernelRunner):
     lf_name: list[str]
     has_partials: bool
     row_block_entries: list[int]
+    row_block_lo: list[int]
+    row_block_hi: list[int]
     contiguous_input: bool
     min_rows: int
     copy_src: list[int]
@@ -79,8 +81,9 @@ class DeviceShards(nn.Module, KernelRunner):
         self.has_partials = READ_ROW_BLOCK in self.lf_kind
         # row-wise shards, bucketized together in one pass (kernel order)
         self.row_block_entries = [i for i, kind in enumerate(self.lf_kind) if kind == READ_ROW_BLOCK]
-        self.row_block_lo = torch.tensor([self.lf_lo[i] for i in self.row_block_entries], dtype=torch.int64)
-        self.row_block_hi = torch.tensor([self.lf_hi[i] for i in self.row_block_entries], dtype=torch.int64)
+        # plain ints, not tensors: routing is checked against the plan at load (artifact.kernels)
+        self.row_block_lo = [self.lf_lo[i] for i in self.row_block_entries]
+        self.row_block_hi = [self.lf_hi[i] for i in self.row_block_entries]
         # Every feature read whole and the features consecutive in the input: the kernel input is one
         # slice of the request (no gather), and one range check covers it unless an id is suspicious.
         first = self.lf_feature[0] if self.lf_feature else 0
@@ -172,8 +175,9 @@ class DeviceShards(nn.Module, KernelRunner):
         counts = [starts[f + 1] - starts[f] for f in features]
         ids = torch.cat([values[starts[f] : starts[f + 1]] for f in features])
         count_tensor = torch.tensor(counts, dtype=torch.int64, device=ids.device)
-        low = torch.repeat_interleave(self.row_block_lo.to(ids.device), count_tensor, output_size=ids.numel())
-        high = torch.repeat_interleave(self.row_block_hi.to(ids.device), count_tensor, output_size=ids.numel())
+        bounds = torch.tensor([self.row_block_lo, self.row_block_hi], dtype=torch.int64, device=ids.device)
+        low = torch.repeat_interleave(bounds[0], count_tensor, output_size=ids.numel())
+        high = torch.repeat_interleave(bounds[1], count_tensor, output_size=ids.numel())
         keep = (ids >= low) & (ids < high)
         bag_lengths = torch.cat([lengths[f * batch : (f + 1) * batch] for f in features]).to(torch.int64)
         bag_of_id = torch.repeat_interleave(
