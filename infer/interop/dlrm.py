@@ -8,6 +8,7 @@ come from embserve's lookup in the same order, so the dense part is the other th
 from __future__ import annotations
 
 import copy
+from typing import Any
 
 import torch
 from torch import Tensor, nn
@@ -64,10 +65,10 @@ def dlrm_dense_arch(dlrm: nn.Module) -> tuple[DLRMDenseArch, int, tuple[str, ...
     from torchrec.models.dlrm import InteractionDCNArch
     from torchrec.modules.crossnet import LowRankCrossNet
 
-    sparse_arch = dlrm.sparse_arch
-    dense_arch = copy.deepcopy(dlrm.dense_arch).cpu().eval()
-    over_arch = copy.deepcopy(dlrm.over_arch).cpu().eval()
-    inter: nn.Module = dlrm.inter_arch
+    sparse_arch: Any = dlrm.sparse_arch
+    dense_arch: nn.Module = copy.deepcopy(dlrm.get_submodule("dense_arch")).cpu().eval()
+    over_arch: nn.Module = copy.deepcopy(dlrm.get_submodule("over_arch")).cpu().eval()
+    inter: Any = dlrm.inter_arch
     if isinstance(inter, InteractionDCNArch) and isinstance(inter.crossnet, LowRankCrossNet):
         crossnet = inter.crossnet
         inter = LowRankCrossNetInteraction(

@@ -82,7 +82,8 @@ class ImportedModel:
                 spec.table(name).data_type.value,
             )
         if kept:
-            targets = model.embeddings.table_weights()  # type: ignore[operator]
+            embeddings: Any = model.embeddings
+            targets = embeddings.table_weights()
             with torch.no_grad():
                 for table, (data, scale_bias) in zip(spec.tables, targets):
                     rows = kept.get(table.name)
@@ -191,10 +192,10 @@ def _collection_types() -> tuple[type, ...]:
     return (EmbeddingBagCollection, QuantEmbeddingBagCollection, ShardedEmbeddingBagCollection)
 
 
-def _find_collection(root: nn.Module) -> tuple[str, nn.Module]:
+def _find_collection(root: nn.Module) -> tuple[str, Any]:
     unsupported = _unsupported_types()
     supported = _collection_types()
-    found: list[tuple[str, nn.Module]] = []
+    found: list[tuple[str, Any]] = []
     for name, module in root.named_modules():
         for kind, what in unsupported.items():
             if isinstance(module, kind):
@@ -251,14 +252,15 @@ def _table_config(cfg: Any, quantized: bool, data_type: DataType | str | None, m
             ) from None
     else:
         dtype = DataType.parse(data_type) if data_type is not None else DataType.INT8
-    return TableConfig(cfg.name, int(cfg.num_embeddings), int(cfg.embedding_dim), tuple(cfg.feature_names), pooling, dtype)
+    return TableConfig(
+        cfg.name, int(cfg.num_embeddings), int(cfg.embedding_dim), tuple(cfg.feature_names), pooling, dtype
+    )
 
 
-def _quantized_rows(module: nn.Module, data_types: Mapping[str, DataType]) -> dict[str, QuantizedRows]:
+def _quantized_rows(module: Any, data_types: Mapping[str, DataType]) -> dict[str, QuantizedRows]:
     """Every table's stored bytes from the quantized EBC's TBEs (one TBE per pooling type)."""
     out: dict[str, QuantizedRows] = {}
-    key_to_tables = module._key_to_tables  # type: ignore[attr-defined]
-    for configs, tbe in zip(key_to_tables.values(), module._emb_modules):  # type: ignore[attr-defined]
+    for configs, tbe in zip(module._key_to_tables.values(), module._emb_modules):
         for cfg, (data, scale_bias) in zip(configs, tbe.split_embedding_weights()):
             out[cfg.name] = QuantizedRows(
                 data.detach().cpu().clone(),

@@ -13,9 +13,7 @@ def six_tables() -> list[EmbeddingBagConfig]:
     """Six tables as in the issue: one shared by two features, one MEAN, mixed shapes."""
     return [
         EmbeddingBagConfig(name="user", num_embeddings=400, embedding_dim=16, feature_names=["user_id"]),
-        EmbeddingBagConfig(
-            name="item", num_embeddings=300, embedding_dim=16, feature_names=["item_id", "last_item"]
-        ),
+        EmbeddingBagConfig(name="item", num_embeddings=300, embedding_dim=16, feature_names=["item_id", "last_item"]),
         EmbeddingBagConfig(
             name="category",
             num_embeddings=50,
