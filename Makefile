@@ -14,7 +14,7 @@ FBGEMM_PKG := $(if $(HAS_CUDA),fbgemm-gpu==$(FBGEMM_VERSION),fbgemm-gpu-cpu==$(F
 # fbgemm package above, with the pure-Python packages its model, quant, distributed and DCP paths import
 # (typing-inspect also needs mypy-extensions, which mypy above brings).
 TORCHREC_PKGS := torchrec==1.8.0 tensordict==0.15.3 cloudpickle==3.1.2 pyvers==0.2.2 pyre-extensions==0.0.32 \
-	typing-inspect==0.9.0 mypy-extensions==1.2.0 tqdm==4.70.1
+	typing-inspect==0.9.0 tqdm==4.70.1
 STAMP := $(VENV)/.installed
 
 .PHONY: demo test lint typecheck pytest bench clean cpp cpp-deps
