@@ -271,27 +271,43 @@ def _quantized_rows(module: Any, data_types: Mapping[str, DataType]) -> dict[str
 
 
 def _full_tensor(weight: Any, table: str) -> torch.Tensor:
-    """A table's full fp32 tensor; ShardedTensor and DTensor are gathered onto every rank (collective)."""
+    """A table's full tensor; ShardedTensor and DTensor values are gathered onto every rank (collective)."""
     import torch.distributed as dist
 
     if dist.is_available():
         from torch.distributed._shard.sharded_tensor import ShardedTensor
         from torch.distributed.tensor import DTensor
 
-        if isinstance(weight, DTensor):
-            return weight.full_tensor().detach().cpu()
         if isinstance(weight, ShardedTensor):
-            full = torch.zeros(tuple(weight.size()), dtype=weight.dtype)
-            for shard in weight.local_shards():
-                offsets = shard.metadata.shard_offsets
-                sizes = shard.metadata.shard_sizes
-                full[offsets[0] : offsets[0] + sizes[0], offsets[1] : offsets[1] + sizes[1]].copy_(shard.tensor)
-            # every element lives on exactly one rank: the sum is the table, exactly
-            dist.all_reduce(full, group=getattr(weight, "_process_group", None))
-            return full
+            blocks = [(shard.tensor, tuple(shard.metadata.shard_offsets)) for shard in weight.local_shards()]
+            return _assemble(tuple(weight.size()), weight.dtype, blocks, getattr(weight, "_process_group", None))
+        if isinstance(weight, DTensor):
+            local = weight.to_local()
+            if hasattr(local, "local_shards") and hasattr(local, "local_offsets"):
+                # TorchRec's DTensors hold a LocalShardsWrapper: row-/table-wise blocks with their offsets
+                blocks = [(t, tuple(o)) for t, o in zip(local.local_shards(), local.local_offsets())]
+                return _assemble(tuple(weight.shape), weight.dtype, blocks, weight.device_mesh.get_group())
+            return weight.full_tensor().detach().cpu()
     if not isinstance(weight, torch.Tensor):
         raise WeightsError(f"table {table!r}: weight is a {type(weight).__name__}, expected a tensor")
     return weight.detach().cpu()
+
+
+def _assemble(
+    shape: tuple[int, ...], dtype: torch.dtype, blocks: list[tuple[torch.Tensor, tuple[int, ...]]], group: Any
+) -> torch.Tensor:
+    """The full table from every rank's blocks: each rank writes its own into zeros and all ranks sum. Every
+    element lives on exactly one rank, so the sum is the table, exactly."""
+    import torch.distributed as dist
+
+    full = torch.zeros(shape, dtype=dtype)
+    for block, offsets in blocks:
+        if block.numel() == 0:
+            continue
+        rows, cols = block.shape
+        full[offsets[0] : offsets[0] + rows, offsets[1] : offsets[1] + cols].copy_(block.detach().cpu())
+    dist.all_reduce(full, group=group)
+    return full
 
 
 # ---------------------------------------------------------------------------------------------- files
