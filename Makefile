@@ -33,8 +33,8 @@ demo: $(STAMP)
 	$(BIN)/embserve demo
 
 lint: $(STAMP)
-	$(BIN)/ruff check infer server tests bench
-	$(BIN)/ruff format --check infer server tests bench
+	$(BIN)/ruff check infer server tests bench examples
+	$(BIN)/ruff format --check infer server tests bench examples
 
 typecheck: $(STAMP)
 	$(BIN)/mypy infer server
