@@ -6,12 +6,12 @@ from __future__ import annotations
 import pytest
 import torch
 import torch.distributed.checkpoint as dcp
-from torchrec import EmbeddingBagCollection, EmbeddingBagConfig, EmbeddingCollection, EmbeddingConfig
+from torchrec import EmbeddingBagCollection, EmbeddingBagConfig, EmbeddingCollection, EmbeddingConfig, KeyedJaggedTensor
 from torchrec.models.dlrm import DLRM, DLRM_DCN, DLRM_Projection
 
 import infer
 from infer.config import DataType, ModelSpec, PoolingType, TableConfig
-from infer.errors import ConfigError, WeightsError
+from infer.errors import ConfigError, RequestError, WeightsError
 from infer.features import SparseFeatures
 from infer.interop.torchrec import from_torchrec, load_torchrec_checkpoint, spec_from_checkpoint
 from infer.modules.collection import QuantizedEmbeddingBagCollection
@@ -268,3 +268,23 @@ def test_sparse_features_from_and_to_kjt(trained):
     with_weights = SparseFeatures(features.keys, features.values, features.lengths, torch.rand(features.num_ids()))
     again = SparseFeatures.from_kjt(with_weights.to_kjt())
     assert again.weights is not None and torch.equal(again.weights, with_weights.weights)
+
+
+def test_variable_batch_kjt_is_refused():
+    vbe = KeyedJaggedTensor(
+        keys=["user_id", "item_id"],
+        values=torch.tensor([1, 2, 3, 4, 5]),
+        lengths=torch.tensor([1, 1, 1, 1, 1]),
+        stride_per_key_per_rank=[[2], [3]],
+    )
+    assert vbe.variable_stride_per_key()
+    with pytest.raises(RequestError, match="variable-batch"):
+        SparseFeatures.from_kjt(vbe)
+
+
+def test_pruned_table_is_named():
+    pruned = EmbeddingBagConfig(
+        name="pruned", num_embeddings=100, embedding_dim=8, feature_names=["p"], num_embeddings_post_pruning=10
+    )
+    with pytest.raises(ConfigError, match="table 'pruned'.*pruned"):
+        from_torchrec(EmbeddingBagCollection(tables=[pruned]))
