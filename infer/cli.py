@@ -88,8 +88,8 @@ def cmd_export(args: argparse.Namespace) -> int:
     spec = ModelSpec.load(args.spec).with_data_types(args.dtype, overrides)
     plan = _export_plan(args, spec)
     if plan is not None:
-        if args.plan:
-            _check_plan_data_types(plan, args.dtype, overrides, args.plan)
+        source = f"the plan {args.plan!r}" if args.plan else f"the plan made with --constraints {args.constraints!r}"
+        _check_plan_data_types(plan, args.dtype, overrides, source)
         # the plan may have chosen per-table data types (constraints): quantize to those
         spec = spec.with_data_types(overrides={t.table: t.data_type for t in plan.tables})
     spec = _with_dense_part(spec, args.dense_arch, args.no_dense, args.spec)
@@ -125,7 +125,7 @@ def _check_export_out(out: Path, force: bool) -> None:
         )
 
 
-def _check_plan_data_types(plan: ShardingPlan, dtype: str | None, overrides: dict[str, str], plan_file: str) -> None:
+def _check_plan_data_types(plan: ShardingPlan, dtype: str | None, overrides: dict[str, str], source: str) -> None:
     """--dtype/--table-dtype must agree with the plan's data types (the plan's memory was sized for those):
     a disagreement is an error naming the table, never a silent choice of one of them."""
     from infer.config import DataType
@@ -136,8 +136,8 @@ def _check_plan_data_types(plan: ShardingPlan, dtype: str | None, overrides: dic
             continue
         flag = f"--table-dtype {table.table}={flag_value}" if table.table in overrides else f"--dtype {flag_value}"
         raise ConfigError(
-            f"table {table.table!r}: {flag} disagrees with the plan {plan_file!r}, made for "
-            f"{table.data_type.value}; drop the flag, or re-plan with `embserve plan ... {flag}`"
+            f"table {table.table!r}: {flag} disagrees with {source}, which is sized for "
+            f"{table.data_type.value}; drop the flag, or re-plan with it (`embserve plan ... {flag}`)"
         )
 
 
@@ -172,8 +172,8 @@ def cmd_spec(args: argparse.Namespace) -> int:
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(text)
     print(
-        f"wrote {out}: {len(spec.tables)} tables, one feature per table named like it, SUM pooling, int8; "
-        "edit feature names, pooling, data types and num_dense_features before exporting"
+        f"wrote {out}: {len(spec.tables)} tables, one feature per table named like it, SUM pooling, int8, "
+        f"num_dense_features {spec.num_dense_features}; edit feature names, pooling and data types before exporting"
     )
     return 0
 

@@ -27,6 +27,8 @@ logger = logging.getLogger(__name__)
 # A table's weight in any TorchRec state dict: DLRM's ``sparse_arch.embedding_bag_collection.`` prefix,
 # DMP's stripped wrapper, a user's own module path: only the tail is fixed.
 _TABLE_KEY = re.compile(r"(?:^|\.)embedding_bags\.(?P<table>.+)\.weight$")
+# The first layer of a TorchRec DLRM's dense arch: its input width is the number of dense features.
+_DLRM_DENSE_INPUT_KEY = re.compile(r"(?:^|\.)dense_arch\.model\._mlp\.0\._linear\.weight$")
 
 _SUPPORTED = (
     "torchrec.modules.embedding_modules.EmbeddingBagCollection (float), "
@@ -347,22 +349,24 @@ def load_torchrec_checkpoint(source: str | Path | Mapping[str, Any], spec: Model
 
 def spec_from_checkpoint(source: str | Path) -> ModelSpec:
     """A starting spec from a TorchRec checkpoint: one table per ``embedding_bags.<table>.weight`` with its
-    shape, a feature named like the table, SUM pooling, INT8: edit feature names, pooling and types."""
+    shape, a feature named like the table, SUM pooling, INT8; ``num_dense_features`` from a DLRM's dense arch
+    when the checkpoint has one. Edit feature names, pooling and data types before exporting."""
     path = Path(source)
-    shapes: dict[str, tuple[int, ...]] = {}
+    all_shapes: dict[str, tuple[int, ...]] = {}
     if path.is_dir():
-        for key, (shape, _) in _dcp_tensors(path).items():
-            found = _TABLE_KEY.search(key)
-            if found:
-                shapes.setdefault(found["table"], shape)
+        all_shapes = {key: shape for key, (shape, _) in _dcp_tensors(path).items()}
     elif path.is_file():
-        state = _torch_load(path)
-        for key, value in state.items():
-            found = _TABLE_KEY.search(key)
-            if found and hasattr(value, "shape"):
-                shapes.setdefault(found["table"], tuple(value.shape))
+        all_shapes = {key: tuple(value.shape) for key, value in _torch_load(path).items() if hasattr(value, "shape")}
     else:
         raise WeightsError(f"TorchRec checkpoint {str(path)!r} does not exist (a state dict file or a DCP folder)")
+    shapes: dict[str, tuple[int, ...]] = {}
+    num_dense = 0
+    for key, shape in all_shapes.items():
+        found = _TABLE_KEY.search(key)
+        if found:
+            shapes.setdefault(found["table"], shape)
+        elif _DLRM_DENSE_INPUT_KEY.search(key) and len(shape) == 2:
+            num_dense = int(shape[1])
     if not shapes:
         raise WeightsError(f"{str(path)!r} holds no 'embedding_bags.<table>.weight' entries; is it a TorchRec model?")
     tables = []
@@ -370,7 +374,7 @@ def spec_from_checkpoint(source: str | Path) -> ModelSpec:
         if len(shape) != 2:
             raise WeightsError(f"{str(path)!r}: table {name!r} has shape {list(shape)}; expected [rows, dim]")
         tables.append(TableConfig(name, int(shape[0]), int(shape[1]), (name,)))
-    return ModelSpec(tuple(tables))
+    return ModelSpec(tuple(tables), num_dense)
 
 
 def _torch_load(path: Path) -> Mapping[str, Any]:

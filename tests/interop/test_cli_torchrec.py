@@ -50,6 +50,7 @@ def test_spec_from_torchrec_writes_an_editable_spec(trained, tmp_path, capsys):
         out = tmp_path / f"{source.stem}.json"
         assert main(["spec", "--from-torchrec", str(source), "--out", str(out)]) == 0
         spec = ModelSpec.load(out)
+        assert spec.num_dense_features == NUM_DENSE
         assert [(t.name, t.num_embeddings, t.embedding_dim, t.feature_names) for t in spec.tables] == [
             (t.name, t.num_embeddings, t.embedding_dim, (t.name,)) for t in imported.spec.tables
         ]
@@ -119,11 +120,17 @@ def test_plan_and_dtype_flags_that_disagree_are_an_error(trained, tmp_path, caps
     args += ["--plan", str(plan)]
     assert main([*args, "--out", str(tmp_path / "a"), "--table-dtype", "user=fp16"]) == 2
     message = _error(capsys)
-    assert "table 'user': --table-dtype user=fp16 disagrees with the plan" in message and "int8" in message
+    assert "table 'user': --table-dtype user=fp16 disagrees with the plan" in message and "sized for int8" in message
     assert main([*args, "--out", str(tmp_path / "b"), "--dtype", "int4"]) == 2
     assert "--dtype int4 disagrees" in _error(capsys)
     assert main([*args, "--out", str(tmp_path / "c"), "--dtype", "int8"]) == 0  # agreeing flags are fine
     assert infer.load(tmp_path / "c").manifest.world_size == 2
+    # a plan made here from constraints that set a table's type: the same rule
+    (tmp_path / "constraints.json").write_text(json.dumps({"query": {"data_type": "int4"}}))
+    made = ["--world-size", "2", "--constraints", str(tmp_path / "constraints.json"), "--out", str(tmp_path / "d")]
+    base = [a for a in args if a not in ("--plan", str(plan))]
+    assert main([*base, *made, "--table-dtype", "query=fp16"]) == 2
+    assert "table 'query': --table-dtype query=fp16 disagrees with the plan made with --constraints" in _error(capsys)
 
 
 def test_weights_and_from_torchrec_are_exclusive(trained, tmp_path, capsys):

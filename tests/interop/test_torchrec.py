@@ -7,7 +7,7 @@ import pytest
 import torch
 import torch.distributed.checkpoint as dcp
 from torchrec import EmbeddingBagCollection, EmbeddingBagConfig, EmbeddingCollection, EmbeddingConfig, KeyedJaggedTensor
-from torchrec.models.dlrm import DLRM, DLRM_DCN, DLRM_Projection
+from torchrec.models.dlrm import DLRM, DLRM_DCN, DLRM_Projection, DLRMTrain
 
 import infer
 from infer.config import DataType, ModelSpec, PoolingType, TableConfig
@@ -172,6 +172,8 @@ def test_dlrm_predict_equals_torchrec(kind, tmp_path):
     assert not torch.equal(expected, fp32)  # the comparison is against the quantized model, not fp32
     # the DLRM reads features in the fp32 EBC's KeyedTensor order; so do we
     assert list(runtime.spec.feature_names) == dlrm.sparse_arch.embedding_bag_collection(kjt).keys()
+    # TorchRec's training wrapper holds the same model
+    assert from_torchrec(DLRMTrain(dlrm)).spec.num_dense_features == NUM_DENSE
 
 
 # ---------------------------------------------------------------------------------------------- files
@@ -215,6 +217,7 @@ def test_spec_from_state_dict(dlrm_and_spec, tmp_path):
     torch.save(dlrm.state_dict(), tmp_path / "model.pt")
     written = spec_from_checkpoint(tmp_path / "model.pt")
     assert written.feature_names == tuple(t.name for t in spec.tables)  # features default to table names
+    assert written.num_dense_features == NUM_DENSE  # from the DLRM dense arch's first layer
     assert {t.name: (t.num_embeddings, t.embedding_dim) for t in written.tables} == {
         t.name: (t.num_embeddings, t.embedding_dim) for t in spec.tables
     }
