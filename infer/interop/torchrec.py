@@ -109,8 +109,7 @@ def from_torchrec(model: nn.Module, data_type: DataType | str | None = None) -> 
     or DTensor) are gathered collectively: every rank must call this, and every rank gets the full tables.
     For ``torchrec.models.dlrm.DLRM``/``DLRM_DCN``/``DLRM_Projection`` the spec carries the scriptable dense part.
     """
-    import torchrec  # noqa: F401 - fail here, with the install hint, when the extra is missing
-
+    _require_torchrec()
     root = _unwrap(model)
     name, module = _find_collection(root)
     configs = list(module.embedding_bag_configs() if hasattr(module, "embedding_bag_configs") else [])
@@ -156,6 +155,16 @@ def from_torchrec(model: nn.Module, data_type: DataType | str | None = None) -> 
         " with the DLRM dense part" if dense_arch is not None else "",
     )
     return ImportedModel(spec, weights, dense_arch, rows)
+
+
+def _require_torchrec() -> None:
+    try:
+        import torchrec  # noqa: F401
+    except ModuleNotFoundError as err:
+        raise ModuleNotFoundError(
+            f"{err}; infer.from_torchrec needs the torchrec extra: pip install 'embserve[torchrec]' "
+            "(torchrec==1.8.0 with --no-deps next to fbgemm-gpu-cpu, see the Makefile)"
+        ) from None
 
 
 def _unwrap(model: nn.Module) -> nn.Module:
