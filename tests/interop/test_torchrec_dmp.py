@@ -1,4 +1,4 @@
-"""A 2-process gloo DistributedModelParallel model (row-wise and table-wise tables): the model, its sharded
+"""A 2-process gloo DistributedModelParallel DLRM (row-wise and table-wise tables): the model, its sharded
 state_dict() (ShardedTensor or DTensor values) and a DCP save of it all import to the unsharded model's
 weights, bit for bit."""
 
@@ -69,3 +69,11 @@ def test_dmp_model_state_dict_and_dcp_import_the_unsharded_weights(dmp_outputs):
     from_dcp = load_torchrec_checkpoint(dmp_outputs / "dcp", spec)  # this process has no process group
     for name, expected in reference.items():
         assert torch.equal(from_dcp[name], expected), ("dcp", name)
+
+
+@pytest.mark.slow
+def test_dense_part_of_a_sharded_dlrm(dmp_outputs):
+    for rank in range(2):
+        outputs = torch.load(dmp_outputs / f"dense_rank{rank}.pt", weights_only=True)
+        assert outputs["ours"].shape == outputs["theirs"].shape == (8, 1)
+        torch.testing.assert_close(outputs["ours"], outputs["theirs"], rtol=1e-5, atol=1e-6)
