@@ -83,14 +83,25 @@ def cmd_export(args: argparse.Namespace) -> int:
 
     _check_export_out(Path(args.out), args.force)
     if bool(args.weights) == bool(args.from_torchrec):
-        raise EmbserveError("give the tables with exactly one of --weights CKPT and --from-torchrec PATH")
+        raise ConfigError("give the tables with exactly one of --weights CKPT and --from-torchrec PATH")
     overrides = _parse_table_dtypes(args.table_dtype)
     spec = ModelSpec.load(args.spec).with_data_types(args.dtype, overrides)
     plan = _export_plan(args, spec)
     if plan is not None:
         source = f"the plan {args.plan!r}" if args.plan else f"the plan made with --constraints {args.constraints!r}"
         _check_plan_data_types(plan, args.dtype, overrides, source)
-        # the plan may have chosen per-table data types (constraints): quantize to those
+        # the plan may have chosen per-table data types (constraints): quantize to those, and say so
+        for table in plan.tables:
+            declared = spec.table(table.table).data_type
+            if declared != table.data_type:
+                logger.warning(
+                    "table %s: the spec says %s, %s is sized for %s; exporting %s",
+                    table.table,
+                    declared.value,
+                    source,
+                    table.data_type.value,
+                    table.data_type.value,
+                )
         spec = spec.with_data_types(overrides={t.table: t.data_type for t in plan.tables})
     spec = _with_dense_part(spec, args.dense_arch, args.no_dense, args.spec)
     if args.from_torchrec:

@@ -4,6 +4,7 @@
 from __future__ import annotations
 
 import logging
+import warnings
 from pathlib import Path
 
 import torch
@@ -68,7 +69,9 @@ def _load(path: Path, spec: ModelSpec) -> nn.Module:
             ) from None
     example = (torch.zeros(_PROBE_BATCHES[0], spec.num_dense_features), torch.zeros(_PROBE_BATCHES[0], spec.output_dim))
     try:
-        with torch.no_grad():
+        with torch.no_grad(), warnings.catch_warnings():
+            # the program's own shape guards trace to constants; the probe calls below check other batch sizes
+            warnings.simplefilter("ignore", torch.jit.TracerWarning)
             traced = torch.jit.trace(program.module(), example, check_trace=False)
     except Exception as err:  # noqa: BLE001
         raise ConfigError(

@@ -111,7 +111,7 @@ def test_export_into_existing_folder_needs_force(trained, tmp_path, capsys):
     assert infer.load(out).spec.table("user").data_type == DataType.FP16
 
 
-def test_plan_and_dtype_flags_that_disagree_are_an_error(trained, tmp_path, capsys):
+def test_plan_and_dtype_flags_that_disagree_are_an_error(trained, tmp_path, capsys, caplog):
     _, _, folder = trained
     plan = tmp_path / "plan.json"
     plan_args = ["plan", "--spec", str(folder / "spec.json"), "--world-size", "2", "--compute-device", "cpu"]
@@ -131,6 +131,11 @@ def test_plan_and_dtype_flags_that_disagree_are_an_error(trained, tmp_path, caps
     base = [a for a in args if a not in ("--plan", str(plan))]
     assert main([*base, *made, "--table-dtype", "query=fp16"]) == 2
     assert "table 'query': --table-dtype query=fp16 disagrees with the plan made with --constraints" in _error(capsys)
+    # without flags the plan's type is exported, and the difference from the spec is said
+    made[-1] = str(tmp_path / "e")
+    assert main([*base, *made]) == 0
+    assert infer.load(tmp_path / "e").spec.table("query").data_type == DataType.INT4
+    assert "table query: the spec says int8" in caplog.text and "exporting int4" in caplog.text
 
 
 def test_weights_and_from_torchrec_are_exclusive(trained, tmp_path, capsys):
