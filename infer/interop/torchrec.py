@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import logging
 import re
+import warnings
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -455,7 +456,10 @@ def _read_dcp(path: Path, spec: ModelSpec) -> dict[str, torch.Tensor]:
             )
     state = {key: torch.empty(tensors[key][0], dtype=tensors[key][1]) for key in tables.values()}
     try:
-        dcp.load(state, checkpoint_id=str(path), no_dist=True)
+        with warnings.catch_warnings():
+            # reading without a process group is the point; DCP warns that it assumes so
+            warnings.filterwarnings("ignore", message="torch.distributed is disabled", category=UserWarning)
+            dcp.load(state, checkpoint_id=str(path), no_dist=True)
     except Exception as err:  # noqa: BLE001 - DCP wraps reader failures in several types
         raise WeightsError(f"cannot read the tables from DCP checkpoint {str(path)!r}: {err}") from None
     return {name: state[key] for name, key in tables.items()}
