@@ -78,9 +78,15 @@ def test_imported_tables_are_the_models_weights(trained):
 
 def test_quantized_ebc_imports_its_bytes_exactly(trained):
     _, _, imported, kjt = trained
-    quantized = quantize_ebc(Wrapper(float_ebc(seed=0)), per_table={"city": torch.float16})
+    per_table = {"city": torch.float16, "device": torch.quint4x2, "query": torch.quint2x4}
+    quantized = quantize_ebc(Wrapper(float_ebc(seed=0)), per_table=per_table)
     again = from_torchrec(quantized)
-    assert again.spec.table("city").data_type == DataType.FP16
+    assert [again.spec.table(t).data_type for t in ("city", "device", "query", "user")] == [
+        DataType.FP16,
+        DataType.INT4,
+        DataType.INT2,
+        DataType.INT8,
+    ]
     model = again.quantize()
     theirs = {}
     qebc = quantized.ebc
@@ -100,6 +106,24 @@ def test_quantized_ebc_imports_its_bytes_exactly(trained):
     for feature in again.spec.features:
         if feature.pooling == PoolingType.SUM:
             assert torch.equal(pooled[:, feature.column_start : feature.column_end], expected[feature.name])
+
+
+def test_weighted_ebc_equals_torchrec(trained):
+    tables = [
+        EmbeddingBagConfig(name="clicks", num_embeddings=200, embedding_dim=8, feature_names=["clicked", "liked"]),
+        EmbeddingBagConfig(name="views", num_embeddings=100, embedding_dim=8, feature_names=["viewed"]),
+    ]
+    torch.manual_seed(3)
+    model = Wrapper(EmbeddingBagCollection(tables=tables, is_weighted=True))
+    imported = from_torchrec(model)
+    rows = {"clicked": 200, "liked": 200, "viewed": 100}
+    kjt = random_kjt(list(rows), rows, batch=16, seed=5)
+    weighted = KeyedJaggedTensor.from_lengths_sync(
+        keys=kjt.keys(), values=kjt.values(), lengths=kjt.lengths(), weights=torch.rand(kjt.values().numel())
+    )
+    expected = quantize_ebc(model)(weighted).values()
+    pooled = imported.quantize()(weighted.values(), weighted.lengths().to(torch.int32), weighted.weights())
+    assert torch.equal(pooled, expected)
 
 
 def test_quantized_table_asked_for_another_type_is_requantized(trained):
