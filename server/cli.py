@@ -14,6 +14,11 @@ from typing import Any
 
 def cmd_serve(args: argparse.Namespace) -> int:
     import asyncio
+    import signal
+    import sys
+
+    # Until the server's event loop takes the signals over, a SIGTERM while loading ends the process quietly.
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(0))
 
     from server.app import ServerConfig, serve
     from server.auth import read_token_file
@@ -26,11 +31,13 @@ def cmd_serve(args: argparse.Namespace) -> int:
         max_queue=args.max_queue,
         workers=args.workers,
         intra_op_threads=args.intra_op_threads,
+        threads=args.threads,
         max_message_bytes=args.max_message_mb * 1024 * 1024,
         metrics_port=args.metrics_port,
         tls_cert=args.tls_cert,
         tls_key=args.tls_key,
         auth_token=read_token_file(args.auth_token_file) if args.auth_token_file else None,
+        drain_grace_s=args.drain_grace_s,
         drain_seconds=args.drain_seconds,
     )
     return asyncio.run(serve(args.artifact, config))
@@ -92,7 +99,7 @@ def serve_demo(artifact: Path) -> int:
     from server.launch import spawn_server
 
     print("\nserving the artifact over gRPC (loopback) and querying it with the Python client:", flush=True)
-    server, port = spawn_server(artifact)
+    server, port = spawn_server(artifact, "--drain-grace-s", "1")
     try:
         runtime = load(artifact)
         batch = SparseFeatures.random(runtime.spec, batch_size=8, ids_per_bag=10, seed=3)
@@ -124,12 +131,26 @@ def add_subcommands(subcommands: Any) -> None:
     srv.add_argument("--max-queue", type=int, default=1024, help="queued requests before RESOURCE_EXHAUSTED")
     srv.add_argument("--workers", type=int, default=0, help="concurrent forwards (0: cores / CPU shards)")
     srv.add_argument("--intra-op-threads", type=int, default=0, help="torch threads per forward (0: auto)")
+    srv.add_argument(
+        "--threads",
+        type=int,
+        default=0,
+        help="ranges a CPU kernel splits a batch into (0: cores / (workers x kernels))",
+    )
     srv.add_argument("--max-message-mb", type=int, default=64)
     srv.add_argument("--metrics-port", type=int, default=None, help="Prometheus /metrics port")
     srv.add_argument("--tls-cert", default=None)
     srv.add_argument("--tls-key", default=None)
     srv.add_argument("--auth-token-file", default=None, help="require 'authorization: Bearer <token>'")
-    srv.add_argument("--drain-seconds", type=float, default=30.0)
+    srv.add_argument(
+        "--drain-grace-s",
+        type=float,
+        default=5.0,
+        help="after SIGTERM: seconds of NOT_SERVING while still serving, for load balancers to move away",
+    )
+    srv.add_argument(
+        "--drain-seconds", type=float, default=30.0, help="then: the longest wait for accepted calls to finish"
+    )
     srv.set_defaults(func=cmd_serve)
 
     qry = subcommands.add_parser("query", help="query a server: metadata and one lookup")
