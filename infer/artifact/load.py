@@ -12,19 +12,25 @@ import torch
 from infer.artifact.fbgemm_libs import load_fbgemm
 from infer.artifact.manifest import MANIFEST_FILE, Manifest
 from infer.artifact.runtime import Runtime
-from infer.errors import ArtifactError, ArtifactErrorKind
+from infer.errors import ArtifactError, ArtifactErrorKind, ConfigError
 
 logger = logging.getLogger(__name__)
 
 MODEL = ArtifactErrorKind.MODEL
+BACKENDS = ("torchscript", "onnxruntime")
 
 
 def load(
     artifact_dir: str | Path,
     device_map: Mapping[str, str] | None = None,
     intra_op_threads: int | None = None,
+    backend: str = "torchscript",
 ) -> Runtime:
     """Verify and load an artifact; returns a ``Runtime`` with ``lookup`` and ``predict``.
+
+    ``backend="onnxruntime"`` runs the artifact's ``model.onnx`` (exported with ``onnx=True``) on
+    onnxruntime's CPU provider instead of ``model.pt``: same checks first, same API, same errors, and
+    fbgemm is never imported. ``intra_op_threads`` then sets onnxruntime's threads (default: its own).
 
     ``device_map`` (e.g. ``{"cuda:0": "cpu", "cuda:1": "cpu"}``) moves an artifact built for other
     devices onto this host's; without it an artifact built for CUDA does not load on a CPU-only host.
@@ -33,11 +39,19 @@ def load(
     only compete with it, so unless ``intra_op_threads`` says otherwise it is set (process-wide) to
     cores // N (at least 1). ``intra_op_threads=0`` leaves torch's setting alone.
     """
+    if backend not in BACKENDS:
+        raise ConfigError(f"unknown backend {backend!r}; choose one of {list(BACKENDS)}")
     folder = Path(artifact_dir)
     if not folder.is_dir():
         raise ArtifactError(f"{folder} is not a folder; pass the artifact folder written by export", path=str(folder))
     manifest = Manifest.read(folder)
     manifest.verify_files(folder)
+    if backend == "onnxruntime":
+        if device_map:
+            raise ConfigError("device_map applies to the torchscript backend; the ONNX graph runs on onnxruntime's CPU")
+        from infer.artifact.onnx_runtime import load_onnx
+
+        return load_onnx(folder, manifest, intra_op_threads or None)
     mapping = dict(device_map or {})
     targets = [mapping.get(d, d) for d in manifest.devices]
     missing = [d for d in targets if d.startswith("cuda") and not _cuda_device_exists(d)]
