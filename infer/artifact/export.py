@@ -99,9 +99,7 @@ def export(
     return out_dir
 
 
-def _export_onnx(
-    model: torch.nn.Module, folder: Path, plan: ShardingPlan | None, pooling: str | None
-) -> OnnxEntry:
+def _export_onnx(model: torch.nn.Module, folder: Path, plan: ShardingPlan | None, pooling: str | None) -> OnnxEntry:
     from infer.artifact import onnx_export
 
     started = time.monotonic()

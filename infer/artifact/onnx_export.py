@@ -23,7 +23,9 @@ into their bags with ``ScatterND(reduction='add')``.
 
 from __future__ import annotations
 
+import copy
 import logging
+import warnings
 from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -37,7 +39,7 @@ from infer.errors import ArtifactError, ArtifactErrorKind, ConfigError
 from infer.quant.rowwise import SCALE_BIAS_BYTES, row_data_bytes
 
 if TYPE_CHECKING:
-    import onnx
+    pass
 
 logger = logging.getLogger(__name__)
 
@@ -52,6 +54,7 @@ DEFAULT_POOLING = "padded"
 # (memory-mappable), small ones on 64 bytes so small test tables do not grow by padding.
 _EXTERNAL_MIN_BYTES = 1024
 _PAGE_ALIGN_MIN_BYTES = 1 << 20
+_CHUNK_BYTES = 64 << 20
 
 
 @dataclass(frozen=True)
@@ -95,7 +98,7 @@ def model_tables(model: torch.nn.Module) -> list[TableBytes]:
     from infer.modules.collection import QuantizedEmbeddingBagCollection
 
     spec: ModelSpec = model.spec  # type: ignore[assignment]
-    embeddings = model.embeddings  # type: ignore[union-attr]
+    embeddings: torch.nn.Module = model.embeddings  # type: ignore[assignment]
     if isinstance(embeddings, QuantizedEmbeddingBagCollection):
         pairs = embeddings.table_weights()
         tables = []
@@ -117,9 +120,9 @@ def _reassemble_shards(spec: ModelSpec, embeddings: torch.nn.Module) -> list[Tab
     for table in spec.tables:
         width = row_data_bytes(table.embedding_dim, table.data_type)
         data = torch.zeros(table.num_embeddings, width, dtype=torch.uint8)
-        scale_bias = (
-            torch.zeros(table.num_embeddings, SCALE_BIAS_BYTES, dtype=torch.uint8) if table.data_type.is_integer else None
-        )
+        scale_bias = None
+        if table.data_type.is_integer:
+            scale_bias = torch.zeros(table.num_embeddings, SCALE_BIAS_BYTES, dtype=torch.uint8)
         full[table.name] = (data, scale_bias)
         covered[table.name] = torch.zeros(table.num_embeddings, table.embedding_dim, dtype=torch.bool)
     for device in embeddings.shards:  # type: ignore[union-attr]
@@ -201,8 +204,9 @@ def _lut(bits: int) -> np.ndarray:
 
 
 def _table_initializers(g: _Graph, table: TableBytes) -> tuple[str, str | None]:
-    """The table's initializers: (codes or values, fp16 [scale, bias] or None)."""
-    data = table.data.contiguous().numpy()
+    """The table's initializers: (codes or values, fp16 [scale, bias] or None). Views of the TBE's
+    weights, not copies: a table set over 2 GB is written to the data file in chunks."""
+    data = table.data.numpy()
     dtype = table.config.data_type
     name = table.config.name
     if dtype == DataType.FP32:
@@ -210,7 +214,7 @@ def _table_initializers(g: _Graph, table: TableBytes) -> tuple[str, str | None]:
     if dtype == DataType.FP16:
         return g.table(f"table.{name}.fp16", data.view(np.float16)), None
     assert table.scale_bias is not None
-    scale_bias = table.scale_bias.contiguous().numpy().view(np.float16)  # [rows, 2]: scale, bias
+    scale_bias = table.scale_bias.numpy().view(np.float16)  # [rows, 2]: scale, bias
     return g.table(f"table.{name}.codes", data), g.table(f"table.{name}.scale_bias", scale_bias)
 
 
@@ -368,18 +372,21 @@ def export_dense(dense_arch: torch.nn.Module, num_dense: int, output_dim: int, p
     exporter (dynamo=False: the dynamo exporter needs onnxscript, which the extra does not carry)."""
     onnx = _require_onnx()
     example = (torch.zeros(2, num_dense), torch.zeros(2, output_dim))
-    module = dense_arch.cpu().eval()
+    module = copy.deepcopy(dense_arch).cpu().eval()  # the model itself stays where it is
     try:
-        torch.onnx.export(
-            module,
-            example,
-            str(path),
-            dynamo=False,
-            opset_version=OPSET,
-            input_names=["dense_features", "pooled"],
-            output_names=["scores"],
-            dynamic_axes={"dense_features": {0: "batch"}, "pooled": {0: "batch"}, "scores": {0: "batch"}},
-        )
+        with warnings.catch_warnings():
+            # torch 2.13 warns that this exporter is the legacy one; it is the one that needs no onnxscript
+            warnings.simplefilter("ignore", DeprecationWarning)
+            torch.onnx.export(
+                module,
+                example,
+                str(path),
+                dynamo=False,
+                opset_version=OPSET,
+                input_names=["dense_features", "pooled"],
+                output_names=["scores"],
+                dynamic_axes={"dense_features": {0: "batch"}, "pooled": {0: "batch"}, "scores": {0: "batch"}},
+            )
     except Exception as err:  # noqa: BLE001 - torch.onnx raises many error types
         raise ConfigError(f"the dense part ({type(dense_arch).__name__}) cannot be exported to ONNX: {err}") from None
     return onnx.load(str(path))
@@ -427,6 +434,7 @@ def _externalize(model: Any, arrays: dict[str, np.ndarray], folder: Path, locati
             entry = tensor.external_data.add()
             entry.key, entry.value = key, value
         tensor.data_location = onnx.TensorProto.EXTERNAL
+
     with (folder / location).open("wb") as handle:
 
         def write(array: np.ndarray) -> tuple[int, int]:
@@ -434,7 +442,9 @@ def _externalize(model: Any, arrays: dict[str, np.ndarray], folder: Path, locati
             offset = -handle.tell() % align
             handle.write(b"\0" * offset)
             start = handle.tell()
-            handle.write(memoryview(np.ascontiguousarray(array)).cast("B"))
+            rows_per_chunk = max(1, _CHUNK_BYTES // max(1, array.nbytes // max(1, len(array))))
+            for first in range(0, max(1, len(array)), rows_per_chunk):
+                np.ascontiguousarray(array[first : first + rows_per_chunk]).tofile(handle)
             return start, array.nbytes
 
         for tensor in graph.initializer:
@@ -474,7 +484,7 @@ def export_onnx(
         opset_imports=[onnx.helper.make_opsetid("", OPSET)],
         ir_version=IR_VERSION,
         producer_name="embserve",
-        doc_string="embserve quantized embedding-bag model: tables in TBE row bytes, dequantized and pooled in the graph",
+        doc_string="embserve embedding-bag model: tables in TBE row bytes, dequantized and pooled in the graph",
     )
     _externalize(onnx_model, arrays, folder, ONNX_DATA_FILE)
     onnx.save_model(onnx_model, str(folder / ONNX_MODEL_FILE))
