@@ -96,8 +96,12 @@ def cmd_export(args: argparse.Namespace) -> int:
         print()
         print(format_stats(plan))
         model = shard_model(model, plan)
-    out = export(model, args.out, plan=plan)
-    print(f"exported {out}" + (f" ({plan.topology.world_size} shards)" if plan is not None else ""))
+    out = export(model, args.out, plan=plan, onnx=args.onnx, onnx_pooling=args.onnx_pooling)
+    print(
+        f"exported {out}"
+        + (f" ({plan.topology.world_size} shards)" if plan is not None else "")
+        + (" with model.onnx" if args.onnx else "")
+    )
     return 0
 
 
@@ -144,6 +148,13 @@ def cmd_inspect(args: argparse.Namespace) -> int:
     print(f"devices      {', '.join(manifest.devices)}")
     sharding = f"{manifest.world_size} shards, plan in {manifest.plan_file}" if manifest.plan_file else "unsharded"
     print(f"sharding     {sharding}")
+    if manifest.onnx is not None:
+        onnx = manifest.onnx
+        print(
+            f"onnx         {onnx.model_file} (+ {', '.join(onnx.data_files)}), opset {onnx.opset}, onnx "
+            f"{onnx.onnx_version}, onnxruntime {onnx.onnxruntime_version}, pooling {onnx.pooling}"
+            + (f", dense part alone in {onnx.dense_file}" if onnx.dense_file else "")
+        )
     dense = f"yes ({spec.num_dense_features} dense features)" if manifest.has_dense else "no"
     print(f"dense part   {dense}")
     print(f"output       [batch, {spec.output_dim}] float32")
@@ -172,8 +183,8 @@ def cmd_run(args: argparse.Namespace) -> int:
 
     started = time.monotonic()
     device_map = dict(item.split("=", 1) for item in args.device_map.split(",")) if args.device_map else None
-    runtime = load(args.artifact, device_map=device_map)
-    print(f"loaded {args.artifact} (checksums verified) in {time.monotonic() - started:.2f}s")
+    runtime = load(args.artifact, device_map=device_map, backend=args.backend)
+    print(f"loaded {args.artifact} (checksums verified, {runtime.backend}) in {time.monotonic() - started:.2f}s")
     batch = SparseFeatures.random(runtime.spec, batch_size=args.batch_size, ids_per_bag=args.ids_per_bag, seed=1)
     pooled = runtime.lookup(batch)
     times = []
@@ -259,6 +270,8 @@ def build_parser() -> argparse.ArgumentParser:
     exp.add_argument("--device-memory", default=None, help="memory per device for planning, e.g. 16GB")
     exp.add_argument("--constraints", default=None, help="planner constraints JSON")
     exp.add_argument("--plan", default=None, help="shard with this plan JSON (from embserve plan)")
+    exp.add_argument("--onnx", action="store_true", help="also write model.onnx (+ dense.onnx) for onnxruntime")
+    exp.add_argument("--onnx-pooling", default=None, help="ONNX pooling design: padded (default), prefix_sum, scatter")
     exp.set_defaults(func=cmd_export)
 
     ins = sub.add_parser("inspect", help="print an artifact's manifest")
@@ -290,6 +303,9 @@ def build_parser() -> argparse.ArgumentParser:
     run.add_argument("--ids-per-bag", type=int, default=20)
     run.add_argument("--iterations", type=int, default=10)
     run.add_argument("--device-map", default=None, metavar="FROM=TO,...", help="e.g. cuda:0=cpu,cuda:1=cpu")
+    run.add_argument(
+        "--backend", choices=["torchscript", "onnxruntime"], default="torchscript", help="model.pt or model.onnx"
+    )
     run.set_defaults(func=cmd_run)
     return parser
 

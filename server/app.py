@@ -179,7 +179,7 @@ async def create_server(artifact: str | Path | Runtime, config: ServerConfig = S
     return running
 
 
-async def serve(artifact: str | Path, config: ServerConfig = ServerConfig()) -> int:
+async def serve(artifact: str | Path | Runtime, config: ServerConfig = ServerConfig()) -> int:
     """Run until SIGTERM or SIGINT, then drain: NOT_SERVING, in-flight calls finish, exit code 0."""
     running = await create_server(artifact, config)
     print(f"{SERVING_LINE} {running.port}", flush=True)

@@ -33,7 +33,12 @@ def cmd_serve(args: argparse.Namespace) -> int:
         auth_token=read_token_file(args.auth_token_file) if args.auth_token_file else None,
         drain_seconds=args.drain_seconds,
     )
-    return asyncio.run(serve(args.artifact, config))
+    artifact: Any = args.artifact
+    if args.backend != "torchscript":
+        from infer.artifact.load import load
+
+        artifact = load(args.artifact, backend=args.backend)
+    return asyncio.run(serve(artifact, config))
 
 
 def cmd_query(args: argparse.Namespace) -> int:
@@ -130,6 +135,12 @@ def add_subcommands(subcommands: Any) -> None:
     srv.add_argument("--tls-key", default=None)
     srv.add_argument("--auth-token-file", default=None, help="require 'authorization: Bearer <token>'")
     srv.add_argument("--drain-seconds", type=float, default=30.0)
+    srv.add_argument(
+        "--backend",
+        choices=["torchscript", "onnxruntime"],
+        default="torchscript",
+        help="run model.pt (fbgemm) or model.onnx (onnxruntime; export with --onnx)",
+    )
     srv.set_defaults(func=cmd_serve)
 
     qry = subcommands.add_parser("query", help="query a server: metadata and one lookup")

@@ -321,3 +321,17 @@ def test_worst_relative_error_seen():
     """Prints the largest |onnxruntime - TorchScript| / magnitude of the parity tests (the issue's report)."""
     print(f"\nONNX parity, max relative error per artifact: {WORST}")
     assert all(error <= TOLERANCE for error in WORST.values())
+
+
+def test_cli_export_onnx_then_run_with_onnxruntime(tmp_path):
+    spec = mixed_spec()
+    (tmp_path / "spec.json").write_text(spec.to_json())
+    torch.save(random_weights(spec, seed=2), tmp_path / "ckpt.pt")
+    out = tmp_path / "art"
+    command = [sys.executable, "-m", "infer.cli", "export", "--spec", str(tmp_path / "spec.json")]
+    command += ["--weights", str(tmp_path / "ckpt.pt"), "--out", str(out), "--onnx", "--world-size", "2"]
+    result = subprocess.run(command, capture_output=True, text=True, timeout=300)
+    assert result.returncode == 0, result.stderr
+    assert "(2 shards) with model.onnx" in result.stdout
+    batch = random_batch(spec, 9, weighted=True, seed=7)
+    assert _relative(load(out, backend="onnxruntime").lookup(batch), load(out).lookup(batch)) <= TOLERANCE
