@@ -80,6 +80,9 @@ class OnnxExport:
 def _require_onnx() -> Any:
     try:
         import onnx
+        import onnx.checker
+        import onnx.helper
+        import onnx.numpy_helper
     except ImportError as err:
         raise ConfigError(
             f"ONNX export needs the onnx package ({err}); install the extra: pip install 'embserve[onnx]'"
