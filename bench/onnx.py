@@ -24,8 +24,6 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
-import torch
-
 from infer.artifact.export import export
 from infer.artifact.load import load
 from infer.artifact.onnx_export import DEFAULT_POOLING, POOLINGS, export_onnx

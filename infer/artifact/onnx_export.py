@@ -26,7 +26,7 @@ from __future__ import annotations
 import copy
 import logging
 import warnings
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -48,7 +48,7 @@ IR_VERSION = 9  # opset 18's IR; onnxruntime 1.32 reads up to 11
 ONNX_MODEL_FILE = "model.onnx"
 ONNX_DATA_FILE = "model.onnx.data"
 DENSE_ONNX_FILE = "dense.onnx"
-POOLINGS = ("padded", "prefix_sum", "scatter")
+POOLINGS = ("padded", "padded_reduce", "prefix_sum", "scatter")
 DEFAULT_POOLING = "padded"
 # Initializers at least this large go to the external data file; big ones start on a page boundary
 # (memory-mappable), small ones on 64 bytes so small test tables do not grow by padding.
@@ -193,6 +193,16 @@ class _Graph:
             self._constants[key] = name
         return self._constants[key]
 
+    def branch(self, build: Callable[[], str]) -> Any:
+        """A subgraph (``If`` branch) of the nodes ``build`` adds; it reads outer names and returns one FP32."""
+        outer, self.nodes = self.nodes, []
+        try:
+            out = build()
+            value = self.helper.make_tensor_value_info(out, self.onnx.TensorProto.FLOAT, None)
+            return self.helper.make_graph(self.nodes, self.name("branch"), [], [value])
+        finally:
+            self.nodes = outer
+
     def table(self, name: str, array: np.ndarray) -> str:
         self.external[name] = array
         return name
@@ -238,11 +248,16 @@ class _FeatureInputs:
     ids: str  # INT64 [n_f]
     weights: str  # FP32 [n_f]
     lengths: str  # INT64 [B]
-    index: int
+    begin: str  # INT64 [1]: the feature's first id in ``values``
+    end: str  # INT64 [1]
+    is_weighted: str  # BOOL scalar: the request carries one weight per id
 
 
-def _pool_padded(g: _Graph, table: TableBytes, init: tuple[str, str | None], f: _FeatureInputs) -> str:
-    """``[B, max_len]`` grid of the feature's ids; padding gets weight 0; one batched MatMul pools."""
+def _pool_padded(
+    g: _Graph, table: TableBytes, init: tuple[str, str | None], f: _FeatureInputs, matmul: bool = True
+) -> str:
+    """``[B, max_len]`` grid of the feature's ids; padding gets weight 0; one batched MatMul pools
+    (or, ``matmul=False``, a Mul and a ReduceSum over the grid's length axis)."""
     onnx = g.onnx
     dim = table.config.embedding_dim
     lengths = f.lengths
@@ -253,18 +268,36 @@ def _pool_padded(g: _Graph, table: TableBytes, init: tuple[str, str | None], f: 
     inside = g.op("Less", [steps, g.op("Unsqueeze", [lengths, g.const([1], np.int64)])])  # [B, L]
     grid = g.op("Where", [inside, grid, g.const(0, np.int64)])
     ids = g.op("Gather", [f.ids, grid], axis=0)  # [B, L]
-    weights = g.op("Where", [inside, g.op("Gather", [f.weights, grid], axis=0), g.const(0.0, np.float32)])
+    # unweighted requests (the 1.0 default: fewer weights than ids) skip gathering the weights
+    weighted = g.branch(
+        lambda: g.op(
+            "Where",
+            [
+                inside,
+                g.op("Gather", [g.op("Slice", ["weights", f.begin, f.end]), grid], axis=0),
+                g.const(0.0, np.float32),
+            ],
+        )
+    )
+    unweighted = g.branch(lambda: g.op("Cast", [inside], to=onnx.TensorProto.FLOAT))
+    weights = g.op("If", [f.is_weighted], then_branch=weighted, else_branch=unweighted)
     weights3 = g.op("Unsqueeze", [weights, g.const([2], np.int64)])  # [B, L, 1]
     data, scale_bias = init
     rows = _dequantized(g, table, g.op("Gather", [data, ids], axis=0), dim)  # [B, L, D]
     if scale_bias is None:
+        if not matmul:
+            return g.op("ReduceSum", [g.op("Mul", [rows, weights3]), g.const([1], np.int64)], keepdims=0)
         factors = g.op("Unsqueeze", [weights, g.const([1], np.int64)])  # [B, 1, L]
         return g.op("Squeeze", [g.op("MatMul", [factors, rows]), g.const([1], np.int64)])
     sb = g.op("Cast", [g.op("Gather", [scale_bias, ids], axis=0)], to=onnx.TensorProto.FLOAT)  # [B, L, 2]
     scale = g.op("Slice", [sb, g.const([0], np.int64), g.const([1], np.int64), g.const([2], np.int64)])
     bias = g.op("Slice", [sb, g.const([1], np.int64), g.const([2], np.int64), g.const([2], np.int64)])
-    factors = g.op("Transpose", [g.op("Mul", [scale, weights3])], perm=[0, 2, 1])  # [B, 1, L]
-    pooled = g.op("Squeeze", [g.op("MatMul", [factors, rows]), g.const([1], np.int64)])  # [B, D]
+    if matmul:
+        factors = g.op("Transpose", [g.op("Mul", [scale, weights3])], perm=[0, 2, 1])  # [B, 1, L]
+        pooled = g.op("Squeeze", [g.op("MatMul", [factors, rows]), g.const([1], np.int64)])  # [B, D]
+    else:
+        scaled = g.op("Mul", [rows, g.op("Mul", [scale, weights3])])
+        pooled = g.op("ReduceSum", [scaled, g.const([1], np.int64)], keepdims=0)
     bias_sum = g.op("ReduceSum", [g.op("Mul", [bias, weights3]), g.const([1], np.int64)], keepdims=0)  # [B, 1]
     return g.op("Add", [pooled, bias_sum])
 
@@ -318,7 +351,16 @@ def _int64_tensor(g: _Graph, value: int) -> Any:
     return g.onnx.numpy_helper.from_array(np.array([value], dtype=np.int64))
 
 
-_POOLERS = {"padded": _pool_padded, "prefix_sum": _pool_prefix_sum, "scatter": _pool_scatter}
+def _pool_padded_reduce(g: _Graph, table: TableBytes, init: tuple[str, str | None], f: _FeatureInputs) -> str:
+    return _pool_padded(g, table, init, f, matmul=False)
+
+
+_POOLERS = {
+    "padded": _pool_padded,
+    "padded_reduce": _pool_padded_reduce,
+    "prefix_sum": _pool_prefix_sum,
+    "scatter": _pool_scatter,
+}
 
 
 def build_embedding_graph(
@@ -340,6 +382,7 @@ def build_embedding_graph(
     starts = g.op("Sub", [ends, totals])
     # weights default to one 1.0 (an overridable initializer): Expand gives [N] either way
     weights = g.op("Expand", ["weights", g.op("Shape", ["values"])])
+    is_weighted = g.op("Equal", [g.op("Size", ["weights"]), g.op("Size", ["values"])])
     pooled: list[str] = []
     for index, info in enumerate(spec.features):
         at = g.const([index], np.int64)
@@ -348,8 +391,10 @@ def build_embedding_graph(
         feature = _FeatureInputs(
             ids=g.op("Slice", ["values", begin, end], hint=f"ids_{info.name}"),
             weights=g.op("Slice", [weights, begin, end]),
+            begin=begin,
+            end=end,
+            is_weighted=is_weighted,
             lengths=g.op("Gather", [per_bag, g.const(index, np.int64)], axis=0),
-            index=index,
         )
         table = by_name[info.table]
         out = _POOLERS[pooling](g, table, inits[info.table], feature)
