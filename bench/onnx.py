@@ -3,10 +3,11 @@
 For W64 and W128 (8 INT8 tables, 20 ids per bag, SUM; rows reduced with ``--rows`` to fit the time)
 prints one JSON line per case with M lookups/s and the ratio to the TorchScript artifact measured in
 the same run on the same batches (cycled so the touched rows exceed the cache), through the same
-``Runtime.lookup`` (validation included). Cases: every ONNX pooling design (``padded``, ``prefix_sum``,
-``scatter``) at onnxruntime's default threads, the default design on one thread, and the default
-design's bare ``session.run`` (no validation). Then one line per workload with export seconds and
-file sizes against ``model.pt``. Cases are interleaved round by round so machine noise hits all alike.
+``Runtime.lookup`` (validation included). Cases: every ONNX pooling design (``padded``, ``padded_reduce``,
+``prefix_sum``, ``scatter``) at onnxruntime's default threads, the default design on one thread, and the
+default design's bare ``session.run`` (no validation); the TBE artifact runs with ``--torch-threads`` (1).
+Then one line per workload and design with export seconds and file sizes against ``model.pt``. Cases
+are interleaved round by round so machine noise hits all alike.
 
     python bench/onnx.py                       # 200,000 rows per table
     python bench/onnx.py --rows 50000 --rounds 3
@@ -23,6 +24,8 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
+
+import torch
 
 from infer.artifact.export import export
 from infer.artifact.load import load
@@ -149,7 +152,15 @@ def main() -> None:
     parser.add_argument("--min-seconds", type=float, default=1.0, help="per case and round")
     parser.add_argument("--workloads", default="W64,W128")
     parser.add_argument("--poolings", default=",".join(POOLINGS))
+    parser.add_argument(
+        "--torch-threads",
+        type=int,
+        default=1,
+        help="torch intra-op threads for the TBE artifact (one TBE call runs on one core; more threads only "
+        "add OpenMP barriers to its small validation ops, which a loaded machine punishes)",
+    )
     args = parser.parse_args()
+    torch.set_num_threads(args.torch_threads)
     chosen = args.workloads.split(",")
     all_workloads = [Workload("W64", 8, args.rows, 64, 512, 20), Workload("W128", 8, args.rows, 128, 2048, 20)]
     with tempfile.TemporaryDirectory(prefix="bench-onnx-") as tmp:
