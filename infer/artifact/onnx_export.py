@@ -16,9 +16,11 @@ end): the onnxruntime backend validates every request first, like the TorchScrip
 
 Pooling designs (``POOLINGS``), measured by ``bench/onnx.py``: ``padded`` (default) gathers each
 feature's ids into a ``[B, max_len]`` grid, masks the padding through the weights and pools with one
-batched MatMul of the per-id ``weight x scale`` against the codes; ``prefix_sum`` dequantizes the
-``[n, D]`` rows, takes FP64 prefix sums and subtracts them at the bag ends; ``scatter`` adds the rows
-into their bags with ``ScatterND(reduction='add')``.
+batched MatMul of the per-id ``weight x scale`` against the codes (``padded_reduce``: Mul + ReduceSum
+instead); ``prefix_sum`` dequantizes the ``[n, D]`` rows, takes FP64 prefix sums and subtracts them at
+the bag ends; ``scatter`` adds the rows into their bags with ``ScatterND(reduction='add')``. Also tried
+and dropped: one initializer of whole TBE rows (scale/bias bytes decoded to fp16 in the graph, one
+Gather instead of two): the decode's extra ops cost more than the second Gather saved (W64, W128).
 """
 
 from __future__ import annotations
@@ -29,7 +31,7 @@ import warnings
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import numpy as np
 import torch
@@ -37,9 +39,6 @@ import torch
 from infer.config import DataType, ModelSpec, PoolingType, TableConfig
 from infer.errors import ArtifactError, ArtifactErrorKind, ConfigError
 from infer.quant.rowwise import SCALE_BIAS_BYTES, row_data_bytes
-
-if TYPE_CHECKING:
-    pass
 
 logger = logging.getLogger(__name__)
 
@@ -452,17 +451,17 @@ def _merge_dense(graph: Any, dense: Any) -> None:
         return name if name in keep else f"dense/{name}"
 
     for node in dense.graph.node:
-        copy = onnx.NodeProto()
-        copy.CopyFrom(node)
-        copy.name = f"dense/{node.name}"
-        copy.input[:] = [rename(n) for n in node.input]
-        copy.output[:] = [rename(n) for n in node.output]
-        graph.node.append(copy)
+        moved = onnx.NodeProto()
+        moved.CopyFrom(node)
+        moved.name = f"dense/{node.name}"
+        moved.input[:] = [rename(n) for n in node.input]
+        moved.output[:] = [rename(n) for n in node.output]
+        graph.node.append(moved)
     for tensor in dense.graph.initializer:
-        copy = onnx.TensorProto()
-        copy.CopyFrom(tensor)
-        copy.name = rename(tensor.name)
-        graph.initializer.append(copy)
+        weight = onnx.TensorProto()
+        weight.CopyFrom(tensor)
+        weight.name = rename(tensor.name)
+        graph.initializer.append(weight)
     for value in dense.graph.input:
         if value.name == "dense_features":
             graph.input.append(value)
