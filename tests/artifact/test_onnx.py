@@ -335,3 +335,25 @@ def test_cli_export_onnx_then_run_with_onnxruntime(tmp_path):
     assert "(2 shards) with model.onnx" in result.stdout
     batch = random_batch(spec, 9, weighted=True, seed=7)
     assert _relative(load(out, backend="onnxruntime").lookup(batch), load(out).lookup(batch)) <= TOLERANCE
+
+
+def test_manifest_onnx_section_is_checked(tmp_path):
+    model = quantize(CORPUS_SPEC, random_weights(CORPUS_SPEC, seed=1))
+    path = export(model, tmp_path / "art", onnx=True)
+    manifest = json.loads((path / "manifest.json").read_text())
+
+    def load_with(edit):  # type: ignore[no-untyped-def]
+        data = json.loads(json.dumps(manifest))
+        edit(data)
+        (path / "manifest.json").write_text(json.dumps(data))
+        return load(path, backend="onnxruntime")
+
+    with pytest.raises(ArtifactError, match="model.onnx.data") as raised:
+        load_with(lambda d: d["files"].pop("model.onnx.data"))
+    assert raised.value.kind == ArtifactErrorKind.CHECKSUM
+    with pytest.raises(ArtifactError) as raised:
+        load_with(lambda d: d["onnx"].update(graph="loop"))  # a key the schema does not know
+    assert raised.value.kind == ArtifactErrorKind.MANIFEST
+    with pytest.raises(ArtifactError, match="dense_file"):
+        load_with(lambda d: d["onnx"].update(dense_file="model.onnx"))
+    assert load_with(lambda d: None).lookup({"f0": [[1]], "f1": [[2]]}).shape == (1, 16)
