@@ -14,6 +14,11 @@ from typing import Any
 
 def cmd_serve(args: argparse.Namespace) -> int:
     import asyncio
+    import signal
+    import sys
+
+    # Until the server's event loop takes the signals over, a SIGTERM while loading ends the process quietly.
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(0))
 
     from server.app import ServerConfig, serve
     from server.auth import read_token_file
@@ -31,6 +36,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
         tls_cert=args.tls_cert,
         tls_key=args.tls_key,
         auth_token=read_token_file(args.auth_token_file) if args.auth_token_file else None,
+        drain_grace_s=args.drain_grace_s,
         drain_seconds=args.drain_seconds,
     )
     artifact: Any = args.artifact
@@ -97,7 +103,7 @@ def serve_demo(artifact: Path) -> int:
     from server.launch import spawn_server
 
     print("\nserving the artifact over gRPC (loopback) and querying it with the Python client:", flush=True)
-    server, port = spawn_server(artifact)
+    server, port = spawn_server(artifact, "--drain-grace-s", "1")
     try:
         runtime = load(artifact)
         batch = SparseFeatures.random(runtime.spec, batch_size=8, ids_per_bag=10, seed=3)
@@ -134,7 +140,15 @@ def add_subcommands(subcommands: Any) -> None:
     srv.add_argument("--tls-cert", default=None)
     srv.add_argument("--tls-key", default=None)
     srv.add_argument("--auth-token-file", default=None, help="require 'authorization: Bearer <token>'")
-    srv.add_argument("--drain-seconds", type=float, default=30.0)
+    srv.add_argument(
+        "--drain-grace-s",
+        type=float,
+        default=5.0,
+        help="after SIGTERM: seconds of NOT_SERVING while still serving, for load balancers to move away",
+    )
+    srv.add_argument(
+        "--drain-seconds", type=float, default=30.0, help="then: the longest wait for accepted calls to finish"
+    )
     srv.add_argument(
         "--backend",
         choices=["torchscript", "onnxruntime"],
