@@ -47,6 +47,7 @@ class ServerConfig:
     max_queue: int = 1024  # requests waiting; beyond it callers get RESOURCE_EXHAUSTED
     workers: int = 0  # concurrent forwards; 0 -> cores // CPU shards of the model (at least 1)
     intra_op_threads: int = 0  # torch threads per forward; 0 -> cores // (workers x CPU shards), at least 1
+    threads: int = 0  # example ranges a CPU kernel splits a batch into; 0 -> cores // (workers x CPU kernels)
     max_message_bytes: int = 64 * 1024 * 1024
     metrics_port: int | None = None  # None: no /metrics endpoint; 0: any free port
     metrics_host: str = "0.0.0.0"
@@ -128,6 +129,7 @@ async def create_server(artifact: str | Path | Runtime, config: ServerConfig = S
     metrics = ServerMetrics()
     workers = _workers(runtime, config.workers)
     _set_intra_op_threads(runtime, workers, config.intra_op_threads)
+    runtime.set_threads(config.threads or runtime.thread_budget(workers))
     servicer = InferenceServicer(
         runtime,
         metrics,

@@ -32,6 +32,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
         max_queue=args.max_queue,
         workers=args.workers,
         intra_op_threads=args.intra_op_threads,
+        threads=args.threads,
         max_message_bytes=args.max_message_mb * 1024 * 1024,
         metrics_port=args.metrics_port,
         tls_cert=args.tls_cert,
@@ -51,7 +52,12 @@ def cmd_serve(args: argparse.Namespace) -> int:
             sys.stderr.flush()
             os._exit(code)
         return code
-    return asyncio.run(serve(args.artifact, config))
+    artifact: Any = args.artifact
+    if args.backend != "torchscript":
+        from infer.artifact.load import load
+
+        artifact = load(args.artifact, backend=args.backend)
+    return asyncio.run(serve(artifact, config))
 
 
 def cmd_query(args: argparse.Namespace) -> int:
@@ -142,6 +148,12 @@ def add_subcommands(subcommands: Any) -> None:
     srv.add_argument("--max-queue", type=int, default=1024, help="queued requests before RESOURCE_EXHAUSTED")
     srv.add_argument("--workers", type=int, default=0, help="concurrent forwards (0: cores / CPU shards)")
     srv.add_argument("--intra-op-threads", type=int, default=0, help="torch threads per forward (0: auto)")
+    srv.add_argument(
+        "--threads",
+        type=int,
+        default=0,
+        help="ranges a CPU kernel splits a batch into (0: cores / (workers x kernels))",
+    )
     srv.add_argument("--max-message-mb", type=int, default=64)
     srv.add_argument("--metrics-port", type=int, default=None, help="Prometheus /metrics port")
     srv.add_argument("--tls-cert", default=None)
@@ -155,6 +167,12 @@ def add_subcommands(subcommands: Any) -> None:
     )
     srv.add_argument(
         "--drain-seconds", type=float, default=30.0, help="then: the longest wait for accepted calls to finish"
+    )
+    srv.add_argument(
+        "--backend",
+        choices=["torchscript", "onnxruntime"],
+        default="torchscript",
+        help="run model.pt (fbgemm) or model.onnx (onnxruntime; export with --onnx)",
     )
     srv.add_argument(
         "--collective-timeout-s",

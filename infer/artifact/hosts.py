@@ -19,7 +19,7 @@ from pathlib import Path
 
 import torch
 
-from infer.artifact.kernels import check_kernel, kernels_from_tbes, model_tbes
+from infer.artifact.kernels import check_kernel, check_routing, kernel_holders, kernels_from_tbes, model_tbes
 from infer.artifact.manifest import MANIFEST_FILE, PLAN_FILE, FileEntry, Manifest
 from infer.errors import ArtifactError, ArtifactErrorKind, ConfigError
 from infer.planner.types import ShardingPlan
@@ -154,7 +154,7 @@ def load_host_part(
     ``intra_op_threads=0`` leaves it alone."""
     from infer.artifact.fbgemm_libs import load_fbgemm
     from infer.artifact.load import _map_location, _remap_shard_devices, verify_plan
-    from infer.shard.hosts import host_of_rank, num_hosts
+    from infer.shard.hosts import host_layouts, host_of_rank, num_hosts
 
     folder = Path(artifact_dir)
     if not folder.is_dir():
@@ -196,6 +196,7 @@ def load_host_part(
         )
     for index, (tbe, kernel) in enumerate(zip(tbes, expected)):
         check_kernel(tbe, kernel, index)
+    check_routing(kernel_holders(module), manifest.spec, plan, host_layouts(manifest.spec, plan, host))
     if mapping:
         _remap_shard_devices(module, mapping)
     targets = [mapping.get(d, d) for d in manifest.devices]

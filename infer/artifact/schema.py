@@ -209,9 +209,9 @@ def _check_string(value: str, rule: dict[str, Any], path: str, document: str) ->
     if fmt == "host_file" and not is_host_file(value):
         raise _fail(document, path, f"must be hosts/<host>/<file name> (one host's part), got {_echo(value)}")
     if fmt == "artifact_file" and not (_is_file_name(value) or is_host_file(value)):
-        raise _fail(
-            document, path, f"must be a file name or hosts/<host>/<file name> inside the artifact, got {_echo(value)}"
-        )
+        if value.startswith("hosts/"):
+            raise _fail(document, path, f"must be hosts/<host>/<file name> (one host's part), got {_echo(value)}")
+        raise _fail(document, path, f"must be a plain file name inside the artifact, got {_echo(value)}")
     if fmt == "device" and not _DEVICE.fullmatch(value):
         raise _fail(document, path, f"must be a device ('cpu' or 'cuda:N'), got {_echo(value)}")
     if fmt == "sha256" and not _SHA256.fullmatch(value):

@@ -115,6 +115,9 @@ class GatedModule:
         self._wait()
         return self.module.predict(*args)
 
+    def __getattr__(self, name: str) -> Any:  # the model's attributes (embeddings, ...) as they are
+        return getattr(self.module, name)
+
     def hold(self) -> None:
         """From now on, forwards wait at the gate."""
         self.entered.clear()
