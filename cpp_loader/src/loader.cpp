@@ -342,7 +342,7 @@ void check_plan(const schema::Document& plan, const schema::Document& data, cons
   if (!same) fail("the manifest's 'kernels' disagree with the plan (the shards each device holds)");
 }
 
-void verify_files(const fs::path& folder, const json& files, const std::string& model_file) {
+void verify_files(const fs::path& folder, const schema::Document& files, const std::string& model_file) {
   if (!files.is_object() || !files.contains(model_file))
     throw ChecksumError("manifest.json has no checksum for " + model_file);
   for (const auto& [name, entry] : files.items()) {
@@ -633,11 +633,7 @@ Model Model::load(const std::string& artifact_dir, const LoadOptions& options) {
   const auto build_dir = data["fbgemm"]["build_dir"].get<std::string>();
   const auto devices = data["devices"].get<std::vector<std::string>>();
   model.world_size_ = static_cast<int>(data["sharding"]["world_size"].get<int64_t>());
-  if (options.verify_checksums) {
-    json files = json::object();
-    for (const auto& [name, entry] : data["files"].items()) files[name] = json::parse(entry.dump());
-    verify_files(folder, files, model_file);
-  }
+  if (options.verify_checksums) verify_files(folder, data["files"], model_file);
   read_checked_plan(folder, data);  // after the checksums: plan.json is the file the export wrote
   for (const auto& device : devices) {
     if (device.rfind("cuda", 0) == 0 && !torch::cuda::is_available())
