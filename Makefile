@@ -10,6 +10,11 @@ SERVING_PKGS := grpcio==$(GRPC_VERSION) grpcio-tools==$(GRPC_VERSION) grpcio-hea
 # fbgemm-gpu (CUDA build) where an NVIDIA driver is present, fbgemm-gpu-cpu otherwise.
 HAS_CUDA := $(shell command -v nvidia-smi >/dev/null 2>&1 && nvidia-smi -L >/dev/null 2>&1 && echo 1)
 FBGEMM_PKG := $(if $(HAS_CUDA),fbgemm-gpu==$(FBGEMM_VERSION),fbgemm-gpu-cpu==$(FBGEMM_VERSION))
+# embserve[torchrec]: torchrec declares fbgemm-gpu (the CUDA build), so it goes in without deps next to the
+# fbgemm package above, with the pure-Python packages its model, quant, distributed and DCP paths import
+# (typing-inspect also needs mypy-extensions, which mypy above brings).
+TORCHREC_PKGS := torchrec==1.8.0 tensordict==0.15.3 cloudpickle==3.1.2 pyvers==0.2.2 pyre-extensions==0.0.32 \
+	typing-inspect==0.9.0 tqdm==4.70.1
 STAMP := $(VENV)/.installed
 
 .PHONY: demo test lint typecheck pytest bench clean cpp cpp-deps
@@ -19,6 +24,8 @@ $(STAMP): pyproject.toml Makefile
 	$(BIN)/python -m pip install --quiet --disable-pip-version-check torch==$(TORCH_VERSION)
 	$(BIN)/python -m pip install --quiet --disable-pip-version-check $(FBGEMM_PKG) $(SERVING_PKGS) \
 		pytest ruff mypy numpy scipy matplotlib "hypothesis==6.140.0" "setuptools>=64"
+	$(BIN)/python -m pip install --quiet --disable-pip-version-check --no-deps $(TORCHREC_PKGS)
+	$(BIN)/python -c "import torchrec.distributed, torchrec.models.dlrm, torchrec.quant"
 	$(BIN)/python -m pip install --quiet --disable-pip-version-check --no-build-isolation --no-deps -e .
 	touch $(STAMP)
 
@@ -26,8 +33,8 @@ demo: $(STAMP)
 	$(BIN)/embserve demo
 
 lint: $(STAMP)
-	$(BIN)/ruff check infer server tests bench
-	$(BIN)/ruff format --check infer server tests bench
+	$(BIN)/ruff check infer server tests bench examples
+	$(BIN)/ruff format --check infer server tests bench examples
 
 typecheck: $(STAMP)
 	$(BIN)/mypy infer server

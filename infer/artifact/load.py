@@ -10,7 +10,7 @@ from pathlib import Path
 import torch
 
 from infer.artifact.fbgemm_libs import load_fbgemm
-from infer.artifact.kernels import check_kernel, expected_kernels, model_tbes
+from infer.artifact.kernels import check_kernel, check_routing, expected_kernels, kernel_holders, model_tbes
 from infer.artifact.manifest import MANIFEST_FILE, Manifest
 from infer.artifact.runtime import Runtime
 from infer.artifact.schema import parse_document, schema, validate
@@ -46,8 +46,7 @@ def load(
         raise ArtifactError(f"{folder} is not a folder; pass the artifact folder written by export", path=str(folder))
     manifest = Manifest.read(folder)
     manifest.verify_files(folder)
-    if manifest.plan_file is not None:
-        verify_plan(folder, manifest)
+    plan = verify_plan(folder, manifest) if manifest.plan_file is not None else None
     mapping = dict(device_map or {})
     targets = [mapping.get(d, d) for d in manifest.devices]
     missing = [d for d in targets if d.startswith("cuda") and not _cuda_device_exists(d)]
@@ -69,7 +68,7 @@ def load(
             f"{model_path} cannot be loaded by TorchScript: {first_line}", path=str(model_path), kind=MODEL
         ) from None
     module.eval()
-    _check_kernels(module, manifest)
+    _check_kernels(module, manifest, plan)
     if mapping:
         _remap_shard_devices(module, mapping)
     _set_intra_op_threads(manifest, targets, intra_op_threads)
@@ -109,8 +108,9 @@ def verify_plan(folder: Path, manifest: Manifest) -> ShardingPlan:
     return plan
 
 
-def _check_kernels(module: torch.jit.ScriptModule, manifest: Manifest) -> None:
-    """Every TBE of the loaded model holds exactly what the manifest's kernels say, before any lookup."""
+def _check_kernels(module: torch.jit.ScriptModule, manifest: Manifest, plan: ShardingPlan | None) -> None:
+    """Every TBE of the loaded model holds exactly what the manifest's kernels say, and every device routes
+    its features as the plan says, before any lookup."""
     try:
         tbes = model_tbes(module)
     except AttributeError:
@@ -121,6 +121,8 @@ def _check_kernels(module: torch.jit.ScriptModule, manifest: Manifest) -> None:
         )
     for index, (tbe, kernel) in enumerate(zip(tbes, manifest.kernels)):
         check_kernel(tbe, kernel, index)
+    if plan is not None:
+        check_routing(kernel_holders(module), manifest.spec, plan)
 
 
 def _set_intra_op_threads(manifest: Manifest, devices: Sequence[str], requested: int | None) -> None:
