@@ -15,6 +15,9 @@ FBGEMM_PKG := $(if $(HAS_CUDA),fbgemm-gpu==$(FBGEMM_VERSION),fbgemm-gpu-cpu==$(F
 # (typing-inspect also needs mypy-extensions, which mypy above brings).
 TORCHREC_PKGS := torchrec==1.8.0 tensordict==0.15.3 cloudpickle==3.1.2 pyvers==0.2.2 pyre-extensions==0.0.32 \
 	typing-inspect==0.9.0 tqdm==4.70.1
+# the embserve[onnx] extra (model.onnx export and the onnxruntime backend); --no-deps keeps the pins above,
+# their own dependencies (numpy, protobuf, typing_extensions, packaging) are already installed
+ONNX_PKGS := onnx==1.23.2 onnxruntime==1.32.0 ml-dtypes==0.5.4 flatbuffers==25.12.19
 STAMP := $(VENV)/.installed
 
 .PHONY: demo test lint typecheck pytest bench clean cpp cpp-deps
@@ -26,6 +29,7 @@ $(STAMP): pyproject.toml Makefile
 		pytest ruff mypy numpy scipy matplotlib "hypothesis==6.140.0" "setuptools>=64"
 	$(BIN)/python -m pip install --quiet --disable-pip-version-check --no-deps $(TORCHREC_PKGS)
 	$(BIN)/python -c "import torchrec.distributed, torchrec.models.dlrm, torchrec.quant"
+	$(BIN)/python -m pip install --quiet --disable-pip-version-check --no-deps $(ONNX_PKGS)
 	$(BIN)/python -m pip install --quiet --disable-pip-version-check --no-build-isolation --no-deps -e .
 	touch $(STAMP)
 

@@ -120,9 +120,14 @@ def cmd_export(args: argparse.Namespace) -> int:
         print()
         print(format_stats(plan))
         model = shard_model(model, plan)
-    out = export(model, args.out, plan=plan)
+    out = export(model, args.out, plan=plan, onnx=args.onnx, onnx_pooling=args.onnx_pooling)
     dense = "with its dense part" if spec.dense_arch is not None else "lookups only"
-    print(f"exported {out}" + (f" ({plan.topology.world_size} shards)" if plan is not None else "") + f", {dense}")
+    print(
+        f"exported {out}"
+        + (f" ({plan.topology.world_size} shards)" if plan is not None else "")
+        + f", {dense}"
+        + (", with model.onnx" if args.onnx else "")
+    )
     return 0
 
 
@@ -237,6 +242,13 @@ def cmd_inspect(args: argparse.Namespace) -> int:
     if cpu_kernels:
         budget = max(1, (os.cpu_count() or 1) // cpu_kernels)
         print(f"threads      {cpu_kernels} CPU kernel(s); on this host each splits a batch over up to {budget} threads")
+    if manifest.onnx is not None:
+        onnx = manifest.onnx
+        print(
+            f"onnx         {onnx.model_file} (+ {', '.join(onnx.data_files)}), opset {onnx.opset}, onnx "
+            f"{onnx.onnx_version}, onnxruntime {onnx.onnxruntime_version}, pooling {onnx.pooling}"
+            + (f", dense part alone in {onnx.dense_file}" if onnx.dense_file else "")
+        )
     dense = f"yes ({spec.num_dense_features} dense features)" if manifest.has_dense else "no"
     print(f"dense part   {dense}")
     print(f"output       [batch, {spec.output_dim}] float32")
@@ -265,11 +277,13 @@ def cmd_run(args: argparse.Namespace) -> int:
 
     started = time.monotonic()
     device_map = dict(item.split("=", 1) for item in args.device_map.split(",")) if args.device_map else None
-    runtime = load(args.artifact, device_map=device_map, threads=args.threads or None)
-    print(
-        f"loaded {args.artifact} (checksums verified) in {time.monotonic() - started:.2f}s; "
+    runtime = load(args.artifact, device_map=device_map, threads=args.threads or None, backend=args.backend)
+    threads = (
         f"each CPU kernel splits a batch over up to {runtime.threads} threads"
+        if runtime.backend == "torchscript"
+        else runtime.backend
     )
+    print(f"loaded {args.artifact} (checksums verified) in {time.monotonic() - started:.2f}s; {threads}")
     batch = SparseFeatures.random(runtime.spec, batch_size=args.batch_size, ids_per_bag=args.ids_per_bag, seed=1)
     pooled = runtime.lookup(batch)
     times = []
@@ -366,6 +380,8 @@ def build_parser() -> argparse.ArgumentParser:
     )
     exp.add_argument("--no-dense", action="store_true", help="export lookups only though the spec has dense features")
     exp.add_argument("--force", action="store_true", help="replace an existing, non-empty --out folder")
+    exp.add_argument("--onnx", action="store_true", help="also write model.onnx (+ dense.onnx) for onnxruntime")
+    exp.add_argument("--onnx-pooling", default=None, help="ONNX pooling design: padded (default), prefix_sum, scatter")
     exp.set_defaults(func=cmd_export)
 
     spc = sub.add_parser("spec", help="write a starting spec.json from a TorchRec checkpoint")
@@ -405,6 +421,9 @@ def build_parser() -> argparse.ArgumentParser:
     run.add_argument("--device-map", default=None, metavar="FROM=TO,...", help="e.g. cuda:0=cpu,cuda:1=cpu")
     run.add_argument(
         "--threads", type=int, default=0, help="ranges a CPU kernel splits a batch into (0: cores / kernels)"
+    )
+    run.add_argument(
+        "--backend", choices=["torchscript", "onnxruntime"], default="torchscript", help="model.pt or model.onnx"
     )
     run.set_defaults(func=cmd_run)
     return parser

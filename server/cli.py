@@ -40,7 +40,12 @@ def cmd_serve(args: argparse.Namespace) -> int:
         drain_grace_s=args.drain_grace_s,
         drain_seconds=args.drain_seconds,
     )
-    return asyncio.run(serve(args.artifact, config))
+    artifact: Any = args.artifact
+    if args.backend != "torchscript":
+        from infer.artifact.load import load
+
+        artifact = load(args.artifact, backend=args.backend)
+    return asyncio.run(serve(artifact, config))
 
 
 def cmd_query(args: argparse.Namespace) -> int:
@@ -150,6 +155,12 @@ def add_subcommands(subcommands: Any) -> None:
     )
     srv.add_argument(
         "--drain-seconds", type=float, default=30.0, help="then: the longest wait for accepted calls to finish"
+    )
+    srv.add_argument(
+        "--backend",
+        choices=["torchscript", "onnxruntime"],
+        default="torchscript",
+        help="run model.pt (fbgemm) or model.onnx (onnxruntime; export with --onnx)",
     )
     srv.set_defaults(func=cmd_serve)
 

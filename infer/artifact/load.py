@@ -14,13 +14,14 @@ from infer.artifact.kernels import check_kernel, check_routing, expected_kernels
 from infer.artifact.manifest import MANIFEST_FILE, Manifest
 from infer.artifact.runtime import Runtime
 from infer.artifact.schema import parse_document, schema, validate
-from infer.errors import ArtifactError, ArtifactErrorKind, EmbserveError
+from infer.errors import ArtifactError, ArtifactErrorKind, ConfigError, EmbserveError
 from infer.planner.types import ShardingPlan
 from infer.shard.builder import check_plan
 
 logger = logging.getLogger(__name__)
 
 MODEL = ArtifactErrorKind.MODEL
+BACKENDS = ("torchscript", "onnxruntime")
 
 
 def load(
@@ -28,8 +29,13 @@ def load(
     device_map: Mapping[str, str] | None = None,
     intra_op_threads: int | None = None,
     threads: int | None = None,
+    backend: str = "torchscript",
 ) -> Runtime:
     """Verify and load an artifact; returns a ``Runtime`` with ``lookup`` and ``predict``.
+
+    ``backend="onnxruntime"`` runs the artifact's ``model.onnx`` (exported with ``onnx=True``) on
+    onnxruntime's CPU provider instead of ``model.pt``: same checks first, same API, same errors, and
+    fbgemm is never imported. ``intra_op_threads`` then sets onnxruntime's threads (default: its own).
 
     ``device_map`` (e.g. ``{"cuda:0": "cpu", "cuda:1": "cpu"}``) moves an artifact built for other
     devices onto this host's; without it an artifact built for CUDA does not load on a CPU-only host.
@@ -41,12 +47,20 @@ def load(
     ``threads``: how many example ranges each CPU kernel may split a batch into, run in parallel on the
     same weights (bit-identical output); default the host's budget, cores // CPU kernels.
     """
+    if backend not in BACKENDS:
+        raise ConfigError(f"unknown backend {backend!r}; choose one of {list(BACKENDS)}")
     folder = Path(artifact_dir)
     if not folder.is_dir():
         raise ArtifactError(f"{folder} is not a folder; pass the artifact folder written by export", path=str(folder))
     manifest = Manifest.read(folder)
     manifest.verify_files(folder)
     plan = verify_plan(folder, manifest) if manifest.plan_file is not None else None
+    if backend == "onnxruntime":
+        if device_map:
+            raise ConfigError("device_map applies to the torchscript backend; the ONNX graph runs on onnxruntime's CPU")
+        from infer.artifact.onnx_runtime import load_onnx
+
+        return load_onnx(folder, manifest, intra_op_threads or None)
     mapping = dict(device_map or {})
     targets = [mapping.get(d, d) for d in manifest.devices]
     missing = [d for d in targets if d.startswith("cuda") and not _cuda_device_exists(d)]
