@@ -167,22 +167,34 @@ void check_manifest(const schema::Document& data, const std::string& document) {
          std::to_string(f) + "; 'features' disagrees with 'tables'");
   if (data["input_schema"]["feature_order"].get<std::vector<std::string>>() != order)
     fail("input_schema.feature_order differs from the features' order in 'tables'");
+  // in the order of Python's Manifest._check_consistency, so both report the same first problem
+  const auto& output_shape = data["output"]["shape"];
+  if (output_shape.empty() || output_shape.back() != column)
+    fail("output.shape must end with the output dim " + std::to_string(column));
   const auto& dense = data["dense"];
-  if (dense["present"].get<bool>() && dense["num_dense_features"].get<int64_t>() < 1)
+  const bool has_dense = dense["present"].get<bool>();
+  if (has_dense && dense["num_dense_features"].get<int64_t>() < 1)
     fail("dense.present is true but dense.num_dense_features is 0; a dense part needs at least one input");
+  // a listed file without a checksum is a ChecksumError, as in Python
+  const auto& files = data["files"];
+  auto needs_checksum = [&](const schema::Document& name) {
+    if (!files.contains(name.get<std::string>()))
+      throw ChecksumError(document + " has no checksum for " + name.get<std::string>());
+  };
+  needs_checksum(data["model_file"]);
   const auto& sharding = data["sharding"];
   const int64_t world_size = sharding["world_size"].get<int64_t>();
   if (world_size > 1 && sharding["plan_file"].is_null())
     fail("sharding.world_size is " + std::to_string(world_size) + " but sharding.plan_file is null");
-  const auto& output_shape = data["output"]["shape"];
-  if (output_shape.empty() || output_shape.back() != column)
-    fail("output.shape must end with the output dim " + std::to_string(column));
-  // a file without a checksum is a ChecksumError, as in Python
-  const auto& files = data["files"];
-  if (!files.contains(data["model_file"].get<std::string>()))
-    throw ChecksumError(document + " has no checksum for " + data["model_file"].get<std::string>());
-  if (!sharding["plan_file"].is_null() && !files.contains(sharding["plan_file"].get<std::string>()))
-    throw ChecksumError(document + " has no checksum for " + sharding["plan_file"].get<std::string>());
+  if (!sharding["plan_file"].is_null()) needs_checksum(sharding["plan_file"]);
+  if (data.contains("onnx")) {  // the artifact also carries model.onnx (not loaded here, but listed and hashed)
+    const auto& onnx = data["onnx"];
+    needs_checksum(onnx["model_file"]);
+    for (const auto& name : onnx["data_files"]) needs_checksum(name);
+    if (!onnx["dense_file"].is_null()) needs_checksum(onnx["dense_file"]);
+    if (onnx["dense_file"].is_null() == has_dense)
+      fail("onnx.dense_file must be set exactly when dense.present is true");
+  }
   // kernels: each feature_table_map entry names one of its kernel's tables; the row alignment is the device's
   const auto& kernels = data["kernels"];
   for (size_t k = 0; k < kernels.size(); ++k) {
