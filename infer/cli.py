@@ -132,8 +132,8 @@ def cmd_export(args: argparse.Namespace) -> int:
     print(
         f"exported {out}"
         + (f" ({plan.topology.world_size} shards)" if plan is not None else "")
+        + (" with model.onnx" if args.onnx else "")
         + f", {dense}"
-        + (", with model.onnx" if args.onnx else "")
     )
     return 0
 
@@ -292,12 +292,10 @@ def cmd_run(args: argparse.Namespace) -> int:
     started = time.monotonic()
     device_map = dict(item.split("=", 1) for item in args.device_map.split(",")) if args.device_map else None
     runtime = load(args.artifact, device_map=device_map, threads=args.threads or None, backend=args.backend)
-    threads = (
-        f"each CPU kernel splits a batch over up to {runtime.threads} threads"
-        if runtime.backend == "torchscript"
-        else runtime.backend
+    threads = f"; each CPU kernel splits a batch over up to {runtime.threads} threads" if runtime.threads > 1 else ""
+    print(
+        f"loaded {args.artifact} (checksums verified, {runtime.backend}) in {time.monotonic() - started:.2f}s{threads}"
     )
-    print(f"loaded {args.artifact} (checksums verified) in {time.monotonic() - started:.2f}s; {threads}")
     batch = SparseFeatures.random(runtime.spec, batch_size=args.batch_size, ids_per_bag=args.ids_per_bag, seed=1)
     pooled = runtime.lookup(batch)
     times = []
