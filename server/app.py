@@ -26,6 +26,8 @@ from infer.errors import ConfigError
 from infer.features import SparseFeatures
 from server.auth import BearerTokenInterceptor
 from server.metrics import ServerMetrics
+from server.oip import OpenInference
+from server.oip import add_to_server as add_open_inference
 from server.proto import inference_pb2 as pb
 from server.proto import inference_pb2_grpc as pb_grpc
 from server.service import InferenceServicer
@@ -55,6 +57,10 @@ class ServerConfig:
     auth_token: str | None = None
     drain_seconds: float = 30.0
     warmup_batches: int = 3
+    # Open Inference Protocol (server/oip.py, server/oip_http.py)
+    model_name: str | None = None  # the OIP model name; None: the artifact's folder name
+    http_port: int | None = None  # None: no REST endpoint; 0: any free port
+    http_host: str | None = None  # None: the gRPC host
 
 
 @dataclass
@@ -66,12 +72,16 @@ class RunningServer:
     metrics: ServerMetrics
     metrics_port: int | None = None
     stopped: asyncio.Event = field(default_factory=asyncio.Event)
+    oip: OpenInference | None = None
+    http_port: int | None = None
 
     async def stop(self, grace: float | None = None) -> None:
         """Report NOT_SERVING, finish in-flight calls (at most ``grace`` seconds), then release everything."""
         if self.stopped.is_set():
             return
         await self.health.enter_graceful_shutdown()
+        if self.oip is not None:
+            self.oip.is_ready = False
         stopping = asyncio.ensure_future(self.server.stop(grace))  # refuses new calls from here on
         if grace is not None:
             # A health Watch stream never ends by itself: once the Lookup/Predict calls are done, end
@@ -83,6 +93,8 @@ class RunningServer:
                 pass
             await self.server.stop(None)
         await stopping
+        if self.oip is not None:
+            await self.oip.close(grace)
         await self.servicer.close()
         await asyncio.to_thread(self.metrics.close)
         self.stopped.set()
@@ -138,6 +150,7 @@ async def create_server(artifact: str | Path | Runtime, config: ServerConfig = S
     ]
     server = grpc.aio.server(interceptors=interceptors, options=options)
     pb_grpc.add_InferenceServiceServicer_to_server(servicer, server)
+    oip = add_open_inference(servicer, server, config.model_name or runtime.path.name, config.max_queue)
     health = HealthServicer()
     health_pb2_grpc.add_HealthServicer_to_server(health, server)
     reflection.enable_server_reflection(
@@ -159,10 +172,13 @@ async def create_server(artifact: str | Path | Runtime, config: ServerConfig = S
         raise OSError(f"cannot bind {address}")
     await server.start()
     servicer.start()
-    running = RunningServer(server, port, servicer, health, metrics)
+    oip.start()
+    running = RunningServer(server, port, servicer, health, metrics, oip=oip)
     try:
         if config.metrics_port is not None:
             running.metrics_port = metrics.serve_http(config.metrics_port, config.metrics_host)
+        if config.http_port is not None:
+            running.http_port = await oip.serve_http(config.http_host or config.host, config.http_port, config)
         await _warm_up(servicer, config.warmup_batches)
     except BaseException:
         # a server that cannot warm up must not stay bound to its port (or keep /metrics open)
@@ -171,6 +187,7 @@ async def create_server(artifact: str | Path | Runtime, config: ServerConfig = S
     metrics_port = running.metrics_port
     for name in ("", SERVICE_NAME):
         await health.set(name, health_pb2.HealthCheckResponse.SERVING)
+    oip.is_ready = True
     logger.info(
         "serving %s on port %d (model %s, %d features, max batch %d, delay %d us)%s",
         runtime.path, port, servicer.version, len(runtime.feature_names), config.max_batch_size,
