@@ -186,14 +186,22 @@ class SparseFeatures:
             raise RequestError(rules.uneven_batch(self.lengths.numel(), num_features))
         batch = self.batch_size
         lengths = self.lengths.to(torch.int64)
-        if lengths.numel() and int(lengths.min()) < 0:
+        num_ids = self.values.numel()
+        shortest, longest = (int(x) for x in torch.aminmax(lengths)) if lengths.numel() else (0, 0)
+        if shortest < 0:
             position = int(torch.nonzero(lengths < 0)[0])
             key = self.keys[position // batch]
             raise RequestError(rules.negative_length(key, position % batch, int(lengths[position])), feature=key)
+        if longest > num_ids:
+            position = int(torch.nonzero(lengths > num_ids)[0])
+            key = self.keys[position // batch]
+            raise RequestError(
+                rules.length_past_ids(key, position % batch, int(lengths[position]), num_ids), feature=key
+            )
         per_feature = lengths.view(num_features, batch).sum(dim=1)
         total = int(per_feature.sum())
-        if total != self.values.numel():
-            raise RequestError(rules.lengths_sum(total, self.values.numel()))
+        if total != num_ids:
+            raise RequestError(rules.lengths_sum(total, num_ids))
         ends = torch.cumsum(per_feature, 0).tolist()
         starts = [0] + ends[:-1]
         rows = {f.name: f.num_embeddings for f in spec.features}

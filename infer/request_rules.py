@@ -30,6 +30,11 @@ def negative_length(feature: str, bag: int, length: int) -> str:
     return f"feature '{feature}': bag {bag} has negative length {length}"
 
 
+def length_past_ids(feature: str, bag: int, length: int, num_ids: int) -> str:
+    # checked before any sum, so huge lengths cannot wrap a sum into a plausible total
+    return f"feature '{feature}': bag {bag} has length {length} but the batch has only {num_ids} ids"
+
+
 def lengths_sum(total: int, num_ids: int) -> str:
     return f"lengths sum to {total} but there are {num_ids} ids; lengths must add up to the number of ids"
 

@@ -229,6 +229,8 @@ std::vector<std::string> Model::feature_names() const {
   return names;
 }
 
+// The request rules. Every sentence below is worded exactly as in infer/request_rules.py (Python, TorchScript
+// and the server use that module); tests/support/bad_requests.py holds all entry points to the same fragments.
 namespace {
 template <typename T>
 void check_lengths(const at::Tensor& lengths, const std::vector<FeatureInfo>& features, int64_t batch,
@@ -239,6 +241,10 @@ void check_lengths(const at::Tensor& lengths, const std::vector<FeatureInfo>& fe
     if (data[i] < 0)
       throw RequestError("feature '" + features[static_cast<size_t>(i / batch)].name + "': bag " +
                          std::to_string(i % batch) + " has negative length " + std::to_string(data[i]));
+    if (static_cast<int64_t>(data[i]) > num_ids)  // before summing: huge lengths could wrap the sum around
+      throw RequestError("feature '" + features[static_cast<size_t>(i / batch)].name + "': bag " +
+                         std::to_string(i % batch) + " has length " + std::to_string(data[i]) +
+                         " but the batch has only " + std::to_string(num_ids) + " ids");
     per_feature[static_cast<size_t>(i / batch)] += data[i];
     total += data[i];
   }
@@ -279,7 +285,7 @@ void Model::validate(const at::Tensor& values, const at::Tensor& lengths,
   const int64_t num_features = static_cast<int64_t>(features_.size());
   if (lengths.numel() % num_features != 0)
     throw RequestError("lengths has " + std::to_string(lengths.numel()) + " entries, not a multiple of the " +
-                       std::to_string(num_features) + " features (batch sizes differ)");
+                       std::to_string(num_features) + " features; features have inconsistent batch sizes");
   const int64_t batch = lengths.numel() / num_features;
   std::vector<int64_t> per_feature(features_.size(), 0);
   at::Tensor lengths_c = lengths.contiguous();
@@ -289,9 +295,11 @@ void Model::validate(const at::Tensor& values, const at::Tensor& lengths,
     check_lengths<int64_t>(lengths_c, features_, batch, values.numel(), per_feature);
   if (weights.has_value() && weights->defined()) {
     const auto& w = *weights;
-    if (w.dim() != 1 || w.scalar_type() != at::kFloat || w.numel() != values.numel() || !w.device().is_cpu())
-      throw RequestError("weights must be a 1-D float32 CPU tensor with one weight per id (" +
-                         std::to_string(values.numel()) + " ids, got " + std::to_string(w.numel()) + " weights)");
+    if (w.dim() != 1 || w.scalar_type() != at::kFloat || !w.device().is_cpu())
+      throw RequestError("weights must be a 1-D float32 tensor with one weight per id");
+    if (w.numel() != values.numel())
+      throw RequestError("weights has " + std::to_string(w.numel()) + " entries but there are " +
+                         std::to_string(values.numel()) + " ids; give one weight per id");
   }
   at::Tensor values_c = values.contiguous();
   if (values_c.scalar_type() == at::kInt)

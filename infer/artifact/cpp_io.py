@@ -14,10 +14,10 @@ A tiny little-endian binary format, so neither side needs the other's serializer
 from __future__ import annotations
 
 import struct
-from collections.abc import Iterable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import BinaryIO
+from typing import BinaryIO, TypeVar
 
 import torch
 
@@ -29,6 +29,7 @@ _CODES = {torch.int32: 1, torch.int64: 2, torch.float32: 3}
 _DTYPES = {code: dtype for dtype, code in _CODES.items()}
 
 Request = tuple[torch.Tensor, torch.Tensor, "torch.Tensor | None"]
+T = TypeVar("T")
 
 
 @dataclass(frozen=True)
@@ -99,16 +100,22 @@ def write_requests(path: str | Path, requests: Iterable[Request]) -> Path:
     return path
 
 
-def read_requests(path: str | Path) -> list[Request]:
+def _read_records(path: str | Path, magic: bytes, read_one: Callable[[BinaryIO, Path], T]) -> list[T]:
+    """Every record of a request or response file, in order, after its magic and count."""
     path = Path(path)
     with path.open("rb") as handle:
-        requests: list[Request] = []
-        for _ in range(_check_magic(handle, REQUEST_MAGIC, path)):
-            values, lengths, weights = _read_tensor(handle), _read_tensor(handle), _read_tensor(handle)
-            if values is None or lengths is None:
-                raise FileFormatError(f"{path}: a request lacks values or lengths")
-            requests.append((values, lengths, weights))
-    return requests
+        return [read_one(handle, path) for _ in range(_check_magic(handle, magic, path))]
+
+
+def _read_request(handle: BinaryIO, path: Path) -> Request:
+    values, lengths, weights = _read_tensor(handle), _read_tensor(handle), _read_tensor(handle)
+    if values is None or lengths is None:
+        raise FileFormatError(f"{path}: a request lacks values or lengths")
+    return values, lengths, weights
+
+
+def read_requests(path: str | Path) -> list[Request]:
+    return _read_records(path, REQUEST_MAGIC, _read_request)
 
 
 def _write_string(handle: BinaryIO, text: str) -> None:
@@ -137,16 +144,14 @@ def write_responses(path: str | Path, responses: Sequence[Response]) -> Path:
     return path
 
 
+def _read_response(handle: BinaryIO, path: Path) -> Response:
+    (status,) = struct.unpack("<B", _read_exact(handle, 1))
+    if status == 0:
+        return Response(_read_tensor(handle))
+    error_type = _read_string(handle)
+    return Response(None, error_type, _read_string(handle))
+
+
 def read_responses(path: str | Path) -> list[Response]:
     """Read the file ``embserve_run --out`` wrote: one ``Response`` per request, in order."""
-    path = Path(path)
-    with path.open("rb") as handle:
-        responses: list[Response] = []
-        for _ in range(_check_magic(handle, RESPONSE_MAGIC, path)):
-            (status,) = struct.unpack("<B", _read_exact(handle, 1))
-            if status == 0:
-                responses.append(Response(_read_tensor(handle)))
-            else:
-                error_type = _read_string(handle)
-                responses.append(Response(None, error_type, _read_string(handle)))
-    return responses
+    return _read_records(path, RESPONSE_MAGIC, _read_response)

@@ -69,12 +69,26 @@ class ValidatingCollection(nn.Module):
             raise ValueError(self._request_error(rules.uneven_batch(lengths.numel(), num_features)))
         batch = lengths.numel() // num_features
         if lengths.numel() > 0:
-            if int(lengths.min()) < 0:
+            shortest, longest = torch.aminmax(lengths)
+            if int(shortest) < 0:
                 position = int(torch.nonzero(lengths < 0)[0][0])
                 raise ValueError(
                     self._request_error(
                         rules.negative_length(
                             self.feature_names[position // batch], position % batch, int(lengths[position])
+                        )
+                    )
+                )
+            if int(longest) > values.numel():
+                # before any sum: lengths this large could wrap the sum around to the number of ids
+                position = int(torch.nonzero(lengths > values.numel())[0][0])
+                raise ValueError(
+                    self._request_error(
+                        rules.length_past_ids(
+                            self.feature_names[position // batch],
+                            position % batch,
+                            int(lengths[position]),
+                            values.numel(),
                         )
                     )
                 )

@@ -5,6 +5,7 @@ from __future__ import annotations
 from collections import Counter
 from pathlib import Path
 
+from infer.errors import ConfigError
 from infer.planner import constants as C
 from infer.planner.types import ShardingPlan, ShardingType
 
@@ -75,7 +76,10 @@ def format_stats(plan: ShardingPlan) -> str:
 
 def plot_plan(plan: ShardingPlan, path: str | Path) -> Path:
     """Bars per device: memory used against the cap, and estimated cost against the lower bound."""
-    import matplotlib
+    try:
+        import matplotlib
+    except ImportError:
+        raise ConfigError("drawing a plan needs matplotlib: pip install 'embserve[plot]' (or drop --plot)") from None
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt

@@ -26,7 +26,8 @@ if _version_not_supported:
 
 
 class InferenceServiceStub:
-    """Missing associated documentation comment in .proto file."""
+    """The embserve service, served next to grpc.health.v1 and server reflection on the same port.
+    """
 
     def __init__(self, channel):
         """Constructor.
@@ -52,7 +53,8 @@ class InferenceServiceStub:
 
 
 class InferenceServiceServicer:
-    """Missing associated documentation comment in .proto file."""
+    """The embserve service, served next to grpc.health.v1 and server reflection on the same port.
+    """
 
     def Lookup(self, request, context):
         """Sparse features -> pooled embeddings [batch, output_dim], columns per feature in model order.
@@ -102,7 +104,8 @@ def add_InferenceServiceServicer_to_server(servicer, server):
 
  # This class is part of an EXPERIMENTAL API.
 class InferenceService:
-    """Missing associated documentation comment in .proto file."""
+    """The embserve service, served next to grpc.health.v1 and server reflection on the same port.
+    """
 
     @staticmethod
     def Lookup(request,

@@ -15,7 +15,7 @@ from infer.artifact.export import export
 from infer.artifact.load import load
 from infer.artifact.manifest import FORMAT_VERSION
 from infer.config import DataType, ModelSpec, PoolingType, TableConfig
-from infer.errors import ArtifactError, ConfigError, RequestError
+from infer.errors import ArtifactError, ArtifactErrorKind, ConfigError, RequestError
 from infer.features import SparseFeatures
 from infer.quant.quantize import dequantized_weights, quantize
 from infer.reference import FloatEmbeddingBagCollection
@@ -137,24 +137,27 @@ def test_flipped_byte_in_model_file_is_an_artifact_error(exported, tmp_path):
     data = bytearray((path / "model.pt").read_bytes())
     data[len(data) // 2] ^= 0xFF
     (path / "model.pt").write_bytes(bytes(data))
-    with pytest.raises(ArtifactError, match="model.pt.*sha256"):
+    with pytest.raises(ArtifactError, match="model.pt.*sha256") as info:
         load(path)
+    assert info.value.kind == ArtifactErrorKind.CHECKSUM
 
 
 def test_truncated_model_file_is_an_artifact_error(exported, tmp_path):
     path = _copy_artifact(exported[3], tmp_path / "copy")
     data = (path / "model.pt").read_bytes()
     (path / "model.pt").write_bytes(data[: len(data) // 3])
-    with pytest.raises(ArtifactError, match="model.pt.*truncated"):
+    with pytest.raises(ArtifactError, match="model.pt.*truncated") as info:
         load(path)
+    assert info.value.kind == ArtifactErrorKind.CHECKSUM
 
 
 def test_missing_or_corrupt_manifest_is_an_artifact_error(exported, tmp_path):
     path = _copy_artifact(exported[3], tmp_path / "copy")
     text = (path / "manifest.json").read_text()
     (path / "manifest.json").write_text(text[: len(text) // 2])
-    with pytest.raises(ArtifactError, match="manifest.json"):
+    with pytest.raises(ArtifactError, match="manifest.json") as info:
         load(path)
+    assert info.value.kind == ArtifactErrorKind.MANIFEST
     data = json.loads(text)
     data["format_version"] = FORMAT_VERSION + 1
     (path / "manifest.json").write_text(json.dumps(data))
@@ -163,11 +166,13 @@ def test_missing_or_corrupt_manifest_is_an_artifact_error(exported, tmp_path):
     del data["tables"]
     data["format_version"] = FORMAT_VERSION
     (path / "manifest.json").write_text(json.dumps(data))
-    with pytest.raises(ArtifactError, match="malformed"):
+    with pytest.raises(ArtifactError, match="malformed") as info:
         load(path)
+    assert info.value.kind == ArtifactErrorKind.MANIFEST
     (path / "manifest.json").unlink()
-    with pytest.raises(ArtifactError, match="manifest.json"):
+    with pytest.raises(ArtifactError, match="manifest.json") as info:
         load(path)
+    assert info.value.kind == ArtifactErrorKind.MANIFEST
 
 
 def test_garbage_model_with_matching_checksum_is_an_artifact_error(exported, tmp_path):
@@ -178,8 +183,26 @@ def test_garbage_model_with_matching_checksum_is_an_artifact_error(exported, tmp
     manifest = json.loads((path / "manifest.json").read_text())
     manifest["files"]["model.pt"] = {"bytes": len(garbage), "sha256": hashlib.sha256(garbage).hexdigest()}
     (path / "manifest.json").write_text(json.dumps(manifest))
-    with pytest.raises(ArtifactError, match="model.pt"):
+    with pytest.raises(ArtifactError, match="model.pt") as info:
         load(path)
+    assert info.value.kind == ArtifactErrorKind.MODEL
+
+
+def test_missing_fbgemm_is_a_library_error(exported):
+    """A process where fbgemm_gpu cannot be imported gets ArtifactError(kind=LIBRARY) naming the package."""
+    script = textwrap.dedent(
+        f"""
+        import sys
+        sys.modules["fbgemm_gpu"] = None  # what an interpreter without the package sees
+        import infer
+        try:
+            infer.load({str(exported[3])!r})
+        except infer.ArtifactError as err:
+            print(err.kind.name, "fbgemm-gpu-cpu==1.8.0" in str(err))
+        """
+    )
+    result = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=120)
+    assert result.stdout.split() == ["LIBRARY", "True"], result.stderr
 
 
 def _bad_requests(spec: ModelSpec):

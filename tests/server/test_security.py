@@ -12,6 +12,7 @@ import torch
 from grpc_health.v1 import health_pb2
 from grpc_reflection.v1alpha import reflection_pb2, reflection_pb2_grpc
 
+from infer.errors import ConfigError
 from server import codec
 from server.app import SERVICE_NAME, create_server
 from server.client import EmbserveClient
@@ -125,7 +126,7 @@ def test_tls_and_token_together(start_server, dense_artifact, dense_runtime, spe
 
 
 def test_tls_needs_both_cert_and_key(loop_thread, dense_artifact, tmp_path):
-    with pytest.raises(ValueError, match="both"):
+    with pytest.raises(ConfigError, match="both"):
         loop_thread.run(create_server(dense_artifact, local_config(tls_cert=str(tmp_path / "cert.pem"))))
 
 
@@ -136,3 +137,21 @@ def test_response_embeddings_decode_over_tls(tls_server, dense_runtime, spec):
         batch = random_batch(spec, batch_size=4, seed=34)
         response = pb_grpc.InferenceServiceStub(channel).Lookup(lookup_request(batch, typed=True), timeout=10)
     assert torch.equal(codec.decode_embeddings(response), dense_runtime.lookup(batch))
+
+
+def test_configuration_errors_are_config_errors(tmp_path):
+    """Bad server settings are ConfigError (an EmbserveError the CLI prints as one line), naming the setting."""
+    from infer.errors import ConfigError
+    from server.auth import BearerTokenInterceptor, read_token_file
+    from server.batcher import DynamicBatcher, QueueFullError
+
+    (tmp_path / "empty").write_text("\n")
+    with pytest.raises(ConfigError, match="empty"):
+        read_token_file(str(tmp_path / "empty"))
+    with pytest.raises(ConfigError, match="empty"):
+        BearerTokenInterceptor("")
+    with pytest.raises(ConfigError, match="max_queue=0"):
+        DynamicBatcher(lambda *a: None, max_queue=0)  # type: ignore[arg-type, return-value]
+    from infer.errors import EmbserveError
+
+    assert issubclass(QueueFullError, EmbserveError)

@@ -436,3 +436,42 @@ def test_predict_without_dense_part_is_failed_precondition(start_server, sparse_
         assert "dense" in error.details()
         assert torch.equal(c.lookup(batch), sparse_runtime.lookup(batch))
     assert served.health() == health_pb2.HealthCheckResponse.SERVING
+
+
+class _FailingModule:
+    """The real model, failing on purpose once ``fail`` is set, with internals in its message."""
+
+    def __init__(self, module: Any) -> None:
+        self.module = module
+        self.fail = False
+
+    def __call__(self, *args: Any) -> torch.Tensor:
+        if self.fail:
+            raise RuntimeError("secret detail: /srv/models/a.pt at 0xdeadbeef")
+        return self.module(*args)
+
+    def predict(self, *args: Any) -> torch.Tensor:
+        return self.module.predict(*args)
+
+
+def test_an_unexpected_failure_is_internal_with_a_request_id_and_no_internals(
+    start_server, sparse_artifact, sparse_runtime, spec, caplog
+):
+    from infer.artifact.runtime import Runtime
+
+    failing = _FailingModule(sparse_runtime.module)
+    served = start_server(Runtime(sparse_runtime.path, sparse_runtime.manifest, failing))  # type: ignore[arg-type]
+    failing.fail = True
+    batch = random_batch(spec, batch_size=2)
+    with caplog.at_level("ERROR", logger="server.service"):
+        with EmbserveClient(served.address, timeout=CALL_TIMEOUT) as c:
+            error = rpc_error(lambda: c.lookup(batch))
+    assert error.code() == grpc.StatusCode.INTERNAL
+    assert "internal error (request id " in error.details()
+    assert "secret" not in error.details() and "RuntimeError" not in error.details()
+    request_id = error.details().split("request id ")[1].split(")")[0]
+    logged = [r for r in caplog.records if request_id in r.getMessage()]
+    assert logged and logged[0].exc_info is not None  # the traceback went to the log, under that id
+    failing.fail = False
+    with EmbserveClient(served.address, timeout=CALL_TIMEOUT) as c:
+        assert torch.equal(c.lookup(batch), sparse_runtime.lookup(batch))

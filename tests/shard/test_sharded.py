@@ -13,7 +13,7 @@ import torch
 from infer.artifact.export import export
 from infer.artifact.load import load
 from infer.config import DataType, ModelSpec, PoolingType, TableConfig
-from infer.errors import PlanError, PlanErrorKind, RequestError
+from infer.errors import ConfigError, PlanError, PlanErrorKind, RequestError
 from infer.features import SparseFeatures
 from infer.planner.planner import plan_for_inference
 from infer.planner.types import ComputeDevice, ShardingType, Topology
@@ -196,6 +196,14 @@ def test_sharded_artifact_round_trips_in_a_fresh_process(quantized, tmp_path):
     with torch.no_grad():
         expected = sharded(batch.values, batch.lengths, batch.weights)
     assert torch.equal(torch.load(tmp_path / "out.pt"), expected)
+
+
+def test_shard_model_takes_only_an_unsharded_model(quantized):
+    """Sharding an already sharded model is a ConfigError (a usage mistake), not a bad plan."""
+    spec, model = quantized
+    plan = make_plan(spec, 2, {})
+    with pytest.raises(ConfigError, match="infer.quantize"):
+        shard_model(shard_model(model, plan), plan)
 
 
 def test_plans_that_do_not_match_the_model_are_rejected(quantized):

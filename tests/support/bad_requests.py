@@ -36,69 +36,31 @@ class BadRequest:
         return self.name
 
 
-def _ids(*values: int) -> torch.Tensor:
-    return torch.tensor(values, dtype=torch.int64)
-
-
-def _lengths(*values: int) -> torch.Tensor:
-    return torch.tensor(values, dtype=torch.int32)
+def _case(name: str, ids: list[int], lengths: list[int], fragment: str, weights: int | None = None) -> BadRequest:
+    """A case of int64 ids and int32 lengths; ``weights``: that many unit weights."""
+    return BadRequest(
+        name,
+        torch.tensor(ids, dtype=torch.int64),
+        torch.tensor(lengths, dtype=torch.int32),
+        None if weights is None else torch.ones(weights),
+        fragment,
+    )
 
 
 BAD_REQUESTS: tuple[BadRequest, ...] = (
-    BadRequest(
-        "id_past_the_table",
-        _ids(1, 2, 3, 20),
-        _lengths(1, 1, 1, 1),
-        None,
-        "feature 'f1': id 20 is out of range [0, 20)",
+    _case("id_past_the_table", [1, 2, 3, 20], [1, 1, 1, 1], "feature 'f1': id 20 is out of range [0, 20)"),
+    _case("negative_id", [1, -3, 3, 4], [1, 1, 1, 1], "feature 'f0': id -3 is out of range [0, 10)"),
+    # 15 is a valid row of t1 but not of t0
+    _case("id_legal_elsewhere", [15, 2, 3, 4], [1, 1, 1, 1], "feature 'f0': id 15 is out of range [0, 10)"),
+    _case("negative_length", [1, 2, 3], [2, -1, 1, 1], "feature 'f0': bag 1 has negative length -1"),
+    _case(
+        "length_past_every_id",  # a sum of such lengths can wrap around; no entry point may sum them first
+        [1, 2, 3],
+        [2**31 - 1, 1, 1, 1],
+        "feature 'f0': bag 0 has length 2147483647 but the batch has only 3 ids",
     ),
-    BadRequest(
-        "negative_id",
-        _ids(1, -3, 3, 4),
-        _lengths(1, 1, 1, 1),
-        None,
-        "feature 'f0': id -3 is out of range [0, 10)",
-    ),
-    BadRequest(
-        "id_legal_elsewhere",  # 15 is a valid row of t1 but not of t0
-        _ids(15, 2, 3, 4),
-        _lengths(1, 1, 1, 1),
-        None,
-        "feature 'f0': id 15 is out of range [0, 10)",
-    ),
-    BadRequest(
-        "negative_length",
-        _ids(1, 2, 3),
-        _lengths(2, -1, 1, 1),
-        None,
-        "feature 'f0': bag 1 has negative length -1",
-    ),
-    BadRequest(
-        "lengths_short_of_ids",
-        _ids(1, 2, 3, 4, 5),
-        _lengths(1, 1, 1, 1),
-        None,
-        "lengths sum to 4 but there are 5 ids",
-    ),
-    BadRequest(
-        "lengths_past_ids",
-        _ids(1, 2),
-        _lengths(1, 1, 1, 1),
-        None,
-        "lengths sum to 4 but there are 2 ids",
-    ),
-    BadRequest(
-        "uneven_batch",
-        _ids(1, 2, 3),
-        _lengths(1, 1, 1),
-        None,
-        "lengths has 3 entries, not a multiple of the 2 features",
-    ),
-    BadRequest(
-        "weights_short",
-        _ids(1, 2, 3, 4),
-        _lengths(1, 1, 1, 1),
-        torch.ones(3),
-        "weights has 3 entries but there are 4 ids",
-    ),
+    _case("lengths_short_of_ids", [1, 2, 3, 4, 5], [1, 1, 1, 1], "lengths sum to 4 but there are 5 ids"),
+    _case("lengths_past_ids", [1, 2], [1, 1, 1, 1], "lengths sum to 4 but there are 2 ids"),
+    _case("uneven_batch", [1, 2, 3], [1, 1, 1], "lengths has 3 entries, not a multiple of the 2 features"),
+    _case("weights_short", [1, 2, 3, 4], [1, 1, 1, 1], "weights has 3 entries but there are 4 ids", weights=3),
 )

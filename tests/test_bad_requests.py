@@ -1,0 +1,140 @@
+"""The shared bad-request corpus against every entry point: each rejects each case with the same fragment.
+
+Entry points: the in-process ``Runtime``, the scripted model called directly (what TorchScript hosts
+run), the gRPC server (packed wire form) and the C++ ``embserve_run``. After each bad call the model
+still answers a good request exactly as before.
+"""
+
+from __future__ import annotations
+
+import subprocess
+from collections.abc import Iterator
+from pathlib import Path
+
+import grpc
+import pytest
+import torch
+
+from infer.artifact.cpp_io import read_responses, write_requests
+from infer.artifact.export import export
+from infer.artifact.load import load
+from infer.artifact.runtime import Runtime
+from infer.errors import RequestError
+from infer.features import SparseFeatures
+from infer.quant.quantize import dequantized_weights, quantize
+from infer.reference import FloatEmbeddingBagCollection
+from infer.request_rules import REQUEST_ERROR_PREFIX
+from infer.weights import random_weights
+from server.proto import inference_pb2 as pb
+from server.proto import inference_pb2_grpc as pb_grpc
+from tests.cpp.conftest import build_cpp_loader
+from tests.server.support import CALL_TIMEOUT, LoopThread, Served, local_config
+from tests.support.bad_requests import BAD_REQUESTS, CORPUS_SPEC, BadRequest
+
+GOOD = SparseFeatures(
+    CORPUS_SPEC.feature_names, torch.tensor([1, 2, 3, 19]), torch.tensor([1, 1, 1, 1], dtype=torch.int32)
+)
+
+
+@pytest.fixture(scope="module")
+def corpus_model():
+    model = quantize(CORPUS_SPEC, random_weights(CORPUS_SPEC, seed=21))
+    return model
+
+
+@pytest.fixture(scope="module")
+def artifact(tmp_path_factory, corpus_model) -> Path:
+    return export(corpus_model, tmp_path_factory.mktemp("corpus") / "artifact")
+
+
+@pytest.fixture(scope="module")
+def runtime(artifact) -> Runtime:
+    return load(artifact)
+
+
+@pytest.fixture(scope="module")
+def expected_good(corpus_model) -> torch.Tensor:
+    """The good request's output from the fp32 reference on the dequantized tables (independent of the TBE)."""
+    reference = FloatEmbeddingBagCollection(CORPUS_SPEC, dequantized_weights(CORPUS_SPEC, corpus_model))
+    return reference(GOOD)
+
+
+@pytest.fixture(scope="module")
+def server(artifact) -> Iterator[Served]:
+    loop = LoopThread()
+    served = Served.start(loop, artifact, local_config())
+    yield served
+    served.close_channels()
+    served.stop(grace=1.0)
+    loop.close()
+
+
+def test_the_corpus_names_distinct_cases():
+    assert len({case.name for case in BAD_REQUESTS}) == len(BAD_REQUESTS) >= 8
+
+
+@pytest.mark.parametrize("case", BAD_REQUESTS, ids=repr)
+def test_runtime(case: BadRequest, runtime, expected_good):
+    with pytest.raises(RequestError) as info:
+        runtime.lookup(SparseFeatures(CORPUS_SPEC.feature_names, case.values, case.lengths, case.weights))
+    assert case.fragment in str(info.value)
+    torch.testing.assert_close(runtime.lookup(GOOD), expected_good, rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("case", BAD_REQUESTS, ids=repr)
+def test_scripted_model(case: BadRequest, runtime, expected_good):
+    """The TorchScript forward validates on its own (C++ and other TorchScript hosts call it directly)."""
+    values, lengths = case.values.clone(), case.lengths.clone()
+    with pytest.raises(torch.jit.Error) as info:
+        runtime.module(values, lengths, case.weights)
+    assert REQUEST_ERROR_PREFIX + case.fragment in str(info.value)
+    assert torch.equal(values, case.values) and torch.equal(lengths, case.lengths)  # the caller's tensors
+    torch.testing.assert_close(runtime.module(GOOD.values, GOOD.lengths, None), expected_good, rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("case", BAD_REQUESTS, ids=repr)
+def test_grpc_server(case: BadRequest, server: Served, expected_good):
+    stub = pb_grpc.InferenceServiceStub(server.channel())
+    packed = pb.PackedFeatures(
+        feature_order=list(CORPUS_SPEC.feature_names),
+        ids=case.values.numpy().tobytes(),
+        id_type=pb.ID_TYPE_INT64,
+        lengths=case.lengths.numpy().tobytes(),
+        weights=case.weights.numpy().tobytes() if case.weights is not None else b"",
+    )
+    with pytest.raises(grpc.RpcError) as info:
+        stub.Lookup(pb.LookupRequest(sparse=pb.SparseFeatures(packed=packed)), timeout=CALL_TIMEOUT)
+    assert info.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+    assert case.fragment in info.value.details()
+    good = pb.PackedFeatures(
+        feature_order=list(CORPUS_SPEC.feature_names),
+        ids=GOOD.values.numpy().tobytes(),
+        id_type=pb.ID_TYPE_INT64,
+        lengths=GOOD.lengths.numpy().tobytes(),
+    )
+    response = stub.Lookup(pb.LookupRequest(sparse=pb.SparseFeatures(packed=good)), timeout=CALL_TIMEOUT)
+    pooled = torch.frombuffer(bytearray(response.embeddings), dtype=torch.float32).view(response.batch_size, -1)
+    torch.testing.assert_close(pooled, expected_good, rtol=1e-5, atol=1e-5)
+
+
+def test_embserve_run(artifact, tmp_path, expected_good):
+    """One request file holding every case, then a good request: each bad one is a RequestError with its
+    fragment, and the good one after them all is answered."""
+    embserve_run = build_cpp_loader() / "embserve_run"
+    requests = [(case.values, case.lengths, case.weights) for case in BAD_REQUESTS]
+    write_requests(tmp_path / "requests.bin", [*requests, (GOOD.values, GOOD.lengths, None)])
+    result = subprocess.run(
+        [str(embserve_run), str(artifact), "--requests", str(tmp_path / "requests.bin"), "--out", str(tmp_path / "o")],
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert result.returncode == 0, result.stderr
+    responses = read_responses(tmp_path / "o")
+    assert len(responses) == len(BAD_REQUESTS) + 1
+    for case, response in zip(BAD_REQUESTS, responses):
+        assert not response.ok, case.name
+        assert response.error_type == "RequestError", (case.name, response.error_type, response.message)
+        assert case.fragment in (response.message or ""), (case.name, response.message)
+    assert responses[-1].output is not None
+    torch.testing.assert_close(responses[-1].output, expected_good, rtol=1e-5, atol=1e-5)
