@@ -162,7 +162,7 @@ def _lengths_of(feature: str, roles: Mapping[str, InputTensor], num_values: int)
             f"feature {feature!r}: send '{feature}__lengths' or '{feature}__offsets', not both", feature=feature
         )
     if LENGTHS in roles:
-        return _one_dim(roles[LENGTHS], feature).to(torch.int32)
+        return _one_dim(roles[LENGTHS], feature).to(torch.int64)
     if OFFSETS not in roles:
         raise RequestError(
             f"feature {feature!r}: '{feature}__lengths' (or '{feature}__offsets') is missing", feature=feature
@@ -180,7 +180,7 @@ def _lengths_of(feature: str, roles: Mapping[str, InputTensor], num_values: int)
     if lengths.numel() and int(lengths.min()) < 0:
         bag = int(torch.nonzero(lengths < 0)[0])
         raise RequestError(rules.negative_length(feature, bag, int(lengths[bag])), feature=feature)
-    return lengths.to(torch.int32)
+    return lengths
 
 
 def decode_inputs(inputs: Sequence[InputTensor], spec: ModelSpec) -> tuple[SparseFeatures, torch.Tensor | None]:
@@ -250,12 +250,16 @@ def _checked_batch(
                 "every feature needs one bag per example",
                 feature=key,
             )
-    for key, part in zip(keys, lengths):
+    num_ids = [part.numel() for part in values]
+    for key, part in zip(keys, lengths):  # int64 here: no sum before these two checks, so none can wrap
         if part.numel() and int(part.min()) < 0:
             bag = int(torch.nonzero(part < 0)[0])
             raise RequestError(rules.negative_length(key, bag, int(part[bag])), feature=key)
+    for key, part in zip(keys, lengths):
+        if part.numel() and int(part.max()) > sum(num_ids):
+            bag = int(torch.nonzero(part > sum(num_ids))[0])
+            raise RequestError(rules.length_past_ids(key, bag, int(part[bag]), sum(num_ids)), feature=key)
     sums = [int(part.sum()) for part in lengths]
-    num_ids = [part.numel() for part in values]
     if sum(sums) != sum(num_ids):
         raise RequestError(rules.lengths_sum(sum(sums), sum(num_ids)))
     for key, total, count in zip(keys, sums, num_ids):
@@ -273,7 +277,7 @@ def _checked_batch(
                 raise RequestError(f"feature {key!r}: " + rules.weights_count(part.numel(), count), feature=key)
         weight = torch.cat(parts)
     id_dtype = torch.int64 if any(v.dtype == torch.int64 for v in values) else torch.int32
-    return SparseFeatures(keys, torch.cat([v.to(id_dtype) for v in values]), torch.cat(lengths), weight)
+    return SparseFeatures(keys, torch.cat([v.to(id_dtype) for v in values]), torch.cat(lengths).to(torch.int32), weight)
 
 
 def _dense(tensor: InputTensor | None, batch: int, spec: ModelSpec) -> torch.Tensor | None:

@@ -9,6 +9,7 @@ import numpy as np
 import torch
 
 from infer.features import SparseFeatures
+from tests.support.bad_requests import CORPUS_SPEC, BadRequest
 
 PROTOCOLS = ("grpc", "http")
 
@@ -86,3 +87,29 @@ def requested(protocol: str, *names: str, binary: bool = True) -> list[Any]:
 
 def client(protocol: str, address: str, **kwargs: Any) -> Any:
     return triton_module(protocol).InferenceServerClient(address, **kwargs)
+
+
+def corpus_inputs(protocol: str, case: BadRequest) -> list[Any]:
+    """A corpus case (feature-major values/lengths/weights) as per-feature tensors.
+
+    Lengths go to the features in equal chunks (the first feature takes the larger one), ids follow
+    the non-negative lengths of each feature and the last feature takes what is left over (or falls
+    short); weights are split like the ids. So every inconsistency of the case stays in the request.
+    """
+    keys = CORPUS_SPEC.feature_names
+    chunk = -(-case.lengths.numel() // len(keys))
+    inputs, position, weight_position = [], 0, 0
+    for index, key in enumerate(keys):
+        lengths = case.lengths[index * chunk : (index + 1) * chunk]
+        last = index == len(keys) - 1
+        count = int(lengths.to(torch.int64).clamp(min=0).sum())
+        values = case.values[position:] if last else case.values[position : position + count]
+        position += values.numel()
+        inputs.append(make_input(protocol, f"{key}__values", values.numpy()))
+        inputs.append(make_input(protocol, f"{key}__lengths", lengths.numpy()))
+        if case.weights is not None:
+            end = None if last else weight_position + count
+            weights = case.weights[weight_position:end]
+            weight_position += weights.numel()
+            inputs.append(make_input(protocol, f"{key}__weights", weights.numpy()))
+    return inputs

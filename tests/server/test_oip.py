@@ -13,14 +13,9 @@ import pytest
 import torch
 from tritonclient.utils import InferenceServerException
 
-from infer.artifact.export import export
-from infer.features import SparseFeatures
-from infer.quant.quantize import quantize
-from infer.weights import random_weights
 from tests.conftest import random_batch
 from tests.server.oip_support import PROTOCOLS, client, make_input, requested, split_features, triton_inputs
 from tests.server.support import NUM_DENSE, Served, local_config
-from tests.support.bad_requests import BAD_REQUESTS, CORPUS_SPEC, BadRequest
 
 MODEL = "dense"  # the dense artifact's folder name
 
@@ -162,7 +157,7 @@ def test_fp16_output_is_the_fp32_result_cast(triton, spec, dense_runtime):
     )
     got = result.as_numpy("embeddings")
     assert got.dtype == np.float16
-    assert torch.equal(torch.from_numpy(got), dense_runtime.lookup(batch).to(torch.float16))
+    assert torch.equal(_tensor(got), dense_runtime.lookup(batch).to(torch.float16))
 
 
 def test_http_json_tensors_without_the_binary_extension(oip_server, spec, dense_runtime):
@@ -276,53 +271,3 @@ def test_bad_tensors_name_the_tensor_or_feature(triton, spec, case, fragment):
     error = _error(lambda: c.infer(MODEL, inputs, outputs=outputs))
     assert _status(protocol, error) == _BAD_INPUT[protocol]
     assert fragment in error.message()
-
-
-# ------------------------------------------------------------------------------------------ the shared corpus
-@pytest.fixture(scope="module")
-def corpus_server(loop_thread, tmp_path_factory) -> Iterator[Served]:
-    model = quantize(CORPUS_SPEC, random_weights(CORPUS_SPEC, seed=3))
-    artifact = export(model, tmp_path_factory.mktemp("oip-corpus") / "corpus")
-    served = Served.start(loop_thread, artifact, local_config(http_port=0))
-    yield served
-    served.close_channels()
-    served.stop(grace=1.0)
-
-
-def corpus_inputs(protocol: str, case: BadRequest) -> list[Any]:
-    """A corpus case (feature-major values/lengths/weights) as per-feature tensors.
-
-    Lengths go to the features in equal chunks (the first feature takes the larger one), ids follow
-    the non-negative lengths of each feature and the last feature takes what is left over (or falls
-    short); weights are split like the ids. So every inconsistency of the case stays in the request.
-    """
-    keys = CORPUS_SPEC.feature_names
-    chunk = -(-case.lengths.numel() // len(keys))
-    inputs, position, weight_position = [], 0, 0
-    for index, key in enumerate(keys):
-        lengths = case.lengths[index * chunk : (index + 1) * chunk]
-        last = index == len(keys) - 1
-        count = int(lengths.clamp(min=0).sum())
-        values = case.values[position:] if last else case.values[position : position + count]
-        position += values.numel()
-        inputs.append(make_input(protocol, f"{key}__values", values.numpy()))
-        inputs.append(make_input(protocol, f"{key}__lengths", lengths.numpy()))
-        if case.weights is not None:
-            weights = (
-                case.weights[weight_position:] if last else case.weights[weight_position : weight_position + count]
-            )
-            weight_position += weights.numel()
-            inputs.append(make_input(protocol, f"{key}__weights", weights.numpy()))
-    return inputs
-
-
-@pytest.mark.parametrize("protocol", PROTOCOLS)
-@pytest.mark.parametrize("case", BAD_REQUESTS, ids=repr)
-def test_the_shared_bad_request_corpus(corpus_server, protocol, case):
-    with client(protocol, _address(corpus_server, protocol)) as c:
-        error = _error(lambda: c.infer("corpus", corpus_inputs(protocol, case)))
-        assert _status(protocol, error) == _BAD_INPUT[protocol]
-        assert case.fragment in error.message()
-        # the server keeps serving
-        good = SparseFeatures.from_dict({"f0": [[1], [2]], "f1": [[3], []]})
-        assert c.infer("corpus", triton_inputs(protocol, good)).as_numpy("embeddings").shape == (2, 16)
