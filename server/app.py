@@ -30,6 +30,7 @@ from server.oip import OpenInference
 from server.oip import add_to_server as add_open_inference
 from server.proto import inference_pb2 as pb
 from server.proto import inference_pb2_grpc as pb_grpc
+from server.repository import is_repository, open_repository
 from server.service import InferenceServicer
 
 logger = logging.getLogger(__name__)
@@ -61,6 +62,8 @@ class ServerConfig:
     model_name: str | None = None  # the OIP model name; None: the artifact's folder name
     http_port: int | None = None  # None: no REST endpoint; 0: any free port
     http_host: str | None = None  # None: the gRPC host
+    poll_s: float | None = None  # a repository: look for new versions this often (None: only on load calls)
+    version_policy: str = "latest:1"  # a repository: "latest:N" or "versions:1,3"
 
 
 @dataclass
@@ -131,8 +134,15 @@ async def _warm_up(servicer: InferenceServicer, batches: int) -> None:
 
 async def create_server(artifact: str | Path | Runtime, config: ServerConfig = ServerConfig()) -> RunningServer:
     """Load (or take) a runtime, start a server on ``config.host:config.port`` and warm it up."""
-    runtime = artifact if isinstance(artifact, Runtime) else load(artifact)
     metrics = ServerMetrics()
+    repository = None
+    if isinstance(artifact, Runtime):
+        runtime = artifact
+    elif is_repository(artifact):  # REPO/<model>/<version>/ (server/repository.py)
+        repository = await open_repository(artifact, config, metrics)
+        runtime = repository.default_runtime()
+    else:
+        runtime = load(artifact)
     workers = _workers(runtime, config.workers)
     _set_intra_op_threads(runtime, workers, config.intra_op_threads)
     servicer = InferenceServicer(
@@ -150,7 +160,7 @@ async def create_server(artifact: str | Path | Runtime, config: ServerConfig = S
     ]
     server = grpc.aio.server(interceptors=interceptors, options=options)
     pb_grpc.add_InferenceServiceServicer_to_server(servicer, server)
-    oip = add_open_inference(servicer, server, config.model_name or runtime.path.name, config.max_queue)
+    oip = add_open_inference(servicer, server, config.model_name or runtime.path.name, config.max_queue, repository)
     health = HealthServicer()
     health_pb2_grpc.add_HealthServicer_to_server(health, server)
     reflection.enable_server_reflection(

@@ -32,6 +32,11 @@ def cmd_serve(args: argparse.Namespace) -> int:
         tls_key=args.tls_key,
         auth_token=read_token_file(args.auth_token_file) if args.auth_token_file else None,
         drain_seconds=args.drain_seconds,
+        model_name=args.model_name,
+        http_port=args.http_port,
+        http_host=args.http_host,
+        poll_s=args.poll_s,
+        version_policy=args.version_policy,
     )
     return asyncio.run(serve(args.artifact, config))
 
@@ -116,7 +121,7 @@ def serve_demo(artifact: Path) -> int:
 def add_subcommands(subcommands: Any) -> None:
     """Register ``serve`` and ``query`` on the ``embserve`` parser's subcommands."""
     srv = subcommands.add_parser("serve", help="serve an artifact over gRPC (SIGTERM drains, then exits 0)")
-    srv.add_argument("artifact")
+    srv.add_argument("artifact", help="an artifact folder, or a repository REPO/<model>/<version>/ of artifacts")
     srv.add_argument("--host", default="0.0.0.0")
     srv.add_argument("--port", type=int, default=50051)
     srv.add_argument("--max-batch-size", type=int, default=4096, help="examples per batched forward")
@@ -130,6 +135,11 @@ def add_subcommands(subcommands: Any) -> None:
     srv.add_argument("--tls-key", default=None)
     srv.add_argument("--auth-token-file", default=None, help="require 'authorization: Bearer <token>'")
     srv.add_argument("--drain-seconds", type=float, default=30.0)
+    srv.add_argument("--http-port", type=int, default=None, help="Open Inference Protocol REST port (0: any)")
+    srv.add_argument("--http-host", default=None, help="REST host (default: --host)")
+    srv.add_argument("--model-name", default=None, help="OIP model name of an artifact (default: its folder name)")
+    srv.add_argument("--poll-s", type=float, default=None, help="a repository: look for new versions this often")
+    srv.add_argument("--version-policy", default="latest:1", help="a repository: 'latest:N' or 'versions:1,3'")
     srv.set_defaults(func=cmd_serve)
 
     qry = subcommands.add_parser("query", help="query a server: metadata and one lookup")

@@ -157,6 +157,10 @@ class ModelSet(Protocol):
 
     def ready(self, name: str, version: str) -> bool: ...
 
+    def failures(self, name: str) -> dict[str, str]:
+        """version -> why it failed to load (reported in the model's metadata)."""
+        ...
+
     async def load(self, name: str) -> None: ...
 
     async def unload(self, name: str) -> None: ...
@@ -192,6 +196,9 @@ class SingleModel:
             return False
         return True
 
+    def failures(self, name: str) -> dict[str, str]:
+        return {}
+
     async def load(self, name: str) -> None:
         self.find(name, "")  # already loaded: loading it again is a no-op, as in Triton
 
@@ -213,10 +220,17 @@ class InferResult:
 class OpenInference:
     """The protocol's calls, independent of gRPC or REST; shares the v1 servicer's batchers and metrics."""
 
-    def __init__(self, v1: InferenceServicer, models: ModelSet, stop_batchers: Sequence[DynamicBatcher] = ()) -> None:
+    def __init__(
+        self,
+        v1: InferenceServicer,
+        models: ModelSet,
+        stop_batchers: Sequence[DynamicBatcher] = (),
+        repository: Any = None,
+    ) -> None:
         self.v1 = v1
         self.metrics = v1.metrics
         self.models = models
+        self.repository = repository  # server.repository.Repository, closed with the protocol
         self.is_ready = False
         self._own_batchers = list(stop_batchers)
         self.http: Any = None  # the REST server, when one runs (server.oip_http.RestServer)
@@ -258,13 +272,19 @@ class OpenInference:
             self.http = None
         for batcher in self._own_batchers:
             await batcher.close()
+        if self.repository is not None:
+            await self.repository.close()
 
     def server_metadata(self) -> dict[str, Any]:
         return {"name": SERVER_NAME, "version": __version__, "extensions": list(EXTENSIONS)}
 
     def model_metadata(self, name: str, version: str) -> dict[str, Any]:
         model = self.models.find(name, version)
-        return model.metadata(self.models.versions(name))
+        metadata = model.metadata(self.models.versions(name))
+        failures = self.models.failures(name)
+        if failures:
+            metadata["properties"]["failed_versions"] = json.dumps(failures, sort_keys=True)
+        return metadata
 
     def model_ready(self, name: str, version: str) -> bool:
         return self.is_ready and self.models.ready(name, version)
@@ -396,8 +416,15 @@ class OpenInferenceServicer(pb_grpc.GRPCInferenceServiceServicer):
         return await self._handle("RepositoryModelUnload", context, work())
 
 
-def add_to_server(v1: InferenceServicer, server: grpc.aio.Server, name: str, max_queue: int) -> OpenInference:
-    """Serve the v1 servicer's artifact over the Open Inference Protocol too, on the same gRPC server."""
-    oip = OpenInference.for_servicer(v1, name, max_queue)
+def add_to_server(
+    v1: InferenceServicer, server: grpc.aio.Server, name: str, max_queue: int, repository: Any = None
+) -> OpenInference:
+    """Serve the v1 servicer's artifact (or a repository's models) over the Open Inference Protocol too,
+    on the same gRPC server. With a repository, the v1 service follows the first model's newest version."""
+    if repository is not None:
+        repository.attach_v1(v1)
+        oip = OpenInference(v1, repository, repository=repository)
+    else:
+        oip = OpenInference.for_servicer(v1, name, max_queue)
     pb_grpc.add_GRPCInferenceServiceServicer_to_server(OpenInferenceServicer(oip), server)
     return oip
