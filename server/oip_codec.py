@@ -11,6 +11,7 @@ concatenated batch would have failed the same way.
 from __future__ import annotations
 
 import enum
+import math
 import sys
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
@@ -33,6 +34,7 @@ DATATYPES: dict[str, torch.dtype] = {
     "FP16": torch.float16,
 }
 DATATYPE_OF = {dtype: name for name, dtype in DATATYPES.items()}
+_WIDTH = {name: torch.empty(0, dtype=dtype).element_size() for name, dtype in DATATYPES.items()}
 # the typed ``InferTensorContents`` field of each datatype (FP16 has none: it travels raw)
 CONTENTS_FIELD = {"INT64": "int64_contents", "INT32": "int_contents", "FP32": "fp32_contents"}
 
@@ -101,20 +103,17 @@ class OutputTensor:
 def _checked_shape(name: str, datatype: str, shape: Iterable[int]) -> tuple[tuple[int, ...], int]:
     if datatype not in DATATYPES:
         raise RequestError(f"input {name!r}: datatype {datatype!r} is not supported; use one of {sorted(DATATYPES)}")
-    dims = tuple(int(d) for d in shape)
-    if any(d < 0 for d in dims):
+    dims = tuple(shape)
+    if dims and min(dims) < 0:
         raise RequestError(f"input {name!r}: shape {list(dims)} has a negative dimension")
-    count = 1
-    for d in dims:
-        count *= d
-    return dims, count
+    return dims, math.prod(dims)
 
 
 def tensor_from_raw(name: str, datatype: str, shape: Iterable[int], raw: bytes | memoryview) -> InputTensor:
     """An input whose data came as raw little-endian bytes (gRPC raw_input_contents, REST binary data)."""
     dims, count = _checked_shape(name, datatype, shape)
     dtype = DATATYPES[datatype]
-    width = torch.empty(0, dtype=dtype).element_size()
+    width = _WIDTH[datatype]
     if len(raw) != count * width:
         raise RequestError(
             f"input {name!r}: {len(raw)} bytes of raw data for shape {list(dims)} {datatype} "
@@ -243,25 +242,30 @@ def _checked_batch(
     total_entries = sum(counts)
     if total_entries % len(keys):
         raise RequestError(rules.uneven_batch(total_entries, len(keys)))
-    for key, count in zip(keys, counts):
-        if count != counts[0]:
-            raise RequestError(
-                f"feature {key!r} has {count} bags but feature {keys[0]!r} has {counts[0]}; "
-                "every feature needs one bag per example",
-                feature=key,
-            )
+    if min(counts) != max(counts):
+        key, count = next((k, c) for k, c in zip(keys, counts) if c != counts[0])
+        raise RequestError(
+            f"feature {key!r} has {count} bags but feature {keys[0]!r} has {counts[0]}; "
+            "every feature needs one bag per example",
+            feature=key,
+        )
     num_ids = [part.numel() for part in values]
-    for key, part in zip(keys, lengths):  # int64 here: no sum before these two checks, so none can wrap
-        if part.numel() and int(part.min()) < 0:
-            bag = int(torch.nonzero(part < 0)[0])
-            raise RequestError(rules.negative_length(key, bag, int(part[bag])), feature=key)
-    for key, part in zip(keys, lengths):
-        if part.numel() and int(part.max()) > sum(num_ids):
-            bag = int(torch.nonzero(part > sum(num_ids))[0])
-            raise RequestError(rules.length_past_ids(key, bag, int(part[bag]), sum(num_ids)), feature=key)
-    sums = [int(part.sum()) for part in lengths]
-    if sum(sums) != sum(num_ids):
-        raise RequestError(rules.lengths_sum(sum(sums), sum(num_ids)))
+    total_ids = sum(num_ids)
+    all_lengths = torch.cat(lengths)  # int64: no sum before the next two checks, so none can wrap
+    if total_entries:
+        shortest, longest = (int(x) for x in torch.aminmax(all_lengths))
+        if shortest < 0 or longest > total_ids:
+            for key, part in zip(keys, lengths):
+                if part.numel() and int(part.min()) < 0:
+                    bag = int(torch.nonzero(part < 0)[0])
+                    raise RequestError(rules.negative_length(key, bag, int(part[bag])), feature=key)
+            for key, part in zip(keys, lengths):
+                if part.numel() and int(part.max()) > total_ids:
+                    bag = int(torch.nonzero(part > total_ids)[0])
+                    raise RequestError(rules.length_past_ids(key, bag, int(part[bag]), total_ids), feature=key)
+    sums = all_lengths.view(len(keys), -1).sum(1).tolist() if total_entries else [0] * len(keys)
+    if sum(sums) != total_ids:
+        raise RequestError(rules.lengths_sum(sum(sums), total_ids))
     for key, total, count in zip(keys, sums, num_ids):
         if total != count:
             raise RequestError(f"feature {key!r}: " + rules.lengths_sum(total, count), feature=key)
@@ -270,14 +274,14 @@ def _checked_batch(
         # an unweighted feature beside weighted ones counts each id once (weight 1)
         parts = [w if w is not None else torch.ones(v.numel()) for w, v in zip(weights, values)]
         given = sum(p.numel() for p in parts)
-        if given != sum(num_ids):
-            raise RequestError(rules.weights_count(given, sum(num_ids)))
+        if given != total_ids:
+            raise RequestError(rules.weights_count(given, total_ids))
         for key, part, count in zip(keys, parts, num_ids):
             if part.numel() != count:
                 raise RequestError(f"feature {key!r}: " + rules.weights_count(part.numel(), count), feature=key)
         weight = torch.cat(parts)
     id_dtype = torch.int64 if any(v.dtype == torch.int64 for v in values) else torch.int32
-    return SparseFeatures(keys, torch.cat([v.to(id_dtype) for v in values]), torch.cat(lengths).to(torch.int32), weight)
+    return SparseFeatures(keys, torch.cat([v.to(id_dtype) for v in values]), all_lengths.to(torch.int32), weight)
 
 
 def _dense(tensor: InputTensor | None, batch: int, spec: ModelSpec) -> torch.Tensor | None:
