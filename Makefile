@@ -24,7 +24,7 @@ $(STAMP): pyproject.toml Makefile
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
 	$(BIN)/python -m pip install --quiet --disable-pip-version-check torch==$(TORCH_VERSION)
 	$(BIN)/python -m pip install --quiet --disable-pip-version-check $(FBGEMM_PKG) $(SERVING_PKGS) \
-		pytest ruff mypy numpy scipy matplotlib "setuptools>=64"
+		pytest ruff mypy numpy scipy matplotlib "hypothesis==6.140.0" "setuptools>=64"
 	$(BIN)/python -m pip install --quiet --disable-pip-version-check --no-deps $(TRITON_PKGS)
 	$(BIN)/python -m pip install --quiet --disable-pip-version-check --no-build-isolation --no-deps -e .
 	touch $(STAMP)

@@ -7,6 +7,7 @@ that order. Optional ``weights`` hold one float32 weight per id.
 
 from __future__ import annotations
 
+from collections import Counter
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
@@ -53,9 +54,13 @@ class SparseFeatures:
             if self.weights.dtype != torch.float32:
                 raise RequestError(f"weights must be float32, got {self.weights.dtype}")
             if self.weights.numel() != self.values.numel():
-                raise RequestError(rules.weights_count(self.weights.numel(), self.values.numel()))
+                raise RequestError(
+                    rules.weights_count(self.weights.numel(), self.values.numel())
+                    + self._first_feature_past(self.weights.numel(), "weights")
+                )
         if len(set(self.keys)) != len(self.keys):
-            raise RequestError(f"feature names {list(self.keys)} contain duplicates")
+            repeated = sorted(k for k, count in Counter(self.keys).items() if count > 1)
+            raise RequestError(f"duplicate feature names {rules.clip_names(repeated)}; name each feature once")
         if not self.keys:
             raise RequestError("a batch needs at least one feature")
 
@@ -83,8 +88,8 @@ class SparseFeatures:
                 batch_size = lengths.numel()
             elif lengths.numel() != batch_size:
                 raise RequestError(
-                    f"feature {key!r} has {lengths.numel()} bags but feature {first_key!r} has {batch_size}; "
-                    "every feature needs one bag per example (use [] for an empty bag)",
+                    f"feature '{rules.clip(key)}' has {lengths.numel()} bags but feature '{rules.clip(first_key)}' "
+                    f"has {batch_size}; every feature needs one bag per example (use [] for an empty bag)",
                     feature=key,
                 )
             values_parts.append(values)
@@ -103,7 +108,8 @@ class SparseFeatures:
                 w = _feature_weights(key, weights[key], lengths)
                 if w.numel() != vals.numel():
                     raise RequestError(
-                        f"feature {key!r}: {w.numel()} weights for {vals.numel()} ids; give one weight per id",
+                        f"feature '{rules.clip(key)}': {w.numel()} weights for {vals.numel()} ids; "
+                        "give one weight per id",
                         feature=key,
                     )
                 parts.append(w)
@@ -169,15 +175,20 @@ class SparseFeatures:
         are never modified; a reordered batch is a new one.
         """
         expected = spec.feature_names
-        unknown = [k for k in self.keys if k not in expected]
+        known = set(expected)
+        unknown = [k for k in self.keys if k not in known]
         if unknown:
             raise RequestError(
-                f"unknown feature(s) {unknown}; the model's features are {list(expected)}", feature=unknown[0]
+                f"unknown feature(s) {rules.clip_names(unknown)}; the model's features are "
+                f"{rules.clip_names(list(expected), 10)}",
+                feature=rules.clip(unknown[0]),
             )
-        missing = [k for k in expected if k not in self.keys]
+        present = set(self.keys)
+        missing = [k for k in expected if k not in present]
         if missing:
             raise RequestError(
-                f"missing feature(s) {missing}; every request must carry all of {list(expected)} "
+                f"missing feature(s) {rules.clip_names(missing)}; every request must carry all "
+                f"{len(expected)} features of the model "
                 "(send empty bags for a feature with no ids)",
                 feature=missing[0],
             )
@@ -201,7 +212,7 @@ class SparseFeatures:
         per_feature = lengths.view(num_features, batch).sum(dim=1)
         total = int(per_feature.sum())
         if total != num_ids:
-            raise RequestError(rules.lengths_sum(total, num_ids))
+            raise RequestError(rules.lengths_sum(total, num_ids) + self._first_feature_past(num_ids, "ids"))
         ends = torch.cumsum(per_feature, 0).tolist()
         starts = [0] + ends[:-1]
         rows = {f.name: f.num_embeddings for f in spec.features}
@@ -220,6 +231,25 @@ class SparseFeatures:
         if self.keys == expected:
             return self
         return self._reordered(expected, starts, ends)
+
+    def _first_feature_past(self, available: int, what: str) -> str:
+        """Which feature's bags first reach past ``available`` ids (or weights), when lengths allow telling:
+        the per-feature hint of a count mismatch in the packed form ("" when it cannot be told)."""
+        num_features = len(self.keys)
+        if not num_features or self.lengths.numel() % num_features or self.lengths.numel() > 1 << 24:
+            return ""
+        lengths = self.lengths.to(torch.int64)
+        if lengths.numel() and (int(lengths.min()) < 0 or int(lengths.max()) > self.values.numel()):
+            return ""
+        ends = torch.cumsum(lengths.view(num_features, -1).sum(1), 0).tolist() if lengths.numel() else []
+        for key, end in zip(self.keys, ends):
+            if end > available:
+                return f" (feature '{rules.clip(key)}' is the first whose bags reach past the {available} {what})"
+        if ends and ends[-1] < available:
+            return (
+                f" ({available - ends[-1]} {what} are left over after the last feature '{rules.clip(self.keys[-1])}')"
+            )
+        return ""
 
     def _reordered(self, order: Sequence[str], starts: list[int], ends: list[int]) -> SparseFeatures:
         batch = self.batch_size
@@ -243,30 +273,38 @@ def _feature_tensors(key: str, bags: Any) -> tuple[torch.Tensor, torch.Tensor]:
     if isinstance(bags, tuple) and len(bags) == 2 and all(isinstance(t, torch.Tensor) for t in bags):
         values, lengths = bags
         if values.dim() != 1 or lengths.dim() != 1:
-            raise RequestError(f"feature {key!r}: values and lengths must be 1-D tensors", feature=key)
+            raise RequestError(f"feature '{rules.clip(key)}': values and lengths must be 1-D tensors", feature=key)
         if values.dtype not in _ID_DTYPES:
-            raise RequestError(f"feature {key!r}: ids must be int64 or int32, got {values.dtype}", feature=key)
+            raise RequestError(
+                f"feature '{rules.clip(key)}': ids must be int64 or int32, got {values.dtype}", feature=key
+            )
         if lengths.dtype not in _LENGTH_DTYPES:
-            raise RequestError(f"feature {key!r}: lengths must be int32, got {lengths.dtype}", feature=key)
+            raise RequestError(f"feature '{rules.clip(key)}': lengths must be int32, got {lengths.dtype}", feature=key)
         return values, lengths.to(torch.int32)
     if isinstance(bags, (str, bytes)) or not isinstance(bags, Sequence):
         raise RequestError(
-            f"feature {key!r}: expected a list of bags (lists of int ids), got {type(bags).__name__}", feature=key
+            f"feature '{rules.clip(key)}': expected a list of bags (lists of int ids), got {type(bags).__name__}",
+            feature=key,
         )
     flat: list[int] = []
     lengths_list: list[int] = []
     for b, bag in enumerate(bags):
         if isinstance(bag, (str, bytes)) or not isinstance(bag, Sequence):
-            raise RequestError(f"feature {key!r}: bag {b} must be a list of int ids, got {bag!r}", feature=key)
+            raise RequestError(
+                f"feature '{rules.clip(key)}': bag {b} must be a list of int ids, got {rules.clip(repr(bag))}",
+                feature=key,
+            )
         for item in bag:
             if isinstance(item, bool) or not isinstance(item, int):
-                raise RequestError(f"feature {key!r}: bag {b} holds non-integer id {item!r}", feature=key)
+                raise RequestError(
+                    f"feature '{rules.clip(key)}': bag {b} holds non-integer id {rules.clip(repr(item))}", feature=key
+                )
         flat.extend(bag)
         lengths_list.append(len(bag))
     try:
         values = torch.tensor(flat, dtype=torch.int64)
     except (RuntimeError, ValueError, OverflowError):
-        raise RequestError(f"feature {key!r}: an id does not fit in int64", feature=key) from None
+        raise RequestError(f"feature '{rules.clip(key)}': an id does not fit in int64", feature=key) from None
     return values, torch.tensor(lengths_list, dtype=torch.int32)
 
 
@@ -274,23 +312,28 @@ def _feature_weights(key: str, weights: Any, lengths: torch.Tensor) -> torch.Ten
     """One feature's weights as float32: a 1-D tensor, or lists shaped exactly like its bags."""
     if isinstance(weights, torch.Tensor):
         if weights.dim() != 1 or not weights.is_floating_point():
-            raise RequestError(f"feature {key!r}: weights must be a 1-D float tensor", feature=key)
+            raise RequestError(f"feature '{rules.clip(key)}': weights must be a 1-D float tensor", feature=key)
         return weights.to(torch.float32)
     if isinstance(weights, (str, bytes)) or not isinstance(weights, Sequence):
-        raise RequestError(f"feature {key!r}: weights must be a list of bags of floats", feature=key)
+        raise RequestError(f"feature '{rules.clip(key)}': weights must be a list of bags of floats", feature=key)
     bag_lengths = lengths.tolist()
     if len(weights) != len(bag_lengths):
         raise RequestError(
-            f"feature {key!r}: {len(weights)} bags of weights for {len(bag_lengths)} bags of ids", feature=key
+            f"feature '{rules.clip(key)}': {len(weights)} bags of weights for {len(bag_lengths)} bags of ids",
+            feature=key,
         )
     flat: list[float] = []
     for b, (bag, expected) in enumerate(zip(weights, bag_lengths)):
         if isinstance(bag, (str, bytes)) or not isinstance(bag, Sequence) or len(bag) != expected:
             raise RequestError(
-                f"feature {key!r}: bag {b} needs {expected} weights (one per id), got {bag!r}", feature=key
+                f"feature '{rules.clip(key)}': bag {b} needs {expected} weights (one per id), "
+                f"got {rules.clip(repr(bag))}",
+                feature=key,
             )
         for w in bag:
             if isinstance(w, bool) or not isinstance(w, (int, float)):
-                raise RequestError(f"feature {key!r}: bag {b} holds non-numeric weight {w!r}", feature=key)
+                raise RequestError(
+                    f"feature '{rules.clip(key)}': bag {b} holds non-numeric weight {rules.clip(repr(w))}", feature=key
+                )
             flat.append(float(w))
     return torch.tensor(flat, dtype=torch.float32)

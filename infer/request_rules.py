@@ -19,6 +19,26 @@ DENSE_DTYPE = "dense_features must be float32"
 NO_DENSE_PART = "this model has no dense part; use lookup, not predict"
 
 
+# Echoed client input (a name, a value) is cut to this many characters, and a whole message to MAX_MESSAGE_CHARS:
+# a status message travels in gRPC metadata, whose size is bounded.
+MAX_ECHO_CHARS = 64
+MAX_MESSAGE_CHARS = 1024
+
+
+def clip(text: str, limit: int = MAX_ECHO_CHARS) -> str:
+    """``text``, or its first ``limit`` characters and how long it was."""
+    if len(text) <= limit:
+        return text
+    return text[:limit] + f"…({len(text)} chars)"
+
+
+def clip_names(names: list[str], count: int = 5) -> str:
+    """A bounded list of client-given names: the first ``count``, each clipped, then how many more."""
+    shown = [clip(name) for name in names[:count]]
+    more = f" and {len(names) - count} more" if len(names) > count else ""
+    return "[" + ", ".join(["'" + name + "'" for name in shown]) + "]" + more
+
+
 def uneven_batch(entries: int, num_features: int) -> str:
     return (
         f"lengths has {entries} entries, not a multiple of the {num_features} features; "

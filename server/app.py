@@ -1,7 +1,8 @@
 """Create, run and stop the embserve gRPC server (grpc.aio).
 
 ``create_server`` builds a started server and returns it with its port (tests bind port 0);
-``serve`` runs one until SIGTERM/SIGINT, then drains in-flight calls and returns 0. Starting one in
+``serve`` runs one until SIGTERM/SIGINT, then drains: health NOT_SERVING at once, calls still served for
+``drain_grace_s`` (so load balancers move away), then no new calls and every accepted one finished. Starting one in
 a subprocess (demo, tests, benchmarks) is ``server.launch``'s job.
 """
 
@@ -17,7 +18,6 @@ from pathlib import Path
 import grpc
 import torch
 from grpc_health.v1 import health_pb2, health_pb2_grpc
-from grpc_health.v1._async import HealthServicer
 from grpc_reflection.v1alpha import reflection
 
 from infer.artifact.load import load
@@ -25,20 +25,17 @@ from infer.artifact.runtime import Runtime
 from infer.errors import ConfigError
 from infer.features import SparseFeatures
 from server.auth import BearerTokenInterceptor
+from server.health import DrainingHealthServicer
 from server.metrics import ServerMetrics
 from server.oip import OpenInference
 from server.oip import add_to_server as add_open_inference
-from server.proto import inference_pb2 as pb
-from server.proto import inference_pb2_grpc as pb_grpc
 from server.repository import is_repository, open_repository
-from server.service import InferenceServicer
+from server.service import SERVICE_NAME, InferenceServicer, add_to_server
 
 logger = logging.getLogger(__name__)
 
-SERVICE_NAME = pb.DESCRIPTOR.services_by_name["InferenceService"].full_name
 # printed by `embserve serve` once the server is warm, followed by the port
 SERVING_LINE = "embserve: serving on port"
-_SETTLE_S = 0.05
 
 
 @dataclass(frozen=True)
@@ -56,7 +53,8 @@ class ServerConfig:
     tls_cert: str | None = None
     tls_key: str | None = None
     auth_token: str | None = None
-    drain_seconds: float = 30.0
+    drain_grace_s: float = 5.0  # after SIGTERM: NOT_SERVING but still serving, for load balancers to notice
+    drain_seconds: float = 30.0  # then: at most this long for accepted calls to finish
     warmup_batches: int = 3
     # Open Inference Protocol (server/oip.py, server/oip_http.py)
     model_name: str | None = None  # the OIP model name; None: the artifact's folder name
@@ -71,33 +69,36 @@ class RunningServer:
     server: grpc.aio.Server
     port: int
     servicer: InferenceServicer
-    health: HealthServicer
+    health: DrainingHealthServicer
     metrics: ServerMetrics
     metrics_port: int | None = None
     stopped: asyncio.Event = field(default_factory=asyncio.Event)
     oip: OpenInference | None = None
     http_port: int | None = None
 
-    async def stop(self, grace: float | None = None) -> None:
-        """Report NOT_SERVING, finish in-flight calls (at most ``grace`` seconds), then release everything."""
+    async def drain(self, grace_s: float, timeout_s: float) -> None:
+        """NOT_SERVING now; keep serving for ``grace_s``; then stop (``stop``)."""
+        await self.health.enter_graceful_shutdown()
+        if self.oip is not None:
+            self.oip.is_ready = False  # the Open Inference Protocol's readiness says the same
+        if grace_s > 0 and not self.stopped.is_set():
+            logger.info("draining: NOT_SERVING, still serving for %.1f s", grace_s)
+            await asyncio.sleep(grace_s)
+        await self.stop(timeout_s)
+
+    async def stop(self, timeout_s: float | None = None) -> None:
+        """Report NOT_SERVING, refuse new calls, let every accepted call finish (at most ``timeout_s``
+        seconds, then cancel what is left), then release everything."""
         if self.stopped.is_set():
             return
         await self.health.enter_graceful_shutdown()
         if self.oip is not None:
             self.oip.is_ready = False
-        stopping = asyncio.ensure_future(self.server.stop(grace))  # refuses new calls from here on
-        if grace is not None:
-            # A health Watch stream never ends by itself: once the Lookup/Predict calls are done, end
-            # what is left now instead of holding every shutdown for the whole grace period.
-            await asyncio.sleep(_SETTLE_S)  # calls accepted just before the stop reach their handler
-            try:
-                await asyncio.wait_for(self.servicer.drained(), max(0.0, grace - _SETTLE_S))
-            except asyncio.TimeoutError:  # not the builtin TimeoutError before Python 3.11
-                pass
-            await self.server.stop(None)
-        await stopping
+        await self.health.end_watches()  # health streams would otherwise hold the stop for its whole timeout
+        # grpc finishes every call it accepted before the stop, handed to a handler yet or not
+        await self.server.stop(timeout_s)
         if self.oip is not None:
-            await self.oip.close(grace)
+            await self.oip.close(timeout_s)
         await self.servicer.close()
         await asyncio.to_thread(self.metrics.close)
         self.stopped.set()
@@ -122,14 +123,15 @@ def _set_intra_op_threads(runtime: Runtime, workers: int, requested: int) -> Non
 
 
 async def _warm_up(servicer: InferenceServicer, batches: int) -> None:
-    """Run a few batches through the batcher before reporting SERVING (first calls pay one-time costs)."""
+    """Run a few batches on the forward threads before reporting SERVING (first calls pay one-time costs);
+    they skip the queue and the batching delay, so start-up does not grow with ``max_delay_us``."""
     spec = servicer.spec
     for seed in range(batches):
         features = SparseFeatures.random(spec, batch_size=min(64, servicer.max_batch_size), ids_per_bag=8, seed=seed)
-        await servicer.lookups.submit(features)
+        await servicer.lookups.run_now(features)
         if servicer.predictions is not None:
             dense = torch.zeros(features.batch_size, spec.num_dense_features)
-            await servicer.predictions.submit(features, dense)
+            await servicer.predictions.run_now(features, dense)
 
 
 async def create_server(artifact: str | Path | Runtime, config: ServerConfig = ServerConfig()) -> RunningServer:
@@ -159,9 +161,9 @@ async def create_server(artifact: str | Path | Runtime, config: ServerConfig = S
         ("grpc.max_send_message_length", config.max_message_bytes),
     ]
     server = grpc.aio.server(interceptors=interceptors, options=options)
-    pb_grpc.add_InferenceServiceServicer_to_server(servicer, server)
+    add_to_server(servicer, server)
     oip = add_open_inference(servicer, server, config.model_name or runtime.path.name, config.max_queue, repository)
-    health = HealthServicer()
+    health = DrainingHealthServicer()
     health_pb2_grpc.add_HealthServicer_to_server(health, server)
     reflection.enable_server_reflection(
         (SERVICE_NAME, health_pb2.DESCRIPTOR.services_by_name["Health"].full_name, reflection.SERVICE_NAME), server
@@ -191,13 +193,14 @@ async def create_server(artifact: str | Path | Runtime, config: ServerConfig = S
             running.http_port = await oip.serve_http(config.http_host or config.host, config.http_port, config)
         await _warm_up(servicer, config.warmup_batches)
     except BaseException:
-        # a server that cannot warm up must not stay bound to its port (or keep /metrics open)
-        await running.stop(0)
+        # a server that cannot warm up (or is stopped while it does) must not stay bound to its port
+        await asyncio.shield(running.stop(0))
         raise
+    servicer.ready = True
+    oip.is_ready = True
     metrics_port = running.metrics_port
     for name in ("", SERVICE_NAME):
         await health.set(name, health_pb2.HealthCheckResponse.SERVING)
-    oip.is_ready = True
     logger.info(
         "serving %s on port %d (model %s, %d features, max batch %d, delay %d us)%s",
         runtime.path, port, servicer.version, len(runtime.feature_names), config.max_batch_size,
@@ -207,15 +210,31 @@ async def create_server(artifact: str | Path | Runtime, config: ServerConfig = S
 
 
 async def serve(artifact: str | Path, config: ServerConfig = ServerConfig()) -> int:
-    """Run until SIGTERM or SIGINT, then drain: NOT_SERVING, in-flight calls finish, exit code 0."""
-    running = await create_server(artifact, config)
-    print(f"{SERVING_LINE} {running.port}", flush=True)
+    """Run until SIGTERM or SIGINT, then drain (``RunningServer.drain``) and return 0.
+
+    A signal during loading or warm-up stops the start-up cleanly (exit code 0, port released)."""
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
     for signum in (signal.SIGTERM, signal.SIGINT):
         loop.add_signal_handler(signum, stop.set)
+    starting = asyncio.ensure_future(create_server(artifact, config))
+    stopping = asyncio.ensure_future(stop.wait())
+    await asyncio.wait({starting, stopping}, return_when=asyncio.FIRST_COMPLETED)
+    if not starting.done():
+        logger.info("stopped during start-up")
+        starting.cancel()
+        try:
+            await starting
+        except asyncio.CancelledError:
+            pass
+        return 0
+    stopping.cancel()
+    running = starting.result()
+    print(f"{SERVING_LINE} {running.port}", flush=True)
     await stop.wait()
-    logger.info("draining (up to %.0f s)", config.drain_seconds)
-    await running.stop(config.drain_seconds)
+    logger.info(
+        "draining (grace %.1f s, then up to %.0f s for accepted calls)", config.drain_grace_s, config.drain_seconds
+    )
+    await running.drain(config.drain_grace_s, config.drain_seconds)
     logger.info("stopped")
     return 0

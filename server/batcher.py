@@ -110,6 +110,12 @@ class DynamicBatcher:
             raise QueueFullError(f"the request queue is full ({self._queue.maxsize} requests); retry later") from None
         return await future
 
+    async def run_now(self, features: SparseFeatures, dense: torch.Tensor | None = None) -> torch.Tensor:
+        """Run one request at once on a forward thread, bypassing the queue and the batching delay (warm-up)."""
+        values, lengths, weights, merged_dense = merge([_Pending(features, dense, asyncio.Future())])
+        loop = asyncio.get_running_loop()
+        return await loop.run_in_executor(self._executor, self.run, values, lengths, weights, merged_dense)
+
     async def _next(self) -> _Pending:
         if self._carry:
             return self._carry.pop()

@@ -31,6 +31,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
         tls_cert=args.tls_cert,
         tls_key=args.tls_key,
         auth_token=read_token_file(args.auth_token_file) if args.auth_token_file else None,
+        drain_grace_s=args.drain_grace_s,
         drain_seconds=args.drain_seconds,
         model_name=args.model_name,
         http_port=args.http_port,
@@ -97,7 +98,7 @@ def serve_demo(artifact: Path) -> int:
     from server.launch import spawn_server
 
     print("\nserving the artifact over gRPC (loopback) and querying it with the Python client:", flush=True)
-    server, port = spawn_server(artifact)
+    server, port = spawn_server(artifact, "--drain-grace-s", "1")
     try:
         runtime = load(artifact)
         batch = SparseFeatures.random(runtime.spec, batch_size=8, ids_per_bag=10, seed=3)
@@ -134,7 +135,15 @@ def add_subcommands(subcommands: Any) -> None:
     srv.add_argument("--tls-cert", default=None)
     srv.add_argument("--tls-key", default=None)
     srv.add_argument("--auth-token-file", default=None, help="require 'authorization: Bearer <token>'")
-    srv.add_argument("--drain-seconds", type=float, default=30.0)
+    srv.add_argument(
+        "--drain-grace-s",
+        type=float,
+        default=5.0,
+        help="after SIGTERM: seconds of NOT_SERVING while still serving, for load balancers to move away",
+    )
+    srv.add_argument(
+        "--drain-seconds", type=float, default=30.0, help="then: the longest wait for accepted calls to finish"
+    )
     srv.add_argument("--http-port", type=int, default=None, help="Open Inference Protocol REST port (0: any)")
     srv.add_argument("--http-host", default=None, help="REST host (default: --host)")
     srv.add_argument("--model-name", default=None, help="OIP model name of an artifact (default: its folder name)")

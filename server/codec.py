@@ -10,6 +10,7 @@ import sys
 
 import torch
 
+from infer import request_rules as rules
 from infer.config import ModelSpec
 from infer.errors import RequestError
 from infer.features import SparseFeatures
@@ -54,7 +55,8 @@ def decode_sparse(message: pb.SparseFeatures, spec: ModelSpec) -> SparseFeatures
         keys = tuple(typed)
         batch_sizes = {k: len(typed[k].lengths) for k in keys}
         if len(set(batch_sizes.values())) > 1:
-            raise RequestError(f"features have different batch sizes {batch_sizes}; send one length per example")
+            sizes = ", ".join(f"'{rules.clip(k)}': {n}" for k, n in list(batch_sizes.items())[:5])
+            raise RequestError(f"features have different batch sizes ({sizes}, ...); send one length per example")
         weighted = any(len(typed[k].weights) for k in keys)
         for key in keys:
             # per feature: in the concatenation, a surplus in one feature and a shortfall in another
@@ -62,10 +64,13 @@ def decode_sparse(message: pb.SparseFeatures, spec: ModelSpec) -> SparseFeatures
             bags = typed[key]
             num_ids, total = len(bags.ids), sum(bags.lengths)
             if total != num_ids and min(bags.lengths, default=0) >= 0:  # validate names a negative length
-                raise RequestError(f"feature {key!r}: lengths sum to {total} but it has {num_ids} ids", feature=key)
+                raise RequestError(
+                    f"feature '{rules.clip(key)}': lengths sum to {total} but it has {num_ids} ids", feature=key
+                )
             if weighted and len(bags.weights) != num_ids:
                 raise RequestError(
-                    f"feature {key!r}: {len(bags.weights)} weights for {num_ids} ids; weight every id, or none",
+                    f"feature '{rules.clip(key)}': {len(bags.weights)} weights for {num_ids} ids; "
+                    "weight every id, or none",
                     feature=key,
                 )
         features = SparseFeatures(

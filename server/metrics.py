@@ -1,4 +1,4 @@
-"""Prometheus metrics of the server: requests by code, latency, batch sizes, queue depth."""
+"""Prometheus metrics of the server: requests by code, rejections by reason, latency, batch sizes, queue depth."""
 
 from __future__ import annotations
 
@@ -33,6 +33,12 @@ class ServerMetrics:
             "embserve_batch_requests",
             "requests merged per batched forward",
             buckets=BATCH_BUCKETS,
+            registry=self.registry,
+        )
+        self.rejected = Counter(
+            "embserve_rejected",
+            "requests answered with an error, by reason (invalid, undecodable, queue_full, warming_up, internal, ...)",
+            ["reason"],
             registry=self.registry,
         )
         self.queue_depth = Gauge("embserve_queue_depth", "requests waiting to be batched", registry=self.registry)

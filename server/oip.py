@@ -26,7 +26,7 @@ from server import oip_codec as oc
 from server.batcher import DynamicBatcher
 from server.proto import open_inference_grpc_pb2 as pb
 from server.proto import open_inference_grpc_pb2_grpc as pb_grpc
-from server.service import InferenceServicer, _Failure
+from server.service import InferenceServicer, Undecodable, _Failure, lenient
 
 logger = logging.getLogger(__name__)
 
@@ -40,7 +40,7 @@ class ModelNotFound(_Failure):
     """No such model, or no such version of it (NOT_FOUND; HTTP 404)."""
 
     def __init__(self, message: str) -> None:
-        super().__init__(grpc.StatusCode.NOT_FOUND, message)
+        super().__init__(grpc.StatusCode.NOT_FOUND, message, "not_found")
 
 
 # ---------------------------------------------------------------------------------------- one model
@@ -207,6 +207,7 @@ class SingleModel:
         raise _Failure(
             grpc.StatusCode.FAILED_PRECONDITION,
             "this server serves one artifact; start it on a repository (REPO/<model>/<version>/) to unload models",
+            "unsupported",
         )
 
 
@@ -300,6 +301,8 @@ class OpenInference:
         """Decode (``inputs`` is called once the model is known), validate, batch, run and encode.
 
         ``fp16``: the request-level ``output_fp16`` (embeddings as FP16 unless an output says otherwise)."""
+        if not self.v1.ready:
+            raise _Failure(grpc.StatusCode.UNAVAILABLE, "the server is warming up; retry shortly", "warming_up")
         async with self.models.lease(name, version) as model:
             decoded = model.decode(inputs(), requested, fp16)
             embeddings, scores = await model.infer(decoded)
@@ -366,13 +369,18 @@ class OpenInferenceServicer(pb_grpc.GRPCInferenceServiceServicer):
         return pb.ServerReadyResponse(ready=self.oip.is_ready)
 
     async def ModelReady(self, request: pb.ModelReadyRequest, context: Any) -> pb.ModelReadyResponse:
-        return pb.ModelReadyResponse(ready=self.oip.model_ready(request.name, request.version))
+        async def work() -> pb.ModelReadyResponse:
+            _decodable(request)
+            return pb.ModelReadyResponse(ready=self.oip.model_ready(request.name, request.version))
+
+        return await self._handle("ModelReady", context, work())
 
     async def ServerMetadata(self, request: pb.ServerMetadataRequest, context: Any) -> pb.ServerMetadataResponse:
         return pb.ServerMetadataResponse(**self.oip.server_metadata())
 
     async def ModelMetadata(self, request: pb.ModelMetadataRequest, context: Any) -> pb.ModelMetadataResponse:
         async def work() -> pb.ModelMetadataResponse:
+            _decodable(request)
             return _metadata_message(self.oip.model_metadata(request.name, request.version))
 
         return await self._handle("ModelMetadata", context, work())
@@ -381,6 +389,7 @@ class OpenInferenceServicer(pb_grpc.GRPCInferenceServiceServicer):
         return await self._handle("ModelInfer", context, self._infer(request))
 
     async def _infer(self, request: pb.ModelInferRequest) -> pb.ModelInferResponse:
+        self.oip.v1._accept(request)  # undecodable bytes, or a call during warm-up
         fp16 = oc.parameter_flag(request.parameters, oc.FP16_PARAMETER)
         result = await self.oip.infer(
             request.model_name,
@@ -401,6 +410,7 @@ class OpenInferenceServicer(pb_grpc.GRPCInferenceServiceServicer):
         self, request: pb.RepositoryModelLoadRequest, context: Any
     ) -> pb.RepositoryModelLoadResponse:
         async def work() -> pb.RepositoryModelLoadResponse:
+            _decodable(request)
             await self.oip.models.load(request.model_name)
             return pb.RepositoryModelLoadResponse()
 
@@ -410,6 +420,7 @@ class OpenInferenceServicer(pb_grpc.GRPCInferenceServiceServicer):
         self, request: pb.RepositoryModelUnloadRequest, context: Any
     ) -> pb.RepositoryModelUnloadResponse:
         async def work() -> pb.RepositoryModelUnloadResponse:
+            _decodable(request)
             await self.oip.models.unload(request.model_name)
             return pb.RepositoryModelUnloadResponse()
 
@@ -426,5 +437,26 @@ def add_to_server(
         oip = OpenInference(v1, repository, repository=repository)
     else:
         oip = OpenInference.for_servicer(v1, name, max_queue)
-    pb_grpc.add_GRPCInferenceServiceServicer_to_server(OpenInferenceServicer(oip), server)
+    servicer = OpenInferenceServicer(oip)
+    # lenient decoding, as embserve.v1: bytes that are no valid message are INVALID_ARGUMENT, not INTERNAL
+    service = pb.DESCRIPTOR.services_by_name["GRPCInferenceService"]
+    handlers = {
+        method.name: grpc.unary_unary_rpc_method_handler(
+            getattr(servicer, method.name),
+            request_deserializer=lenient(_MESSAGES[method.input_type.name]),
+            response_serializer=_MESSAGES[method.output_type.name].SerializeToString,
+        )
+        for method in service.methods
+    }
+    server.add_generic_rpc_handlers((grpc.method_handlers_generic_handler(SERVICE_NAME, handlers),))
     return oip
+
+
+_MESSAGES: dict[str, Any] = {name: getattr(pb, name) for name in pb.DESCRIPTOR.message_types_by_name}
+
+
+def _decodable(request: Any) -> None:
+    if isinstance(request, Undecodable):
+        raise _Failure(
+            grpc.StatusCode.INVALID_ARGUMENT, f"request is not a valid {request.message_name}", "undecodable"
+        )

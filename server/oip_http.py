@@ -351,7 +351,9 @@ class RestServer:
             if match["action"] == "load":
                 return "REST RepositoryModelLoad", self._repository(self.oip.models.load(name))
             return "REST RepositoryModelUnload", self._repository(self.oip.models.unload(name))
-        raise _Failure(grpc.StatusCode.NOT_FOUND, f"no route {method} {request.path}; see the /v2 routes in the README")
+        raise _Failure(
+            grpc.StatusCode.NOT_FOUND, f"no route {method} {request.path}; see the /v2 routes in the README", "no_route"
+        )
 
     async def _model_metadata(self, name: str, version: str) -> HttpResponse:
         return _json_response(self.oip.model_metadata(name, version))

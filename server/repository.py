@@ -151,6 +151,13 @@ class _CountedBatcher:
         finally:
             self._loaded.leave()
 
+    async def run_now(self, features: SparseFeatures, dense: torch.Tensor | None = None) -> torch.Tensor:
+        self._loaded.enter()
+        try:
+            return await self._batcher.run_now(features, dense)
+        finally:
+            self._loaded.leave()
+
     def start(self) -> None:  # the repository starts and stops its versions' batchers
         pass
 
@@ -246,7 +253,7 @@ class Repository:
     async def load(self, name: str) -> None:
         """Bring ``name`` in line with its folder: load the versions the policy selects, retire the rest."""
         if not name or "/" in name or name.startswith("."):
-            raise _Failure(grpc.StatusCode.INVALID_ARGUMENT, f"model name {name!r} is not a folder name")
+            raise _Failure(grpc.StatusCode.INVALID_ARGUMENT, f"model name {name!r} is not a folder name", "invalid")
         if not (self.root / name).is_dir():
             raise ModelNotFound(f"the repository {self.root} has no model folder {name!r}")
         async with self._lock:
@@ -259,6 +266,7 @@ class Repository:
                 raise _Failure(
                     grpc.StatusCode.FAILED_PRECONDITION,
                     f"model {name!r} backs the embserve.v1 service; it cannot be unloaded (load a new version)",
+                    "in_use",
                 )
             del self._models[name]
             for entry in versions.values():
@@ -358,7 +366,7 @@ class Repository:
         if explicit and errors:
             # the caller sees paths inside the repository, not the server's file system
             message = f"model {name!r}: " + "; ".join(errors).replace(f"{self.root}{os.sep}", "")
-            raise _Failure(grpc.StatusCode.FAILED_PRECONDITION, message)
+            raise _Failure(grpc.StatusCode.FAILED_PRECONDITION, message, "load_failed")
 
     async def _load_version(self, name: str, version: str) -> _Loaded:
         folder = self.root / name / version
@@ -472,11 +480,11 @@ async def _warm_up(model: ServedModel, batches: int) -> None:
     spec = model.spec
     for seed in range(max(1, batches)):
         features = SparseFeatures.random(spec, batch_size=min(64, model.max_batch_size), ids_per_bag=8, seed=seed)
-        await model.lookups.submit(features)
+        await model.lookups.run_now(features)
         if model.predictions is not None and model.both is not None:
             dense = torch.zeros(features.batch_size, spec.num_dense_features)
-            await model.predictions.submit(features, dense)
-            await model.both.submit(features, dense)
+            await model.predictions.run_now(features, dense)
+            await model.both.run_now(features, dense)
 
 
 async def open_repository(path: str | Path, config: Any, metrics: ServerMetrics) -> Repository:

@@ -1,4 +1,9 @@
-"""The InferenceService: decode -> validate -> batch -> run -> encode, with a status code for every failure."""
+"""The InferenceService: decode -> validate -> batch -> run -> encode, with a status code for every failure.
+
+Request bytes are decoded by the handler (not by grpc), so bytes that are not a valid message are an
+INVALID_ARGUMENT like any other bad input. A client sees a status code and a bounded message about its
+own input; an unexpected failure is INTERNAL with a request id, its traceback logged once per kind.
+"""
 
 from __future__ import annotations
 
@@ -6,12 +11,14 @@ import asyncio
 import logging
 import time
 import uuid
-from collections.abc import Awaitable
+from collections import Counter
+from collections.abc import Awaitable, Callable
 from typing import Any
 
 import grpc
 import torch
 
+from infer import request_rules as rules
 from infer.artifact.runtime import Runtime
 from infer.errors import RequestError
 from infer.version import __version__
@@ -22,6 +29,48 @@ from server.proto import inference_pb2 as pb
 from server.proto import inference_pb2_grpc as pb_grpc
 
 logger = logging.getLogger(__name__)
+
+SERVICE_NAME = pb.DESCRIPTOR.services_by_name["InferenceService"].full_name
+
+
+class Undecodable:
+    """Stands for request bytes that did not parse as the method's message."""
+
+    def __init__(self, message_name: str) -> None:
+        self.message_name = message_name
+
+
+def lenient(message_type: Any) -> Callable[[bytes], Any]:
+    """A request deserializer that never raises: undecodable bytes become an ``Undecodable``."""
+
+    def parse(data: bytes) -> Any:
+        try:
+            return message_type.FromString(data)
+        except Exception:  # noqa: BLE001 - protobuf raises DecodeError, and others on hostile input
+            return Undecodable(message_type.DESCRIPTOR.name)
+
+    return parse
+
+
+def add_to_server(servicer: InferenceServicer, server: grpc.aio.Server) -> None:
+    """Register the service with lenient request decoding (instead of the generated ``add_..._to_server``)."""
+    methods: dict[str, tuple[Any, Any, Any]] = {
+        "Lookup": (servicer.Lookup, pb.LookupRequest, pb.LookupResponse),
+        "Predict": (servicer.Predict, pb.PredictRequest, pb.PredictResponse),
+        "GetModelMetadata": (servicer.GetModelMetadata, pb.GetModelMetadataRequest, pb.ModelMetadata),
+    }
+    handlers = {
+        name: grpc.unary_unary_rpc_method_handler(
+            method, request_deserializer=lenient(request), response_serializer=response.SerializeToString
+        )
+        for name, (method, request, response) in methods.items()
+    }
+    server.add_generic_rpc_handlers((grpc.method_handlers_generic_handler(SERVICE_NAME, handlers),))
+
+
+def bounded(message: str) -> str:
+    """A status message short enough for gRPC metadata (client input in it is clipped already)."""
+    return rules.clip(message, rules.MAX_MESSAGE_CHARS)
 
 
 class InferenceServicer(pb_grpc.InferenceServiceServicer):
@@ -57,6 +106,8 @@ class InferenceServicer(pb_grpc.InferenceServiceServicer):
         self._in_flight = 0
         self._idle = asyncio.Event()
         self._idle.set()
+        self.ready = False  # Lookup/Predict answer UNAVAILABLE until the server finished warming up
+        self._internal_errors: Counter[str] = Counter()
 
     async def drained(self) -> None:
         """Return once no Lookup or Predict call is in flight."""
@@ -99,7 +150,17 @@ class InferenceServicer(pb_grpc.InferenceServiceServicer):
         self.metrics.requests.labels("GetModelMetadata", "OK").inc()
         return self._metadata
 
+    def _accept(self, request: Any) -> None:
+        """Gate every model call: undecodable bytes and calls during warm-up are refused first."""
+        if isinstance(request, Undecodable):
+            raise _Failure(
+                grpc.StatusCode.INVALID_ARGUMENT, f"request is not a valid {request.message_name}", "undecodable"
+            )
+        if not self.ready:
+            raise _Failure(grpc.StatusCode.UNAVAILABLE, "the server is warming up; retry shortly", "warming_up")
+
     async def _lookup(self, request: pb.LookupRequest, context: grpc.aio.ServicerContext) -> pb.LookupResponse:
+        self._accept(request)
         if request.output_type not in (pb.OUTPUT_TYPE_FP32, pb.OUTPUT_TYPE_FP16):
             raise RequestError(f"unknown output_type {request.output_type}")
         features = codec.decode_sparse(request.sparse, self.spec)
@@ -115,8 +176,11 @@ class InferenceServicer(pb_grpc.InferenceServiceServicer):
         )
 
     async def _predict(self, request: pb.PredictRequest, context: grpc.aio.ServicerContext) -> pb.PredictResponse:
+        self._accept(request)
         if self.predictions is None:
-            raise _Failure(grpc.StatusCode.FAILED_PRECONDITION, "this model has no dense part; call Lookup")
+            raise _Failure(
+                grpc.StatusCode.FAILED_PRECONDITION, "this model has no dense part; call Lookup", "no_dense_part"
+            )
         features = codec.decode_sparse(request.sparse, self.spec)
         dense = codec.decode_dense(request.dense_features, features.batch_size, self.spec.num_dense_features)
         _check_deadline(context)
@@ -139,32 +203,48 @@ class InferenceServicer(pb_grpc.InferenceServiceServicer):
         started = time.perf_counter()
         code = grpc.StatusCode.OK
         message = ""
+        reason = ""
         self._in_flight += 1
         self._idle.clear()
         try:
             return await work
         except RequestError as err:
-            code, message = grpc.StatusCode.INVALID_ARGUMENT, str(err)
+            code, message, reason = grpc.StatusCode.INVALID_ARGUMENT, str(err), "invalid"
         except QueueFullError as err:
-            code, message = grpc.StatusCode.RESOURCE_EXHAUSTED, str(err)
+            code, message, reason = grpc.StatusCode.RESOURCE_EXHAUSTED, str(err), "queue_full"
         except _Failure as err:
-            code, message = err.code, err.message
+            code, message, reason = err.code, err.message, err.reason
         except asyncio.CancelledError:
             remaining = context.time_remaining()
             expired = remaining is not None and remaining <= 0
             code = grpc.StatusCode.DEADLINE_EXCEEDED if expired else grpc.StatusCode.CANCELLED
             raise
-        except Exception:  # noqa: BLE001 - the client gets INTERNAL and a request id, the log gets the traceback
+        except Exception as err:  # noqa: BLE001 - the client gets INTERNAL and a request id, the log gets the traceback
             request_id = uuid.uuid4().hex[:12]
-            logger.exception("%s failed (request id %s)", method, request_id)
-            code, message = grpc.StatusCode.INTERNAL, f"internal error (request id {request_id}); see the server log"
+            self._log_internal(method, err, request_id)
+            code, reason = grpc.StatusCode.INTERNAL, "internal"
+            message = f"internal error (request id {request_id}); see the server log"
         finally:
+            if reason:
+                self.metrics.rejected.labels(reason).inc()
             self.metrics.requests.labels(method, code.name).inc()
             self.metrics.latency.labels(method).observe(time.perf_counter() - started)
             self._in_flight -= 1
             if not self._in_flight:
                 self._idle.set()
-        await context.abort(code, message)
+        await context.abort(code, bounded(message))
+
+    def _log_internal(self, method: str, err: Exception, request_id: str) -> None:
+        """The first failure of a kind logs its traceback; later ones a line at each power of ten."""
+        kind = f"{method}:{type(err).__name__}"
+        self._internal_errors[kind] += 1
+        count = self._internal_errors[kind]
+        if count == 1:
+            logger.error("%s failed (request id %s)", method, request_id, exc_info=err)
+        elif str(count).rstrip("0") == "1":  # 10, 100, 1000, ...: the log cannot be flooded
+            logger.error(
+                "%s failed again (request id %s): %d failures of kind %s so far", method, request_id, count, kind
+            )
 
     def _build_metadata(self) -> pb.ModelMetadata:
         manifest = self.runtime.manifest
@@ -196,13 +276,16 @@ class InferenceServicer(pb_grpc.InferenceServiceServicer):
 
 
 class _Failure(Exception):
-    def __init__(self, code: grpc.StatusCode, message: str) -> None:
+    def __init__(self, code: grpc.StatusCode, message: str, reason: str) -> None:
         super().__init__(message)
         self.code = code
         self.message = message
+        self.reason = reason  # the label of embserve_rejected_total
 
 
 def _check_deadline(context: grpc.aio.ServicerContext) -> None:
     remaining = context.time_remaining()
     if remaining is not None and remaining <= 0:
-        raise _Failure(grpc.StatusCode.DEADLINE_EXCEEDED, "the deadline passed before the request was batched")
+        raise _Failure(
+            grpc.StatusCode.DEADLINE_EXCEEDED, "the deadline passed before the request was batched", "deadline"
+        )

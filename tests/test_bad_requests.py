@@ -157,3 +157,20 @@ def test_embserve_run(artifact, tmp_path, expected_good):
         assert case.fragment in (response.message or ""), (case.name, response.message)
     assert responses[-1].output is not None
     torch.testing.assert_close(responses[-1].output, expected_good, rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize(
+    "lengths, num_ids",
+    [([2**62] * 4, 0), ([2**62, 2**62, 2**62, 2**62 + 1], 1), ([2**63 - 1, 1, -(2**63) + 1, 0], 1)],
+    ids=["wraps_to_zero", "wraps_to_one", "cancels_out"],
+)
+def test_int64_lengths_whose_sum_wraps_are_rejected(runtime, lengths, num_ids, expected_good):
+    """Huge int64 lengths whose sum wraps around to the number of ids are a RequestError in Python and in the
+    scripted model, not a raw RuntimeError (or a crash) further down."""
+    values = torch.ones(num_ids, dtype=torch.int64)
+    lengths_tensor = torch.tensor(lengths, dtype=torch.int64)
+    with pytest.raises(RequestError, match="has (length|negative length)"):
+        runtime.lookup(SparseFeatures(CORPUS_SPEC.feature_names, values, lengths_tensor))
+    with pytest.raises(torch.jit.Error, match=r"embserve\.RequestError: .*has (length|negative length)"):
+        runtime.module(values, lengths_tensor, None)
+    torch.testing.assert_close(runtime.lookup(GOOD), expected_good, rtol=1e-5, atol=1e-5)

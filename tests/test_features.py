@@ -252,7 +252,7 @@ def test_negative_length_from_dict_tensor_pair():
     assert "-1" in str(info.value)
 
 
-@pytest.mark.parametrize("num_ids", [8, 10, 0])
+@pytest.mark.parametrize("num_ids", [8, 10])
 def test_lengths_do_not_sum_to_ids(num_ids):
     values = torch.arange(num_ids, dtype=torch.int64) % 10
     lengths = torch.tensor([2, 1, 0, 3, 1, 2], dtype=torch.int32)  # sums to 9
@@ -260,6 +260,44 @@ def test_lengths_do_not_sum_to_ids(num_ids):
         SparseFeatures.from_tensors(SPEC.feature_names, values, lengths).validate(SPEC)
     assert "9" in str(info.value)
     assert str(num_ids) in str(info.value)
+
+
+def test_a_bag_longer_than_all_ids_is_named_before_any_sum():
+    lengths = torch.tensor([2, 1, 0, 3, 1, 2], dtype=torch.int32)
+    with pytest.raises(RequestError, match="bag 0 has length 2 but the batch has only 0 ids") as info:
+        SparseFeatures.from_tensors(SPEC.feature_names, torch.empty(0, dtype=torch.int64), lengths).validate(SPEC)
+    assert info.value.feature == SPEC.feature_names[0]
+
+
+def test_count_mismatches_in_the_packed_form_name_the_feature():
+    """One flat array of ids (or weights) for every feature: the message says which feature runs past it."""
+    names = SPEC.feature_names
+    batch = len(names) and 2
+    lengths = torch.ones(len(names) * batch, dtype=torch.int32)
+    lengths[batch] = 2  # the second feature's first bag holds two ids
+    short = torch.zeros(2, dtype=torch.int64)  # three ids needed by the end of the second feature's first bag
+    with pytest.raises(RequestError, match=f"feature '{names[1]}' is the first whose bags reach past the 2 ids"):
+        SparseFeatures.from_tensors(names, short, lengths).validate(SPEC)
+    ids = torch.zeros(int(lengths.sum()), dtype=torch.int64)
+    with pytest.raises(RequestError, match=f"feature '{names[1]}' is the first whose bags reach past the 2 weights"):
+        SparseFeatures.from_tensors(names, ids, lengths, torch.ones(2))
+    with pytest.raises(RequestError, match=f"left over after the last feature '{names[-1]}'"):
+        SparseFeatures.from_tensors(names, torch.zeros(ids.numel() + 3, dtype=torch.int64), lengths).validate(SPEC)
+
+
+def test_echoed_names_are_bounded():
+    """A 20 kB feature name, or 200k unknown names, give a short message (it travels in gRPC metadata)."""
+    long_name = "x" * 20_000
+    with pytest.raises(RequestError) as info:
+        SparseFeatures.from_dict({long_name: [[1], [2]], **good_bags()}).validate(SPEC)
+    assert "…(20000 chars)" in str(info.value) and len(str(info.value)) < 1024
+    many = [f"unknown_{i}" for i in range(200_000)]
+    batch = SparseFeatures.from_tensors(
+        many, torch.empty(0, dtype=torch.int64), torch.zeros(len(many), dtype=torch.int32)
+    )
+    with pytest.raises(RequestError) as info:
+        batch.validate(SPEC)
+    assert "and 199995 more" in str(info.value) and len(str(info.value)) < 1024
 
 
 @pytest.mark.parametrize(

@@ -29,7 +29,7 @@ namespace embserve {
 namespace {
 
 constexpr const char* kFormat = "embserve-artifact";
-constexpr int kFormatVersion = 1;
+constexpr int kFormatVersion = 2;
 constexpr std::uintmax_t kMaxManifestBytes = 16u * 1024u * 1024u;
 constexpr const char* kRequestPrefix = "embserve.RequestError: ";
 

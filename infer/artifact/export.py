@@ -16,6 +16,7 @@ from pathlib import Path
 
 import torch
 
+from infer.artifact.kernels import kernels_of
 from infer.artifact.manifest import MANIFEST_FILE, MODEL_FILE, PLAN_FILE, FileEntry, Manifest
 from infer.errors import ArtifactError, ConfigError
 from infer.planner.types import ShardingPlan
@@ -69,6 +70,7 @@ def export(model: torch.nn.Module, out_dir: str | Path, plan: ShardingPlan | Non
             files=tuple(files),
             plan_file=PLAN_FILE if plan is not None else None,
             world_size=plan.topology.world_size if plan is not None else 1,
+            kernels=tuple(kernels_of(model, plan)),
         )
         (staging / MANIFEST_FILE).write_text(manifest.to_json(), encoding="utf-8")
         os.chmod(staging, 0o755)

@@ -10,9 +10,13 @@ from pathlib import Path
 import torch
 
 from infer.artifact.fbgemm_libs import load_fbgemm
+from infer.artifact.kernels import check_kernel, expected_kernels, model_tbes
 from infer.artifact.manifest import MANIFEST_FILE, Manifest
 from infer.artifact.runtime import Runtime
-from infer.errors import ArtifactError, ArtifactErrorKind
+from infer.artifact.schema import parse_document, schema, validate
+from infer.errors import ArtifactError, ArtifactErrorKind, EmbserveError
+from infer.planner.types import ShardingPlan
+from infer.shard.builder import check_plan
 
 logger = logging.getLogger(__name__)
 
@@ -38,6 +42,8 @@ def load(
         raise ArtifactError(f"{folder} is not a folder; pass the artifact folder written by export", path=str(folder))
     manifest = Manifest.read(folder)
     manifest.verify_files(folder)
+    if manifest.plan_file is not None:
+        verify_plan(folder, manifest)
     mapping = dict(device_map or {})
     targets = [mapping.get(d, d) for d in manifest.devices]
     missing = [d for d in targets if d.startswith("cuda") and not _cuda_device_exists(d)]
@@ -59,10 +65,56 @@ def load(
             f"{model_path} cannot be loaded by TorchScript: {first_line}", path=str(model_path), kind=MODEL
         ) from None
     module.eval()
+    _check_kernels(module, manifest)
     if mapping:
         _remap_shard_devices(module, mapping)
     _set_intra_op_threads(manifest, targets, intra_op_threads)
     return Runtime(folder, manifest, module)
+
+
+def verify_plan(folder: Path, manifest: Manifest) -> ShardingPlan:
+    """Read ``plan.json`` (schema-checked) and check it against the manifest: the same tables and data types,
+    shards that cover them, the same world size, and the kernels the manifest lists."""
+    assert manifest.plan_file is not None
+    path = folder / manifest.plan_file
+    size = path.stat().st_size
+    limit = schema()["limits"]["max_plan_bytes"]
+    if size > limit:
+        raise ArtifactError(f"{path} is {size} bytes, over the {limit}-byte cap", path=str(path))
+    data = parse_document(path.read_bytes(), manifest.plan_file)
+    validate(data, "plan", manifest.plan_file)
+    try:
+        plan = ShardingPlan.from_dict(data)
+        check_plan(manifest.spec, plan)
+    except EmbserveError as err:
+        raise ArtifactError(f"{manifest.plan_file} does not fit the model: {err}", path=str(path)) from None
+    if plan.topology.world_size != manifest.world_size:
+        raise ArtifactError(
+            f"{manifest.plan_file} plans {plan.topology.world_size} devices, {MANIFEST_FILE} says "
+            f"sharding.world_size {manifest.world_size}",
+            path=str(path),
+        )
+    expected = [k.layout() for k in expected_kernels(manifest.spec, plan, manifest.devices)]
+    if [k.layout() for k in manifest.kernels] != expected:
+        raise ArtifactError(
+            f"{MANIFEST_FILE}: 'kernels' disagrees with {manifest.plan_file} (the shards each device holds)",
+            path=str(path),
+        )
+    return plan
+
+
+def _check_kernels(module: torch.jit.ScriptModule, manifest: Manifest) -> None:
+    """Every TBE of the loaded model holds exactly what the manifest's kernels say, before any lookup."""
+    try:
+        tbes = model_tbes(module)
+    except AttributeError:
+        raise ArtifactError("the model has no embedding kernels where embserve puts them", kind=MODEL) from None
+    if len(tbes) != len(manifest.kernels):
+        raise ArtifactError(
+            f"the model has {len(tbes)} kernels, {MANIFEST_FILE} lists {len(manifest.kernels)}", kind=MODEL
+        )
+    for index, (tbe, kernel) in enumerate(zip(tbes, manifest.kernels)):
+        check_kernel(tbe, kernel, index)
 
 
 def _set_intra_op_threads(manifest: Manifest, devices: Sequence[str], requested: int | None) -> None:

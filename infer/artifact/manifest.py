@@ -1,7 +1,8 @@
 """The artifact manifest: what an exported model is, what it needs, and checksums of its files.
 
-The format is specified in the README ("Artifact format"); readers check ``format_version``,
-sizes and sha256 checksums before any tensor is touched.
+The format is specified in the README ("Artifact format") and enforced by ``schema.json`` (the same
+file the C++ loader embeds); readers check the schema, the cross-field rules below, sizes and sha256
+checksums before any tensor is touched.
 """
 
 from __future__ import annotations
@@ -13,11 +14,13 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from infer.artifact.kernels import Kernel, expected_kernels
+from infer.artifact.schema import parse_document, validate
 from infer.config import ModelSpec
 from infer.errors import ArtifactError, ArtifactErrorKind, ConfigError
 
 FORMAT_NAME = "embserve-artifact"
-FORMAT_VERSION = 1
+FORMAT_VERSION = 2  # 2: the manifest lists the model's kernels
 MANIFEST_FILE = "manifest.json"
 MODEL_FILE = "model.pt"
 PLAN_FILE = "plan.json"
@@ -61,6 +64,7 @@ class Manifest:
     model_file: str = MODEL_FILE
     plan_file: str | None = None  # the ShardingPlan the model was sharded with, when it is sharded
     world_size: int = 1
+    kernels: tuple[Kernel, ...] = ()  # every TBE of the model, in model order
 
     def file(self, name: str) -> FileEntry:
         for entry in self.files:
@@ -100,6 +104,7 @@ class Manifest:
             "dense": {"present": self.has_dense, "num_dense_features": spec.num_dense_features},
             "devices": list(self.devices),
             "sharding": {"plan_file": self.plan_file, "world_size": self.world_size},
+            "kernels": [k.to_dict() for k in self.kernels],
             "versions": {
                 "embserve": self.embserve_version,
                 "torch": self.torch_version,
@@ -113,45 +118,95 @@ class Manifest:
         return json.dumps(self.to_dict(), indent=2) + "\n"
 
     @classmethod
-    def from_dict(cls, data: Mapping[str, Any]) -> Manifest:
-        try:
-            if data.get("format") != FORMAT_NAME:
-                raise ArtifactError(f"{MANIFEST_FILE} is not an embserve manifest (format={data.get('format')!r})")
-            version = data["format_version"]
-            if version != FORMAT_VERSION:
-                raise ArtifactError(
-                    f"{MANIFEST_FILE} has format_version {version}; this embserve reads version {FORMAT_VERSION}. "
-                    "Re-export the model with this embserve version",
-                    path=MANIFEST_FILE,
-                )
-            dense = data["dense"]
-            spec = ModelSpec.from_dict({"tables": data["tables"], "num_dense_features": dense["num_dense_features"]})
-            manifest = cls(
-                spec=spec,
-                has_dense=bool(dense["present"]),
-                devices=tuple(data["devices"]),
-                embserve_version=data["versions"]["embserve"],
-                torch_version=data["versions"]["torch"],
-                fbgemm_version=data["versions"]["fbgemm_gpu"],
-                fbgemm_libraries=tuple(data["fbgemm"]["libraries"]),
-                fbgemm_library_dir=data["fbgemm"]["build_dir"],
-                files=tuple(FileEntry(n, int(e["bytes"]), str(e["sha256"])) for n, e in data["files"].items()),
-                format_version=version,
-                model_file=data["model_file"],
-                # absent in manifests written before sharding existed: unsharded
-                plan_file=data.get("sharding", {}).get("plan_file"),
-                world_size=int(data.get("sharding", {}).get("world_size", 1)),
-            )
-        except ArtifactError:
-            raise
-        except (KeyError, TypeError, ValueError, AttributeError, ConfigError) as err:
+    def from_dict(cls, data: Any) -> Manifest:
+        """A manifest from parsed JSON: format and version first (their own messages), then the schema,
+        then the rules that tie keys together. Every failure is ``ArtifactError(kind=MANIFEST)``."""
+        if not isinstance(data, dict):
+            raise ArtifactError(f"{MANIFEST_FILE} is not a JSON object", path=MANIFEST_FILE)
+        if data.get("format") != FORMAT_NAME:
+            format_name = str(data.get("format"))[:64]
             raise ArtifactError(
-                f"{MANIFEST_FILE} is malformed: {type(err).__name__}: {err}", path=MANIFEST_FILE
-            ) from None
-        layout = [(f["name"], f["column_start"]) for f in data.get("features", [])]
-        if layout != [(f.name, f.column_start) for f in spec.features]:
-            raise ArtifactError(f"{MANIFEST_FILE}: 'features' disagrees with 'tables'", path=MANIFEST_FILE)
+                f"{MANIFEST_FILE} is not an embserve manifest (format={format_name!r})", path=MANIFEST_FILE
+            )
+        version = data.get("format_version")
+        if version != FORMAT_VERSION:
+            raise ArtifactError(
+                f"{MANIFEST_FILE} has format_version {str(version)[:32]}; this embserve reads version "
+                f"{FORMAT_VERSION}. Re-export the model with this embserve version",
+                path=MANIFEST_FILE,
+            )
+        validate(data, "manifest", MANIFEST_FILE)
+        dense = data["dense"]
+        try:
+            spec = ModelSpec.from_dict({"tables": data["tables"], "num_dense_features": dense["num_dense_features"]})
+        except ConfigError as err:
+            raise ArtifactError(f"{MANIFEST_FILE}: tables: {err}", path=MANIFEST_FILE) from None
+        manifest = cls(
+            spec=spec,
+            has_dense=dense["present"],
+            devices=tuple(data["devices"]),
+            embserve_version=data["versions"]["embserve"],
+            torch_version=data["versions"]["torch"],
+            fbgemm_version=data["versions"]["fbgemm_gpu"],
+            fbgemm_libraries=tuple(data["fbgemm"]["libraries"]),
+            fbgemm_library_dir=data["fbgemm"]["build_dir"],
+            files=tuple(FileEntry(n, e["bytes"], e["sha256"]) for n, e in data["files"].items()),
+            format_version=version,
+            model_file=data["model_file"],
+            plan_file=data["sharding"]["plan_file"],
+            world_size=data["sharding"]["world_size"],
+            kernels=tuple(Kernel.from_dict(k) for k in data["kernels"]),
+        )
+        manifest._check_consistency(data)
         return manifest
+
+    def _check_consistency(self, data: Mapping[str, Any]) -> None:
+        """The rules the schema cannot say: keys that must agree with each other."""
+        spec = self.spec
+
+        def fail(message: str) -> ArtifactError:
+            return ArtifactError(f"{MANIFEST_FILE}: {message}", path=MANIFEST_FILE)
+
+        derived = [
+            (f.name, f.table, f.num_embeddings, f.embedding_dim, f.pooling.value, f.column_start, f.column_end)
+            for f in spec.features
+        ]
+        listed = [
+            (
+                f["name"],
+                f["table"],
+                f["num_embeddings"],
+                f["embedding_dim"],
+                f["pooling"],
+                f["column_start"],
+                f["column_end"],
+            )
+            for f in data["features"]
+        ]
+        if listed != derived:
+            raise fail("'features' disagrees with 'tables' (names, order, sizes or columns)")
+        if tuple(data["input_schema"]["feature_order"]) != spec.feature_names:
+            raise fail("input_schema.feature_order disagrees with 'features'")
+        if data["output"]["shape"][-1:] != [spec.output_dim]:
+            raise fail(f"output.shape must end with the output dim {spec.output_dim}")
+        if self.has_dense and spec.num_dense_features < 1:
+            raise fail("dense.present needs dense.num_dense_features >= 1")
+        names = {e.name for e in self.files}
+        if self.model_file not in names:
+            raise ArtifactError(
+                f"{MANIFEST_FILE} has no checksum for {self.model_file}", path=self.model_file, kind=CHECKSUM
+            )
+        if self.world_size > 1 and self.plan_file is None:
+            raise fail(f"sharding.world_size is {self.world_size} but sharding.plan_file is null")
+        if self.plan_file is not None and self.plan_file not in names:
+            raise ArtifactError(
+                f"{MANIFEST_FILE} has no checksum for {self.plan_file}", path=self.plan_file, kind=CHECKSUM
+            )
+        if self.plan_file is None:
+            devices = (self.kernels[0].device,) if self.kernels else self.devices
+            expected = [k.layout() for k in expected_kernels(spec, None, devices)]
+            if [k.layout() for k in self.kernels] != expected:
+                raise fail("'kernels' disagrees with 'tables' (an unsharded model has one kernel holding every table)")
 
     @classmethod
     def read(cls, folder: Path) -> Manifest:
@@ -161,13 +216,7 @@ class Manifest:
         size = path.stat().st_size
         if size > MAX_MANIFEST_BYTES:
             raise ArtifactError(f"{path} is {size} bytes, over the {MAX_MANIFEST_BYTES}-byte cap", path=str(path))
-        try:
-            data = json.loads(path.read_text(encoding="utf-8"))
-        except (UnicodeDecodeError, json.JSONDecodeError) as err:
-            raise ArtifactError(f"{path} is not valid JSON ({err}); the file is corrupted", path=str(path)) from None
-        if not isinstance(data, dict):
-            raise ArtifactError(f"{path} is not a JSON object", path=str(path))
-        return cls.from_dict(data)
+        return cls.from_dict(parse_document(path.read_bytes(), str(path)))
 
     def verify_files(self, folder: Path) -> None:
         """Check every listed file's size and sha256; raise ``ArtifactError`` naming the first bad one."""

@@ -33,9 +33,8 @@ def schema() -> dict[str, Any]:
 
 
 def _fail(document: str, path: str, message: str) -> ArtifactError:
-    return ArtifactError(
-        f"{document}: {path or 'the document'} {message}", path=document, kind=ArtifactErrorKind.MANIFEST
-    )
+    where = path or "the document"
+    return ArtifactError(f"{document} is malformed: {where} {message}", path=document, kind=ArtifactErrorKind.MANIFEST)
 
 
 def _echo(value: Any) -> str:

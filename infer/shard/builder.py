@@ -8,10 +8,11 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Mapping
+from dataclasses import dataclass
 
 import torch
 
-from infer.config import DataType, ModelSpec
+from infer.config import DataType, ModelSpec, TableConfig
 from infer.errors import ConfigError, PlanError, PlanErrorKind
 from infer.modules.collection import EmbserveModel, QuantizedEmbeddingBagCollection
 from infer.modules.sharded import (
@@ -22,7 +23,7 @@ from infer.modules.sharded import (
     ShardedEmbeddingBagCollection,
 )
 from infer.modules.tbe import make_tbe
-from infer.planner.types import ShardingPlan, ShardingType
+from infer.planner.types import Shard, ShardingPlan, ShardingType
 from infer.quant.rowwise import column_byte_range, column_slice_aligned
 
 logger = logging.getLogger(__name__)
@@ -96,6 +97,59 @@ def _covers(ranges: list[tuple[int, int]], total: int) -> bool:
     return position == total
 
 
+@dataclass(frozen=True)
+class DeviceLayout:
+    """What one device of a plan holds, in kernel order: its TBE's tables (shards) and features."""
+
+    rank: int
+    tables: tuple[tuple[str, int, int, DataType], ...]  # (name, rows, cols, data type) per local table
+    sources: tuple[tuple[TableConfig, Shard], ...]  # the table and plan shard behind each local table
+    features: tuple[tuple[int, ...], ...]  # per kernel feature: (feature, kind, lo, hi, out_col, dim)
+    feature_table_map: tuple[int, ...]  # local table of each kernel feature
+
+
+def device_layouts(spec: ModelSpec, plan: ShardingPlan) -> list[DeviceLayout]:
+    """Every device of ``plan`` that holds a shard, in rank order, laid out as ``shard_model`` builds it
+    (local tables in table order, then shard order; features sorted by input feature and column)."""
+    plans = {t.table: t for t in plan.tables}
+    features = spec.features
+    layouts = []
+    for rank in range(plan.topology.world_size):
+        local_tables: list[tuple[str, int, int, DataType]] = []
+        local_sources: list[tuple[TableConfig, Shard]] = []
+        local_features: list[tuple[int, tuple[int, ...], int]] = []  # (feature index, routing, local table)
+        for table in spec.tables:
+            table_plan = plans[table.name]
+            on_device = [(i, s) for i, s in enumerate(table_plan.shards) if s.device == rank]
+            for shard_index, shard in on_device:
+                local = len(local_tables)
+                local_tables.append((f"{table.name}@{shard_index}", shard.num_rows, shard.num_cols, table.data_type))
+                local_sources.append((table, shard))
+                for f, info in enumerate(features):
+                    if info.table != table.name:
+                        continue
+                    kind, lo, hi = READ_ALL, 0, 0
+                    if table_plan.sharding_type in (ShardingType.ROW_WISE, ShardingType.TABLE_ROW_WISE):
+                        kind, lo, hi = READ_ROW_BLOCK, shard.row_offset, shard.row_offset + shard.num_rows
+                    elif table_plan.sharding_type == ShardingType.REPLICATED:
+                        kind, lo, hi = READ_BATCH_SLICE, shard_index, len(table_plan.shards)
+                    out_col = info.column_start + shard.col_offset
+                    local_features.append((f, (f, kind, lo, hi, out_col, shard.num_cols), local))
+        if not local_tables:
+            continue
+        local_features.sort(key=lambda item: (item[0], item[1][4], item[1][2]))
+        layouts.append(
+            DeviceLayout(
+                rank,
+                tuple(local_tables),
+                tuple(local_sources),
+                tuple(lf[1] for lf in local_features),
+                tuple(lf[2] for lf in local_features),
+            )
+        )
+    return layouts
+
+
 def shard_model(
     model: EmbserveModel,
     plan: ShardingPlan,
@@ -116,44 +170,22 @@ def shard_model(
     features = spec.features
     feature_rows = [f.num_embeddings for f in features]
     feature_names = [f.name for f in features]
-    plans = {t.table: t for t in plan.tables}
     shards: list[DeviceShards] = []
-    for rank, device in enumerate(devices):
-        local_tables: list[tuple[str, int, int, DataType]] = []
-        local_sources = []
-        local_features: list[tuple[int, list[int], int]] = []  # (feature index, [..], local table)
-        for table in spec.tables:
-            table_plan = plans[table.name]
-            on_device = [(i, s) for i, s in enumerate(table_plan.shards) if s.device == rank]
-            for shard_index, shard in on_device:
-                local = len(local_tables)
-                local_tables.append((f"{table.name}@{shard_index}", shard.num_rows, shard.num_cols, table.data_type))
-                local_sources.append((table, shard))
-                for f, info in enumerate(features):
-                    if info.table != table.name:
-                        continue
-                    kind, lo, hi = READ_ALL, 0, 0
-                    if table_plan.sharding_type in (ShardingType.ROW_WISE, ShardingType.TABLE_ROW_WISE):
-                        kind, lo, hi = READ_ROW_BLOCK, shard.row_offset, shard.row_offset + shard.num_rows
-                    elif table_plan.sharding_type == ShardingType.REPLICATED:
-                        kind, lo, hi = READ_BATCH_SLICE, shard_index, len(table_plan.shards)
-                    out_col = info.column_start + shard.col_offset
-                    local_features.append((f, [f, kind, lo, hi, out_col, shard.num_cols], local))
-        if not local_tables:
-            continue
-        local_features.sort(key=lambda item: (item[0], item[1][4], item[1][2]))
-        tbe = make_tbe(local_tables, [lf[2] for lf in local_features], torch.device(device))
+    for layout in device_layouts(spec, plan):
+        device = devices[layout.rank]
+        tbe = make_tbe(list(layout.tables), list(layout.feature_table_map), torch.device(device))
         with torch.no_grad():
             split = tbe.split_embedding_weights()  # type: ignore[operator]
-            for (data, scale_bias), (table, shard) in zip(split, local_sources):
+            for (data, scale_bias), (table, shard) in zip(split, layout.sources):
                 src_data, src_scale_bias = source_weights[table.name]
                 rows = slice(shard.row_offset, shard.row_offset + shard.num_rows)
                 first, last = column_byte_range(shard.col_offset, shard.num_cols, table.data_type)
                 data.copy_(src_data[rows, first:last])
                 if scale_bias is not None and src_scale_bias is not None:
                     scale_bias.copy_(src_scale_bias[rows])
-        shards.append(DeviceShards(tbe, device, [lf[1] for lf in local_features], feature_rows, feature_names))
-        logger.debug("device %s: %d shards, %d features", device, len(local_tables), len(local_features))
+        routing = [list(feature) for feature in layout.features]
+        shards.append(DeviceShards(tbe, device, routing, feature_rows, feature_names))
+        logger.debug("device %s: %d shards, %d features", device, len(layout.tables), len(routing))
     identity = (
         len(shards) == 1
         and shards[0].lf_feature == list(range(len(features)))

@@ -58,14 +58,14 @@ def test_concurrent_clients_each_get_their_own_rows(start_server, dense_artifact
         assert torch.equal(got, expected), f"client {i} got rows that are not its own"
 
     # every request was in exactly one batch, and at least one batch merged several requests
-    warm_up = served.config.warmup_batches * 2  # one lookup and one predict batch per warm-up round
-    assert served.metric("embserve_batch_requests_sum") == NUM_CLIENTS + warm_up
+    # warm-up batches run on the forward threads directly, not through the batcher: not counted here
+    assert served.metric("embserve_batch_requests_sum") == NUM_CLIENTS
     batches_run = served.metric("embserve_batch_requests_count")
     single_request_batches = served.metric("embserve_batch_requests_bucket", {"le": "1.0"})
     assert single_request_batches < batches_run, "no batch merged more than one request"
-    assert batches_run < NUM_CLIENTS + warm_up
+    assert batches_run < NUM_CLIENTS
     examples = sum(b.batch_size for b in batches)
-    assert served.metric("embserve_batch_examples_sum") == examples + warm_up * 64
+    assert served.metric("embserve_batch_examples_sum") == examples
     assert served.metric("embserve_requests_total", {"method": "Lookup", "code": "OK"}) == NUM_CLIENTS
 
 

@@ -55,6 +55,10 @@ def test_not_serving_until_warm_up_completes(loop_thread, gated, dense_runtime, 
         for service in ("", SERVICE_NAME):
             response = health.Check(health_pb2.HealthCheckRequest(service=service), timeout=CALL_TIMEOUT)
             assert response.status == NOT_SERVING
+        early = random_batch(spec, batch_size=2)
+        stub = pb_grpc.InferenceServiceStub(channel)
+        error = rpc_error(lambda: stub.Lookup(lookup_request(early), timeout=CALL_TIMEOUT))
+        assert error.code() == grpc.StatusCode.UNAVAILABLE and "warming up" in error.details()
         gate.release()
         running = starting.result(CALL_TIMEOUT)
         assert running.port == port

@@ -1,0 +1,156 @@
+"""The kernels of an exported model: what each TBE holds, recorded in the manifest at export and checked
+against the loaded model's buffers before its first lookup.
+
+A TBE's small metadata tensors (offsets, dims, row counts, types) steer raw memory reads; a byte flipped
+in them (and the checksum rewritten) would otherwise crash the process at the first lookup. The loader
+derives what every kernel must hold from the manifest's tables (and the plan, when sharded), compares
+that with the manifest's ``kernels``, then compares each loaded TBE's tensors with it.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from infer.config import DataType, ModelSpec
+from infer.errors import ArtifactError, ArtifactErrorKind
+from infer.planner.types import ShardingPlan
+from infer.quant.rowwise import CPU_ROW_ALIGNMENT, CUDA_ROW_ALIGNMENT, table_bytes
+from infer.shard.builder import device_layouts, plan_devices
+
+# fbgemm's SparseType codes in a TBE's weights_tys, and its FATAL bounds-check mode.
+WEIGHT_TYPE_CODES = {DataType.FP32: 0, DataType.FP16: 1, DataType.INT8: 2, DataType.INT4: 3, DataType.INT2: 4}
+BOUNDS_CHECK_FATAL = 0
+
+
+@dataclass(frozen=True)
+class KernelTable:
+    rows: int
+    dim: int
+    data_type: DataType
+
+
+@dataclass(frozen=True)
+class Kernel:
+    """One TBE: the device rank it serves, its row alignment, its tables and which table each feature reads."""
+
+    rank: int
+    device: str
+    row_alignment: int
+    tables: tuple[KernelTable, ...]
+    feature_table_map: tuple[int, ...]
+
+    def layout(self) -> tuple[int, tuple[KernelTable, ...], tuple[int, ...]]:
+        """What must agree between the manifest and the plan (the device name may be remapped)."""
+        return self.row_alignment, self.tables, self.feature_table_map
+
+    def to_dict(self) -> dict[str, Any]:
+        return {
+            "rank": self.rank,
+            "device": self.device,
+            "row_alignment": self.row_alignment,
+            "tables": [{"rows": t.rows, "dim": t.dim, "data_type": t.data_type.value} for t in self.tables],
+            "feature_table_map": list(self.feature_table_map),
+        }
+
+    @classmethod
+    def from_dict(cls, data: Mapping[str, Any]) -> Kernel:
+        tables = tuple(KernelTable(t["rows"], t["dim"], DataType(t["data_type"])) for t in data["tables"])
+        return cls(data["rank"], data["device"], data["row_alignment"], tables, tuple(data["feature_table_map"]))
+
+
+def _alignment(device: str) -> int:
+    return CPU_ROW_ALIGNMENT if device == "cpu" else CUDA_ROW_ALIGNMENT
+
+
+def expected_kernels(spec: ModelSpec, plan: ShardingPlan | None, devices: tuple[str, ...]) -> list[Kernel]:
+    """The kernels ``spec`` (sharded by ``plan``) is built with: one for an unsharded model, else one per
+    device of the plan that holds a shard."""
+    if plan is None:
+        device = devices[0]
+        index = {t.name: i for i, t in enumerate(spec.tables)}
+        tables = tuple(KernelTable(t.num_embeddings, t.embedding_dim, t.data_type) for t in spec.tables)
+        return [Kernel(0, device, _alignment(device), tables, tuple(index[f.table] for f in spec.features))]
+    names = plan_devices(plan)
+    return [
+        Kernel(
+            layout.rank,
+            names[layout.rank],
+            _alignment(names[layout.rank]),
+            tuple(KernelTable(rows, cols, dtype) for _, rows, cols, dtype in layout.tables),
+            layout.feature_table_map,
+        )
+        for layout in device_layouts(spec, plan)
+    ]
+
+
+def kernels_of(model: Any, plan: ShardingPlan | None) -> list[Kernel]:
+    """The kernels of an eager exported model, read from its TBEs (what export records)."""
+    tbes = model_tbes(model)
+    ranks = [k.rank for k in expected_kernels(model.spec, plan, ("cpu",))]
+    if len(ranks) != len(tbes):  # pragma: no cover - shard_model builds one TBE per device holding shards
+        raise ArtifactError(f"the model has {len(tbes)} kernels but its plan places shards on {len(ranks)} devices")
+    kernels = []
+    for rank, tbe in zip(ranks, tbes):
+        tables = tuple(
+            KernelTable(int(rows), int(dim), DataType(weight_type.name.lower()))
+            for _, rows, dim, weight_type, _ in tbe.embedding_specs
+        )
+        device = str(tbe.current_device)
+        kernels.append(Kernel(rank, device, int(tbe.row_alignment), tables, tuple(tbe.feature_table_map)))
+    return kernels
+
+
+def model_tbes(module: Any) -> list[Any]:
+    """The TBE of every kernel of a (scripted or eager) exported model, in kernel order."""
+    embeddings = module.embeddings
+    if hasattr(embeddings, "shards"):
+        return [shard.tbe for _, shard in embeddings.shards.named_children()]
+    return [embeddings.tbe]
+
+
+def _fail(index: int, what: str) -> ArtifactError:
+    return ArtifactError(
+        f"the model's kernel {index} does not match the manifest: {what}; the model file is corrupted, re-export it",
+        kind=ArtifactErrorKind.MODEL,
+    )
+
+
+def _tensor(tbe: Any, name: str, dtype: torch.dtype, numel: int, index: int) -> torch.Tensor:
+    value = getattr(tbe, name, None)
+    if not isinstance(value, torch.Tensor):
+        raise _fail(index, f"{name} is missing")
+    if value.dtype != dtype or value.dim() != 1 or value.numel() != numel:
+        raise _fail(index, f"{name} is {value.dtype} {list(value.shape)}, expected {dtype} [{numel}]")
+    return value
+
+
+def check_kernel(tbe: Any, kernel: Kernel, index: int) -> None:
+    """Raise ``ArtifactError(kind=MODEL)`` unless ``tbe``'s metadata and weight storage are exactly ``kernel``'s."""
+    tables = [kernel.tables[t] for t in kernel.feature_table_map]
+    count = len(tables)
+    sizes = [table_bytes(t.rows, t.dim, t.data_type, kernel.row_alignment) for t in kernel.tables]
+    starts = [sum(sizes[:i]) for i in range(len(sizes))]
+    expected = {
+        "weights_tys": (torch.uint8, [WEIGHT_TYPE_CODES[t.data_type] for t in tables]),
+        "rows_per_table": (torch.int64, [t.rows for t in tables]),
+        "D_offsets": (torch.int32, [sum(t.dim for t in tables[:i]) for i in range(count + 1)]),
+        "weights_offsets": (torch.int64, [starts[t] for t in kernel.feature_table_map]),
+    }
+    for name, (dtype, values) in expected.items():
+        found = _tensor(tbe, name, dtype, len(values), index).tolist()
+        if found != values:
+            raise _fail(index, f"{name} is {found[:8]}..., expected {values[:8]}...")
+    storage = [getattr(tbe, name, None) for name in ("weights_host", "weights_dev", "weights_uvm")]
+    stored = sum(t.numel() * t.element_size() for t in storage if isinstance(t, torch.Tensor))
+    if stored != sum(sizes):
+        raise _fail(index, f"its weights hold {stored} bytes, the tables need {sum(sizes)}")
+    if int(getattr(tbe, "bounds_check_mode_int", -1)) != BOUNDS_CHECK_FATAL:
+        raise _fail(index, "its bounds check is not FATAL")
+    for name in ("index_remappings_array", "index_remapping_hash_table"):
+        remap = getattr(tbe, name, None)
+        if not isinstance(remap, torch.Tensor) or remap.numel() != 0:
+            raise _fail(index, f"{name} is not empty (embserve exports no pruning)")
