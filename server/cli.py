@@ -52,6 +52,8 @@ def cmd_query(args: argparse.Namespace) -> int:
 
     token = read_token_file(args.token_file) if args.token_file else None
     root = Path(args.tls_root).read_bytes() if args.tls_root else None
+    if args.protocol == "oip":
+        return _query_oip(args, token, root)
     with EmbserveClient(args.address, token=token, root_certificates=root, timeout=args.timeout) as client:
         metadata = client.metadata()
         print(
@@ -83,6 +85,45 @@ def cmd_query(args: argparse.Namespace) -> int:
             )
             scores = client.predict(features, dense)
             print(f"predict: first scores {[round(v, 4) for v in scores[:5].tolist()]}")
+    return 0
+
+
+def _query_oip(args: argparse.Namespace, token: str | None, root: bytes | None) -> int:
+    """``embserve query --protocol oip``: the same metadata and lookup (and predict) over OIP."""
+    import torch
+
+    from infer.features import SparseFeatures
+    from server.client import EmbserveClient
+    from server.oip_client import spec_of
+
+    client = EmbserveClient(
+        args.address, token=token, root_certificates=root, timeout=args.timeout, protocol="oip",
+        model=args.model, version=args.model_version,
+    )  # fmt: skip
+    with client:
+        metadata = client.metadata()
+        spec = spec_of(metadata)
+        print(
+            f"model {metadata.name} (versions {list(metadata.versions)}, {metadata.platform}): "
+            f"features {list(spec.feature_names)}, output dim {spec.output_dim}"
+        )
+        features = (
+            json.loads(args.features)
+            if args.features
+            else SparseFeatures.random(spec, batch_size=args.batch_size, ids_per_bag=args.ids_per_bag, seed=args.seed)
+        )
+        started = time.perf_counter()
+        pooled = client.lookup(features, fp16=args.fp16)
+        print(f"infer (embeddings): output {list(pooled.shape)} in {1e3 * (time.perf_counter() - started):.2f} ms")
+        for feature in spec.features[: args.show]:
+            start, end = feature.column_start, feature.column_end
+            values = [round(v, 4) for v in pooled[0, start : min(end, start + 4)].tolist()]
+            print(f"  row 0 {feature.name:<20} [{start}:{end}] {values} ...")
+        num_dense = int(metadata.properties.get("num_dense_features", "0"))
+        if num_dense and not args.features:
+            dense = torch.randn(pooled.shape[0], num_dense, generator=torch.Generator().manual_seed(0))
+            scores = client.predict(features, dense)
+            print(f"infer (scores): first scores {[round(v, 4) for v in scores[:5].tolist()]}")
     return 0
 
 
@@ -162,4 +203,7 @@ def add_subcommands(subcommands: Any) -> None:
     qry.add_argument("--token-file", default=None)
     qry.add_argument("--tls-root", default=None, help="PEM root certificate of a TLS server")
     qry.add_argument("--timeout", type=float, default=30.0)
+    qry.add_argument("--protocol", choices=("v1", "oip"), default="v1", help="oip: the Open Inference Protocol")
+    qry.add_argument("--model", default=None, help="oip: the model's name (its artifact or repository folder name)")
+    qry.add_argument("--model-version", default="", help="oip: the version (default: the newest)")
     qry.set_defaults(func=cmd_query)

@@ -133,6 +133,7 @@ class ServedModel:
             "model_sha256": self.sha256,
             "embserve_version": __version__,
             **{f"columns.{name}": f"{start}:{end}" for name, (start, end) in columns.items()},
+            **{f"rows.{f.name}": str(f.num_embeddings) for f in spec.features},
         }
         return {
             "name": self.name,
