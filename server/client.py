@@ -32,8 +32,9 @@ class EmbserveClient:
         model: str | None = None,
         version: str = "",
     ) -> None:
-        """``protocol``: "v1" (embserve.v1) or "oip" (Open Inference Protocol: ``model`` names the model,
-        ``version`` its version, empty for the newest)."""
+        """``protocol``: "v1" (embserve.v1) or "oip" (Open Inference Protocol). ``model`` and ``version`` name
+        a model of the server (OIP: required; v1: empty for the server's default model) and its version
+        (empty: the newest loaded)."""
         if protocol not in ("v1", "oip"):
             raise ValueError(f"protocol {protocol!r}: use 'v1' or 'oip'")
         options = [
@@ -48,6 +49,8 @@ class EmbserveClient:
         self._metadata = (("authorization", f"Bearer {token}"),) if token else None
         self.timeout = timeout
         self.protocol = protocol
+        self.model = model or ""
+        self.version = version
         self._oip = None
         if protocol == "oip":
             from server.oip_client import OipCalls
@@ -86,6 +89,8 @@ class EmbserveClient:
         request = pb.LookupRequest(
             sparse=codec.encode_packed(self._features(features, weights)),
             output_type=pb.OUTPUT_TYPE_FP16 if fp16 else pb.OUTPUT_TYPE_FP32,
+            model_name=self.model,
+            model_version=self.version,
         )
         return codec.decode_embeddings(self._call(self._stub.Lookup, request))
 
@@ -101,6 +106,8 @@ class EmbserveClient:
         request = pb.PredictRequest(
             sparse=codec.encode_packed(self._features(features, weights)),
             dense_features=dense_features.to(torch.float32).contiguous().numpy().tobytes(),
+            model_name=self.model,
+            model_version=self.version,
         )
         response = self._call(self._stub.Predict, request)
         return torch.frombuffer(bytearray(response.scores), dtype=torch.float32).clone()
@@ -109,4 +116,5 @@ class EmbserveClient:
         """embserve.v1's ``ModelMetadata``; with ``protocol="oip"`` the protocol's ``ModelMetadataResponse``."""
         if self._oip is not None:
             return self._oip.metadata(self._call)
-        return self._call(self._stub.GetModelMetadata, pb.GetModelMetadataRequest())
+        request = pb.GetModelMetadataRequest(model_name=self.model, model_version=self.version)
+        return self._call(self._stub.GetModelMetadata, request)

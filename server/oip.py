@@ -436,8 +436,16 @@ def add_to_server(
     if repository is not None:
         repository.attach_v1(v1)
         oip = OpenInference(v1, repository, repository=repository)
+        v1.route = repository.v1_for
     else:
         oip = OpenInference.for_servicer(v1, name, max_queue)
+        models = oip.models
+
+        def route(model_name: str, version: str) -> InferenceServicer:
+            models.find(model_name or name, version)  # NOT_FOUND for another model or version
+            return v1
+
+        v1.route = route
     servicer = OpenInferenceServicer(oip)
     # lenient decoding, as embserve.v1: bytes that are no valid message are INVALID_ARGUMENT, not INTERNAL
     service = pb.DESCRIPTOR.services_by_name["GRPCInferenceService"]

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import copy
 import gc
 import logging
 import os
@@ -119,6 +120,7 @@ class _Loaded:
     batchers: list[DynamicBatcher]
     in_flight: int = 0
     idle: asyncio.Event = field(default_factory=asyncio.Event)
+    v1_view: InferenceServicer | None = None  # embserve.v1 calls that name this version run on it
 
     def __post_init__(self) -> None:
         self.idle.set()
@@ -414,6 +416,7 @@ class Repository:
         """Once the calls on ``entry`` are done, stop its batchers and let its memory go."""
 
         async def retire() -> None:
+            entry.v1_view = None  # no new v1 call finds it; the ones holding it count as in flight
             await entry.idle.wait()
             for b in entry.batchers:
                 await b.close()
@@ -445,22 +448,18 @@ class Repository:
         self._v1_model = self.model_names_loaded()[0]
         self._point_v1(self._v1_model)
 
+    def v1_for(self, name: str, version: str) -> InferenceServicer:
+        """The embserve.v1 servicer of one model version (for v1 calls that name a model or version)."""
+        entry = self._entry(name or (self._v1_model or ""), version)
+        if entry.v1_view is None:
+            assert self._v1 is not None
+            entry.v1_view = copy.copy(self._v1)  # shares metrics and settings; gets this version's model
+            _bind_v1(entry.v1_view, entry)
+        return entry.v1_view
+
     def _point_v1(self, name: str) -> None:
-        servicer = self._v1
-        if servicer is None or name != self._v1_model:
-            return
-        entry = self._entry(name, "")
-        model = entry.model
-        # all in one step of the loop: a v1 call decodes against this spec and queues on these batchers
-        servicer.runtime = model.runtime
-        servicer.spec = model.spec
-        servicer.version = model.sha256[:16]
-        servicer.lookups = _CountedBatcher(entry, model.lookups)  # type: ignore[assignment]
-        servicer.predictions = (
-            _CountedBatcher(entry, model.predictions) if model.predictions is not None else None  # type: ignore[assignment]
-        )
-        servicer._columns = codec.column_ranges(model.spec)
-        servicer._metadata = servicer._build_metadata()
+        if self._v1 is not None and name == self._v1_model:
+            _bind_v1(self._v1, self._entry(name, ""))
 
     async def close(self) -> None:
         if self._poll_task is not None:
@@ -473,6 +472,20 @@ class Repository:
                 for entry in versions.values():
                     self._retire(entry)
         await self.retired()
+
+
+def _bind_v1(servicer: InferenceServicer, entry: _Loaded) -> None:
+    """Point an embserve.v1 servicer at one version, all in one step of the loop: a v1 call then decodes
+    against this spec and queues on these batchers (its submits count as calls in flight on the version)."""
+    model = entry.model
+    servicer.runtime = model.runtime
+    servicer.spec = model.spec
+    servicer.version = model.sha256[:16]
+    servicer.lookups = _CountedBatcher(entry, model.lookups)  # type: ignore[assignment]
+    counted = _CountedBatcher(entry, model.predictions) if model.predictions is not None else None
+    servicer.predictions = counted  # type: ignore[assignment]
+    servicer._columns = codec.column_ranges(model.spec)
+    servicer._metadata = servicer._build_metadata()
 
 
 async def _warm_up(model: ServedModel, batches: int) -> None:

@@ -6,6 +6,7 @@ import subprocess
 import sys
 from pathlib import Path
 
+import grpc
 import pytest
 import torch
 
@@ -42,3 +43,16 @@ def test_query_command(dense_server, spec, protocol):
     assert done.returncode == 0, done.stderr
     assert f"output [3, {spec.output_dim}]" in done.stdout
     assert "scores" in done.stdout
+
+
+def test_v1_calls_may_name_the_served_model(dense_server, dense_runtime, spec):
+    batch = random_batch(spec, batch_size=3, seed=61)
+    with EmbserveClient(dense_server.address, timeout=CALL_TIMEOUT, model="dense", version="1") as client:
+        assert torch.equal(client.lookup(batch), dense_runtime.lookup(batch))
+    with EmbserveClient(dense_server.address, timeout=CALL_TIMEOUT, model="other") as client:
+        with pytest.raises(grpc.RpcError) as caught:
+            client.lookup(batch)
+        assert caught.value.code() == grpc.StatusCode.NOT_FOUND
+        with pytest.raises(grpc.RpcError) as caught:
+            client.metadata()
+        assert caught.value.code() == grpc.StatusCode.NOT_FOUND

@@ -10,6 +10,7 @@ import shutil
 from pathlib import Path
 from typing import Any
 
+import grpc
 import numpy as np
 import pytest
 import torch
@@ -114,6 +115,28 @@ def test_an_explicit_version_list_serves_each_version(tmp_path, start_server, ve
             assert answered == version and torch.equal(got, runtimes[version].lookup(batch))
         got, answered = _embeddings(c, "grpc", batch)
         assert answered == "2"  # no version asked: the newest
+
+
+def test_embserve_v1_calls_name_a_model_and_version(tmp_path, start_server, versions, runtimes, spec):
+    root = make_repository(
+        tmp_path / "repo", {MODEL: {"1": versions["1"], "2": versions["2"]}, "zzz": {"1": versions["1"]}}
+    )
+    served = start_server(root, version_policy="versions:1,2")
+    batch = random_batch(spec, batch_size=4, weighted=True, seed=45)
+    dense = torch.randn(4, NUM_DENSE, generator=torch.Generator().manual_seed(4))
+    for version in ("1", "2"):
+        with EmbserveClient(served.address, timeout=CALL_TIMEOUT, model=MODEL, version=version) as v1:
+            assert torch.equal(v1.lookup(batch), runtimes[version].lookup(batch))
+            assert torch.equal(v1.predict(batch, dense), runtimes[version].predict(batch, dense))
+            assert v1.metadata().model_version == runtimes[version].manifest.file("model.pt").sha256[:16]
+    with EmbserveClient(served.address, timeout=CALL_TIMEOUT, model="zzz") as v1:
+        assert torch.equal(v1.lookup(batch), runtimes["1"].lookup(batch))
+    with EmbserveClient(served.address, timeout=CALL_TIMEOUT) as v1:  # the default: first model, newest version
+        assert torch.equal(v1.lookup(batch), runtimes["2"].lookup(batch))
+    with EmbserveClient(served.address, timeout=CALL_TIMEOUT, model="nobody") as v1:
+        with pytest.raises(grpc.RpcError) as caught:
+            v1.lookup(batch)
+        assert caught.value.code() == grpc.StatusCode.NOT_FOUND and "unknown model 'nobody'" in caught.value.details()
 
 
 def test_a_broken_version_never_replaces_a_good_one(tmp_path, start_server, versions, runtimes, spec):
