@@ -31,7 +31,7 @@ from infer.errors import EmbserveError, RequestError
 from server import oip_codec as oc
 from server.batcher import QueueFullError
 from server.oip import OpenInference
-from server.service import _Failure
+from server.service import _Failure, bounded
 
 logger = logging.getLogger(__name__)
 
@@ -305,7 +305,7 @@ class RestServer:
 
     async def _respond(self, request: HttpRequest) -> HttpResponse:
         started = time.perf_counter()
-        operation, code = "REST", grpc.StatusCode.OK
+        operation, code, reason = "REST", grpc.StatusCode.OK, ""
         try:
             if not self._authorized(request):
                 code = grpc.StatusCode.UNAUTHENTICATED
@@ -313,19 +313,22 @@ class RestServer:
             operation, work = self._route(request)
             return await work
         except RequestError as err:
-            code, message = grpc.StatusCode.INVALID_ARGUMENT, str(err)
+            code, message, reason = grpc.StatusCode.INVALID_ARGUMENT, str(err), "invalid"
         except QueueFullError as err:
-            code, message = grpc.StatusCode.RESOURCE_EXHAUSTED, str(err)
+            code, message, reason = grpc.StatusCode.RESOURCE_EXHAUSTED, str(err), "queue_full"
         except _Failure as err:
-            code, message = err.code, err.message
-        except Exception:  # noqa: BLE001 - the client gets 500 and a request id, the log gets the traceback
+            code, message, reason = err.code, err.message, err.reason
+        except Exception as err:  # noqa: BLE001 - the client gets 500 and a request id, the log gets the traceback
             request_id = uuid.uuid4().hex[:12]
-            logger.exception("%s %s failed (request id %s)", request.method, request.path, request_id)
+            self.oip.v1._log_internal(operation, err, request_id)  # once per kind, then at powers of ten
             code, message = grpc.StatusCode.INTERNAL, f"internal error (request id {request_id}); see the server log"
+            reason = "internal"
         finally:
+            if reason:
+                self.metrics.rejected.labels(reason).inc()
             self.metrics.requests.labels(operation, code.name).inc()
             self.metrics.latency.labels(operation).observe(time.perf_counter() - started)
-        return _error_response(code, message)
+        return _error_response(code, bounded(message))
 
     def _route(self, request: HttpRequest) -> tuple[str, Any]:
         """(metrics label, coroutine answering the request) of a path; NOT_FOUND for anything else."""
