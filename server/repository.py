@@ -315,6 +315,12 @@ class Repository:
 
     async def _sync(self, name: str, explicit: bool) -> None:
         wanted = [str(v) for v in self.policy.select(self._available_versions(name))]
+        if explicit and not wanted:
+            raise _Failure(
+                grpc.StatusCode.FAILED_PRECONDITION,
+                f"model {name!r} has no version the policy {self.policy} selects; add {name}/<version>/ folders",
+                "load_failed",
+            )
         loaded = self._models.get(name, {})
         errors = []
         for version in wanted:

@@ -187,6 +187,10 @@ def test_models_unload_and_load_on_demand(tmp_path, start_server, versions, spec
         with pytest.raises(InferenceServerException) as caught:
             c.load_model("no_such_model")
         assert caught.value.status() == "404"
+        (root / "empty").mkdir()
+        with pytest.raises(InferenceServerException) as caught:
+            c.load_model("empty")
+        assert "model 'empty' has no version" in caught.value.message()
 
 
 def test_memory_for_a_new_version_is_checked_before_loading(tmp_path, loop_thread, versions, monkeypatch):
