@@ -16,7 +16,9 @@ import copy
 import gc
 import logging
 import os
+import threading
 from collections.abc import AsyncIterator, Callable, Sequence
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -387,7 +389,12 @@ class Repository:
                     f"{available / 2**20:.0f} MiB are free beside the loaded versions; free memory, unload a "
                     "version or narrow the version policy"
                 )
-        runtime = await asyncio.to_thread(load, folder)
+        # a thread of its own: its lowered priority must not stay with a pool thread that serves later
+        loader = ThreadPoolExecutor(max_workers=1, thread_name_prefix="embserve-load")
+        try:
+            runtime = await asyncio.get_running_loop().run_in_executor(loader, _load_in_background, folder)
+        finally:
+            loader.shutdown(wait=False)
         settings = self.settings
         run_lookup, run_predict = _make_runners(runtime)
 
@@ -478,6 +485,22 @@ class Repository:
                 for entry in versions.values():
                     self._retire(entry)
         await self.retired()
+
+
+def _load_in_background(folder: Path) -> Any:
+    """``load`` at the lowest CPU priority (this thread only, on Linux): the versions serving meanwhile
+    keep the cores they need, and the new version takes longer to arrive instead."""
+    try:
+        os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), 19)
+    except (AttributeError, OSError):  # not Linux, or not allowed: load at normal priority
+        pass
+    try:
+        return load(folder)
+    finally:
+        try:
+            os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), 0)
+        except (AttributeError, OSError):  # lowering back may need privileges; the thread then stays nice
+            pass
 
 
 def _bind_v1(servicer: InferenceServicer, entry: _Loaded) -> None:
