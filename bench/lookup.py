@@ -24,6 +24,7 @@ import torch
 import torch.nn.functional as F
 
 from infer.artifact.export import export
+from infer.artifact.kernels import kernel_holders
 from infer.artifact.load import load
 from infer.config import DataType, ModelSpec, TableConfig
 from infer.planner.planner import plan_for_inference
@@ -78,6 +79,56 @@ def direct_tbe(spec: ModelSpec, model: torch.nn.Module) -> torch.nn.Module:
     tbe.initialize_weights()
     tbe.assign_embedding_weights(model.embeddings.table_weights())
     return tbe
+
+
+def torchrec_baseline(spec: ModelSpec, weights: dict[str, torch.Tensor]) -> torch.jit.ScriptModule | None:
+    """TorchRec's quantized EBC (``quantize_dynamic`` to INT8, as TorchRec users serve it) on the same fp32
+    weights, scripted, called with (values, lengths); None when torchrec is not installed."""
+    try:
+        import torch.ao.quantization as tq
+        from torchrec import EmbeddingBagCollection, EmbeddingBagConfig, KeyedJaggedTensor
+        from torchrec.quant.embedding_modules import EmbeddingBagCollection as QuantEmbeddingBagCollection
+        from torchrec.quant.embedding_modules import QuantConfig
+    except ImportError:
+        return None
+    configs = [
+        EmbeddingBagConfig(
+            name=t.name,
+            num_embeddings=t.num_embeddings,
+            embedding_dim=t.embedding_dim,
+            feature_names=list(t.feature_names),
+        )
+        for t in spec.tables
+    ]
+    # quantize_dynamic swaps children, never the root: the EBC goes in a container
+    holder = torch.nn.ModuleDict({"ebc": EmbeddingBagCollection(tables=configs, device=torch.device("cpu"))})
+    with torch.no_grad():
+        for name, bag in holder["ebc"].embedding_bags.items():
+            bag.weight.copy_(weights[name])
+    qconfig = QuantConfig(
+        activation=tq.PlaceholderObserver.with_args(dtype=torch.float),
+        weight=tq.PlaceholderObserver.with_args(dtype=torch.qint8),
+    )
+    mapping = {EmbeddingBagCollection: QuantEmbeddingBagCollection}
+    qebc = tq.quantize_dynamic(holder, qconfig_spec={EmbeddingBagCollection: qconfig}, mapping=mapping)["ebc"]
+    assert isinstance(qebc, QuantEmbeddingBagCollection)
+
+    class Lookup(torch.nn.Module):
+        def __init__(self, module: torch.nn.Module, keys: list[str]) -> None:
+            super().__init__()
+            self.module = module
+            self.keys = keys
+
+        def forward(self, values: torch.Tensor, lengths: torch.Tensor) -> torch.Tensor:
+            kjt = KeyedJaggedTensor(keys=self.keys, values=values, lengths=lengths)
+            return self.module(kjt).values()
+
+    # this file's annotations are strings (postponed); FX's code generation needs the types themselves
+    Lookup.forward.__annotations__ = {"values": torch.Tensor, "lengths": torch.Tensor, "return": torch.Tensor}
+    # TorchRec's inference path: FX-trace with torchrec.fx (KJT-aware), then TorchScript
+    from torchrec.fx import symbolic_trace
+
+    return torch.jit.script(symbolic_trace(Lookup(qebc, list(spec.feature_names))))
 
 
 def measure(
@@ -192,6 +243,19 @@ def run_workload(w: Workload, rounds: int, index_count: int, sharded: bool) -> l
         values, lengths, _ = sets[i]
         return exported(values, lengths, None)
 
+    holders = kernel_holders(exported)
+
+    def run_single_call(i: int) -> object:
+        """The exported model with its kernel called once per batch (threads=1): the pre-split behaviour."""
+        values, lengths, _ = sets[i]
+        for holder in holders:
+            holder.threads = 1
+        try:
+            return exported(values, lengths, None)
+        finally:
+            for holder in holders:
+                holder.threads = runtime.threads
+
     def run_tbe(i: int) -> object:
         values, _, offsets = sets[i]
         return tbe(values, offsets)
@@ -211,15 +275,22 @@ def run_workload(w: Workload, rounds: int, index_count: int, sharded: bool) -> l
 
     cases = {
         "exported_model": run_exported,
+        "exported_single_call": run_single_call,
         "direct_tbe": run_tbe,
         "fp32_embedding_bag": run_fp32,
         "gather_probe": run_gather,
     }
+    torchrec = torchrec_baseline(spec, weights)
+    if torchrec is not None:
+        cases["torchrec_qebc"] = lambda i: torchrec(sets[i][0], sets[i][1])
     with torch.inference_mode():
-        check = torch.equal(run_exported(0), run_tbe(0))
+        check = torch.equal(run_exported(0), run_tbe(0)) and torch.equal(run_single_call(0), run_tbe(0))
+        if torchrec is not None:
+            check = check and torch.equal(cases["torchrec_qebc"](0), run_tbe(0))  # type: ignore[arg-type]
         seconds = measure(cases, index_count, rounds, {})
     lookups = w.num_tables * w.batch_size * w.ids_per_bag
     base = lookups / seconds["exported_model"]
+    reference = seconds.get("torchrec_qebc")
     rows: list[dict[str, object]] = []
     for name, secs in seconds.items():
         rate = lookups / secs
@@ -236,8 +307,10 @@ def run_workload(w: Workload, rounds: int, index_count: int, sharded: bool) -> l
                 "ms_per_call": round(1e3 * secs, 3),
                 "mlookups_per_s": round(rate / 1e6, 2),
                 "ratio_to_exported": round(rate / base, 3),
+                "ratio_to_torchrec": round(reference / secs, 3) if reference else None,
                 "outputs_equal_direct_tbe": check,
                 "threads": torch.get_num_threads(),
+                "kernel_threads": runtime.threads,
             }
         )
         print(json.dumps(rows[-1]), flush=True)

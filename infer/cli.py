@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 import importlib
 import logging
+import os
 import subprocess
 import sys
 import time
@@ -144,6 +145,10 @@ def cmd_inspect(args: argparse.Namespace) -> int:
     print(f"devices      {', '.join(manifest.devices)}")
     sharding = f"{manifest.world_size} shards, plan in {manifest.plan_file}" if manifest.plan_file else "unsharded"
     print(f"sharding     {sharding}")
+    cpu_kernels = len([k for k in manifest.kernels if k.device == "cpu"])
+    if cpu_kernels:
+        budget = max(1, (os.cpu_count() or 1) // cpu_kernels)
+        print(f"threads      {cpu_kernels} CPU kernel(s); on this host each splits a batch over up to {budget} threads")
     dense = f"yes ({spec.num_dense_features} dense features)" if manifest.has_dense else "no"
     print(f"dense part   {dense}")
     print(f"output       [batch, {spec.output_dim}] float32")
@@ -172,8 +177,11 @@ def cmd_run(args: argparse.Namespace) -> int:
 
     started = time.monotonic()
     device_map = dict(item.split("=", 1) for item in args.device_map.split(",")) if args.device_map else None
-    runtime = load(args.artifact, device_map=device_map)
-    print(f"loaded {args.artifact} (checksums verified) in {time.monotonic() - started:.2f}s")
+    runtime = load(args.artifact, device_map=device_map, threads=args.threads or None)
+    print(
+        f"loaded {args.artifact} (checksums verified) in {time.monotonic() - started:.2f}s; "
+        f"each CPU kernel splits a batch over up to {runtime.threads} threads"
+    )
     batch = SparseFeatures.random(runtime.spec, batch_size=args.batch_size, ids_per_bag=args.ids_per_bag, seed=1)
     pooled = runtime.lookup(batch)
     times = []
@@ -290,6 +298,9 @@ def build_parser() -> argparse.ArgumentParser:
     run.add_argument("--ids-per-bag", type=int, default=20)
     run.add_argument("--iterations", type=int, default=10)
     run.add_argument("--device-map", default=None, metavar="FROM=TO,...", help="e.g. cuda:0=cpu,cuda:1=cpu")
+    run.add_argument(
+        "--threads", type=int, default=0, help="ranges a CPU kernel splits a batch into (0: cores / kernels)"
+    )
     run.set_defaults(func=cmd_run)
     return parser
 

@@ -12,6 +12,7 @@ import asyncio
 import logging
 import os
 import signal
+import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -36,6 +37,8 @@ logger = logging.getLogger(__name__)
 
 # printed by `embserve serve` once the server is warm, followed by the port
 SERVING_LINE = "embserve: serving on port"
+# Stopping waits until no call arrived for this long (each refused with UNAVAILABLE), then closes the port.
+_QUIET_S = 0.1
 
 
 @dataclass(frozen=True)
@@ -47,6 +50,7 @@ class ServerConfig:
     max_queue: int = 1024  # requests waiting; beyond it callers get RESOURCE_EXHAUSTED
     workers: int = 0  # concurrent forwards; 0 -> cores // CPU shards of the model (at least 1)
     intra_op_threads: int = 0  # torch threads per forward; 0 -> cores // (workers x CPU shards), at least 1
+    threads: int = 0  # example ranges a CPU kernel splits a batch into; 0 -> cores // (workers x CPU kernels)
     max_message_bytes: int = 64 * 1024 * 1024
     metrics_port: int | None = None  # None: no /metrics endpoint; 0: any free port
     metrics_host: str = "0.0.0.0"
@@ -95,10 +99,12 @@ class RunningServer:
         if self.oip is not None:
             self.oip.is_ready = False
         await self.health.end_watches()  # health streams would otherwise hold the stop for its whole timeout
-        # grpc finishes every call it accepted before the stop, handed to a handler yet or not
-        await self.server.stop(timeout_s)
+        started = time.monotonic()
+        await self.servicer.quiesce(_QUIET_S, timeout_s if timeout_s is not None else 0.0)
+        remaining = None if timeout_s is None else max(0.0, timeout_s - (time.monotonic() - started))
+        await self.server.stop(remaining)
         if self.oip is not None:
-            await self.oip.close(timeout_s)
+            await self.oip.close(remaining)
         await self.servicer.close()
         await asyncio.to_thread(self.metrics.close)
         self.stopped.set()
@@ -147,6 +153,7 @@ async def create_server(artifact: str | Path | Runtime, config: ServerConfig = S
         runtime = load(artifact)
     workers = _workers(runtime, config.workers)
     _set_intra_op_threads(runtime, workers, config.intra_op_threads)
+    runtime.set_threads(config.threads or runtime.thread_budget(workers))
     servicer = InferenceServicer(
         runtime,
         metrics,
@@ -191,6 +198,7 @@ async def create_server(artifact: str | Path | Runtime, config: ServerConfig = S
             running.metrics_port = metrics.serve_http(config.metrics_port, config.metrics_host)
         if config.http_port is not None:
             running.http_port = await oip.serve_http(config.http_host or config.host, config.http_port, config)
+        logger.info("warming up on port %d (%d batches)", port, config.warmup_batches)
         await _warm_up(servicer, config.warmup_batches)
     except BaseException:
         # a server that cannot warm up (or is stopped while it does) must not stay bound to its port
@@ -209,14 +217,18 @@ async def create_server(artifact: str | Path | Runtime, config: ServerConfig = S
     return running
 
 
-async def serve(artifact: str | Path, config: ServerConfig = ServerConfig()) -> int:
-    """Run until SIGTERM or SIGINT, then drain (``RunningServer.drain``) and return 0.
-
-    A signal during loading or warm-up stops the start-up cleanly (exit code 0, port released)."""
+async def serve(artifact: str | Path | Runtime, config: ServerConfig = ServerConfig()) -> int:
+    """Run until SIGTERM or SIGINT, then drain (``RunningServer.drain``) and return 0."""
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
     for signum in (signal.SIGTERM, signal.SIGINT):
         loop.add_signal_handler(signum, stop.set)
+    return await serve_until(stop, artifact, config)
+
+
+async def serve_until(stop: asyncio.Event, artifact: str | Path | Runtime, config: ServerConfig) -> int:
+    """Start a server, print ``SERVING_LINE``, and drain once ``stop`` is set. A stop during loading or
+    warm-up ends the start-up cleanly instead (port released, 0 returned)."""
     starting = asyncio.ensure_future(create_server(artifact, config))
     stopping = asyncio.ensure_future(stop.wait())
     await asyncio.wait({starting, stopping}, return_when=asyncio.FIRST_COMPLETED)

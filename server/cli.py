@@ -14,6 +14,11 @@ from typing import Any
 
 def cmd_serve(args: argparse.Namespace) -> int:
     import asyncio
+    import signal
+    import sys
+
+    # Until the server's event loop takes the signals over, a SIGTERM while loading ends the process quietly.
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(0))
 
     from server.app import ServerConfig, serve
     from server.auth import read_token_file
@@ -26,6 +31,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
         max_queue=args.max_queue,
         workers=args.workers,
         intra_op_threads=args.intra_op_threads,
+        threads=args.threads,
         max_message_bytes=args.max_message_mb * 1024 * 1024,
         metrics_port=args.metrics_port,
         tls_cert=args.tls_cert,
@@ -171,6 +177,12 @@ def add_subcommands(subcommands: Any) -> None:
     srv.add_argument("--max-queue", type=int, default=1024, help="queued requests before RESOURCE_EXHAUSTED")
     srv.add_argument("--workers", type=int, default=0, help="concurrent forwards (0: cores / CPU shards)")
     srv.add_argument("--intra-op-threads", type=int, default=0, help="torch threads per forward (0: auto)")
+    srv.add_argument(
+        "--threads",
+        type=int,
+        default=0,
+        help="ranges a CPU kernel splits a batch into (0: cores / (workers x kernels))",
+    )
     srv.add_argument("--max-message-mb", type=int, default=64)
     srv.add_argument("--metrics-port", type=int, default=None, help="Prometheus /metrics port")
     srv.add_argument("--tls-cert", default=None)

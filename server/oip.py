@@ -304,6 +304,10 @@ class OpenInference:
         ``fp16``: the request-level ``output_fp16`` (embeddings as FP16 unless an output says otherwise)."""
         if not self.v1.ready:
             raise _Failure(grpc.StatusCode.UNAVAILABLE, "the server is warming up; retry shortly", "warming_up")
+        if self.v1.closing:
+            raise _Failure(
+                grpc.StatusCode.UNAVAILABLE, "the server is shutting down; retry on another replica", "draining"
+            )
         async with self.models.lease(name, version) as model:
             decoded = model.decode(inputs(), requested, fp16)
             embeddings, scores = await model.infer(decoded)

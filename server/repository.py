@@ -82,6 +82,7 @@ class BatchSettings:
     max_queue: int
     workers: int
     warmup_batches: int = 3
+    threads: int = 0  # threads each CPU kernel splits a batch over; 0: the runtime's budget for ``workers``
 
 
 def is_repository(path: Any) -> bool:
@@ -396,6 +397,7 @@ class Repository:
         finally:
             loader.shutdown(wait=False)
         settings = self.settings
+        runtime.set_threads(settings.threads or runtime.thread_budget(settings.workers))
         run_lookup, run_predict = _make_runners(runtime)
 
         def batcher(run: Callable[..., torch.Tensor]) -> DynamicBatcher:
@@ -537,6 +539,7 @@ async def open_repository(path: str | Path, config: Any, metrics: ServerMetrics)
         max_queue=config.max_queue,
         workers=config.workers or max(1, os.cpu_count() or 1),
         warmup_batches=config.warmup_batches,
+        threads=config.threads,
     )
     repository = Repository(path, settings, metrics, VersionPolicy.parse(config.version_policy))
     await repository.load_all()

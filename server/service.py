@@ -111,12 +111,30 @@ class InferenceServicer(pb_grpc.InferenceServiceServicer):
         self._idle = asyncio.Event()
         self._idle.set()
         self.ready = False  # Lookup/Predict answer UNAVAILABLE until the server finished warming up
+        self.closing = False  # ... and again once the server stops taking calls (see RunningServer.stop)
+        self.last_arrival = time.monotonic()
         self._internal_errors: Counter[str] = Counter()
 
     async def drained(self) -> None:
         """Return once no Lookup or Predict call is in flight."""
         while self._in_flight:
             await self._idle.wait()
+
+    async def quiesce(self, quiet_s: float, timeout_s: float) -> None:
+        """Refuse new calls (UNAVAILABLE), then return once none is in flight and none arrived for ``quiet_s``
+        (or after ``timeout_s``). grpc cancels calls it received but had not handed to a handler when the
+        server stops; refusing them here first turns that CANCELLED into a clean, retryable UNAVAILABLE."""
+        self.closing = True
+        deadline = time.monotonic() + timeout_s
+        while time.monotonic() < deadline:
+            try:
+                await asyncio.wait_for(self.drained(), max(0.0, deadline - time.monotonic()))
+            except asyncio.TimeoutError:  # not the builtin TimeoutError before Python 3.11
+                return
+            quiet = time.monotonic() - self.last_arrival
+            if quiet >= quiet_s and not self._in_flight:
+                return
+            await asyncio.sleep(max(0.0, quiet_s - quiet))
 
     # ---------------------------------------------------------------- model calls (executor threads)
     def _run_lookup(
@@ -151,6 +169,9 @@ class InferenceServicer(pb_grpc.InferenceServiceServicer):
     async def GetModelMetadata(
         self, request: pb.GetModelMetadataRequest, context: grpc.aio.ServicerContext
     ) -> pb.ModelMetadata:
+        if self.closing:
+            self.metrics.requests.labels("GetModelMetadata", "UNAVAILABLE").inc()
+            await context.abort(grpc.StatusCode.UNAVAILABLE, "the server is shutting down; retry on another replica")
         if not isinstance(request, Undecodable) and (request.model_name or request.model_version):
 
             async def named() -> pb.ModelMetadata:
@@ -178,6 +199,10 @@ class InferenceServicer(pb_grpc.InferenceServiceServicer):
             )
         if not self.ready:
             raise _Failure(grpc.StatusCode.UNAVAILABLE, "the server is warming up; retry shortly", "warming_up")
+        if self.closing:
+            raise _Failure(
+                grpc.StatusCode.UNAVAILABLE, "the server is shutting down; retry on another replica", "draining"
+            )
 
     async def _lookup(self, request: pb.LookupRequest, context: grpc.aio.ServicerContext) -> pb.LookupResponse:
         self._accept(request)
@@ -226,6 +251,7 @@ class InferenceServicer(pb_grpc.InferenceServiceServicer):
         code = grpc.StatusCode.OK
         message = ""
         reason = ""
+        self.last_arrival = time.monotonic()
         self._in_flight += 1
         self._idle.clear()
         try:

@@ -8,7 +8,10 @@
 #include <cstdlib>
 #include <filesystem>
 #include <fstream>
+#include <map>
 #include <mutex>
+#include <set>
+#include <tuple>
 #include <sstream>
 #include <thread>
 
@@ -17,6 +20,8 @@
 #include <nlohmann/json.hpp>
 #include <torch/cuda.h>
 #include <torch/script.h>
+
+#include "schema.h"
 
 #ifndef EMBSERVE_FBGEMM_DIR
 #define EMBSERVE_FBGEMM_DIR ""
@@ -28,14 +33,18 @@ using json = nlohmann::json;
 namespace embserve {
 namespace {
 
-constexpr const char* kFormat = "embserve-artifact";
 constexpr int kFormatVersion = 2;
-constexpr std::uintmax_t kMaxManifestBytes = 16u * 1024u * 1024u;
 constexpr const char* kRequestPrefix = "embserve.RequestError: ";
 
 std::string first_line(const std::string& text) {
   auto end = text.find('\n');
   return end == std::string::npos ? text : text.substr(0, end);
+}
+
+// An exception's message without c10's C++ backtrace ("Exception raised from ... frame #0 ...").
+std::string message_of(const std::exception& err) {
+  if (const auto* c10_error = dynamic_cast<const c10::Error*>(&err)) return c10_error->what_without_backtrace();
+  return err.what();
 }
 
 std::string sha256_file(const fs::path& path) {
@@ -61,30 +70,276 @@ std::string sha256_file(const fs::path& path) {
   return out;
 }
 
-json read_manifest(const fs::path& folder) {
-  fs::path path = folder / "manifest.json";
+// manifest.json or plan.json: size cap, then schema.cpp's parse (BOM, UTF-8, depth, duplicates, NaN) and rules.
+schema::Document read_document(const fs::path& path, const std::string& which) {
   std::error_code ec;
-  if (!fs::is_regular_file(path, ec))
-    throw ManifestError(path.string() + " is missing; " + folder.string() + " is not an embserve artifact");
-  auto size = fs::file_size(path, ec);
-  if (size > kMaxManifestBytes)
-    throw ManifestError(path.string() + " is " + std::to_string(size) + " bytes, over the 16 MiB cap");
-  std::ifstream in(path, std::ios::binary);
-  json data;
-  try {
-    data = json::parse(in);
-  } catch (const json::exception& err) {
-    throw ManifestError(path.string() + " is not valid JSON (" + err.what() + "); the file is corrupted");
+  if (!fs::is_regular_file(path, ec)) {
+    if (which == "manifest")
+      throw ManifestError(path.string() + " is missing; " + path.parent_path().string() +
+                          " is not an embserve artifact");
+    throw ManifestError(path.string() + " is missing from the artifact");
   }
+  const auto size = fs::file_size(path, ec);
+  const auto cap = schema::max_bytes(which);
+  if (ec || size > cap)
+    throw ManifestError(path.string() + " is " + std::to_string(size) + " bytes, over the " + std::to_string(cap) +
+                        "-byte cap");
+  std::ifstream in(path, std::ios::binary);
+  std::string bytes(static_cast<size_t>(size), '\0');
+  if (!in.read(bytes.data(), static_cast<std::streamsize>(size)))
+    throw ManifestError(path.string() + " cannot be read");
+  schema::Document data = schema::parse_document(bytes, path.string());
   if (!data.is_object()) throw ManifestError(path.string() + " is not a JSON object");
-  auto format = data.value("format", json());
-  if (!format.is_string() || format.get<std::string>() != kFormat)
-    throw ManifestError(path.string() + " is not an embserve manifest (format=" + format.dump() + ")");
-  auto version = data.value("format_version", json());
-  if (!version.is_number_integer() || version.get<int>() != kFormatVersion)
-    throw ManifestError(path.string() + " has format_version " + version.dump() + "; this loader reads version " +
-                        std::to_string(kFormatVersion) + ". Re-export the model with a matching embserve");
+  if (which == "manifest" && data.is_object() && data.value("format", schema::Document()) != "embserve-artifact")
+    throw ManifestError(path.string() + " is not an embserve manifest (format=" +
+                        data.value("format", schema::Document()).dump(-1, ' ', false, json::error_handler_t::replace)
+                            .substr(0, 64) + ")");
+  if (which == "manifest" && data.is_object() && data.contains("format_version") &&
+      data["format_version"].is_number_integer() && data["format_version"] != kFormatVersion)
+    throw ManifestError(path.string() + " has format_version " + data["format_version"].dump() +
+                        "; this loader reads version " + std::to_string(kFormatVersion) +
+                        ". Re-export the model with a matching embserve");
+  schema::validate(data, which, path.string());
   return data;
+}
+
+int data_type_code(const std::string& type) {  // SparseType
+  if (type == "fp32") return 0;
+  if (type == "fp16") return 1;
+  if (type == "int8") return 2;
+  if (type == "int4") return 3;
+  return 4;  // int2 (the schema allows no other)
+}
+
+int64_t data_type_bits(const std::string& type) {
+  if (type == "fp32") return 32;
+  if (type == "fp16") return 16;
+  if (type == "int8") return 8;
+  if (type == "int4") return 4;
+  return 2;
+}
+
+int64_t round_up(int64_t value, int64_t step) { return (value + step - 1) / step * step; }
+
+// The rules that tie the manifest's parts together (as infer.artifact.manifest.Manifest.from_dict).
+// Runs after schema::validate, so every key exists with its type.
+void check_manifest(const schema::Document& data, const std::string& document) {
+  auto fail = [&](const std::string& message) { throw ManifestError(document + ": " + message); };
+  const auto& tables = data["tables"];
+  std::set<std::string> table_names, feature_names;
+  std::vector<std::string> order;
+  int64_t column = 0;
+  size_t f = 0;
+  const auto& features = data["features"];
+  for (size_t t = 0; t < tables.size(); ++t) {
+    const auto& table = tables[t];
+    const auto name = table["name"].get<std::string>();
+    if (!table_names.insert(name).second) fail("tables[" + std::to_string(t) + "].name '" + name + "' appears twice");
+    for (const auto& feature_name : table["feature_names"]) {
+      const auto fname = feature_name.get<std::string>();
+      if (!feature_names.insert(fname).second)
+        fail("tables[" + std::to_string(t) + "].feature_names: feature '" + fname + "' appears twice");
+      const std::string where = "features[" + std::to_string(f) + "]";
+      if (f >= features.size()) fail("'features' lists " + std::to_string(features.size()) +
+                                     " features but 'tables' name more; 'features' disagrees with 'tables'");
+      const auto& got = features[f];
+      const int64_t dim = table["embedding_dim"].get<int64_t>();
+      auto differs = [&](const char* key, const schema::Document& expected) {
+        if (got[key] != expected)
+          fail(where + "." + key + " is " + got[key].dump() + " but 'tables' imply " + expected.dump() +
+               "; 'features' disagrees with 'tables'");
+      };
+      differs("name", fname);
+      differs("table", name);
+      differs("num_embeddings", table["num_embeddings"]);
+      differs("embedding_dim", table["embedding_dim"]);
+      differs("pooling", table["pooling"]);
+      differs("column_start", column);
+      differs("column_end", column + dim);
+      column += dim;
+      order.push_back(fname);
+      ++f;
+    }
+  }
+  if (f != features.size())
+    fail("'features' lists " + std::to_string(features.size()) + " features but 'tables' name " +
+         std::to_string(f) + "; 'features' disagrees with 'tables'");
+  if (data["input_schema"]["feature_order"].get<std::vector<std::string>>() != order)
+    fail("input_schema.feature_order differs from the features' order in 'tables'");
+  const auto& dense = data["dense"];
+  if (dense["present"].get<bool>() && dense["num_dense_features"].get<int64_t>() < 1)
+    fail("dense.present is true but dense.num_dense_features is 0; a dense part needs at least one input");
+  const auto& sharding = data["sharding"];
+  const int64_t world_size = sharding["world_size"].get<int64_t>();
+  if (world_size > 1 && sharding["plan_file"].is_null())
+    fail("sharding.world_size is " + std::to_string(world_size) + " but sharding.plan_file is null");
+  const auto& output_shape = data["output"]["shape"];
+  if (output_shape.empty() || output_shape.back() != column)
+    fail("output.shape must end with the output dim " + std::to_string(column));
+  // a file without a checksum is a ChecksumError, as in Python
+  const auto& files = data["files"];
+  if (!files.contains(data["model_file"].get<std::string>()))
+    throw ChecksumError(document + " has no checksum for " + data["model_file"].get<std::string>());
+  if (!sharding["plan_file"].is_null() && !files.contains(sharding["plan_file"].get<std::string>()))
+    throw ChecksumError(document + " has no checksum for " + sharding["plan_file"].get<std::string>());
+  // kernels: each feature_table_map entry names one of its kernel's tables; the row alignment is the device's
+  const auto& kernels = data["kernels"];
+  for (size_t k = 0; k < kernels.size(); ++k) {
+    const auto& kernel = kernels[k];
+    const std::string where = "kernels[" + std::to_string(k) + "]";
+    const auto device = kernel["device"].get<std::string>();
+    const int64_t alignment = kernel["row_alignment"].get<int64_t>();
+    if (alignment != (device == "cpu" ? 1 : 16))
+      fail(where + ".row_alignment " + std::to_string(alignment) + " is not the kernel's for " + device +
+           " (1 on CPU, 16 on CUDA)");
+    const auto num_tables = kernel["tables"].size();
+    for (size_t i = 0; i < kernel["feature_table_map"].size(); ++i)
+      if (kernel["feature_table_map"][i].get<uint64_t>() >= num_tables)
+        fail(where + ".feature_table_map[" + std::to_string(i) + "] is " + kernel["feature_table_map"][i].dump() +
+             " but the kernel has " + std::to_string(num_tables) + " tables");
+  }
+  if (sharding["plan_file"].is_null()) {
+    // unsharded: one kernel holding every table, features mapped to their tables in order
+    if (kernels.size() != 1) fail("an unsharded model has one kernel; 'kernels' lists " + std::to_string(kernels.size()));
+    const auto& kernel = kernels[0];
+    if (kernel["tables"].size() != tables.size())
+      fail("kernels[0] has " + std::to_string(kernel["tables"].size()) + " tables; 'tables' has " +
+           std::to_string(tables.size()));
+    std::vector<uint64_t> expected_map;
+    for (size_t t = 0; t < tables.size(); ++t) {
+      const auto& want = tables[t];
+      const auto& got = kernel["tables"][t];
+      if (got["rows"] != want["num_embeddings"] || got["dim"] != want["embedding_dim"] ||
+          got["data_type"] != want["data_type"])
+        fail("kernels[0].tables[" + std::to_string(t) + "] " + got.dump() + " differs from tables[" +
+             std::to_string(t) + "] ('" + want["name"].get<std::string>() + "')");
+      for (size_t i = 0; i < want["feature_names"].size(); ++i) expected_map.push_back(t);
+    }
+    if (kernel["feature_table_map"].get<std::vector<uint64_t>>() != expected_map)
+      fail("kernels[0].feature_table_map differs from the features' tables");
+  }
+}
+
+// plan.json against the manifest, with the rules of infer.shard.builder.check_plan and device_layouts
+// (the Python loader's verify_plan): the plan places exactly the manifest's tables, whole, with their data
+// types, on the manifest's world size; and the kernels it implies (one per rank holding a shard: local
+// tables in table order then shard order, features sorted by input feature, output column and row
+// block) are exactly the manifest's `kernels`.
+void check_plan(const schema::Document& plan, const schema::Document& data, const std::string& document) {
+  auto fail = [&](const std::string& message) { throw ManifestError(document + ": " + message); };
+  const auto& tables = data["tables"];
+  std::map<std::string, size_t> table_index;
+  std::vector<std::string> model_names, planned_names;
+  for (size_t t = 0; t < tables.size(); ++t) {
+    table_index[tables[t]["name"].get<std::string>()] = t;
+    model_names.push_back(tables[t]["name"].get<std::string>());
+  }
+  for (const auto& entry : plan["tables"]) planned_names.push_back(entry["table"].get<std::string>());
+  std::sort(model_names.begin(), model_names.end());
+  std::sort(planned_names.begin(), planned_names.end());
+  if (planned_names != model_names)
+    fail("the plan's tables are not the model's (" + std::to_string(planned_names.size()) + " planned, " +
+         std::to_string(model_names.size()) + " in the manifest, or other names)");
+  const int64_t plan_world_size = plan["topology"]["world_size"].get<int64_t>();
+  std::map<std::string, const schema::Document*> plan_of;
+  for (const auto& entry : plan["tables"]) {
+    const auto name = entry["table"].get<std::string>();
+    plan_of[name] = &entry;
+    const auto& table = tables[table_index[name]];
+    const auto type = table["data_type"].get<std::string>();
+    const int64_t rows = table["num_embeddings"].get<int64_t>(), dim = table["embedding_dim"].get<int64_t>();
+    if (entry["data_type"].get<std::string>() != type)
+      fail("table '" + name + "': plan says " + entry["data_type"].get<std::string>() + ", model is " + type);
+    const int64_t per_byte = 8 / std::min<int64_t>(data_type_bits(type), 8);
+    std::vector<std::pair<int64_t, int64_t>> row_ranges, col_ranges;
+    for (const auto& shard : entry["shards"]) {
+      const int64_t device = shard["device"].get<int64_t>();
+      const int64_t row_offset = shard["row_offset"].get<int64_t>(), num_rows = shard["num_rows"].get<int64_t>();
+      const int64_t col_offset = shard["col_offset"].get<int64_t>(), num_cols = shard["num_cols"].get<int64_t>();
+      if (device >= plan_world_size)
+        fail("table '" + name + "': shard on device " + std::to_string(device) + " outside the topology");
+      if (row_offset + num_rows > rows || col_offset + num_cols > dim)
+        fail("table '" + name + "': a shard lies outside the table");
+      if (col_offset % std::max<int64_t>(per_byte, 4) != 0 || num_cols % 4 != 0)
+        fail("table '" + name + "': column slice " + std::to_string(col_offset) + "+" + std::to_string(num_cols) +
+             " is not 4-column aligned");
+      row_ranges.emplace_back(row_offset, num_rows);
+      col_ranges.emplace_back(col_offset, num_cols);
+    }
+    std::sort(row_ranges.begin(), row_ranges.end());
+    std::sort(col_ranges.begin(), col_ranges.end());
+    auto covers = [](const std::vector<std::pair<int64_t, int64_t>>& ranges, int64_t total) {
+      int64_t position = 0;
+      for (const auto& [offset, size] : ranges) {
+        if (offset != position) return false;
+        position += size;
+      }
+      return position == total;
+    };
+    auto all_equal = [](const std::vector<std::pair<int64_t, int64_t>>& ranges, int64_t total) {
+      return std::all_of(ranges.begin(), ranges.end(), [&](const auto& r) { return r.first == 0 && r.second == total; });
+    };
+    const auto kind = entry["sharding_type"].get<std::string>();
+    bool covered;
+    if (kind == "row_wise" || kind == "table_row_wise")
+      covered = covers(row_ranges, rows) && all_equal(col_ranges, dim);
+    else if (kind == "column_wise")
+      covered = covers(col_ranges, dim) && all_equal(row_ranges, rows);
+    else
+      covered = all_equal(row_ranges, rows) && all_equal(col_ranges, dim) &&
+                (kind != "table_wise" || entry["shards"].size() == 1);
+    if (!covered) fail("table '" + name + "': " + kind + " shards do not cover the table exactly");
+  }
+  const int64_t world_size = data["sharding"]["world_size"].get<int64_t>();
+  if (plan_world_size != world_size)
+    fail("plans " + std::to_string(plan_world_size) + " devices, the manifest says sharding.world_size " +
+         std::to_string(world_size));
+
+  // the kernels the plan implies, as shard_model builds them
+  const int64_t alignment = plan["topology"]["compute_device"] == "cuda" ? 16 : 1;
+  const auto& features = data["features"];
+  schema::Document expected = schema::Document::array();
+  for (int64_t rank = 0; rank < plan_world_size; ++rank) {
+    schema::Document local_tables = schema::Document::array();
+    struct LocalFeature {
+      size_t feature;
+      int64_t out_col, lo;
+      size_t local;
+    };
+    std::vector<LocalFeature> local_features;
+    for (const auto& table : tables) {
+      const auto name = table["name"].get<std::string>();
+      const auto& entry = *plan_of[name];
+      const auto kind = entry["sharding_type"].get<std::string>();
+      for (size_t s = 0; s < entry["shards"].size(); ++s) {
+        const auto& shard = entry["shards"][s];
+        if (shard["device"].get<int64_t>() != rank) continue;
+        const size_t local = local_tables.size();
+        local_tables.push_back({{"rows", shard["num_rows"]}, {"dim", shard["num_cols"]}, {"data_type", table["data_type"]}});
+        for (size_t f = 0; f < features.size(); ++f) {
+          if (features[f]["table"] != name) continue;
+          int64_t lo = 0;
+          if (kind == "row_wise" || kind == "table_row_wise") lo = shard["row_offset"].get<int64_t>();
+          else if (kind == "replicated") lo = static_cast<int64_t>(s);
+          const int64_t out_col = features[f]["column_start"].get<int64_t>() + shard["col_offset"].get<int64_t>();
+          local_features.push_back({f, out_col, lo, local});
+        }
+      }
+    }
+    if (local_tables.empty()) continue;
+    std::stable_sort(local_features.begin(), local_features.end(), [](const LocalFeature& a, const LocalFeature& b) {
+      return std::tie(a.feature, a.out_col, a.lo) < std::tie(b.feature, b.out_col, b.lo);
+    });
+    schema::Document feature_table_map = schema::Document::array();
+    for (const auto& lf : local_features) feature_table_map.push_back(lf.local);
+    expected.push_back({{"row_alignment", alignment}, {"tables", local_tables}, {"feature_table_map", feature_table_map}});
+  }
+  const auto& kernels = data["kernels"];
+  bool same = kernels.size() == expected.size();
+  for (size_t k = 0; same && k < kernels.size(); ++k)
+    same = kernels[k]["row_alignment"] == expected[k]["row_alignment"] && kernels[k]["tables"] == expected[k]["tables"] &&
+           kernels[k]["feature_table_map"] == expected[k]["feature_table_map"];
+  if (!same) fail("the manifest's 'kernels' disagree with the plan (the shards each device holds)");
 }
 
 void verify_files(const fs::path& folder, const json& files, const std::string& model_file) {
@@ -147,51 +402,243 @@ std::vector<std::string> load_libraries(const std::vector<std::string>& names, c
 
 // Turn an error from the TorchScript interpreter into a typed one.
 [[noreturn]] void rethrow_script_error(const std::exception& err) {
-  std::string text = err.what();
+  std::string text = message_of(err);
   auto at = text.rfind(kRequestPrefix);
   if (at != std::string::npos) throw RequestError(first_line(text.substr(at + std::string(kRequestPrefix).size())));
   throw ModelError("the model failed: " + text);
 }
 
+// The TBE's view of the world must be the one the manifest's kernels describe, checked before the
+// first lookup: a tampered-but-rehashed model.pt fails here as a ModelError instead of crashing in the
+// kernel. Codes and layout as fbgemm 1.8.0's IntNBitTableBatchedEmbeddingBagsCodegen.
+class KernelCheck {
+ public:
+  KernelCheck(const torch::jit::Module& tbe, std::string where) : tbe_(tbe), where_(std::move(where)) {}
+
+  [[noreturn]] void fail(const std::string& message) const { throw ModelError(where_ + ": " + message); }
+
+  c10::IValue attr(const std::string& name) const {
+    if (!tbe_.hasattr(name)) fail("the kernel has no attribute '" + name + "'");
+    return tbe_.attr(name);
+  }
+
+  // A tensor attribute of the expected dtype and, when given, 1-D with `length` entries; CPU, contiguous.
+  at::Tensor tensor(const std::string& name, at::ScalarType dtype, std::optional<int64_t> length) const {
+    c10::IValue value = attr(name);
+    if (!value.isTensor()) fail(name + " is not a tensor (" + value.tagKind() + ")");
+    at::Tensor found = value.toTensor();
+    if (found.scalar_type() != dtype)
+      fail(name + " has dtype " + std::string(c10::toString(found.scalar_type())) + ", expected " +
+           std::string(c10::toString(dtype)));
+    if (length.has_value() && (found.dim() != 1 || found.size(0) != *length)) {
+      std::ostringstream shape;
+      shape << found.sizes();
+      fail(name + " has shape " + shape.str() + ", expected [" + std::to_string(*length) + "]");
+    }
+    return found.to(at::kCPU).contiguous();
+  }
+
+  int64_t integer(const std::string& name) const {
+    c10::IValue value = attr(name);
+    if (!value.isInt()) fail(name + " is not an int (" + value.tagKind() + ")");
+    return value.toInt();
+  }
+
+  void expect_empty(const std::string& name) const {
+    c10::IValue value = attr(name);
+    if (!value.isTensor() || value.toTensor().numel() != 0) fail(name + " must be empty (no index remapping, no cache)");
+  }
+
+  template <typename T>
+  void expect_values(const std::string& name, const at::Tensor& found, const std::vector<int64_t>& expected) const {
+    const T* data = found.data_ptr<T>();
+    for (size_t i = 0; i < expected.size(); ++i)
+      if (static_cast<int64_t>(data[i]) != expected[i])
+        fail(name + "[" + std::to_string(i) + "] is " + std::to_string(static_cast<int64_t>(data[i])) +
+             " but the manifest's kernel implies " + std::to_string(expected[i]));
+  }
+
+  void expect_int(const std::string& name, int64_t expected) const {
+    const int64_t found = integer(name);
+    if (found != expected)
+      fail(name + " is " + std::to_string(found) + " but the manifest's kernel implies " + std::to_string(expected));
+  }
+
+ private:
+  const torch::jit::Module& tbe_;
+  std::string where_;
+};
+
+void check_kernel(const torch::jit::Module& tbe, const schema::Document& kernel, const std::string& where) {
+  KernelCheck check(tbe, where);
+  const auto& tables = kernel["tables"];
+  const auto ftm = kernel["feature_table_map"].get<std::vector<size_t>>();
+  const auto num_features = static_cast<int64_t>(ftm.size());
+  const int64_t alignment = kernel["row_alignment"].get<int64_t>();
+  const bool on_cpu = kernel["device"].get<std::string>() == "cpu";
+
+  std::vector<int64_t> table_offsets;
+  std::map<int, int64_t> max_dim;  // per data type code, as the kernel's max_*_D
+  int64_t total_bytes = 0;
+  for (const auto& table : tables) {
+    const auto type = table["data_type"].get<std::string>();
+    const int64_t rows = table["rows"].get<int64_t>(), dim = table["dim"].get<int64_t>();
+    const int64_t scale_bias = (type == "int8" || type == "int4" || type == "int2") ? 4 : 0;
+    const int64_t row_bytes = round_up(dim * data_type_bits(type) / 8 + scale_bias, alignment);
+    table_offsets.push_back(total_bytes);
+    total_bytes += round_up(rows * row_bytes, 128);  // rows < 2^31, row bytes < 2^14: no overflow
+    max_dim[data_type_code(type)] = std::max(max_dim[data_type_code(type)], dim);
+  }
+  std::vector<int64_t> types, rows, d_offsets{0}, offsets;
+  for (size_t table : ftm) {
+    const auto& spec = tables[table];
+    types.push_back(data_type_code(spec["data_type"].get<std::string>()));
+    rows.push_back(spec["rows"].get<int64_t>());
+    d_offsets.push_back(d_offsets.back() + spec["dim"].get<int64_t>());
+    offsets.push_back(table_offsets[table]);
+  }
+  // dtypes and shapes first: a flipped byte may have changed a shape, and values are read only after
+  check.expect_values<uint8_t>("weights_tys", check.tensor("weights_tys", at::kByte, num_features), types);
+  check.expect_values<int64_t>("rows_per_table", check.tensor("rows_per_table", at::kLong, num_features), rows);
+  check.expect_values<int32_t>("D_offsets", check.tensor("D_offsets", at::kInt, num_features + 1), d_offsets);
+  check.expect_values<int64_t>("weights_offsets", check.tensor("weights_offsets", at::kLong, num_features), offsets);
+  const int64_t placement = on_cpu ? 3 : 0;  // EmbeddingLocation.HOST / DEVICE
+  check.expect_values<int32_t>("weights_placements", check.tensor("weights_placements", at::kInt, num_features),
+                               std::vector<int64_t>(ftm.size(), placement));
+  check.tensor(on_cpu ? "weights_host" : "weights_dev", at::kByte, total_bytes);
+  check.expect_empty(on_cpu ? "weights_dev" : "weights_host");
+  check.expect_empty("weights_uvm");
+  check.expect_empty("lxu_cache_weights");
+  check.expect_empty("index_remappings_array");
+  check.expect_empty("index_remappings_array_offsets");
+  check.expect_empty("index_remapping_hash_table");
+  check.expect_empty("index_remapping_hash_table_offsets");
+  check.expect_int("bounds_check_mode_int", 0);  // BoundsCheckMode.FATAL: bad ids raise, never read past a table
+  check.expect_int("pooling_mode", 0);           // PoolingMode.SUM
+  check.expect_int("output_dtype", 0);           // SparseType.FP32
+  check.expect_int("row_alignment", alignment);
+  check.expect_int("total_D", d_offsets.back());
+  check.expect_int("max_float32_D", max_dim[0]);
+  check.expect_int("max_float16_D", max_dim[1]);
+  check.expect_int("max_int8_D", max_dim[2]);
+  check.expect_int("max_int4_D", max_dim[3]);
+  check.expect_int("max_int2_D", max_dim[4]);
+}
+
+torch::jit::Module child(const torch::jit::Module& parent, const std::string& name, const std::string& where) {
+  if (!parent.hasattr(name) || !parent.attr(name).isModule())
+    throw ModelError(where + ": the model has no submodule '" + name + "'");
+  return parent.attr(name).toModule();
+}
+
+// Every TBE of the model (embeddings.tbe, or embeddings.shards[i].tbe) against manifest kernel i.
+// The module around a kernel (the unsharded collection, or one device's shards) runs it batch-parallel
+// (infer.modules.tbe.KernelRunner); its attributes steer slicing of the request, so they are checked too.
+void check_kernel_holder(torch::jit::Module& holder, const schema::Document& kernel, const std::string& where,
+                         int threads) {
+  if (!holder.hasattr("kernel_features")) return;  // exported before batch-parallel kernels: one call
+  KernelCheck check(holder, where);
+  check.expect_int("kernel_features", static_cast<int64_t>(kernel["feature_table_map"].size()));
+  const c10::IValue device = check.attr("kernel_device");
+  if (!device.isString() || device.toStringRef() != kernel["device"].get<std::string>())
+    check.fail("kernel_device is not the manifest's '" + kernel["device"].get<std::string>() + "'");
+  if (check.integer("min_ids_per_chunk") < 1) check.fail("min_ids_per_chunk must be at least 1");
+  if (check.integer("threads") < 1) check.fail("threads must be at least 1");
+  if (threads > 0) holder.setattr("threads", c10::IValue(static_cast<int64_t>(threads)));
+}
+
+// Every TBE of the model (embeddings.tbe, or embeddings.shards[i].tbe) against manifest kernel i; then
+// each CPU kernel may split a batch over `threads` example ranges (0: leave the exported setting).
+void check_kernels(const torch::jit::Module& model, const schema::Document& kernels, const std::string& model_path,
+                   int threads) {
+  try {
+    torch::jit::Module embeddings = child(model, "embeddings", model_path);
+    if (embeddings.hasattr("shards")) {
+      torch::jit::Module shards = child(embeddings, "shards", model_path);
+      size_t count = 0;
+      for (const auto& unused : shards.named_children()) {
+        (void)unused;
+        ++count;
+      }
+      if (count != kernels.size())
+        throw ModelError(model_path + ": the model has " + std::to_string(count) + " kernels (embeddings.shards) but " +
+                         "the manifest lists " + std::to_string(kernels.size()));
+      for (size_t i = 0; i < count; ++i) {
+        const std::string holder_name = "embeddings.shards." + std::to_string(i);
+        const std::string where = model_path + ": kernel " + std::to_string(i) + " (" + holder_name + ".tbe)";
+        torch::jit::Module holder = child(shards, std::to_string(i), where);
+        check_kernel(child(holder, "tbe", where), kernels[i], where);
+        check_kernel_holder(holder, kernels[i], model_path + ": kernel " + std::to_string(i) + " (" + holder_name + ")",
+                            threads);
+      }
+    } else {
+      if (kernels.size() != 1)
+        throw ModelError(model_path + ": the model has one kernel (embeddings.tbe) but the manifest lists " +
+                         std::to_string(kernels.size()));
+      const std::string where = model_path + ": kernel 0 (embeddings.tbe)";
+      check_kernel(child(embeddings, "tbe", where), kernels[0], where);
+      check_kernel_holder(embeddings, kernels[0], model_path + ": kernel 0 (embeddings)", threads);
+    }
+  } catch (const Error&) {
+    throw;
+  } catch (const std::exception& err) {
+    throw ModelError(model_path + ": the kernels cannot be checked: " + first_line(message_of(err)));
+  }
+}
+
 }  // namespace
 
-Model Model::load(const std::string& artifact_dir, const LoadOptions& options) {
-  fs::path folder(artifact_dir);
+namespace {
+schema::Document read_checked_manifest(const fs::path& folder) {
   std::error_code ec;
   if (!fs::is_directory(folder, ec))
-    throw ManifestError(artifact_dir + " is not a folder; pass the artifact folder written by export");
-  json data = read_manifest(folder);
+    throw ManifestError(folder.string() + " is not a folder; pass the artifact folder written by export");
+  const fs::path manifest_path = folder / "manifest.json";
+  schema::Document data = read_document(manifest_path, "manifest");
+  check_manifest(data, manifest_path.string());  // from here on every key exists with its type and range
+  return data;
+}
+
+void read_checked_plan(const fs::path& folder, const schema::Document& data) {
+  if (data["sharding"]["plan_file"].is_null()) return;
+  const fs::path plan_path = folder / data["sharding"]["plan_file"].get<std::string>();
+  check_plan(read_document(plan_path, "plan"), data, plan_path.string());
+}
+}  // namespace
+
+void check_manifest(const std::string& artifact_dir) {
+  const fs::path folder(artifact_dir);
+  read_checked_plan(folder, read_checked_manifest(folder));
+}
+
+Model Model::load(const std::string& artifact_dir, const LoadOptions& options) {
+  const fs::path folder(artifact_dir);
+  const schema::Document data = read_checked_manifest(folder);
   Model model;
   model.path_ = artifact_dir;
-  std::vector<std::string> libraries;
-  std::string build_dir, model_file;
-  std::vector<std::string> devices;
-  try {
-    model_file = data.at("model_file").get<std::string>();
-    for (const auto& f : data.at("features")) {
-      FeatureInfo info;
-      info.name = f.at("name").get<std::string>();
-      info.table = f.at("table").get<std::string>();
-      info.num_embeddings = f.at("num_embeddings").get<int64_t>();
-      info.embedding_dim = f.at("embedding_dim").get<int64_t>();
-      info.pooling = f.value("pooling", std::string("sum"));
-      info.column_start = f.at("column_start").get<int64_t>();
-      info.column_end = f.at("column_end").get<int64_t>();
-      model.output_dim_ = std::max(model.output_dim_, info.column_end);
-      model.features_.push_back(std::move(info));
-    }
-    libraries = data.at("fbgemm").at("libraries").get<std::vector<std::string>>();
-    build_dir = data.at("fbgemm").value("build_dir", std::string());
-    if (data.contains("devices")) devices = data.at("devices").get<std::vector<std::string>>();
-    if (data.contains("sharding") && data.at("sharding").is_object())
-      model.world_size_ = data.at("sharding").value("world_size", 1);
-    if (model.features_.empty()) throw ManifestError("manifest.json lists no features");
-    if (fs::path(model_file).filename().string() != model_file)
-      throw ManifestError("manifest.json names a model file outside the artifact: '" + model_file + "'");
-    if (options.verify_checksums) verify_files(folder, data.at("files"), model_file);
-  } catch (const json::exception& err) {
-    throw ManifestError((folder / "manifest.json").string() + " is malformed: " + err.what());
+  const auto model_file = data["model_file"].get<std::string>();
+  for (const auto& f : data["features"]) {
+    FeatureInfo info;
+    info.name = f["name"].get<std::string>();
+    info.table = f["table"].get<std::string>();
+    info.num_embeddings = f["num_embeddings"].get<int64_t>();
+    info.embedding_dim = f["embedding_dim"].get<int64_t>();
+    info.pooling = f["pooling"].get<std::string>();
+    info.column_start = f["column_start"].get<int64_t>();
+    info.column_end = f["column_end"].get<int64_t>();
+    model.output_dim_ = std::max(model.output_dim_, info.column_end);
+    model.features_.push_back(std::move(info));
   }
+  const auto libraries = data["fbgemm"]["libraries"].get<std::vector<std::string>>();
+  const auto build_dir = data["fbgemm"]["build_dir"].get<std::string>();
+  const auto devices = data["devices"].get<std::vector<std::string>>();
+  model.world_size_ = static_cast<int>(data["sharding"]["world_size"].get<int64_t>());
+  if (options.verify_checksums) {
+    json files = json::object();
+    for (const auto& [name, entry] : data["files"].items()) files[name] = json::parse(entry.dump());
+    verify_files(folder, files, model_file);
+  }
+  read_checked_plan(folder, data);  // after the checksums: plan.json is the file the export wrote
   for (const auto& device : devices) {
     if (device.rfind("cuda", 0) == 0 && !torch::cuda::is_available())
       throw ModelError(artifact_dir + " was exported for device " + device +
@@ -209,9 +656,18 @@ Model Model::load(const std::string& artifact_dir, const LoadOptions& options) {
     model.module_ = std::make_shared<torch::jit::Module>(torch::jit::load(model_path.string()));
     model.module_->eval();
   } catch (const std::exception& err) {
-    throw ModelError(model_path.string() + " cannot be loaded by TorchScript: " + first_line(err.what()) +
+    throw ModelError(model_path.string() + " cannot be loaded by TorchScript: " + first_line(message_of(err)) +
                      " (are the fbgemm libraries in the manifest's fbgemm.libraries the ones it was exported with?)");
   }
+  // batch-parallel kernels, as Python's load: cores shared by the CPU kernels unless the options say otherwise
+  int kernel_threads = options.kernel_threads;
+  if (kernel_threads < 0) {
+    int64_t cpu_kernels = 0;
+    for (const auto& kernel : data["kernels"]) cpu_kernels += kernel["device"] == "cpu" ? 1 : 0;
+    const auto cores = static_cast<int64_t>(std::max(1u, std::thread::hardware_concurrency()));
+    kernel_threads = static_cast<int>(std::max<int64_t>(1, cores / std::max<int64_t>(1, cpu_kernels)));
+  }
+  check_kernels(*model.module_, data["kernels"], model_path.string(), kernel_threads);
 
   int threads = options.intra_op_threads;
   if (threads < 0 && model.world_size_ >= 2) {
@@ -232,11 +688,26 @@ std::vector<std::string> Model::feature_names() const {
 // The request rules. Every sentence below is worded exactly as in infer/request_rules.py (Python, TorchScript
 // and the server use that module); tests/support/bad_requests.py holds all entry points to the same fragments.
 namespace {
+std::string to_string_wide(__int128 value) {
+  if (value >= INT64_MIN && value <= INT64_MAX) return std::to_string(static_cast<int64_t>(value));
+  std::string digits;
+  const bool negative = value < 0;
+  unsigned __int128 magnitude = negative ? -static_cast<unsigned __int128>(value) : static_cast<unsigned __int128>(value);
+  while (magnitude > 0) {
+    digits.insert(digits.begin(), static_cast<char>('0' + static_cast<int>(magnitude % 10)));
+    magnitude /= 10;
+  }
+  return negative ? "-" + digits : digits;
+}
+
+// Sums are 128-bit: with every length checked against the ids count first, n lengths of at most 2^63
+// each cannot wrap, so a wrapping int64 request is reported with its true total, never a bogus one.
 template <typename T>
 void check_lengths(const at::Tensor& lengths, const std::vector<FeatureInfo>& features, int64_t batch,
                    int64_t num_ids, std::vector<int64_t>& per_feature) {
   const T* data = lengths.data_ptr<T>();
-  int64_t total = 0;
+  __int128 total = 0;
+  std::vector<__int128> sums(per_feature.size(), 0);
   for (int64_t i = 0; i < lengths.numel(); ++i) {
     if (data[i] < 0)
       throw RequestError("feature '" + features[static_cast<size_t>(i / batch)].name + "': bag " +
@@ -245,12 +716,13 @@ void check_lengths(const at::Tensor& lengths, const std::vector<FeatureInfo>& fe
       throw RequestError("feature '" + features[static_cast<size_t>(i / batch)].name + "': bag " +
                          std::to_string(i % batch) + " has length " + std::to_string(data[i]) +
                          " but the batch has only " + std::to_string(num_ids) + " ids");
-    per_feature[static_cast<size_t>(i / batch)] += data[i];
+    sums[static_cast<size_t>(i / batch)] += data[i];
     total += data[i];
   }
   if (total != num_ids)
-    throw RequestError("lengths sum to " + std::to_string(total) + " but there are " + std::to_string(num_ids) +
+    throw RequestError("lengths sum to " + to_string_wide(total) + " but there are " + std::to_string(num_ids) +
                        " ids; lengths must add up to the number of ids");
+  for (size_t f = 0; f < sums.size(); ++f) per_feature[f] = static_cast<int64_t>(sums[f]);  // each <= total
 }
 
 template <typename T>

@@ -104,12 +104,17 @@ def kernels_of(model: Any, plan: ShardingPlan | None) -> list[Kernel]:
     return kernels
 
 
-def model_tbes(module: Any) -> list[Any]:
-    """The TBE of every kernel of a (scripted or eager) exported model, in kernel order."""
+def kernel_holders(module: Any) -> list[Any]:
+    """The module around every kernel (the unsharded collection, or each device's shards), in kernel order."""
     embeddings = module.embeddings
     if hasattr(embeddings, "shards"):
-        return [shard.tbe for _, shard in embeddings.shards.named_children()]
-    return [embeddings.tbe]
+        return [shard for _, shard in embeddings.shards.named_children()]
+    return [embeddings]
+
+
+def model_tbes(module: Any) -> list[Any]:
+    """The TBE of every kernel of a (scripted or eager) exported model, in kernel order."""
+    return [holder.tbe for holder in kernel_holders(module)]
 
 
 def _fail(index: int, what: str) -> ArtifactError:

@@ -27,6 +27,7 @@ def load(
     artifact_dir: str | Path,
     device_map: Mapping[str, str] | None = None,
     intra_op_threads: int | None = None,
+    threads: int | None = None,
 ) -> Runtime:
     """Verify and load an artifact; returns a ``Runtime`` with ``lookup`` and ``predict``.
 
@@ -36,6 +37,9 @@ def load(
     A model sharded over N CPU devices runs one kernel per core itself; torch's intra-op pool would
     only compete with it, so unless ``intra_op_threads`` says otherwise it is set (process-wide) to
     cores // N (at least 1). ``intra_op_threads=0`` leaves torch's setting alone.
+
+    ``threads``: how many example ranges each CPU kernel may split a batch into, run in parallel on the
+    same weights (bit-identical output); default the host's budget, cores // CPU kernels.
     """
     folder = Path(artifact_dir)
     if not folder.is_dir():
@@ -69,7 +73,9 @@ def load(
     if mapping:
         _remap_shard_devices(module, mapping)
     _set_intra_op_threads(manifest, targets, intra_op_threads)
-    return Runtime(folder, manifest, module)
+    runtime = Runtime(folder, manifest, module)
+    runtime.set_threads(threads if threads is not None else runtime.thread_budget())
+    return runtime
 
 
 def verify_plan(folder: Path, manifest: Manifest) -> ShardingPlan:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 import re
 from collections.abc import Mapping
 from pathlib import Path
@@ -10,8 +11,9 @@ from typing import Any
 import torch
 
 from infer import request_rules as rules
+from infer.artifact.kernels import kernel_holders
 from infer.artifact.manifest import Manifest
-from infer.errors import RequestError
+from infer.errors import ConfigError, RequestError
 from infer.features import SparseFeatures
 from infer.request_rules import REQUEST_ERROR_PREFIX
 
@@ -26,6 +28,25 @@ class Runtime:
         self.manifest = manifest
         self.spec = manifest.spec
         self.module = module
+        self.threads = 1
+
+    @property
+    def cpu_devices(self) -> int:
+        """Kernels running on CPU cores (each CPU shard is one), 0 for a CUDA model."""
+        return len([k for k in self.manifest.kernels if k.device == "cpu"])
+
+    def thread_budget(self, workers: int = 1) -> int:
+        """Threads each CPU kernel may split a batch over: the cores shared by ``workers`` concurrent
+        forwards of all the CPU kernels (at least 1)."""
+        return max(1, (os.cpu_count() or 1) // (max(1, self.cpu_devices) * max(1, workers)))
+
+    def set_threads(self, threads: int) -> None:
+        """Let every CPU kernel split a batch over up to ``threads`` example ranges (1: one call per kernel)."""
+        if threads < 1:
+            raise ConfigError(f"threads must be >= 1, got {threads}")
+        for holder in kernel_holders(self.module):
+            holder.threads = threads
+        self.threads = threads
 
     @property
     def feature_names(self) -> tuple[str, ...]:

@@ -12,7 +12,7 @@ from torch import Tensor, nn
 
 from infer import request_rules as rules
 from infer.config import ModelSpec, PoolingType
-from infer.modules.tbe import bag_offsets, first_id_error, make_tbe
+from infer.modules.tbe import KernelRunner, first_id_error, make_tbe
 
 
 class ValidatingCollection(nn.Module):
@@ -136,7 +136,7 @@ class ValidatingCollection(nn.Module):
         return out
 
 
-class QuantizedEmbeddingBagCollection(ValidatingCollection):
+class QuantizedEmbeddingBagCollection(ValidatingCollection, KernelRunner):
     """All tables of one device in one fbgemm ``IntNBitTableBatchedEmbeddingBagsCodegen``.
 
     The kernel pools with SUM and emits fp32; MEAN features are divided by their bag lengths
@@ -153,6 +153,7 @@ class QuantizedEmbeddingBagCollection(ValidatingCollection):
             row_alignment,
         )
         self._set_features(spec)
+        self.init_kernel_runner(len(spec.features), str(torch.device(device)))
 
     def table_weights(self) -> List[Tuple[Tensor, Optional[Tensor]]]:
         """Per table: the kernel's row bytes (without padding) and, for INT types, scale/bias bytes."""
@@ -163,7 +164,7 @@ class QuantizedEmbeddingBagCollection(ValidatingCollection):
 
         Not exported from the scripted module: outside callers always go through ``forward``.
         """
-        return self.apply_mean(self.tbe(values, bag_offsets(lengths, values), weights), lengths)
+        return self.apply_mean(self.run_kernel(values, lengths, weights), lengths)
 
 
 class _NoDenseArch(nn.Module):

@@ -15,7 +15,7 @@ from torch import Tensor, nn
 
 from infer import request_rules as rules
 from infer.modules.collection import ValidatingCollection
-from infer.modules.tbe import bag_offsets, first_id_error
+from infer.modules.tbe import KernelRunner, first_id_error
 
 # How a shard reads its feature; the scripted methods read them as DeviceShards' Final attributes.
 READ_ALL = 0  # table-wise and column-wise shards: every id of the feature
@@ -23,7 +23,7 @@ READ_ROW_BLOCK = 1  # row-wise: ids in [lo, hi), shifted by -lo
 READ_BATCH_SLICE = 2  # replicated: bags of replica lo out of hi (lo * B // hi .. (lo + 1) * B // hi)
 
 
-class DeviceShards(nn.Module):
+class DeviceShards(nn.Module, KernelRunner):
     """Every shard placed on one device, in one TBE."""
 
     device: str
@@ -62,6 +62,7 @@ class DeviceShards(nn.Module):
         self.lf_name = [feature_names[lf[0]] for lf in local_features]
         self.tbe = tbe
         self.device = device
+        self.init_kernel_runner(len(local_features), device)
         self.lf_feature = [lf[0] for lf in local_features]
         self.lf_kind = [lf[1] for lf in local_features]
         self.lf_lo = [lf[2] for lf in local_features]
@@ -188,14 +189,6 @@ class DeviceShards(nn.Module):
                 first = self.lf_lo[i] * batch // self.lf_hi[i]
                 last = (self.lf_lo[i] + 1) * batch // self.lf_hi[i]
                 out[first:last, dst : dst + dim].copy_(pooled[first:last, src : src + dim])
-
-    def run_kernel(self, values: Tensor, lengths: Tensor, weights: Tensor | None) -> Tensor:
-        """The kernel output for this device's kernel input (ids, bag lengths, weights in its feature order)."""
-        offsets = bag_offsets(lengths, values)
-        local_weights: Tensor | None = None
-        if weights is not None:
-            local_weights = weights.to(self.device)
-        return self.tbe(values.to(self.device), offsets.to(self.device), local_weights)
 
     def add_partials(self, pooled: Tensor, out: Tensor) -> None:
         """Add this device's row-wise partial sums into ``out`` (run after every device finished)."""

@@ -66,3 +66,80 @@ def make_tbe(
     )
     tbe.initialize_weights()
     return tbe
+
+
+# A range of fewer ids than this stays on the calling thread: a fork costs more than it saves.
+MIN_IDS_PER_CHUNK = 4096
+
+
+class KernelRunner:
+    """Runs a module's TBE (``self.tbe``) over its kernel input, split into contiguous example ranges that
+    run in parallel on CPU: ``threads`` ranges at most, none smaller than ``min_ids_per_chunk`` ids.
+
+    One fbgemm TBE call uses one core; the same TBE called from several threads on disjoint example
+    ranges reads the same weights, so the batch spreads over the cores with no copy of the tables. Each
+    range produces exactly the rows the single call would (every bag is pooled by one call either way),
+    so the output is bit-identical whatever the split. ``threads`` is set by the loader (the host's
+    thread budget); 1 keeps the single call.
+    """
+
+    tbe: nn.Module
+    threads: int
+    kernel_features: int
+    kernel_device: str
+    min_ids_per_chunk: int
+
+    def init_kernel_runner(self, kernel_features: int, device: str) -> None:
+        """Called by the module's ``__init__`` once ``self.tbe`` is set (not part of the scripted model)."""
+        self.threads = 1
+        self.kernel_features = kernel_features
+        self.kernel_device = device
+        self.min_ids_per_chunk = MIN_IDS_PER_CHUNK
+
+    def chunks_for(self, batch: int, num_ids: int) -> int:
+        if self.threads <= 1 or self.kernel_device != "cpu":
+            return 1
+        return max(1, min(self.threads, batch, num_ids // self.min_ids_per_chunk))
+
+    def run_kernel(self, values: Tensor, lengths: Tensor, weights: Optional[Tensor]) -> Tensor:
+        """The TBE's pooled output for a kernel input (ids, bag lengths, weights in the kernel's feature order)."""
+        num_features = self.kernel_features
+        batch = lengths.numel() // num_features if num_features > 0 else 0
+        chunks = self.chunks_for(batch, values.numel())
+        offsets = bag_offsets(lengths, values)
+        if chunks <= 1:
+            local_weights: Optional[Tensor] = None
+            if weights is not None:
+                local_weights = weights.to(self.kernel_device)
+            return self.tbe(values.to(self.kernel_device), offsets.to(self.kernel_device), local_weights)
+        futures: List[torch.jit.Future[Tensor]] = []
+        for k in range(chunks - 1):
+            first = k * batch // chunks
+            last = (k + 1) * batch // chunks
+            futures.append(torch.jit.fork(self.run_chunk, values, lengths, weights, offsets, batch, first, last))
+        # the calling thread runs the last range itself instead of idling
+        tail = self.run_chunk(values, lengths, weights, offsets, batch, (chunks - 1) * batch // chunks, batch)
+        pooled: List[Tensor] = [torch.jit.wait(future) for future in futures]
+        pooled.append(tail)
+        return torch.cat(pooled, 0)
+
+    def run_chunk(
+        self,
+        values: Tensor,
+        lengths: Tensor,
+        weights: Optional[Tensor],
+        offsets: Tensor,
+        batch: int,
+        first: int,
+        last: int,
+    ) -> Tensor:
+        """Examples ``first .. last`` of every feature, gathered into their own kernel input and pooled."""
+        bag_starts = torch.arange(self.kernel_features, dtype=torch.int64) * batch
+        starts: List[int] = offsets[bag_starts + first].to(torch.int64).tolist()
+        ends: List[int] = offsets[bag_starts + last].to(torch.int64).tolist()
+        chunk_values = torch.cat([values[starts[f] : ends[f]] for f in range(self.kernel_features)])
+        chunk_lengths = torch.cat([lengths[f * batch + first : f * batch + last] for f in range(self.kernel_features)])
+        chunk_weights: Optional[Tensor] = None
+        if weights is not None:
+            chunk_weights = torch.cat([weights[starts[f] : ends[f]] for f in range(self.kernel_features)])
+        return self.tbe(chunk_values, bag_offsets(chunk_lengths, chunk_values), chunk_weights)

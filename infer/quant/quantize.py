@@ -43,8 +43,8 @@ def quantize(
     check_weights(spec, weights)
     collection = QuantizedEmbeddingBagCollection(spec, device=device)
     targets = collection.table_weights()
-    for table, (data, scale_bias) in zip(spec.tables, targets):
-        _fill_table(table.name, weights[table.name], table.data_type, data, scale_bias, progress)
+    for table, (data, row_scales) in zip(spec.tables, targets):
+        _fill_table(table.name, weights[table.name], table.data_type, data, row_scales, progress)
     return EmbserveModel(spec, collection, spec.dense_arch)
 
 
@@ -53,7 +53,7 @@ def _fill_table(
     weight: torch.Tensor,
     data_type: DataType,
     data: torch.Tensor,
-    scale_bias: torch.Tensor | None,
+    row_scales: torch.Tensor | None,
     progress: ProgressFn | None,
 ) -> None:
     rows = weight.shape[0]
@@ -66,10 +66,10 @@ def _fill_table(
             if not torch.isfinite(chunk).all():
                 bad = start + int(torch.nonzero(~torch.isfinite(chunk).all(dim=1))[0])
                 raise WeightsError(f"table {name!r}: row {bad} holds a NaN or infinite value; fix the checkpoint")
-            q_data, q_scale_bias = quantize_rows(chunk, data_type)
+            q_data, q_row_scales = quantize_rows(chunk, data_type)
             data[start:end].copy_(q_data)
-            if scale_bias is not None and q_scale_bias is not None:
-                scale_bias[start:end].copy_(q_scale_bias)
+            if row_scales is not None and q_row_scales is not None:
+                row_scales[start:end].copy_(q_row_scales)
             if report is not None:
                 report(name, end, rows)
     logger.debug("quantized table %s (%d rows, %s) in %.2fs", name, rows, data_type.value, time.monotonic() - started)
@@ -86,8 +86,8 @@ def dequantized_weights(spec: ModelSpec, model: EmbserveModel) -> dict[str, torc
     collection = model.embeddings
     assert isinstance(collection, QuantizedEmbeddingBagCollection)
     out = {}
-    for table, (data, scale_bias) in zip(spec.tables, collection.table_weights()):
+    for table, (data, row_scales) in zip(spec.tables, collection.table_weights()):
         out[table.name] = dequantize_rows(
-            data.cpu(), None if scale_bias is None else scale_bias.cpu(), table.data_type, table.embedding_dim
+            data.cpu(), None if row_scales is None else row_scales.cpu(), table.data_type, table.embedding_dim
         )
     return out

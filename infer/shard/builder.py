@@ -176,13 +176,13 @@ def shard_model(
         tbe = make_tbe(list(layout.tables), list(layout.feature_table_map), torch.device(device))
         with torch.no_grad():
             split = tbe.split_embedding_weights()  # type: ignore[operator]
-            for (data, scale_bias), (table, shard) in zip(split, layout.sources):
-                src_data, src_scale_bias = source_weights[table.name]
+            for (data, row_scales), (table, shard) in zip(split, layout.sources):
+                src_data, src_row_scales = source_weights[table.name]
                 rows = slice(shard.row_offset, shard.row_offset + shard.num_rows)
                 first, last = column_byte_range(shard.col_offset, shard.num_cols, table.data_type)
                 data.copy_(src_data[rows, first:last])
-                if scale_bias is not None and src_scale_bias is not None:
-                    scale_bias.copy_(src_scale_bias[rows])
+                if row_scales is not None and src_row_scales is not None:
+                    row_scales.copy_(src_row_scales[rows])
         routing = [list(feature) for feature in layout.features]
         shards.append(DeviceShards(tbe, device, routing, feature_rows, feature_names))
         logger.debug("device %s: %d shards, %d features", device, len(layout.tables), len(routing))

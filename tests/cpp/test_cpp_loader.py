@@ -75,7 +75,8 @@ def test_bad_requests_are_typed_errors_and_the_process_goes_on(embserve_run, uns
     ]
     write_requests(tmp_path / "requests.bin", requests)
     result = run(embserve_run, unsharded_artifact, "--requests", tmp_path / "requests.bin", "--out", tmp_path / "o")
-    assert result.returncode == 0, result.stderr
+    assert result.returncode == 1, result.stderr  # any failed request: status 1, every record still written
+    assert len(result.stderr.splitlines()) == 5 and "frame #" not in result.stderr
     responses = read_responses(tmp_path / "o")
     expected = load(unsharded_artifact).lookup(SparseFeatures(spec.feature_names, good.values, good.lengths))
     assert [r.ok for r in responses] == [True, False, False, False, False, False, True]
@@ -176,3 +177,23 @@ def test_bench_prints_one_json_line(embserve_run, unsharded_artifact, tmp_path):
     assert result.returncode == 0, result.stderr
     line = json.loads(result.stdout.strip().splitlines()[-1])
     assert line["calls"] == 50 and line["mean_us"] > 0 and line["lookups_per_s"] > 0
+
+
+@pytest.mark.parametrize("kind", ["unsharded", "sharded"])
+def test_batch_parallel_kernels_are_bit_identical(kind, embserve_run, unsharded_artifact, sharded_artifact, tmp_path):
+    """A batch large enough to split over two example ranges per CPU kernel gives the single call's output."""
+    artifact = unsharded_artifact if kind == "unsharded" else sharded_artifact
+    b = random_batch(mixed_spec(), batch_size=1024, max_len=40, seed=9, weighted=True)  # ~100k ids: 2 ranges
+    write_requests(tmp_path / "r.bin", [(b.values, b.lengths, b.weights)])
+    outputs = []
+    for threads in (1, 2):
+        out = tmp_path / f"o{threads}.bin"
+        result = run(
+            embserve_run, artifact, "--requests", tmp_path / "r.bin", "--out", out, "--kernel-threads", threads
+        )
+        assert result.returncode == 0, result.stderr
+        outputs.append(read_responses(out)[0].output)
+    expected = load(artifact, threads=1).lookup(
+        SparseFeatures(mixed_spec().feature_names, b.values, b.lengths, b.weights)
+    )
+    assert torch.equal(outputs[0], expected) and torch.equal(outputs[1], expected)

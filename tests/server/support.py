@@ -115,6 +115,9 @@ class GatedModule:
         self._wait()
         return self.module.predict(*args)
 
+    def __getattr__(self, name: str) -> Any:  # the model's attributes (embeddings, ...) as they are
+        return getattr(self.module, name)
+
     def hold(self) -> None:
         """From now on, forwards wait at the gate."""
         self.entered.clear()
@@ -168,3 +171,26 @@ def gated_runtime(artifact: Path) -> tuple[Runtime, GatedModule]:
     runtime = load(artifact)
     gated = GatedModule(runtime.module)
     return Runtime(runtime.path, runtime.manifest, gated), gated  # type: ignore[arg-type]
+
+
+class LineReader:
+    """Collects a subprocess's stdout lines in a thread, so waiting for one is bounded."""
+
+    def __init__(self, stream) -> None:
+        self.lines: list[str] = []
+        self._stream = stream
+        self._thread = threading.Thread(target=self._read, daemon=True)
+        self._thread.start()
+
+    def _read(self) -> None:
+        for line in self._stream:
+            self.lines.append(line)
+
+    def wait_for(self, text: str, timeout: float) -> str:
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            for line in self.lines:
+                if text in line:
+                    return line
+            time.sleep(0.02)
+        raise AssertionError(f"{text!r} not printed within {timeout} s; got {self.lines}")

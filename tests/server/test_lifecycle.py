@@ -6,7 +6,6 @@ import os
 import signal
 import subprocess
 import sys
-import threading
 import time
 from pathlib import Path
 
@@ -23,6 +22,7 @@ from server.proto import inference_pb2_grpc as pb_grpc
 from tests.conftest import random_batch
 from tests.server.support import (
     CALL_TIMEOUT,
+    LineReader,
     free_port,
     local_config,
     lookup_request,
@@ -129,29 +129,6 @@ def test_reflection_lists_the_service(dense_server):
     assert response.file_descriptor_response.file_descriptor_proto  # the .proto, for grpcurl and friends
 
 
-class _Lines:
-    """Collects a subprocess's stdout lines in a thread, so waiting for one is bounded."""
-
-    def __init__(self, stream) -> None:
-        self.lines: list[str] = []
-        self._stream = stream
-        self._thread = threading.Thread(target=self._read, daemon=True)
-        self._thread.start()
-
-    def _read(self) -> None:
-        for line in self._stream:
-            self.lines.append(line)
-
-    def wait_for(self, text: str, timeout: float) -> str:
-        deadline = time.monotonic() + timeout
-        while time.monotonic() < deadline:
-            for line in self.lines:
-                if text in line:
-                    return line
-            time.sleep(0.02)
-        raise AssertionError(f"{text!r} not printed within {timeout} s; got {self.lines}")
-
-
 @pytest.mark.slow
 def test_sigterm_loses_no_request_in_flight(sparse_artifact, sparse_runtime, spec, tmp_path):
     port = free_port()
@@ -161,7 +138,7 @@ def test_sigterm_loses_no_request_in_flight(sparse_artifact, sparse_runtime, spe
     process = subprocess.Popen(command, cwd=REPO, stdout=subprocess.PIPE, stderr=stderr, text=True)
     channel = None
     try:
-        stdout = _Lines(process.stdout)
+        stdout = LineReader(process.stdout)
         stdout.wait_for("serving on port", timeout=60)
         channel = grpc.insecure_channel(f"127.0.0.1:{port}")
         stub = pb_grpc.InferenceServiceStub(channel)

@@ -453,6 +453,9 @@ class _FailingModule:
     def predict(self, *args: Any) -> torch.Tensor:
         return self.module.predict(*args)
 
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self.module, name)
+
 
 def test_an_unexpected_failure_is_internal_with_a_request_id_and_no_internals(
     start_server, sparse_artifact, sparse_runtime, spec, caplog

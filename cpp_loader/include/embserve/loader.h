@@ -26,7 +26,8 @@ class Error : public std::runtime_error {
  public:
   using std::runtime_error::runtime_error;
 };
-// manifest.json is missing, not JSON, of another format/version, or malformed.
+// manifest.json or plan.json is missing, not JSON, of another format/version, breaks the artifact schema
+// (infer/artifact/schema.json: the message names the key path), or its parts disagree with each other.
 class ManifestError : public Error {
  public:
   using Error::Error;
@@ -41,7 +42,8 @@ class LibraryError : public Error {
  public:
   using Error::Error;
 };
-// TorchScript cannot load or run the model (unknown operator or type, bad archive, ...).
+// TorchScript cannot load or run the model (unknown operator or type, bad archive, ...), or a kernel's
+// metadata or weight storage differs from what the manifest's `kernels` entry implies.
 class ModelError : public Error {
  public:
   using Error::Error;
@@ -61,6 +63,9 @@ struct LoadOptions {
   // torch intra-op threads (process-wide): -1 = as Python's load (cores / world_size for models
   // sharded over several CPU devices, unchanged otherwise); 0 = leave alone; n > 0 = set n.
   int intra_op_threads = -1;
+  // Example ranges each CPU kernel may split a batch into, run in parallel on the same weights (output
+  // bit-identical): -1 = as Python's load (cores / CPU kernels, at least 1); 0 = as exported; n > 0 = n.
+  int kernel_threads = -1;
 };
 
 struct FeatureInfo {
@@ -72,6 +77,11 @@ struct FeatureInfo {
   int64_t column_start = 0;
   int64_t column_end = 0;
 };
+
+// Check an artifact's manifest.json (and plan.json, when sharded) against the artifact schema and against
+// each other, without hashing files or loading the model: a pre-flight check for deploy tooling.
+// Throws ManifestError (ChecksumError for a listed model or plan file without a checksum entry).
+void check_manifest(const std::string& artifact_dir);
 
 class Model {
  public:

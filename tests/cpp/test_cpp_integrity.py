@@ -1,0 +1,179 @@
+"""The C++ loader checks every TBE against the manifest's kernels, and plan.json against the manifest.
+
+A model.pt whose kernel metadata was changed and re-saved (then re-hashed into the manifest) is a
+ModelError naming the attribute; a consistent tampered plan.json is a ManifestError. Never a signal.
+"""
+
+from __future__ import annotations
+
+import json
+import random
+import zipfile
+from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+
+from infer.artifact.cpp_io import write_requests
+from tests.conftest import mixed_spec, random_batch
+from tests.cpp.support import BACKTRACE_MARKERS, assert_clean_failure, run
+from tests.support.artifacts import copy_artifact, rehash
+
+
+def _tbe(module: Any, kernel: int) -> Any:
+    return module.embeddings.tbe if kernel < 0 else getattr(module.embeddings.shards, str(kernel)).tbe
+
+
+def _changed(tensor: torch.Tensor) -> list[tuple[str, torch.Tensor]]:
+    off = tensor.clone()
+    off[-1] += 1
+    return [("value", off), ("shorter", tensor[:-1].clone()), ("dtype", tensor.to(torch.float32))]
+
+
+Tamper = Callable[[Any], Any]
+
+
+def _cases() -> list[tuple[str, str, int, Tamper, str]]:
+    """(case id, artifact kind, kernel index or -1, tamper(tbe), fragment of the error)."""
+    cases: list[tuple[str, str, int, Tamper, str]] = []
+    for which, kernel in (("unsharded", -1), ("sharded", 1)):
+        for attribute in ("D_offsets", "weights_offsets", "rows_per_table", "weights_tys", "weights_placements"):
+            for how in ("value", "shorter", "dtype"):
+
+                def tamper(tbe: Any, attribute: str = attribute, how: str = how) -> None:
+                    setattr(tbe, attribute, dict(_changed(getattr(tbe, attribute)))[how])
+
+                cases.append((f"{which}-{attribute}-{how}", which, kernel, tamper, attribute))
+    cases += [
+        ("bounds_check_none", "unsharded", -1, lambda tbe: setattr(tbe, "bounds_check_mode_int", 3), "bounds_check"),
+        (
+            "weights_short",
+            "unsharded",
+            -1,
+            lambda tbe: setattr(tbe, "weights_host", tbe.weights_host[:-128]),
+            "weights_host",
+        ),
+        (
+            "index_remapping",
+            "unsharded",
+            -1,
+            lambda tbe: setattr(tbe, "index_remappings_array", torch.zeros(4, dtype=torch.int32)),
+            "index_remappings_array",
+        ),
+        ("total_D", "sharded", 0, lambda tbe: setattr(tbe, "total_D", 1 << 20), "total_D"),
+        ("max_int8_D", "sharded", 0, lambda tbe: setattr(tbe, "max_int8_D", 4), "max_int8_D"),
+    ]
+    return cases
+
+
+CASES = _cases()
+
+
+def test_tampered_kernels_are_model_errors(embserve_run, unsharded_artifact, sharded_artifact, tmp_path):
+    artifacts = {"unsharded": unsharded_artifact, "sharded": sharded_artifact}
+    folders = []
+    for name, which, kernel, tamper, fragment in CASES:
+        copy = copy_artifact(artifacts[which], tmp_path / name)
+        module = torch.jit.load(str(copy / "model.pt"))
+        tamper(_tbe(module, kernel))
+        module.save(str(copy / "model.pt"))
+        rehash(copy, "model.pt")
+        folders.append((name, copy, fragment))
+
+    def one(item: tuple[str, Path, str]):  # type: ignore[no-untyped-def]
+        return item, run(embserve_run, item[1], timeout=120)
+
+    with ThreadPoolExecutor(max_workers=2) as pool:
+        results = list(pool.map(one, folders))
+    failures = []
+    for (name, _, fragment), result in results:
+        try:
+            assert_clean_failure(result, "embserve_run: ModelError: ", fragment, "kernel")
+        except AssertionError as err:
+            failures.append(f"{name}: {err}")
+    assert not failures, "\n".join(failures)
+
+
+PLAN_EDITS: dict[str, tuple[Callable[[dict[str, Any]], Any], str]] = {
+    "moved_shard": (lambda plan: plan["tables"][0]["shards"][0].update(device=2), "'kernels' disagree"),
+    "rows": (lambda plan: plan["tables"][1]["shards"][0].update(num_rows=7), "do not cover"),
+    "world_size": (
+        lambda plan: plan["topology"].update(world_size=4, local_world_size=4, device_memory=[1 << 30] * 4),
+        "plans 4 devices",
+    ),
+    "dtype": (lambda plan: plan["tables"][1].update(data_type="fp16"), "plan says fp16"),
+    "missing_table": (lambda plan: plan.update(tables=plan["tables"][:-1]), "the plan's tables are not the model's"),
+    "type": (lambda plan: plan["tables"][0]["shards"][0].update(num_rows="7"), "num_rows must be an integer"),
+    "unknown_key": (lambda plan: plan.update(extra=1), "unknown key 'extra'"),
+}
+
+
+@pytest.mark.parametrize("edit", sorted(PLAN_EDITS))
+def test_a_consistent_tampered_plan_is_a_manifest_error(edit, embserve_run, sharded_artifact, tmp_path):
+    change, fragment = PLAN_EDITS[edit]
+    copy = copy_artifact(sharded_artifact, tmp_path)
+    plan = json.loads((copy / "plan.json").read_text())
+    change(plan)
+    (copy / "plan.json").write_text(json.dumps(plan))
+    rehash(copy, "plan.json")
+    assert_clean_failure(run(embserve_run, copy), "embserve_run: ManifestError: ", "plan.json", fragment)
+
+
+def _rewrite_entry(model: Path, name: str, data: bytes) -> None:
+    """Replace one zip entry (with a valid CRC), as a tool that edits the archive would."""
+    with zipfile.ZipFile(model) as source:
+        entries = [(info, source.read(info.filename)) for info in source.infolist()]
+    with zipfile.ZipFile(model, "w") as target:
+        for info, content in entries:
+            target.writestr(info, data if info.filename == name else content)
+
+
+@pytest.mark.parametrize("which", ["unsharded", "sharded"])
+def test_byte_flips_in_small_tensors_never_crash_embserve_run(
+    which, embserve_run, unsharded_artifact, sharded_artifact, tmp_path
+):
+    """Flip a bit in one of model.pt's small tensor records (where the kernels' metadata lives), rewrite
+    the zip and the checksum, then load and run a request: an answer or a one-line error, never a signal."""
+    artifact = unsharded_artifact if which == "unsharded" else sharded_artifact
+    with zipfile.ZipFile(artifact / "model.pt") as archive:
+        small = [i.filename for i in archive.infolist() if "/data/" in i.filename and 0 < i.file_size <= 256]
+        records = {name: archive.read(name) for name in small}
+    batch = random_batch(mixed_spec(), batch_size=4, seed=2)
+    write_requests(tmp_path / "r.bin", [(batch.values, batch.lengths, None)])
+    rng = random.Random(7 if which == "unsharded" else 8)
+    copies = []
+    for case in range(16):
+        name = rng.choice(small)
+        data = bytearray(records[name])
+        data[rng.randrange(len(data))] ^= 1 << rng.randrange(8)
+        copy = copy_artifact(artifact, tmp_path / f"c{case}")
+        _rewrite_entry(copy / "model.pt", name, bytes(data))
+        rehash(copy, "model.pt")
+        copies.append(copy)
+
+    def one(copy: Path):  # type: ignore[no-untyped-def]
+        return copy, run(embserve_run, copy, "--requests", tmp_path / "r.bin", "--out", copy / "o.bin", timeout=120)
+
+    with ThreadPoolExecutor(max_workers=2) as pool:
+        results = list(pool.map(one, copies))
+    kinds = []
+    for copy, result in results:
+        assert result.returncode in (0, 1), (copy.name, result.returncode, result.stderr[-1500:])
+        assert not any(marker in result.stderr for marker in BACKTRACE_MARKERS), result.stderr[-1500:]
+        if result.returncode == 1:
+            line = assert_clean_failure(result)
+            kinds.append(line.split(":")[1].strip())
+    assert "ModelError" in kinds, kinds  # the flips do reach the kernel checks
+
+
+def test_a_tampered_kernel_holder_is_a_model_error(embserve_run, unsharded_artifact, tmp_path):
+    """The batch-parallel runner's attributes steer how a request is sliced: a wrong feature count is caught."""
+    copy = copy_artifact(unsharded_artifact, tmp_path)
+    module = torch.jit.load(str(copy / "model.pt"))
+    module.embeddings.kernel_features = 99
+    module.save(str(copy / "model.pt"))
+    rehash(copy, "model.pt")
+    assert_clean_failure(run(embserve_run, copy), "ModelError", "kernel 0 (embeddings)", "kernel_features is 99")
