@@ -16,6 +16,14 @@ TRITON_PKGS := tritonclient==2.73.0 python-rapidjson==1.25 ml-dtypes==0.5.4 urll
 # fbgemm-gpu (CUDA build) where an NVIDIA driver is present, fbgemm-gpu-cpu otherwise.
 HAS_CUDA := $(shell command -v nvidia-smi >/dev/null 2>&1 && nvidia-smi -L >/dev/null 2>&1 && echo 1)
 FBGEMM_PKG := $(if $(HAS_CUDA),fbgemm-gpu==$(FBGEMM_VERSION),fbgemm-gpu-cpu==$(FBGEMM_VERSION))
+# embserve[torchrec]: torchrec declares fbgemm-gpu (the CUDA build), so it goes in without deps next to the
+# fbgemm package above, with the pure-Python packages its model, quant, distributed and DCP paths import
+# (typing-inspect also needs mypy-extensions, which mypy above brings).
+TORCHREC_PKGS := torchrec==1.8.0 tensordict==0.15.3 cloudpickle==3.1.2 pyvers==0.2.2 pyre-extensions==0.0.32 \
+	typing-inspect==0.9.0 tqdm==4.70.1
+# the embserve[onnx] extra (model.onnx export and the onnxruntime backend); --no-deps keeps the pins above,
+# their own dependencies (numpy, protobuf, typing_extensions, packaging) are already installed
+ONNX_PKGS := onnx==1.23.2 onnxruntime==1.32.0 ml-dtypes==0.5.4 flatbuffers==25.12.19
 STAMP := $(VENV)/.installed
 
 .PHONY: demo test lint typecheck pytest bench clean cpp cpp-deps
@@ -26,6 +34,9 @@ $(STAMP): pyproject.toml Makefile
 	$(BIN)/python -m pip install --quiet --disable-pip-version-check $(FBGEMM_PKG) $(SERVING_PKGS) \
 		pytest ruff mypy numpy scipy matplotlib "hypothesis==6.140.0" "setuptools>=64"
 	$(BIN)/python -m pip install --quiet --disable-pip-version-check --no-deps $(TRITON_PKGS)
+	$(BIN)/python -m pip install --quiet --disable-pip-version-check --no-deps $(TORCHREC_PKGS)
+	$(BIN)/python -c "import torchrec.distributed, torchrec.models.dlrm, torchrec.quant"
+	$(BIN)/python -m pip install --quiet --disable-pip-version-check --no-deps $(ONNX_PKGS)
 	$(BIN)/python -m pip install --quiet --disable-pip-version-check --no-build-isolation --no-deps -e .
 	touch $(STAMP)
 
@@ -33,8 +44,8 @@ demo: $(STAMP)
 	$(BIN)/embserve demo
 
 lint: $(STAMP)
-	$(BIN)/ruff check infer server tests bench
-	$(BIN)/ruff format --check infer server tests bench
+	$(BIN)/ruff check infer server tests bench examples
+	$(BIN)/ruff format --check infer server tests bench examples
 
 typecheck: $(STAMP)
 	$(BIN)/mypy infer server

@@ -24,6 +24,7 @@ from infer.errors import (
     WeightsError,
 )
 from infer.features import SparseFeatures
+from infer.interop.torchrec import ImportedModel, from_torchrec, load_torchrec_checkpoint
 from infer.planner.planner import EmbeddingPlanner, plan_for_inference
 from infer.planner.types import ComputeDevice, ParameterConstraints, ShardingPlan, ShardingType, Topology
 from infer.quant.accuracy import accuracy_report
@@ -44,6 +45,7 @@ __all__ = [
     "FeatureInfo",
     "FileFormatError",
     "FloatEmbeddingBagCollection",
+    "ImportedModel",
     "ModelSpec",
     "ParameterConstraints",
     "PlanError",
@@ -60,8 +62,10 @@ __all__ = [
     "__version__",
     "accuracy_report",
     "export",
+    "from_torchrec",
     "load",
     "load_checkpoint",
+    "load_torchrec_checkpoint",
     "plan_for_inference",
     "quantize",
     "random_weights",

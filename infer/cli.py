@@ -14,7 +14,7 @@ from pathlib import Path
 from types import ModuleType
 from typing import TYPE_CHECKING
 
-from infer.errors import EmbserveError
+from infer.errors import ConfigError, EmbserveError
 
 if TYPE_CHECKING:
     from infer.config import ModelSpec
@@ -82,12 +82,35 @@ def cmd_export(args: argparse.Namespace) -> int:
     from infer.quant.quantize import quantize
     from infer.weights import load_checkpoint
 
-    spec = ModelSpec.load(args.spec).with_data_types(args.dtype, _parse_table_dtypes(args.table_dtype))
+    _check_export_out(Path(args.out), args.force)
+    if bool(args.weights) == bool(args.from_torchrec):
+        raise ConfigError("give the tables with exactly one of --weights CKPT and --from-torchrec PATH")
+    overrides = _parse_table_dtypes(args.table_dtype)
+    spec = ModelSpec.load(args.spec).with_data_types(args.dtype, overrides)
     plan = _export_plan(args, spec)
     if plan is not None:
-        # the plan may have chosen per-table data types (constraints): quantize to those
+        source = f"the plan {args.plan!r}" if args.plan else f"the plan made with --constraints {args.constraints!r}"
+        _check_plan_data_types(plan, args.dtype, overrides, source)
+        # the plan may have chosen per-table data types (constraints): quantize to those, and say so
+        for table in plan.tables:
+            declared = spec.table(table.table).data_type
+            if declared != table.data_type:
+                logger.warning(
+                    "table %s: the spec says %s, %s is sized for %s; exporting %s",
+                    table.table,
+                    declared.value,
+                    source,
+                    table.data_type.value,
+                    table.data_type.value,
+                )
         spec = spec.with_data_types(overrides={t.table: t.data_type for t in plan.tables})
-    weights = load_checkpoint(args.weights, spec)
+    spec = _with_dense_part(spec, args.dense_arch, args.no_dense, args.spec)
+    if args.from_torchrec:
+        from infer.interop.torchrec import load_torchrec_checkpoint
+
+        weights = load_torchrec_checkpoint(args.from_torchrec, spec)
+    else:
+        weights = load_checkpoint(args.weights, spec)
     model = quantize(spec, weights, progress=_print_progress)
     print(format_accuracy(accuracy_report(spec, weights, model)))
     if plan is not None:
@@ -97,8 +120,78 @@ def cmd_export(args: argparse.Namespace) -> int:
         print()
         print(format_stats(plan))
         model = shard_model(model, plan)
-    out = export(model, args.out, plan=plan)
-    print(f"exported {out}" + (f" ({plan.topology.world_size} shards)" if plan is not None else ""))
+    out = export(model, args.out, plan=plan, onnx=args.onnx, onnx_pooling=args.onnx_pooling)
+    dense = "with its dense part" if spec.dense_arch is not None else "lookups only"
+    print(
+        f"exported {out}"
+        + (f" ({plan.topology.world_size} shards)" if plan is not None else "")
+        + (" with model.onnx" if args.onnx else "")
+        + f", {dense}"
+    )
+    return 0
+
+
+# --- issue 12 (TorchRec import): export's safety checks and the `spec` subcommand -------------------------
+
+
+def _check_export_out(out: Path, force: bool) -> None:
+    """An existing non-empty --out is replaced only with --force."""
+    if out.exists() and not force and (not out.is_dir() or any(out.iterdir())):
+        raise ConfigError(
+            f"--out {str(out)!r} exists and is not empty; pass --force to replace it, or choose a new folder"
+        )
+
+
+def _check_plan_data_types(plan: ShardingPlan, dtype: str | None, overrides: dict[str, str], source: str) -> None:
+    """--dtype/--table-dtype must agree with the plan's data types (the plan's memory was sized for those):
+    a disagreement is an error naming the table, never a silent choice of one of them."""
+    from infer.config import DataType
+
+    for table in plan.tables:
+        flag_value = overrides.get(table.table, dtype)
+        if flag_value is None or DataType.parse(flag_value) == table.data_type:
+            continue
+        flag = f"--table-dtype {table.table}={flag_value}" if table.table in overrides else f"--dtype {flag_value}"
+        raise ConfigError(
+            f"table {table.table!r}: {flag} disagrees with {source}, which is sized for "
+            f"{table.data_type.value}; drop the flag, or re-plan with it (`embserve plan ... {flag}`)"
+        )
+
+
+def _with_dense_part(spec: ModelSpec, dense_arch: str | None, no_dense: bool, spec_file: str) -> ModelSpec:
+    """Attach --dense-arch; a spec that declares dense features needs one unless --no-dense says otherwise."""
+    if dense_arch and no_dense:
+        raise ConfigError("--dense-arch and --no-dense contradict each other; give one")
+    if dense_arch:
+        from infer.interop.dense_arch import load_dense_arch
+
+        return spec.with_dense_arch(load_dense_arch(dense_arch, spec), spec.num_dense_features)
+    if spec.num_dense_features > 0 and not no_dense:
+        raise ConfigError(
+            f"spec {spec_file!r} declares num_dense_features={spec.num_dense_features} but no dense part was given: "
+            "pass --dense-arch FILE (TorchScript or torch.export, taking (dense [B, n], pooled [B, d])), "
+            "or --no-dense to export lookups only"
+        )
+    return spec
+
+
+def cmd_spec(args: argparse.Namespace) -> int:
+    from infer.interop.torchrec import spec_from_checkpoint
+
+    spec = spec_from_checkpoint(args.from_torchrec)
+    text = spec.to_json() + "\n"
+    if args.out is None:
+        print(text, end="")
+        return 0
+    out = Path(args.out)
+    if out.exists() and not args.force:
+        raise ConfigError(f"{str(out)!r} exists; pass --force to overwrite it")
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(text)
+    print(
+        f"wrote {out}: {len(spec.tables)} tables, one feature per table named like it, SUM pooling, int8, "
+        f"num_dense_features {spec.num_dense_features}; edit feature names, pooling and data types before exporting"
+    )
     return 0
 
 
@@ -149,6 +242,13 @@ def cmd_inspect(args: argparse.Namespace) -> int:
     if cpu_kernels:
         budget = max(1, (os.cpu_count() or 1) // cpu_kernels)
         print(f"threads      {cpu_kernels} CPU kernel(s); on this host each splits a batch over up to {budget} threads")
+    if manifest.onnx is not None:
+        onnx = manifest.onnx
+        print(
+            f"onnx         {onnx.model_file} (+ {', '.join(onnx.data_files)}), opset {onnx.opset}, onnx "
+            f"{onnx.onnx_version}, onnxruntime {onnx.onnxruntime_version}, pooling {onnx.pooling}"
+            + (f", dense part alone in {onnx.dense_file}" if onnx.dense_file else "")
+        )
     dense = f"yes ({spec.num_dense_features} dense features)" if manifest.has_dense else "no"
     print(f"dense part   {dense}")
     print(f"output       [batch, {spec.output_dim}] float32")
@@ -177,10 +277,10 @@ def cmd_run(args: argparse.Namespace) -> int:
 
     started = time.monotonic()
     device_map = dict(item.split("=", 1) for item in args.device_map.split(",")) if args.device_map else None
-    runtime = load(args.artifact, device_map=device_map, threads=args.threads or None)
+    runtime = load(args.artifact, device_map=device_map, threads=args.threads or None, backend=args.backend)
+    threads = f"; each CPU kernel splits a batch over up to {runtime.threads} threads" if runtime.threads > 1 else ""
     print(
-        f"loaded {args.artifact} (checksums verified) in {time.monotonic() - started:.2f}s; "
-        f"each CPU kernel splits a batch over up to {runtime.threads} threads"
+        f"loaded {args.artifact} (checksums verified, {runtime.backend}) in {time.monotonic() - started:.2f}s{threads}"
     )
     batch = SparseFeatures.random(runtime.spec, batch_size=args.batch_size, ids_per_bag=args.ids_per_bag, seed=1)
     pooled = runtime.lookup(batch)
@@ -258,7 +358,7 @@ def build_parser() -> argparse.ArgumentParser:
 
     exp = sub.add_parser("export", help="quantize a checkpoint and export an artifact")
     exp.add_argument("--spec", required=True, help="model spec JSON (tables)")
-    exp.add_argument("--weights", required=True, help="checkpoint: {table_name: fp32 tensor} saved with torch.save")
+    exp.add_argument("--weights", default=None, help="checkpoint: {table_name: fp32 tensor} saved with torch.save")
     exp.add_argument("--out", required=True, help="artifact folder to write")
     exp.add_argument("--dtype", default=None, help="data type for every table (int8, int4, int2, fp16, fp32)")
     exp.add_argument("--table-dtype", action="append", default=[], metavar="NAME=DTYPE", help="per-table data type")
@@ -267,7 +367,26 @@ def build_parser() -> argparse.ArgumentParser:
     exp.add_argument("--device-memory", default=None, help="memory per device for planning, e.g. 16GB")
     exp.add_argument("--constraints", default=None, help="planner constraints JSON")
     exp.add_argument("--plan", default=None, help="shard with this plan JSON (from embserve plan)")
+    exp.add_argument(
+        "--from-torchrec",
+        default=None,
+        metavar="PATH",
+        help="take the tables from a TorchRec state dict file (any key prefix) or DCP folder instead of --weights",
+    )
+    exp.add_argument(
+        "--dense-arch", default=None, metavar="FILE", help="dense part: TorchScript or torch.export (dense, pooled)"
+    )
+    exp.add_argument("--no-dense", action="store_true", help="export lookups only though the spec has dense features")
+    exp.add_argument("--force", action="store_true", help="replace an existing, non-empty --out folder")
+    exp.add_argument("--onnx", action="store_true", help="also write model.onnx (+ dense.onnx) for onnxruntime")
+    exp.add_argument("--onnx-pooling", default=None, help="ONNX pooling design: padded (default), prefix_sum, scatter")
     exp.set_defaults(func=cmd_export)
+
+    spc = sub.add_parser("spec", help="write a starting spec.json from a TorchRec checkpoint")
+    spc.add_argument("--from-torchrec", required=True, metavar="PATH", help="state dict file or DCP folder")
+    spc.add_argument("--out", default=None, help="spec JSON to write (default: print it)")
+    spc.add_argument("--force", action="store_true", help="overwrite an existing --out file")
+    spc.set_defaults(func=cmd_spec)
 
     ins = sub.add_parser("inspect", help="print an artifact's manifest")
     ins.add_argument("artifact")
@@ -300,6 +419,9 @@ def build_parser() -> argparse.ArgumentParser:
     run.add_argument("--device-map", default=None, metavar="FROM=TO,...", help="e.g. cuda:0=cpu,cuda:1=cpu")
     run.add_argument(
         "--threads", type=int, default=0, help="ranges a CPU kernel splits a batch into (0: cores / kernels)"
+    )
+    run.add_argument(
+        "--backend", choices=["torchscript", "onnxruntime"], default="torchscript", help="model.pt or model.onnx"
     )
     run.set_defaults(func=cmd_run)
     return parser

@@ -144,6 +144,33 @@ class SparseFeatures:
         """Wrap tensors already in the feature-major jagged layout (nothing is copied)."""
         return cls(tuple(keys), values, lengths, weights)
 
+    @classmethod
+    def from_kjt(cls, kjt: Any) -> SparseFeatures:
+        """Wrap a TorchRec ``KeyedJaggedTensor`` (same feature-major layout: keys, values, lengths, optional
+        weights); lengths become int32, nothing else is copied. Variable-batch (VBE) KJTs are refused."""
+        if getattr(kjt, "variable_stride_per_key", lambda: False)():
+            raise RequestError(
+                "a variable-batch (VBE) KeyedJaggedTensor has a different batch size per feature; "
+                "embserve serves one batch size for all features"
+            )
+        try:
+            keys, values, lengths, weights = kjt.keys(), kjt.values(), kjt.lengths(), kjt.weights_or_none()
+        except AttributeError:
+            raise RequestError(f"expected a torchrec KeyedJaggedTensor, got {type(kjt).__name__}") from None
+        return cls(tuple(keys), values, lengths.to(torch.int32), weights)
+
+    def to_kjt(self) -> Any:
+        """This batch as a TorchRec ``KeyedJaggedTensor`` (needs the ``embserve[torchrec]`` extra)."""
+        try:
+            from torchrec.sparse.jagged_tensor import KeyedJaggedTensor
+        except ModuleNotFoundError as err:
+            raise ModuleNotFoundError(
+                f"{err}; SparseFeatures.to_kjt needs torchrec: pip install 'embserve[torchrec]'"
+            ) from None
+        return KeyedJaggedTensor.from_lengths_sync(
+            keys=list(self.keys), values=self.values, lengths=self.lengths, weights=self.weights
+        )
+
     # ------------------------------------------------------------------ accessors
     @property
     def batch_size(self) -> int:

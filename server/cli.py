@@ -45,7 +45,12 @@ def cmd_serve(args: argparse.Namespace) -> int:
         poll_s=args.poll_s,
         version_policy=args.version_policy,
     )
-    return asyncio.run(serve(args.artifact, config))
+    artifact: Any = args.artifact
+    if args.backend != "torchscript":
+        from infer.artifact.load import load
+
+        artifact = load(args.artifact, backend=args.backend)
+    return asyncio.run(serve(artifact, config))
 
 
 def cmd_query(args: argparse.Namespace) -> int:
@@ -196,6 +201,12 @@ def add_subcommands(subcommands: Any) -> None:
     )
     srv.add_argument(
         "--drain-seconds", type=float, default=30.0, help="then: the longest wait for accepted calls to finish"
+    )
+    srv.add_argument(
+        "--backend",
+        choices=["torchscript", "onnxruntime"],
+        default="torchscript",
+        help="run model.pt (fbgemm) or model.onnx (onnxruntime; export with --onnx)",
     )
     srv.add_argument("--http-port", type=int, default=None, help="Open Inference Protocol REST port (0: any)")
     srv.add_argument("--http-host", default=None, help="REST host (default: --host)")

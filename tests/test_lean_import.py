@@ -18,6 +18,8 @@ def test_import_infer_does_not_load_fbgemm_or_cuda():
         import infer.modules.tbe, infer.modules.collection, infer.modules.sharded
         import infer.artifact.manifest, infer.artifact.export, infer.artifact.load, infer.artifact.runtime
         import infer.artifact.cpp_io, infer.artifact.fbgemm_libs
+        import infer.interop, infer.interop.torchrec, infer.interop.dlrm
+        from infer import from_torchrec, load_torchrec_checkpoint
         from infer import ModelSpec, SparseFeatures, TableConfig
         from infer import plan_for_inference, shard_model, Topology, ComputeDevice, export, load
         heavy = ("fbgemm", "server", "grpc", "matplotlib", "torchrec", "onnx", "onnxruntime", "tritonclient")

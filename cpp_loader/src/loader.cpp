@@ -5,6 +5,7 @@
 #include <openssl/evp.h>
 
 #include <algorithm>
+#include <array>
 #include <cstdlib>
 #include <filesystem>
 #include <fstream>
@@ -166,22 +167,34 @@ void check_manifest(const schema::Document& data, const std::string& document) {
          std::to_string(f) + "; 'features' disagrees with 'tables'");
   if (data["input_schema"]["feature_order"].get<std::vector<std::string>>() != order)
     fail("input_schema.feature_order differs from the features' order in 'tables'");
+  // in the order of Python's Manifest._check_consistency, so both report the same first problem
+  const auto& output_shape = data["output"]["shape"];
+  if (output_shape.empty() || output_shape.back() != column)
+    fail("output.shape must end with the output dim " + std::to_string(column));
   const auto& dense = data["dense"];
-  if (dense["present"].get<bool>() && dense["num_dense_features"].get<int64_t>() < 1)
+  const bool has_dense = dense["present"].get<bool>();
+  if (has_dense && dense["num_dense_features"].get<int64_t>() < 1)
     fail("dense.present is true but dense.num_dense_features is 0; a dense part needs at least one input");
+  // a listed file without a checksum is a ChecksumError, as in Python
+  const auto& files = data["files"];
+  auto needs_checksum = [&](const schema::Document& name) {
+    if (!files.contains(name.get<std::string>()))
+      throw ChecksumError(document + " has no checksum for " + name.get<std::string>());
+  };
+  needs_checksum(data["model_file"]);
   const auto& sharding = data["sharding"];
   const int64_t world_size = sharding["world_size"].get<int64_t>();
   if (world_size > 1 && sharding["plan_file"].is_null())
     fail("sharding.world_size is " + std::to_string(world_size) + " but sharding.plan_file is null");
-  const auto& output_shape = data["output"]["shape"];
-  if (output_shape.empty() || output_shape.back() != column)
-    fail("output.shape must end with the output dim " + std::to_string(column));
-  // a file without a checksum is a ChecksumError, as in Python
-  const auto& files = data["files"];
-  if (!files.contains(data["model_file"].get<std::string>()))
-    throw ChecksumError(document + " has no checksum for " + data["model_file"].get<std::string>());
-  if (!sharding["plan_file"].is_null() && !files.contains(sharding["plan_file"].get<std::string>()))
-    throw ChecksumError(document + " has no checksum for " + sharding["plan_file"].get<std::string>());
+  if (!sharding["plan_file"].is_null()) needs_checksum(sharding["plan_file"]);
+  if (data.contains("onnx")) {  // the artifact also carries model.onnx (not loaded here, but listed and hashed)
+    const auto& onnx = data["onnx"];
+    needs_checksum(onnx["model_file"]);
+    for (const auto& name : onnx["data_files"]) needs_checksum(name);
+    if (!onnx["dense_file"].is_null()) needs_checksum(onnx["dense_file"]);
+    if (onnx["dense_file"].is_null() == has_dense)
+      fail("onnx.dense_file must be set exactly when dense.present is true");
+  }
   // kernels: each feature_table_map entry names one of its kernel's tables; the row alignment is the device's
   const auto& kernels = data["kernels"];
   for (size_t k = 0; k < kernels.size(); ++k) {
@@ -225,7 +238,12 @@ void check_manifest(const schema::Document& data, const std::string& document) {
 // types, on the manifest's world size; and the kernels it implies (one per rank holding a shard: local
 // tables in table order then shard order, features sorted by input feature, output column and row
 // block) are exactly the manifest's `kernels`.
-void check_plan(const schema::Document& plan, const schema::Document& data, const std::string& document) {
+// Per kernel feature, as DeviceShards keeps it: {feature, kind, lo, hi, out_col, dim} (kind: 0 read all,
+// 1 row block [lo, hi), 2 replica lo of hi).
+using Routing = std::vector<std::array<int64_t, 6>>;
+
+std::vector<Routing> check_plan(const schema::Document& plan, const schema::Document& data,
+                                const std::string& document) {
   auto fail = [&](const std::string& message) { throw ManifestError(document + ": " + message); };
   const auto& tables = data["tables"];
   std::map<std::string, size_t> table_index;
@@ -299,12 +317,14 @@ void check_plan(const schema::Document& plan, const schema::Document& data, cons
   const int64_t alignment = plan["topology"]["compute_device"] == "cuda" ? 16 : 1;
   const auto& features = data["features"];
   schema::Document expected = schema::Document::array();
+  std::vector<Routing> routing;
   for (int64_t rank = 0; rank < plan_world_size; ++rank) {
     schema::Document local_tables = schema::Document::array();
     struct LocalFeature {
       size_t feature;
       int64_t out_col, lo;
       size_t local;
+      int64_t kind, hi, dim;
     };
     std::vector<LocalFeature> local_features;
     for (const auto& table : tables) {
@@ -318,11 +338,18 @@ void check_plan(const schema::Document& plan, const schema::Document& data, cons
         local_tables.push_back({{"rows", shard["num_rows"]}, {"dim", shard["num_cols"]}, {"data_type", table["data_type"]}});
         for (size_t f = 0; f < features.size(); ++f) {
           if (features[f]["table"] != name) continue;
-          int64_t lo = 0;
-          if (kind == "row_wise" || kind == "table_row_wise") lo = shard["row_offset"].get<int64_t>();
-          else if (kind == "replicated") lo = static_cast<int64_t>(s);
+          int64_t read = 0, lo = 0, hi = 0;
+          if (kind == "row_wise" || kind == "table_row_wise") {
+            read = 1;
+            lo = shard["row_offset"].get<int64_t>();
+            hi = lo + shard["num_rows"].get<int64_t>();
+          } else if (kind == "replicated") {
+            read = 2;
+            lo = static_cast<int64_t>(s);
+            hi = static_cast<int64_t>(entry["shards"].size());
+          }
           const int64_t out_col = features[f]["column_start"].get<int64_t>() + shard["col_offset"].get<int64_t>();
-          local_features.push_back({f, out_col, lo, local});
+          local_features.push_back({f, out_col, lo, local, read, hi, shard["num_cols"].get<int64_t>()});
         }
       }
     }
@@ -331,7 +358,12 @@ void check_plan(const schema::Document& plan, const schema::Document& data, cons
       return std::tie(a.feature, a.out_col, a.lo) < std::tie(b.feature, b.out_col, b.lo);
     });
     schema::Document feature_table_map = schema::Document::array();
-    for (const auto& lf : local_features) feature_table_map.push_back(lf.local);
+    Routing device_routing;
+    for (const auto& lf : local_features) {
+      feature_table_map.push_back(lf.local);
+      device_routing.push_back({static_cast<int64_t>(lf.feature), lf.kind, lf.lo, lf.hi, lf.out_col, lf.dim});
+    }
+    routing.push_back(std::move(device_routing));
     expected.push_back({{"row_alignment", alignment}, {"tables", local_tables}, {"feature_table_map", feature_table_map}});
   }
   const auto& kernels = data["kernels"];
@@ -340,9 +372,10 @@ void check_plan(const schema::Document& plan, const schema::Document& data, cons
     same = kernels[k]["row_alignment"] == expected[k]["row_alignment"] && kernels[k]["tables"] == expected[k]["tables"] &&
            kernels[k]["feature_table_map"] == expected[k]["feature_table_map"];
   if (!same) fail("the manifest's 'kernels' disagree with the plan (the shards each device holds)");
+  return routing;
 }
 
-void verify_files(const fs::path& folder, const json& files, const std::string& model_file) {
+void verify_files(const fs::path& folder, const schema::Document& files, const std::string& model_file) {
   if (!files.is_object() || !files.contains(model_file))
     throw ChecksumError("manifest.json has no checksum for " + model_file);
   for (const auto& [name, entry] : files.items()) {
@@ -547,10 +580,69 @@ void check_kernel_holder(torch::jit::Module& holder, const schema::Document& ker
   if (threads > 0) holder.setattr("threads", c10::IValue(static_cast<int64_t>(threads)));
 }
 
+// A sharded device's routing (DeviceShards: which features it reads, row blocks, replica slices, output
+// columns, and what __init__ derives from them) is the plan's: it steers slicing and copies.
+void check_routing(torch::jit::Module& holder, const Routing& routing, const schema::Document& features,
+                   const std::string& where) {
+  KernelCheck check(holder, where);
+  auto ints = [&](const std::string& name) {
+    const c10::IValue value = check.attr(name);
+    if (!value.isIntList()) check.fail("routing " + name + " is not a list of ints");
+    return value.toIntVector();
+  };
+  auto expect = [&](const std::string& name, const std::vector<int64_t>& expected) {
+    if (ints(name) != expected) check.fail("routing " + name + " disagrees with the plan");
+  };
+  static const char* kColumns[] = {"lf_feature", "lf_kind", "lf_lo", "lf_hi", "lf_out_col", "lf_dim"};
+  for (size_t c = 0; c < 6; ++c) {
+    std::vector<int64_t> expected;
+    for (const auto& lf : routing) expected.push_back(lf[c]);
+    expect(kColumns[c], expected);
+  }
+  std::vector<int64_t> local_col, rows, block_entries, block_lo, block_hi, copy_src, copy_dst, copy_width;
+  int64_t col = 0, min_rows = 0;
+  bool contiguous = true;
+  for (size_t i = 0; i < routing.size(); ++i) {
+    const auto& [feature, kind, lo, hi, out_col, dim] = routing[i];
+    local_col.push_back(col);
+    rows.push_back(features[static_cast<size_t>(feature)]["num_embeddings"].get<int64_t>());
+    min_rows = i == 0 ? rows.back() : std::min(min_rows, rows.back());
+    if (kind == 1) {
+      block_entries.push_back(static_cast<int64_t>(i));
+      block_lo.push_back(lo);
+      block_hi.push_back(hi);
+    }
+    contiguous = contiguous && kind == 0 && feature == routing[0][0] + static_cast<int64_t>(i);
+    if (kind == 0) {
+      if (!copy_src.empty() && copy_src.back() + copy_width.back() == col &&
+          copy_dst.back() + copy_width.back() == out_col) {
+        copy_width.back() += dim;
+      } else {
+        copy_src.push_back(col);
+        copy_dst.push_back(out_col);
+        copy_width.push_back(dim);
+      }
+    }
+    col += dim;
+  }
+  expect("lf_local_col", local_col);
+  expect("lf_rows", rows);
+  expect("row_block_entries", block_entries);
+  expect("row_block_lo", block_lo);
+  expect("row_block_hi", block_hi);
+  expect("copy_src", copy_src);
+  expect("copy_dst", copy_dst);
+  expect("copy_width", copy_width);
+  check.expect_int("min_rows", min_rows);
+  const c10::IValue flag = check.attr("contiguous_input");
+  if (!flag.isBool() || flag.toBool() != contiguous) check.fail("routing contiguous_input disagrees with the plan");
+}
+
 // Every TBE of the model (embeddings.tbe, or embeddings.shards[i].tbe) against manifest kernel i; then
 // each CPU kernel may split a batch over `threads` example ranges (0: leave the exported setting).
-void check_kernels(const torch::jit::Module& model, const schema::Document& kernels, const std::string& model_path,
-                   int threads) {
+void check_kernels(const torch::jit::Module& model, const schema::Document& data, const std::vector<Routing>& routing,
+                   const std::string& model_path, int threads) {
+  const auto& kernels = data["kernels"];
   try {
     torch::jit::Module embeddings = child(model, "embeddings", model_path);
     if (embeddings.hasattr("shards")) {
@@ -568,8 +660,11 @@ void check_kernels(const torch::jit::Module& model, const schema::Document& kern
         const std::string where = model_path + ": kernel " + std::to_string(i) + " (" + holder_name + ".tbe)";
         torch::jit::Module holder = child(shards, std::to_string(i), where);
         check_kernel(child(holder, "tbe", where), kernels[i], where);
-        check_kernel_holder(holder, kernels[i], model_path + ": kernel " + std::to_string(i) + " (" + holder_name + ")",
-                            threads);
+        const std::string holder_where = model_path + ": kernel " + std::to_string(i) + " (" + holder_name + ")";
+        if (i >= routing.size())
+          throw ModelError(holder_where + ": the plan implies " + std::to_string(routing.size()) + " kernels");
+        check_routing(holder, routing[i], data["features"], holder_where);
+        check_kernel_holder(holder, kernels[i], holder_where, threads);
       }
     } else {
       if (kernels.size() != 1)
@@ -599,10 +694,10 @@ schema::Document read_checked_manifest(const fs::path& folder) {
   return data;
 }
 
-void read_checked_plan(const fs::path& folder, const schema::Document& data) {
-  if (data["sharding"]["plan_file"].is_null()) return;
+std::vector<Routing> read_checked_plan(const fs::path& folder, const schema::Document& data) {
+  if (data["sharding"]["plan_file"].is_null()) return {};
   const fs::path plan_path = folder / data["sharding"]["plan_file"].get<std::string>();
-  check_plan(read_document(plan_path, "plan"), data, plan_path.string());
+  return check_plan(read_document(plan_path, "plan"), data, plan_path.string());
 }
 }  // namespace
 
@@ -633,12 +728,9 @@ Model Model::load(const std::string& artifact_dir, const LoadOptions& options) {
   const auto build_dir = data["fbgemm"]["build_dir"].get<std::string>();
   const auto devices = data["devices"].get<std::vector<std::string>>();
   model.world_size_ = static_cast<int>(data["sharding"]["world_size"].get<int64_t>());
-  if (options.verify_checksums) {
-    json files = json::object();
-    for (const auto& [name, entry] : data["files"].items()) files[name] = json::parse(entry.dump());
-    verify_files(folder, files, model_file);
-  }
-  read_checked_plan(folder, data);  // after the checksums: plan.json is the file the export wrote
+  if (options.verify_checksums) verify_files(folder, data["files"], model_file);
+  // after the checksums: plan.json is the file the export wrote
+  const std::vector<Routing> routing = read_checked_plan(folder, data);
   for (const auto& device : devices) {
     if (device.rfind("cuda", 0) == 0 && !torch::cuda::is_available())
       throw ModelError(artifact_dir + " was exported for device " + device +
@@ -667,7 +759,7 @@ Model Model::load(const std::string& artifact_dir, const LoadOptions& options) {
     const auto cores = static_cast<int64_t>(std::max(1u, std::thread::hardware_concurrency()));
     kernel_threads = static_cast<int>(std::max<int64_t>(1, cores / std::max<int64_t>(1, cpu_kernels)));
   }
-  check_kernels(*model.module_, data["kernels"], model_path.string(), kernel_threads);
+  check_kernels(*model.module_, data, routing, model_path.string(), kernel_threads);
 
   int threads = options.intra_op_threads;
   if (threads < 0 && model.world_size_ >= 2) {

@@ -17,7 +17,7 @@ from pathlib import Path
 import torch
 
 from infer.artifact.kernels import kernels_of
-from infer.artifact.manifest import MANIFEST_FILE, MODEL_FILE, PLAN_FILE, FileEntry, Manifest
+from infer.artifact.manifest import MANIFEST_FILE, MODEL_FILE, PLAN_FILE, FileEntry, Manifest, OnnxEntry
 from infer.errors import ArtifactError, ConfigError
 from infer.planner.types import ShardingPlan
 from infer.version import __version__
@@ -25,9 +25,19 @@ from infer.version import __version__
 logger = logging.getLogger(__name__)
 
 
-def export(model: torch.nn.Module, out_dir: str | Path, plan: ShardingPlan | None = None) -> Path:
+def export(
+    model: torch.nn.Module,
+    out_dir: str | Path,
+    plan: ShardingPlan | None = None,
+    onnx: bool = False,
+    onnx_pooling: str | None = None,
+) -> Path:
     """Script ``model`` (from ``infer.quantize``, or ``infer.shard_model`` with its ``plan``)
     and write the artifact to ``out_dir``; a plan is stored beside the model as ``plan.json``.
+
+    ``onnx=True`` adds ``model.onnx`` (+ ``model.onnx.data``, and ``dense.onnx`` when there is a dense
+    part): the same model as a standard ONNX graph for onnxruntime (``load(path, backend="onnxruntime")``);
+    a sharded model becomes one graph. ``onnx_pooling`` picks a pooling design (``onnx_export.POOLINGS``).
 
     An existing artifact at ``out_dir`` is replaced; any other non-empty folder is left alone
     and ``ArtifactError`` is raised.
@@ -57,6 +67,12 @@ def export(model: torch.nn.Module, out_dir: str | Path, plan: ShardingPlan | Non
         if plan is not None:
             (staging / PLAN_FILE).write_text(plan.to_json(), encoding="utf-8")
             files.append(FileEntry.of(staging, PLAN_FILE))
+        onnx_entry = None
+        if onnx:
+            onnx_entry = _export_onnx(model, staging, plan, onnx_pooling)
+            names = [onnx_entry.model_file, *onnx_entry.data_files]
+            names += [onnx_entry.dense_file] if onnx_entry.dense_file else []
+            files.extend(FileEntry.of(staging, name) for name in names)
         devices = _model_devices(model)
         manifest = Manifest(
             spec=model.spec,
@@ -71,6 +87,7 @@ def export(model: torch.nn.Module, out_dir: str | Path, plan: ShardingPlan | Non
             plan_file=PLAN_FILE if plan is not None else None,
             world_size=plan.topology.world_size if plan is not None else 1,
             kernels=tuple(kernels_of(model, plan)),
+            onnx=onnx_entry,
         )
         (staging / MANIFEST_FILE).write_text(manifest.to_json(), encoding="utf-8")
         os.chmod(staging, 0o755)
@@ -82,6 +99,27 @@ def export(model: torch.nn.Module, out_dir: str | Path, plan: ShardingPlan | Non
         raise
     logger.debug("exported %s in %.1fs", out_dir, time.monotonic() - started)
     return out_dir
+
+
+def _export_onnx(model: torch.nn.Module, folder: Path, plan: ShardingPlan | None, pooling: str | None) -> OnnxEntry:
+    from infer.artifact import onnx_export
+
+    started = time.monotonic()
+    world_size = plan.topology.world_size if plan is not None else len(getattr(model.embeddings, "shards", [None]))
+    written = onnx_export.export_onnx(model, folder, pooling or onnx_export.DEFAULT_POOLING, world_size)
+    versions = onnx_export.onnx_versions()
+    logger.debug("ONNX export in %.1fs", time.monotonic() - started)
+    return OnnxEntry(
+        model_file=written.model_file,
+        data_files=written.data_files,
+        dense_file=written.dense_file,
+        opset=onnx_export.OPSET,
+        ir_version=onnx_export.IR_VERSION,
+        onnx_version=versions["onnx"] or "unknown",
+        onnxruntime_version=versions["onnxruntime"],
+        pooling=written.pooling,
+        source_world_size=world_size,
+    )
 
 
 def _model_devices(model: torch.nn.Module) -> list[str]:

@@ -105,8 +105,11 @@ def kernels_of(model: Any, plan: ShardingPlan | None) -> list[Kernel]:
 
 
 def kernel_holders(module: Any) -> list[Any]:
-    """The module around every kernel (the unsharded collection, or each device's shards), in kernel order."""
-    embeddings = module.embeddings
+    """The module around every kernel (the unsharded collection, or each device's shards), in kernel order;
+    none for a model without TBE kernels (another backend)."""
+    embeddings = getattr(module, "embeddings", None)
+    if embeddings is None:
+        return []
     if hasattr(embeddings, "shards"):
         return [shard for _, shard in embeddings.shards.named_children()]
     return [embeddings]
@@ -115,6 +118,28 @@ def kernel_holders(module: Any) -> list[Any]:
 def model_tbes(module: Any) -> list[Any]:
     """The TBE of every kernel of a (scripted or eager) exported model, in kernel order."""
     return [holder.tbe for holder in kernel_holders(module)]
+
+
+ROUTING = ("lf_feature", "lf_kind", "lf_lo", "lf_hi", "lf_out_col", "lf_dim")
+
+
+def check_routing(holders: list[Any], spec: ModelSpec, plan: ShardingPlan) -> None:
+    """Each device of a sharded model reads the features, row blocks, replica slices and output columns the
+    plan implies (``device_layouts``); routing steers slicing and copies, so it is checked like the kernels."""
+    layouts = device_layouts(spec, plan)
+    for index, (holder, layout) in enumerate(zip(holders, layouts)):
+        for position, name in enumerate(ROUTING):
+            expected = [feature[position] for feature in layout.features]
+            found = list(getattr(holder, name, []))
+            if found != expected:
+                raise _fail(index, f"its routing {name} is {found[:8]}, the plan implies {expected[:8]}")
+        derived = {
+            "row_block_lo": [f[2] for f in layout.features if f[1] == 1],
+            "row_block_hi": [f[3] for f in layout.features if f[1] == 1],
+        }
+        for name, expected in derived.items():
+            if list(getattr(holder, name, [])) != expected:
+                raise _fail(index, f"its routing {name} disagrees with the plan")
 
 
 def _fail(index: int, what: str) -> ArtifactError:

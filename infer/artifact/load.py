@@ -10,17 +10,18 @@ from pathlib import Path
 import torch
 
 from infer.artifact.fbgemm_libs import load_fbgemm
-from infer.artifact.kernels import check_kernel, expected_kernels, model_tbes
+from infer.artifact.kernels import check_kernel, check_routing, expected_kernels, kernel_holders, model_tbes
 from infer.artifact.manifest import MANIFEST_FILE, Manifest
 from infer.artifact.runtime import Runtime
 from infer.artifact.schema import parse_document, schema, validate
-from infer.errors import ArtifactError, ArtifactErrorKind, EmbserveError
+from infer.errors import ArtifactError, ArtifactErrorKind, ConfigError, EmbserveError
 from infer.planner.types import ShardingPlan
 from infer.shard.builder import check_plan
 
 logger = logging.getLogger(__name__)
 
 MODEL = ArtifactErrorKind.MODEL
+BACKENDS = ("torchscript", "onnxruntime")
 
 
 def load(
@@ -28,8 +29,13 @@ def load(
     device_map: Mapping[str, str] | None = None,
     intra_op_threads: int | None = None,
     threads: int | None = None,
+    backend: str = "torchscript",
 ) -> Runtime:
     """Verify and load an artifact; returns a ``Runtime`` with ``lookup`` and ``predict``.
+
+    ``backend="onnxruntime"`` runs the artifact's ``model.onnx`` (exported with ``onnx=True``) on
+    onnxruntime's CPU provider instead of ``model.pt``: same checks first, same API, same errors, and
+    fbgemm is never imported. ``intra_op_threads`` then sets onnxruntime's threads (default: its own).
 
     ``device_map`` (e.g. ``{"cuda:0": "cpu", "cuda:1": "cpu"}``) moves an artifact built for other
     devices onto this host's; without it an artifact built for CUDA does not load on a CPU-only host.
@@ -41,13 +47,20 @@ def load(
     ``threads``: how many example ranges each CPU kernel may split a batch into, run in parallel on the
     same weights (bit-identical output); default the host's budget, cores // CPU kernels.
     """
+    if backend not in BACKENDS:
+        raise ConfigError(f"unknown backend {backend!r}; choose one of {list(BACKENDS)}")
     folder = Path(artifact_dir)
     if not folder.is_dir():
         raise ArtifactError(f"{folder} is not a folder; pass the artifact folder written by export", path=str(folder))
     manifest = Manifest.read(folder)
     manifest.verify_files(folder)
-    if manifest.plan_file is not None:
-        verify_plan(folder, manifest)
+    plan = verify_plan(folder, manifest) if manifest.plan_file is not None else None
+    if backend == "onnxruntime":
+        if device_map:
+            raise ConfigError("device_map applies to the torchscript backend; the ONNX graph runs on onnxruntime's CPU")
+        from infer.artifact.onnx_runtime import load_onnx
+
+        return load_onnx(folder, manifest, intra_op_threads or None)
     mapping = dict(device_map or {})
     targets = [mapping.get(d, d) for d in manifest.devices]
     missing = [d for d in targets if d.startswith("cuda") and not _cuda_device_exists(d)]
@@ -69,7 +82,7 @@ def load(
             f"{model_path} cannot be loaded by TorchScript: {first_line}", path=str(model_path), kind=MODEL
         ) from None
     module.eval()
-    _check_kernels(module, manifest)
+    _check_kernels(module, manifest, plan)
     if mapping:
         _remap_shard_devices(module, mapping)
     _set_intra_op_threads(manifest, targets, intra_op_threads)
@@ -109,8 +122,9 @@ def verify_plan(folder: Path, manifest: Manifest) -> ShardingPlan:
     return plan
 
 
-def _check_kernels(module: torch.jit.ScriptModule, manifest: Manifest) -> None:
-    """Every TBE of the loaded model holds exactly what the manifest's kernels say, before any lookup."""
+def _check_kernels(module: torch.jit.ScriptModule, manifest: Manifest, plan: ShardingPlan | None) -> None:
+    """Every TBE of the loaded model holds exactly what the manifest's kernels say, and every device routes
+    its features as the plan says, before any lookup."""
     try:
         tbes = model_tbes(module)
     except AttributeError:
@@ -121,6 +135,8 @@ def _check_kernels(module: torch.jit.ScriptModule, manifest: Manifest) -> None:
         )
     for index, (tbe, kernel) in enumerate(zip(tbes, manifest.kernels)):
         check_kernel(tbe, kernel, index)
+    if plan is not None:
+        check_routing(kernel_holders(module), manifest.spec, plan)
 
 
 def _set_intra_op_threads(manifest: Manifest, devices: Sequence[str], requested: int | None) -> None:

@@ -50,6 +50,65 @@ class FileEntry:
 
 
 @dataclass(frozen=True)
+class OnnxEntry:
+    """The ONNX form of the model in the artifact (``export(..., onnx=True)``); see ``infer.artifact.onnx_export``."""
+
+    model_file: str
+    data_files: tuple[str, ...]
+    dense_file: str | None
+    opset: int
+    ir_version: int
+    onnx_version: str
+    onnxruntime_version: str | None
+    pooling: str
+    source_world_size: int = 1
+
+    def to_dict(self) -> dict[str, Any]:
+        shards = self.source_world_size
+        return {
+            "model_file": self.model_file,
+            "data_files": list(self.data_files),
+            "dense_file": self.dense_file,
+            "opset": self.opset,
+            "ir_version": self.ir_version,
+            "versions": {"onnx": self.onnx_version, "onnxruntime": self.onnxruntime_version},
+            "pooling": self.pooling,
+            "inputs": {
+                "values": {"dtype": ["int64"], "shape": ["num_ids"]},
+                "lengths": {"dtype": ["int32"], "shape": ["num_features * batch"], "layout": "feature-major"},
+                "weights": {"dtype": ["float32"], "shape": ["num_ids"], "optional": True},
+                "dense_features": (
+                    {"dtype": ["float32"], "shape": ["batch", "num_dense_features"]} if self.dense_file else None
+                ),
+            },
+            "outputs": ["embeddings", "scores"] if self.dense_file else ["embeddings"],
+            "sharding": {
+                "source_world_size": shards,
+                "one_graph": True,
+                "note": (
+                    f"the {shards}-device sharded model is exported as one graph: ONNX has no devices"
+                    if shards > 1
+                    else "unsharded"
+                ),
+            },
+        }
+
+    @classmethod
+    def from_dict(cls, data: Mapping[str, Any]) -> OnnxEntry:
+        return cls(
+            model_file=str(data["model_file"]),
+            data_files=tuple(str(name) for name in data["data_files"]),
+            dense_file=data.get("dense_file"),
+            opset=int(data["opset"]),
+            ir_version=int(data["ir_version"]),
+            onnx_version=str(data["versions"]["onnx"]),
+            onnxruntime_version=data["versions"].get("onnxruntime"),
+            pooling=str(data["pooling"]),
+            source_world_size=int(data.get("sharding", {}).get("source_world_size", 1)),
+        )
+
+
+@dataclass(frozen=True)
 class Manifest:
     spec: ModelSpec
     has_dense: bool
@@ -65,6 +124,7 @@ class Manifest:
     plan_file: str | None = None  # the ShardingPlan the model was sharded with, when it is sharded
     world_size: int = 1
     kernels: tuple[Kernel, ...] = ()  # every TBE of the model, in model order
+    onnx: OnnxEntry | None = None  # present when the artifact carries model.onnx
 
     def file(self, name: str) -> FileEntry:
         for entry in self.files:
@@ -112,6 +172,7 @@ class Manifest:
             },
             "fbgemm": {"libraries": list(self.fbgemm_libraries), "build_dir": self.fbgemm_library_dir},
             "files": {e.name: {"bytes": e.bytes, "sha256": e.sha256} for e in self.files},
+            **({"onnx": self.onnx.to_dict()} if self.onnx is not None else {}),
         }
 
     def to_json(self) -> str:
@@ -156,6 +217,7 @@ class Manifest:
             plan_file=data["sharding"]["plan_file"],
             world_size=data["sharding"]["world_size"],
             kernels=tuple(Kernel.from_dict(k) for k in data["kernels"]),
+            onnx=OnnxEntry.from_dict(data["onnx"]) if data.get("onnx") is not None else None,
         )
         manifest._check_consistency(data)
         return manifest
@@ -202,6 +264,14 @@ class Manifest:
             raise ArtifactError(
                 f"{MANIFEST_FILE} has no checksum for {self.plan_file}", path=self.plan_file, kind=CHECKSUM
             )
+        if self.onnx is not None:
+            onnx_files = [self.onnx.model_file, *self.onnx.data_files]
+            onnx_files += [self.onnx.dense_file] if self.onnx.dense_file is not None else []
+            for name in onnx_files:
+                if name not in names:
+                    raise ArtifactError(f"{MANIFEST_FILE} has no checksum for {name}", path=name, kind=CHECKSUM)
+            if (self.onnx.dense_file is not None) != self.has_dense:
+                raise fail("onnx.dense_file must be set exactly when dense.present is true")
         if self.plan_file is None:
             devices = (self.kernels[0].device,) if self.kernels else self.devices
             expected = [k.layout() for k in expected_kernels(spec, None, devices)]

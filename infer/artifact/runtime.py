@@ -23,11 +23,15 @@ _SCRIPT_REQUEST_ERROR = re.compile(re.escape(REQUEST_ERROR_PREFIX) + "(.*)")
 class Runtime:
     """An exported model loaded for serving. Safe to call from several threads."""
 
-    def __init__(self, path: Path, manifest: Manifest, module: torch.jit.ScriptModule) -> None:
+    def __init__(self, path: Path, manifest: Manifest, module: Any, backend: str = "torchscript") -> None:
+        """``module``: the scripted model (``backend="torchscript"``) or anything with the same
+        ``__call__(values, lengths, weights)`` and ``predict(dense, values, lengths, weights)``
+        (``infer.artifact.onnx_runtime.OnnxModule`` for ``backend="onnxruntime"``)."""
         self.path = path
         self.manifest = manifest
         self.spec = manifest.spec
         self.module = module
+        self.backend = backend
         self.threads = 1
 
     @property

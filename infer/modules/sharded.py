@@ -37,6 +37,9 @@ class DeviceShards(nn.Module, KernelRunner):
     lf_rows: list[int]
     lf_name: list[str]
     has_partials: bool
+    row_block_entries: list[int]
+    row_block_lo: list[int]
+    row_block_hi: list[int]
     contiguous_input: bool
     min_rows: int
     copy_src: list[int]
@@ -76,6 +79,11 @@ class DeviceShards(nn.Module, KernelRunner):
             col += lf[5]
         self.lf_local_col = local_cols
         self.has_partials = READ_ROW_BLOCK in self.lf_kind
+        # row-wise shards, bucketized together in one pass (kernel order)
+        self.row_block_entries = [i for i, kind in enumerate(self.lf_kind) if kind == READ_ROW_BLOCK]
+        # plain ints, not tensors: routing is checked against the plan at load (artifact.kernels)
+        self.row_block_lo = [self.lf_lo[i] for i in self.row_block_entries]
+        self.row_block_hi = [self.lf_hi[i] for i in self.row_block_entries]
         # Every feature read whole and the features consecutive in the input: the kernel input is one
         # slice of the request (no gather), and one range check covers it unless an id is suspicious.
         first = self.lf_feature[0] if self.lf_feature else 0
@@ -116,6 +124,8 @@ class DeviceShards(nn.Module, KernelRunner):
         pieces_v: list[Tensor] = []
         pieces_l: list[Tensor] = []
         pieces_w: list[Tensor] = []
+        block_v, block_l, block_w = self.bucketize_row_blocks(values, lengths, weights, starts, batch)
+        block = 0
         for i in range(len(self.lf_feature)):
             f = self.lf_feature[i]
             kind = self.lf_kind[i]
@@ -129,15 +139,11 @@ class DeviceShards(nn.Module, KernelRunner):
                 if weights is not None:
                     pieces_w.append(weights[starts[f] : starts[f + 1]])
             elif kind == self.read_row_block:
-                lo = self.lf_lo[i]
-                mask = (ids >= lo) & (ids < self.lf_hi[i])
-                pieces_v.append(ids[mask] - lo)
-                bag_of_id = torch.repeat_interleave(
-                    torch.arange(batch, device=ids.device), bag_lengths.to(torch.int64), output_size=ids.numel()
-                )
-                pieces_l.append(torch.bincount(bag_of_id[mask], minlength=batch).to(lengths.dtype))
+                pieces_v.append(block_v[block])
+                pieces_l.append(block_l[block])
                 if weights is not None:
-                    pieces_w.append(weights[starts[f] : starts[f + 1]][mask])
+                    pieces_w.append(block_w[block])
+                block += 1
             else:
                 first = self.lf_lo[i] * batch // self.lf_hi[i]
                 last = (self.lf_lo[i] + 1) * batch // self.lf_hi[i]
@@ -156,6 +162,36 @@ class DeviceShards(nn.Module, KernelRunner):
         pooled = self.run_kernel(torch.cat(pieces_v), torch.cat(pieces_l), local_weights)
         self.copy_out(pooled, batch, out)
         return pooled
+
+    def bucketize_row_blocks(
+        self, values: Tensor, lengths: Tensor, weights: Tensor | None, starts: list[int], batch: int
+    ) -> tuple[list[Tensor], list[Tensor], list[Tensor]]:
+        """Every row-wise shard of this device in one pass: its ids shifted into its row block, its bag
+        lengths, its weights (per shard, in kernel order); ids outside the block are dropped."""
+        blocks = self.row_block_entries
+        if len(blocks) == 0:
+            return [], [], []
+        features = [self.lf_feature[i] for i in blocks]
+        counts = [starts[f + 1] - starts[f] for f in features]
+        ids = torch.cat([values[starts[f] : starts[f + 1]] for f in features])
+        count_tensor = torch.tensor(counts, dtype=torch.int64, device=ids.device)
+        bounds = torch.tensor([self.row_block_lo, self.row_block_hi], dtype=torch.int64, device=ids.device)
+        low = torch.repeat_interleave(bounds[0], count_tensor, output_size=ids.numel())
+        high = torch.repeat_interleave(bounds[1], count_tensor, output_size=ids.numel())
+        keep = (ids >= low) & (ids < high)
+        bag_lengths = torch.cat([lengths[f * batch : (f + 1) * batch] for f in features]).to(torch.int64)
+        bag_of_id = torch.repeat_interleave(
+            torch.arange(len(blocks) * batch, device=ids.device), bag_lengths, output_size=ids.numel()
+        )
+        kept_lengths = torch.bincount(bag_of_id[keep], minlength=len(blocks) * batch).view(len(blocks), batch)
+        kept: list[int] = kept_lengths.sum(1).tolist()
+        shifted = list(torch.split((ids - low.to(ids.dtype))[keep], kept))
+        out_lengths = [kept_lengths[j].to(lengths.dtype) for j in range(len(blocks))]
+        out_weights: list[Tensor] = []
+        if weights is not None:
+            picked = torch.cat([weights[starts[f] : starts[f + 1]] for f in features])[keep]
+            out_weights = list(torch.split(picked, kept))
+        return shifted, out_lengths, out_weights
 
     def check_run(self, run_values: Tensor, bounds: list[int]) -> None:
         """Range-check consecutive whole features (feature i at ``run_values[bounds[i]:bounds[i + 1]]``):

@@ -158,3 +158,19 @@ def test_byte_flips_in_small_tensors_never_crash_the_process(artifacts, tmp_path
     outcomes = result.stdout.split("\n")
     assert len([line for line in outcomes if line]) == len(cases)
     assert any(line.startswith("ArtifactError") for line in outcomes)
+
+
+@pytest.mark.parametrize("attribute", ["lf_lo", "lf_out_col", "row_block_hi"])
+def test_changed_routing_is_a_model_error(artifacts, tmp_path, attribute):
+    """A device's routing (row blocks, output columns) comes from the plan; a changed one is refused at load."""
+    copy = copy_artifact(artifacts["sharded"], tmp_path)
+    module = torch.jit.load(str(copy / "model.pt"))
+    shard = getattr(module.embeddings.shards, "0")
+    values = list(getattr(shard, attribute))
+    values[-1] += 3
+    setattr(shard, attribute, values)
+    module.save(str(copy / "model.pt"))
+    rehash(copy, "model.pt")
+    with pytest.raises(ArtifactError, match=attribute) as info:
+        load(copy)
+    assert info.value.kind == ArtifactErrorKind.MODEL

@@ -80,3 +80,15 @@ def sharded_artifact(tmp_path_factory: pytest.TempPathFactory) -> Path:
     }
     plan = make_plan(spec, 3, layout)
     return export(shard_model(model, plan), tmp_path_factory.mktemp("cpp") / "sharded", plan=plan)
+
+
+@pytest.fixture(scope="session")
+def onnx_artifact(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """An unsharded artifact that also carries model.onnx (the manifest's optional `onnx` section)."""
+    from infer.artifact.export import export
+    from infer.quant.quantize import quantize
+    from infer.weights import random_weights
+    from tests.conftest import mixed_spec
+
+    spec = mixed_spec()
+    return export(quantize(spec, random_weights(spec, seed=7)), tmp_path_factory.mktemp("cpp") / "onnx", onnx=True)

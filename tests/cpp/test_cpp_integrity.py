@@ -177,3 +177,22 @@ def test_a_tampered_kernel_holder_is_a_model_error(embserve_run, unsharded_artif
     module.save(str(copy / "model.pt"))
     rehash(copy, "model.pt")
     assert_clean_failure(run(embserve_run, copy), "ModelError", "kernel 0 (embeddings)", "kernel_features is 99")
+
+
+@pytest.mark.parametrize("attribute", ["lf_lo", "lf_out_col", "row_block_hi", "lf_local_col", "copy_width", "min_rows"])
+def test_changed_routing_is_a_model_error(attribute, embserve_run, sharded_artifact, tmp_path):
+    """A device's routing (row blocks, output columns, the copies derived from them) comes from the plan;
+    a changed one is refused at load, before it can steer a slice or a copy."""
+    copy = copy_artifact(sharded_artifact, tmp_path)
+    module = torch.jit.load(str(copy / "model.pt"))
+    shard = getattr(module.embeddings.shards, "1")  # rank 1 holds column-, row-wise and replicated shards
+    value = getattr(shard, attribute)
+    if isinstance(value, list):
+        value = list(value)
+        value[-1] += 3
+    else:
+        value += 3
+    setattr(shard, attribute, value)
+    module.save(str(copy / "model.pt"))
+    rehash(copy, "model.pt")
+    assert_clean_failure(run(embserve_run, copy), "ModelError", "kernel 1 (embeddings.shards.1)", attribute)

@@ -197,3 +197,13 @@ def test_batch_parallel_kernels_are_bit_identical(kind, embserve_run, unsharded_
         SparseFeatures(mixed_spec().feature_names, b.values, b.lengths, b.weights)
     )
     assert torch.equal(outputs[0], expected) and torch.equal(outputs[1], expected)
+
+
+def test_an_artifact_with_onnx_loads_and_answers(embserve_run, onnx_artifact, tmp_path):
+    """The manifest's optional onnx section passes the schema and its files are checksummed; lookups as Python."""
+    b = random_batch(mixed_spec(), batch_size=4, seed=1)
+    write_requests(tmp_path / "r.bin", [(b.values, b.lengths, None)])
+    result = run(embserve_run, onnx_artifact, "--requests", tmp_path / "r.bin", "--out", tmp_path / "o.bin")
+    assert result.returncode == 0, result.stderr
+    expected = load(onnx_artifact).lookup(SparseFeatures(mixed_spec().feature_names, b.values, b.lengths))
+    assert torch.equal(read_responses(tmp_path / "o.bin")[0].output, expected)

@@ -67,15 +67,17 @@ def _python_verdict(folder: Path) -> str:
     return "ok"
 
 
-def _mutants(artifact: Path, root: Path, rng: random.Random) -> list[Path]:
+def _mutants(artifact: Path, root: Path, rng: random.Random, count: int) -> list[Path]:
     manifest = json.loads((artifact / "manifest.json").read_text())
     plan_path = artifact / "plan.json"
     plan = json.loads(plan_path.read_text()) if plan_path.is_file() else None
     folders = []
-    for i in range(MUTANTS):
+    for i in range(count):
         folder = root / f"m{i:03d}"
         folder.mkdir(parents=True)
-        (folder / "model.pt").symlink_to(artifact / "model.pt")
+        for other in artifact.iterdir():  # model.pt, model.onnx, ...: listed files exist
+            if other.name not in ("manifest.json", "plan.json"):
+                (folder / other.name).symlink_to(other)
         mutate_plan = plan is not None and rng.random() < 0.4
         (folder / "manifest.json").write_text(json.dumps(manifest if mutate_plan else _mutate(manifest, rng)))
         if plan is not None:
@@ -84,10 +86,13 @@ def _mutants(artifact: Path, root: Path, rng: random.Random) -> list[Path]:
     return folders
 
 
-def test_cpp_and_python_give_the_same_verdicts(cpp_build, unsharded_artifact, sharded_artifact, tmp_path):
+def test_cpp_and_python_give_the_same_verdicts(
+    cpp_build, unsharded_artifact, sharded_artifact, onnx_artifact, tmp_path
+):
     rng = random.Random(SEED)
-    folders = _mutants(unsharded_artifact, tmp_path / "unsharded", rng)
-    folders += _mutants(sharded_artifact, tmp_path / "sharded", rng)
+    folders = _mutants(unsharded_artifact, tmp_path / "unsharded", rng, MUTANTS)
+    folders += _mutants(sharded_artifact, tmp_path / "sharded", rng, MUTANTS)
+    folders += _mutants(onnx_artifact, tmp_path / "onnx", rng, MUTANTS // 2)
     result = subprocess.run(
         [str(cpp_build / "embserve_manifest_check"), *map(str, folders)],
         capture_output=True,

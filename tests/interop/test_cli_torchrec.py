@@ -1,0 +1,146 @@
+"""`embserve spec --from-torchrec`, `embserve export --from-torchrec`, --dense-arch/--no-dense, --force and the
+plan/dtype conflict, run as a user runs them (``infer.cli.main``) on a real TorchRec DLRM checkpoint."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+from torchrec.models.dlrm import DLRM
+
+import infer
+from infer.cli import main
+from infer.config import DataType, ModelSpec
+from infer.features import SparseFeatures
+from infer.interop.torchrec import from_torchrec
+from tests.interop.torchrec_models import float_ebc, random_kjt
+
+NUM_DENSE = 5
+
+
+@pytest.fixture(scope="module")
+def trained(tmp_path_factory):
+    """A TorchRec DLRM, its torch.save'd state dict, its DCP folder, the edited spec and its dense part."""
+    import torch.distributed.checkpoint as dcp
+
+    folder = tmp_path_factory.mktemp("cli")
+    torch.manual_seed(0)
+    dlrm = DLRM(
+        embedding_bag_collection=float_ebc(seed=0),
+        dense_in_features=NUM_DENSE,
+        dense_arch_layer_sizes=[32, 16],
+        over_arch_layer_sizes=[16, 1],
+    ).eval()
+    torch.save(dlrm.state_dict(), folder / "model.pt")
+    dcp.save(dlrm.state_dict(), checkpoint_id=str(folder / "dcp"), no_dist=True)
+    imported = from_torchrec(dlrm)
+    torch.jit.save(torch.jit.script(imported.dense_arch), str(folder / "dense.pt"))
+    (folder / "spec.json").write_text(json.dumps({**imported.spec.to_dict(), "num_dense_features": NUM_DENSE}))
+    return dlrm, imported, folder
+
+
+def _error(capsys) -> str:
+    return capsys.readouterr().err
+
+
+def test_spec_from_torchrec_writes_an_editable_spec(trained, tmp_path, capsys):
+    _, imported, folder = trained
+    for source in (folder / "model.pt", folder / "dcp"):
+        out = tmp_path / f"{source.stem}.json"
+        assert main(["spec", "--from-torchrec", str(source), "--out", str(out)]) == 0
+        spec = ModelSpec.load(out)
+        assert spec.num_dense_features == NUM_DENSE
+        assert [(t.name, t.num_embeddings, t.embedding_dim, t.feature_names) for t in spec.tables] == [
+            (t.name, t.num_embeddings, t.embedding_dim, (t.name,)) for t in imported.spec.tables
+        ]
+    assert main(["spec", "--from-torchrec", str(folder / "model.pt"), "--out", str(out)]) == 2
+    assert "--force" in _error(capsys)
+
+
+@pytest.mark.parametrize("source", ["model.pt", "dcp"])
+def test_export_from_torchrec_with_dense_arch(trained, tmp_path, source):
+    dlrm, imported, folder = trained
+    out = tmp_path / "art"
+    args = ["export", "--from-torchrec", str(folder / source), "--spec", str(folder / "spec.json"), "--out", str(out)]
+    assert main([*args, "--dense-arch", str(folder / "dense.pt"), "--table-dtype", "city=fp16"]) == 0
+    runtime = infer.load(out)
+    assert runtime.has_dense and runtime.spec.table("city").data_type == DataType.FP16
+    kjt = random_kjt(list(imported.spec.feature_names), {f.name: f.num_embeddings for f in imported.spec.features})
+    dense = torch.randn(kjt.stride(), NUM_DENSE)
+    reference = infer.quantize(imported.spec.with_data_types(overrides={"city": "fp16"}), imported.weights)
+    expected = reference.predict(dense, kjt.values(), kjt.lengths().to(torch.int32), None)
+    assert torch.equal(runtime.predict(SparseFeatures.from_kjt(kjt), dense), expected)
+    with torch.no_grad():
+        torch.testing.assert_close(
+            runtime.predict(SparseFeatures.from_kjt(kjt), dense), dlrm(dense, kjt), atol=0.05, rtol=0
+        )
+
+
+def test_dense_features_without_dense_arch_is_an_error(trained, tmp_path, capsys):
+    _, _, folder = trained
+    args = ["export", "--from-torchrec", str(folder / "model.pt"), "--spec", str(folder / "spec.json")]
+    assert main([*args, "--out", str(tmp_path / "a")]) == 2
+    message = _error(capsys)
+    assert "num_dense_features=5" in message and "--dense-arch FILE" in message and "--no-dense" in message
+    assert not (tmp_path / "a").exists()
+    assert main([*args, "--out", str(tmp_path / "b"), "--no-dense"]) == 0
+    assert not infer.load(tmp_path / "b").has_dense
+
+
+def test_wrong_dense_arch_signature_names_the_file(trained, tmp_path, capsys):
+    _, _, folder = trained
+    wrong = torch.jit.script(torch.nn.Linear(3, 1))
+    torch.jit.save(wrong, str(tmp_path / "wrong.pt"))
+    args = ["export", "--from-torchrec", str(folder / "model.pt"), "--spec", str(folder / "spec.json")]
+    assert main([*args, "--out", str(tmp_path / "a"), "--dense-arch", str(tmp_path / "wrong.pt")]) == 2
+    message = _error(capsys)
+    assert "wrong.pt" in message and "num_dense_features=5" in message and "output_dim=112" in message
+
+
+def test_export_into_existing_folder_needs_force(trained, tmp_path, capsys):
+    _, _, folder = trained
+    out = tmp_path / "art"
+    args = ["export", "--from-torchrec", str(folder / "model.pt"), "--spec", str(folder / "spec.json")]
+    args += ["--out", str(out), "--no-dense"]
+    assert main(args) == 0
+    before = (out / "manifest.json").read_text()
+    assert main([*args, "--dtype", "fp16"]) == 2
+    assert "--force" in _error(capsys) and (out / "manifest.json").read_text() == before
+    assert main([*args, "--dtype", "fp16", "--force"]) == 0
+    assert infer.load(out).spec.table("user").data_type == DataType.FP16
+
+
+def test_plan_and_dtype_flags_that_disagree_are_an_error(trained, tmp_path, capsys, caplog):
+    _, _, folder = trained
+    plan = tmp_path / "plan.json"
+    plan_args = ["plan", "--spec", str(folder / "spec.json"), "--world-size", "2", "--compute-device", "cpu"]
+    assert main([*plan_args, "--out", str(plan)]) == 0
+    args = ["export", "--from-torchrec", str(folder / "model.pt"), "--spec", str(folder / "spec.json"), "--no-dense"]
+    args += ["--plan", str(plan)]
+    assert main([*args, "--out", str(tmp_path / "a"), "--table-dtype", "user=fp16"]) == 2
+    message = _error(capsys)
+    assert "table 'user': --table-dtype user=fp16 disagrees with the plan" in message and "sized for int8" in message
+    assert main([*args, "--out", str(tmp_path / "b"), "--dtype", "int4"]) == 2
+    assert "--dtype int4 disagrees" in _error(capsys)
+    assert main([*args, "--out", str(tmp_path / "c"), "--dtype", "int8"]) == 0  # agreeing flags are fine
+    assert infer.load(tmp_path / "c").manifest.world_size == 2
+    # a plan made here from constraints that set a table's type: the same rule
+    (tmp_path / "constraints.json").write_text(json.dumps({"query": {"data_type": "int4"}}))
+    made = ["--world-size", "2", "--constraints", str(tmp_path / "constraints.json"), "--out", str(tmp_path / "d")]
+    base = [a for a in args if a not in ("--plan", str(plan))]
+    assert main([*base, *made, "--table-dtype", "query=fp16"]) == 2
+    assert "table 'query': --table-dtype query=fp16 disagrees with the plan made with --constraints" in _error(capsys)
+    # without flags the plan's type is exported, and the difference from the spec is said
+    made[-1] = str(tmp_path / "e")
+    assert main([*base, *made]) == 0
+    assert infer.load(tmp_path / "e").spec.table("query").data_type == DataType.INT4
+    assert "table query: the spec says int8" in caplog.text and "exporting int4" in caplog.text
+
+
+def test_weights_and_from_torchrec_are_exclusive(trained, tmp_path, capsys):
+    _, _, folder = trained
+    args = ["export", "--spec", str(folder / "spec.json"), "--out", str(tmp_path / "a"), "--no-dense"]
+    assert main(args) == 2
+    assert "exactly one of --weights" in _error(capsys)
+    assert main([*args, "--weights", str(folder / "model.pt"), "--from-torchrec", str(folder / "model.pt")]) == 2
