@@ -7,6 +7,12 @@ FBGEMM_VERSION := 1.8.0
 GRPC_VERSION := 1.85.1
 SERVING_PKGS := grpcio==$(GRPC_VERSION) grpcio-tools==$(GRPC_VERSION) grpcio-health-checking==$(GRPC_VERSION) \
 	grpcio-reflection==$(GRPC_VERSION) protobuf==7.36.2 prometheus-client==0.26.0
+# Triton's clients test the Open Inference Protocol (tritonclient[grpc,http]). Installed --no-deps, each
+# dependency pinned: tritonclient asks for protobuf<7, yet its stubs load with our protobuf 7.36.2
+# (tests/server/test_oip_descriptors.py imports them), and grpcio/protobuf must stay as pinned above.
+TRITON_PKGS := tritonclient==2.73.0 python-rapidjson==1.25 ml-dtypes==0.5.4 urllib3==2.8.0 \
+	gevent==26.9.0 geventhttpclient==2.6.1 greenlet==3.3.2 zope.event==6.2 zope.interface==8.7 \
+	brotli==1.2.1 certifi==2026.10.18
 # fbgemm-gpu (CUDA build) where an NVIDIA driver is present, fbgemm-gpu-cpu otherwise.
 HAS_CUDA := $(shell command -v nvidia-smi >/dev/null 2>&1 && nvidia-smi -L >/dev/null 2>&1 && echo 1)
 FBGEMM_PKG := $(if $(HAS_CUDA),fbgemm-gpu==$(FBGEMM_VERSION),fbgemm-gpu-cpu==$(FBGEMM_VERSION))
@@ -27,6 +33,7 @@ $(STAMP): pyproject.toml Makefile
 	$(BIN)/python -m pip install --quiet --disable-pip-version-check torch==$(TORCH_VERSION)
 	$(BIN)/python -m pip install --quiet --disable-pip-version-check $(FBGEMM_PKG) $(SERVING_PKGS) \
 		pytest ruff mypy numpy scipy matplotlib "hypothesis==6.140.0" "setuptools>=64"
+	$(BIN)/python -m pip install --quiet --disable-pip-version-check --no-deps $(TRITON_PKGS)
 	$(BIN)/python -m pip install --quiet --disable-pip-version-check --no-deps $(TORCHREC_PKGS)
 	$(BIN)/python -c "import torchrec.distributed, torchrec.models.dlrm, torchrec.quant"
 	$(BIN)/python -m pip install --quiet --disable-pip-version-check --no-deps $(ONNX_PKGS)

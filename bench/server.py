@@ -14,8 +14,14 @@ Requests are encoded once up front (the packed form ``EmbserveClient`` sends), s
 share the machine with the server here, spend their CPU on gRPC alone; ``--full-client`` sends through
 ``EmbserveClient.lookup`` instead (encode and decode on every call).
 
+``--protocol oip`` measures every case twice on the same server, embserve.v1 ``Lookup`` and Open
+Inference Protocol ``ModelInfer`` (per-feature raw tensors, as tritonclient sends them; also encoded
+up front), in the order v1, OIP, OIP, v1, and prints the ratio of OIP to v1 throughput (acceptance:
+>= 0.9 at batch 512, 16 clients).
+
     python bench/server.py                       # batch 1, 64, 512 x 1, 16 clients
     python bench/server.py --clients 32 --workers 1 --max-delay-us 500
+    python bench/server.py --protocol oip --batch-sizes 512
 """
 
 from __future__ import annotations
@@ -32,7 +38,7 @@ import tempfile
 import threading
 import time
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 
 # Run as ``python bench/server.py``, this file's folder heads sys.path and the file's own name would
@@ -53,12 +59,16 @@ from server import codec
 from server.client import EmbserveClient
 from server.proto import inference_pb2 as pb
 from server.proto import inference_pb2_grpc as pb_grpc
+from server.proto import open_inference_grpc_pb2 as oip_pb
+from server.proto import open_inference_grpc_pb2_grpc as oip_grpc
 
 HOST = "127.0.0.1"
 DIMS = (64, 96, 128)
 MAX_MESSAGE_BYTES = 64 * 1024 * 1024
 ACCEPT_BATCH, ACCEPT_CLIENTS = 512, 16
 ACCEPT_RATIO, ACCEPT_TAIL = 0.7, 3.0
+ACCEPT_OIP_RATIO = 0.9
+MODEL_NAME = "artifact"  # the OIP model name: the artifact's folder name
 
 
 def build_artifact(num_tables: int, rows: int, out_dir: Path) -> Path:
@@ -209,6 +219,7 @@ class Load:
     full_client: bool = False
     fp16: bool = False
     warmup_per_client: int = 2
+    protocol: str = "v1"  # "v1": embserve.v1 Lookup; "oip": Open Inference Protocol ModelInfer
 
 
 def _make_sender(address: str, batch_size: int, load: Load) -> tuple[Callable[[object], None], Callable[[], None]]:
@@ -228,8 +239,19 @@ def _make_sender(address: str, batch_size: int, load: Load) -> tuple[Callable[[o
         ("grpc.use_local_subchannel_pool", 1),  # one connection per client, as separate client hosts would have
     ]
     channel = grpc.insecure_channel(address, options)
-    stub = pb_grpc.InferenceServiceStub(channel)
     value_bytes = 2 if load.fp16 else 4
+    if load.protocol == "oip":
+        oip_stub = oip_grpc.GRPCInferenceServiceStub(channel)
+
+        def send_oip(item: object) -> None:
+            response = oip_stub.ModelInfer(item, timeout=load.timeout_s)
+            shape = list(response.outputs[0].shape) if response.outputs else []
+            raw = response.raw_output_contents
+            if not shape or shape[0] != batch_size or len(raw[0]) != value_bytes * batch_size * shape[1]:
+                raise ValueError("BAD_RESPONSE")
+
+        return send_oip, channel.close
+    stub = pb_grpc.InferenceServiceStub(channel)
 
     def send_packed(item: object) -> None:
         response = stub.Lookup(item, timeout=load.timeout_s)
@@ -343,6 +365,38 @@ def _send_counted(send: Callable[[object], None], item: object, run: Run) -> boo
     return True
 
 
+def oip_request(batch: SparseFeatures, fp16: bool) -> oip_pb.ModelInferRequest:
+    """A ModelInfer request of a batch as tritonclient sends it: per-feature raw values and INT32 lengths.
+
+    Ids go as INT32 (the contract takes INT32 or INT64), as the v1 packed form sends ids that fit:
+    both protocols then carry the same bytes of ids and lengths.
+    """
+    request = oip_pb.ModelInferRequest(model_name=MODEL_NAME)
+    batch_size = batch.batch_size
+    position = 0
+    for index, key in enumerate(batch.keys):
+        lengths = batch.lengths[index * batch_size : (index + 1) * batch_size]
+        count = int(lengths.sum())
+        values = batch.values[position : position + count].to(torch.int32)
+        position += count
+        request.inputs.add(name=f"{key}__values", datatype="INT32", shape=[count])
+        request.raw_input_contents.append(values.numpy().tobytes())
+        request.inputs.add(name=f"{key}__lengths", datatype="INT32", shape=[batch_size])
+        request.raw_input_contents.append(lengths.to(torch.int32).numpy().tobytes())
+    output = request.outputs.add(name="embeddings")
+    if fp16:
+        output.parameters["output_fp16"].bool_param = True
+    return request
+
+
+def oip_outputs_match(address: str, runtime: Runtime, batch: SparseFeatures) -> bool:
+    """One ModelInfer answer equals ``runtime.lookup`` on the same batch."""
+    with grpc.insecure_channel(address) as channel:
+        response = oip_grpc.GRPCInferenceServiceStub(channel).ModelInfer(oip_request(batch, False), timeout=60)
+    got = torch.frombuffer(bytearray(response.raw_output_contents[0]), dtype=torch.float32)
+    return torch.equal(got.view(batch.batch_size, -1), runtime.lookup(batch))
+
+
 def outputs_match(address: str, runtime: Runtime, batch: SparseFeatures) -> bool:
     """One request through the real client equals ``runtime.lookup`` on the same batch."""
     with EmbserveClient(address, timeout=60) as client:
@@ -408,6 +462,7 @@ def make_case(
         "max_batch_size": args.max_batch_size,
         "full_client": load_case.full_client,
         "fp16": load_case.fp16,
+        "protocol": load_case.protocol,
         "cpus": os.cpu_count(),
     }
     return Case(batch_size, load_case.clients, sum(errors.values()), ratio, tail, outputs_equal, row)
@@ -436,6 +491,9 @@ def run_batch_size(
     cases = []
     for clients in client_counts:
         load_case = Load(clients, args.requests, args.seconds, args.rounds, args.timeout, args.full_client, args.fp16)
+        if args.protocol == "oip":
+            cases += compare_protocols(args, runtime, server, batches, items, load_case, lookups_per_request)
+            continue
         served, inprocess, meter = measure_case(runtime, server, batches, items, load_case, args.baseline_seconds)
         cpu_seconds = (meter.server_s, meter.client_s)
         case = make_case(
@@ -443,6 +501,72 @@ def run_batch_size(
         )
         print(json.dumps(case.row), flush=True)
         cases.append(case)
+    return cases
+
+
+def compare_protocols(
+    args: argparse.Namespace,
+    runtime: Runtime,
+    server: ServerProcess,
+    batches: Sequence[SparseFeatures],
+    v1_items: Sequence[object],
+    load_case: Load,
+    lookups_per_request: int,
+) -> list[Case]:
+    """One case on both protocols, halves in the order v1, OIP, OIP, v1 (a drifting host hits both alike);
+    prints each protocol's row and the ratio of OIP to v1 throughput."""
+    address = f"{HOST}:{server.port}"
+    oip_items = [oip_request(b, args.fp16) for b in batches]
+    equal = {"v1": outputs_match(address, runtime, batches[0]), "oip": oip_outputs_match(address, runtime, batches[0])}
+    half = replace(load_case, seconds=load_case.seconds / 2, rounds=max(1, load_case.rounds // 2))
+    runs: dict[str, list[tuple[Run, Run, CpuMeter]]] = {"v1": [], "oip": []}
+    for protocol in ("v1", "oip", "oip", "v1"):
+        items = oip_items if protocol == "oip" else v1_items
+        protocol_load = replace(half, protocol=protocol)
+        runs[protocol].append(measure_case(runtime, server, batches, items, protocol_load, args.baseline_seconds / 2))
+    cases = []
+    for protocol, measured in runs.items():
+        served, inprocess = Run(), Run()
+        server_s = client_s = 0.0
+        for one_served, one_inprocess, meter in measured:
+            served.latencies += one_served.latencies
+            served.errors.update(one_served.errors)
+            served.seconds += one_served.seconds
+            served.stuck_clients += one_served.stuck_clients
+            inprocess.latencies += one_inprocess.latencies
+            inprocess.seconds += one_inprocess.seconds
+            server_s += meter.server_s
+            client_s += meter.client_s
+        case = make_case(
+            batches[0].batch_size,
+            replace(load_case, protocol=protocol),
+            lookups_per_request,
+            served,
+            inprocess,
+            (server_s, client_s),
+            args,
+            equal[protocol],
+        )
+        print(json.dumps(case.row), flush=True)
+        cases.append(case)
+    v1_rate, oip_rate = (float(str(c.row["qps"])) for c in cases)
+    ratio = oip_rate / v1_rate if v1_rate > 0 else float("nan")
+    print(
+        json.dumps(
+            {
+                "bench": "server_oip_vs_v1",
+                "batch_size": batches[0].batch_size,
+                "clients": load_case.clients,
+                "v1_qps": v1_rate,
+                "oip_qps": oip_rate,
+                "ratio_oip_to_v1": round(ratio, 3),
+                "accept_ratio_ok": ratio >= ACCEPT_OIP_RATIO
+                if (batches[0].batch_size, load_case.clients) == (ACCEPT_BATCH, ACCEPT_CLIENTS)
+                else None,
+            }
+        ),
+        flush=True,
+    )
     return cases
 
 
@@ -512,6 +636,11 @@ def summary_row(cases: Sequence[Case], exit_code: int | None) -> dict[str, objec
             "accept_tail_ok": target.p99_over_p50 <= ACCEPT_TAIL,
             "accept_zero_errors": target.errors == 0,
         }
+    at_accept = {c.row["protocol"]: c for c in cases if (c.batch_size, c.clients) == (ACCEPT_BATCH, ACCEPT_CLIENTS)}
+    if "oip" in at_accept and "v1" in at_accept:
+        v1_qps, oip_qps = (float(str(at_accept[p].row["qps"])) for p in ("v1", "oip"))
+        oip_ratio = oip_qps / v1_qps if v1_qps > 0 else float("nan")
+        summary |= {"accept_oip_to_v1": round(oip_ratio, 3), "accept_oip_to_v1_ok": oip_ratio >= ACCEPT_OIP_RATIO}
     return summary
 
 
@@ -539,7 +668,15 @@ def main() -> int:
     )
     parser.add_argument("--full-client", action="store_true", help="send via EmbserveClient.lookup (encode/decode)")
     parser.add_argument("--fp16", action="store_true", help="ask for fp16 output (half the response bytes)")
+    parser.add_argument(
+        "--protocol",
+        choices=("v1", "oip"),
+        default="v1",
+        help="oip: each case on embserve.v1 and OIP, and the ratio",
+    )
     args = parser.parse_args()
+    if args.protocol == "oip" and args.full_client:
+        parser.error("--protocol oip sends pre-encoded requests; drop --full-client")
     client_counts = sorted({1, 16, *args.clients})
     if min(client_counts) < 1 or min(args.batch_sizes) < 1 or max(args.batch_sizes) > args.max_batch_size:
         parser.error("client counts and batch sizes must be >= 1, batch sizes <= --max-batch-size")

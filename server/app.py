@@ -28,6 +28,9 @@ from infer.features import SparseFeatures
 from server.auth import BearerTokenInterceptor
 from server.health import DrainingHealthServicer
 from server.metrics import ServerMetrics
+from server.oip import OpenInference
+from server.oip import add_to_server as add_open_inference
+from server.repository import is_repository, open_repository
 from server.service import SERVICE_NAME, InferenceServicer, add_to_server
 
 logger = logging.getLogger(__name__)
@@ -57,6 +60,12 @@ class ServerConfig:
     drain_grace_s: float = 5.0  # after SIGTERM: NOT_SERVING but still serving, for load balancers to notice
     drain_seconds: float = 30.0  # then: at most this long for accepted calls to finish
     warmup_batches: int = 3
+    # Open Inference Protocol (server/oip.py, server/oip_http.py)
+    model_name: str | None = None  # the OIP model name; None: the artifact's folder name
+    http_port: int | None = None  # None: no REST endpoint; 0: any free port
+    http_host: str | None = None  # None: the gRPC host
+    poll_s: float | None = None  # a repository: look for new versions this often (None: only on load calls)
+    version_policy: str = "latest:1"  # a repository: "latest:N" or "versions:1,3"
 
 
 @dataclass
@@ -68,10 +77,14 @@ class RunningServer:
     metrics: ServerMetrics
     metrics_port: int | None = None
     stopped: asyncio.Event = field(default_factory=asyncio.Event)
+    oip: OpenInference | None = None
+    http_port: int | None = None
 
     async def drain(self, grace_s: float, timeout_s: float) -> None:
         """NOT_SERVING now; keep serving for ``grace_s``; then stop (``stop``)."""
         await self.health.enter_graceful_shutdown()
+        if self.oip is not None:
+            self.oip.is_ready = False  # the Open Inference Protocol's readiness says the same
         if grace_s > 0 and not self.stopped.is_set():
             logger.info("draining: NOT_SERVING, still serving for %.1f s", grace_s)
             await asyncio.sleep(grace_s)
@@ -83,11 +96,15 @@ class RunningServer:
         if self.stopped.is_set():
             return
         await self.health.enter_graceful_shutdown()
+        if self.oip is not None:
+            self.oip.is_ready = False
         await self.health.end_watches()  # health streams would otherwise hold the stop for its whole timeout
         started = time.monotonic()
         await self.servicer.quiesce(_QUIET_S, timeout_s if timeout_s is not None else 0.0)
         remaining = None if timeout_s is None else max(0.0, timeout_s - (time.monotonic() - started))
         await self.server.stop(remaining)
+        if self.oip is not None:
+            await self.oip.close(remaining)
         await self.servicer.close()
         await asyncio.to_thread(self.metrics.close)
         self.stopped.set()
@@ -125,8 +142,15 @@ async def _warm_up(servicer: InferenceServicer, batches: int) -> None:
 
 async def create_server(artifact: str | Path | Runtime, config: ServerConfig = ServerConfig()) -> RunningServer:
     """Load (or take) a runtime, start a server on ``config.host:config.port`` and warm it up."""
-    runtime = artifact if isinstance(artifact, Runtime) else load(artifact)
     metrics = ServerMetrics()
+    repository = None
+    if isinstance(artifact, Runtime):
+        runtime = artifact
+    elif is_repository(artifact):  # REPO/<model>/<version>/ (server/repository.py)
+        repository = await open_repository(artifact, config, metrics)
+        runtime = repository.default_runtime()
+    else:
+        runtime = load(artifact)
     workers = _workers(runtime, config.workers)
     _set_intra_op_threads(runtime, workers, config.intra_op_threads)
     runtime.set_threads(config.threads or runtime.thread_budget(workers))
@@ -145,6 +169,7 @@ async def create_server(artifact: str | Path | Runtime, config: ServerConfig = S
     ]
     server = grpc.aio.server(interceptors=interceptors, options=options)
     add_to_server(servicer, server)
+    oip = add_open_inference(servicer, server, config.model_name or runtime.path.name, config.max_queue, repository)
     health = DrainingHealthServicer()
     health_pb2_grpc.add_HealthServicer_to_server(health, server)
     reflection.enable_server_reflection(
@@ -166,10 +191,13 @@ async def create_server(artifact: str | Path | Runtime, config: ServerConfig = S
         raise OSError(f"cannot bind {address}")
     await server.start()
     servicer.start()
-    running = RunningServer(server, port, servicer, health, metrics)
+    oip.start()
+    running = RunningServer(server, port, servicer, health, metrics, oip=oip)
     try:
         if config.metrics_port is not None:
             running.metrics_port = metrics.serve_http(config.metrics_port, config.metrics_host)
+        if config.http_port is not None:
+            running.http_port = await oip.serve_http(config.http_host or config.host, config.http_port, config)
         logger.info("warming up on port %d (%d batches)", port, config.warmup_batches)
         await _warm_up(servicer, config.warmup_batches)
     except BaseException:
@@ -177,6 +205,7 @@ async def create_server(artifact: str | Path | Runtime, config: ServerConfig = S
         await asyncio.shield(running.stop(0))
         raise
     servicer.ready = True
+    oip.is_ready = True
     metrics_port = running.metrics_port
     for name in ("", SERVICE_NAME):
         await health.set(name, health_pb2.HealthCheckResponse.SERVING)

@@ -10,8 +10,14 @@ import grpc
 
 from infer.errors import ConfigError
 
-# Probes (health) and tooling (reflection) must work without the token.
-OPEN_PREFIXES = ("/grpc.health.v1.Health/", "/grpc.reflection.")
+# Probes (health, and the Open Inference Protocol's liveness/readiness) and tooling (reflection) must
+# work without the token.
+OPEN_PREFIXES = (
+    "/grpc.health.v1.Health/",
+    "/grpc.reflection.",
+    "/inference.GRPCInferenceService/ServerLive",
+    "/inference.GRPCInferenceService/ServerReady",
+)
 
 
 async def _deny(request: Any, context: grpc.aio.ServicerContext) -> None:

@@ -40,6 +40,11 @@ def cmd_serve(args: argparse.Namespace) -> int:
         auth_token=read_token_file(args.auth_token_file) if args.auth_token_file else None,
         drain_grace_s=args.drain_grace_s,
         drain_seconds=args.drain_seconds,
+        model_name=args.model_name,
+        http_port=args.http_port,
+        http_host=args.http_host,
+        poll_s=args.poll_s,
+        version_policy=args.version_policy,
     )
     from server.distributed import GroupConfig, is_multi_host, serve_distributed
 
@@ -70,6 +75,8 @@ def cmd_query(args: argparse.Namespace) -> int:
 
     token = read_token_file(args.token_file) if args.token_file else None
     root = Path(args.tls_root).read_bytes() if args.tls_root else None
+    if args.protocol == "oip":
+        return _query_oip(args, token, root)
     with EmbserveClient(args.address, token=token, root_certificates=root, timeout=args.timeout) as client:
         metadata = client.metadata()
         print(
@@ -101,6 +108,45 @@ def cmd_query(args: argparse.Namespace) -> int:
             )
             scores = client.predict(features, dense)
             print(f"predict: first scores {[round(v, 4) for v in scores[:5].tolist()]}")
+    return 0
+
+
+def _query_oip(args: argparse.Namespace, token: str | None, root: bytes | None) -> int:
+    """``embserve query --protocol oip``: the same metadata and lookup (and predict) over OIP."""
+    import torch
+
+    from infer.features import SparseFeatures
+    from server.client import EmbserveClient
+    from server.oip_client import spec_of
+
+    client = EmbserveClient(
+        args.address, token=token, root_certificates=root, timeout=args.timeout, protocol="oip",
+        model=args.model, version=args.model_version,
+    )  # fmt: skip
+    with client:
+        metadata = client.metadata()
+        spec = spec_of(metadata)
+        print(
+            f"model {metadata.name} (versions {list(metadata.versions)}, {metadata.platform}): "
+            f"features {list(spec.feature_names)}, output dim {spec.output_dim}"
+        )
+        features = (
+            json.loads(args.features)
+            if args.features
+            else SparseFeatures.random(spec, batch_size=args.batch_size, ids_per_bag=args.ids_per_bag, seed=args.seed)
+        )
+        started = time.perf_counter()
+        pooled = client.lookup(features, fp16=args.fp16)
+        print(f"infer (embeddings): output {list(pooled.shape)} in {1e3 * (time.perf_counter() - started):.2f} ms")
+        for feature in spec.features[: args.show]:
+            start, end = feature.column_start, feature.column_end
+            values = [round(v, 4) for v in pooled[0, start : min(end, start + 4)].tolist()]
+            print(f"  row 0 {feature.name:<20} [{start}:{end}] {values} ...")
+        num_dense = int(metadata.properties.get("num_dense_features", "0"))
+        if num_dense and not args.features:
+            dense = torch.randn(pooled.shape[0], num_dense, generator=torch.Generator().manual_seed(0))
+            scores = client.predict(features, dense)
+            print(f"infer (scores): first scores {[round(v, 4) for v in scores[:5].tolist()]}")
     return 0
 
 
@@ -140,7 +186,7 @@ def serve_demo(artifact: Path) -> int:
 def add_subcommands(subcommands: Any) -> None:
     """Register ``serve`` and ``query`` on the ``embserve`` parser's subcommands."""
     srv = subcommands.add_parser("serve", help="serve an artifact over gRPC (SIGTERM drains, then exits 0)")
-    srv.add_argument("artifact")
+    srv.add_argument("artifact", help="an artifact folder, or a repository REPO/<model>/<version>/ of artifacts")
     srv.add_argument("--host", default="0.0.0.0")
     srv.add_argument("--port", type=int, default=50051)
     srv.add_argument("--max-batch-size", type=int, default=4096, help="examples per batched forward")
@@ -186,6 +232,11 @@ def add_subcommands(subcommands: Any) -> None:
         default=2.0,
         help="multi-host: after a failure, seconds of NOT_SERVING and UNAVAILABLE before exiting 1",
     )
+    srv.add_argument("--http-port", type=int, default=None, help="Open Inference Protocol REST port (0: any)")
+    srv.add_argument("--http-host", default=None, help="REST host (default: --host)")
+    srv.add_argument("--model-name", default=None, help="OIP model name of an artifact (default: its folder name)")
+    srv.add_argument("--poll-s", type=float, default=None, help="a repository: look for new versions this often")
+    srv.add_argument("--version-policy", default="latest:1", help="a repository: 'latest:N' or 'versions:1,3'")
     srv.set_defaults(func=cmd_serve)
 
     qry = subcommands.add_parser("query", help="query a server: metadata and one lookup")
@@ -199,4 +250,7 @@ def add_subcommands(subcommands: Any) -> None:
     qry.add_argument("--token-file", default=None)
     qry.add_argument("--tls-root", default=None, help="PEM root certificate of a TLS server")
     qry.add_argument("--timeout", type=float, default=30.0)
+    qry.add_argument("--protocol", choices=("v1", "oip"), default="v1", help="oip: the Open Inference Protocol")
+    qry.add_argument("--model", default=None, help="oip: the model's name (its artifact or repository folder name)")
+    qry.add_argument("--model-version", default="", help="oip: the version (default: the newest)")
     qry.set_defaults(func=cmd_query)

@@ -1,6 +1,7 @@
 """Python client: ``EmbserveClient(addr).lookup({"f0": [[1, 2], [3]], ...})`` -> tensor.
 
-Requests go in the packed form (little-endian arrays), the fast path of the protocol.
+Requests go in the packed form (little-endian arrays), the fast path of the protocol. With
+``protocol="oip"`` the same calls go over the Open Inference Protocol (``server.oip_client``).
 """
 
 from __future__ import annotations
@@ -27,7 +28,15 @@ class EmbserveClient:
         root_certificates: bytes | None = None,
         timeout: float | None = 30.0,
         max_message_bytes: int = 64 * 1024 * 1024,
+        protocol: str = "v1",
+        model: str | None = None,
+        version: str = "",
     ) -> None:
+        """``protocol``: "v1" (embserve.v1) or "oip" (Open Inference Protocol). ``model`` and ``version`` name
+        a model of the server (OIP: required; v1: empty for the server's default model) and its version
+        (empty: the newest loaded)."""
+        if protocol not in ("v1", "oip"):
+            raise ValueError(f"protocol {protocol!r}: use 'v1' or 'oip'")
         options = [
             ("grpc.max_receive_message_length", max_message_bytes),
             ("grpc.max_send_message_length", max_message_bytes),
@@ -39,6 +48,14 @@ class EmbserveClient:
         self._stub = pb_grpc.InferenceServiceStub(self._channel)
         self._metadata = (("authorization", f"Bearer {token}"),) if token else None
         self.timeout = timeout
+        self.protocol = protocol
+        self.model = model or ""
+        self.version = version
+        self._oip = None
+        if protocol == "oip":
+            from server.oip_client import OipCalls
+
+            self._oip = OipCalls(self._channel, model, version)
 
     def __enter__(self) -> EmbserveClient:
         return self
@@ -67,9 +84,13 @@ class EmbserveClient:
         fp16: bool = False,
     ) -> torch.Tensor:
         """Pooled embeddings ``[batch, output_dim]`` (float32; fp16 on the wire when ``fp16``)."""
+        if self._oip is not None:
+            return self._oip.lookup(self._call, self._features(features, weights), fp16)
         request = pb.LookupRequest(
             sparse=codec.encode_packed(self._features(features, weights)),
             output_type=pb.OUTPUT_TYPE_FP16 if fp16 else pb.OUTPUT_TYPE_FP32,
+            model_name=self.model,
+            model_version=self.version,
         )
         return codec.decode_embeddings(self._call(self._stub.Lookup, request))
 
@@ -80,12 +101,20 @@ class EmbserveClient:
         weights: Mapping[str, Sequence[Sequence[float]]] | None = None,
     ) -> torch.Tensor:
         """Scores ``[batch]`` of the model's dense part."""
+        if self._oip is not None:
+            return self._oip.predict(self._call, self._features(features, weights), dense_features)
         request = pb.PredictRequest(
             sparse=codec.encode_packed(self._features(features, weights)),
             dense_features=dense_features.to(torch.float32).contiguous().numpy().tobytes(),
+            model_name=self.model,
+            model_version=self.version,
         )
         response = self._call(self._stub.Predict, request)
         return torch.frombuffer(bytearray(response.scores), dtype=torch.float32).clone()
 
-    def metadata(self) -> pb.ModelMetadata:
-        return self._call(self._stub.GetModelMetadata, pb.GetModelMetadataRequest())
+    def metadata(self) -> Any:
+        """embserve.v1's ``ModelMetadata``; with ``protocol="oip"`` the protocol's ``ModelMetadataResponse``."""
+        if self._oip is not None:
+            return self._oip.metadata(self._call)
+        request = pb.GetModelMetadataRequest(model_name=self.model, model_version=self.version)
+        return self._call(self._stub.GetModelMetadata, request)

@@ -1,4 +1,4 @@
-"""Generate the gRPC stubs in ``server/proto`` from ``protos/embserve/v1/*.proto``.
+"""Generate the gRPC stubs in ``server/proto`` from ``protos/``: embserve.v1 and the Open Inference Protocol.
 
     python -m server.generate_protos            # rewrite the checked-in stubs
     python -m server.generate_protos --check    # exit 1 if they differ from a fresh generation
@@ -15,11 +15,28 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
 PROTO_ROOT = ROOT / "protos"
-PROTOS = ("embserve/v1/inference.proto",)
+PROTOS = ("embserve/v1/inference.proto", "inference/open_inference_grpc.proto")
 OUT = Path(__file__).resolve().parent / "proto"
 # protoc writes absolute imports of the proto's package path; the stubs live in server.proto
-_IMPORT_FROM = "from embserve.v1 import inference_pb2"
-_IMPORT_TO = "from server.proto import inference_pb2"
+_IMPORTS = {
+    "from embserve.v1 import inference_pb2": "from server.proto import inference_pb2",
+    "from inference import open_inference_grpc_pb2": "from server.proto import open_inference_grpc_pb2",
+}
+# The OIP messages are named ``inference.*``, like the ones tritonclient registers in protobuf's default
+# descriptor pool: ours go into a pool of their own, so a process can hold both (a test compares them).
+_PRIVATE_POOL_STUB = "open_inference_grpc_pb2.py"
+_DEFAULT_POOL = "DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile("
+_PRIVATE_POOL = "DESCRIPTOR = _descriptor_pool.DescriptorPool().AddSerializedFile("
+
+
+def _rewrite(name: str, text: str) -> str:
+    for old, new in _IMPORTS.items():
+        text = text.replace(old, new)
+    if name == _PRIVATE_POOL_STUB:
+        if _DEFAULT_POOL not in text:
+            raise RuntimeError(f"protoc's {name} no longer registers with {_DEFAULT_POOL!r}; update generate_protos")
+        text = text.replace(_DEFAULT_POOL, _PRIVATE_POOL)
+    return text
 
 
 def generate(out_dir: Path) -> list[Path]:
@@ -39,12 +56,12 @@ def generate(out_dir: Path) -> list[Path]:
             raise RuntimeError(f"protoc failed: {' '.join(args)}")
         out_dir.mkdir(parents=True, exist_ok=True)
         written = []
-        for produced in sorted(Path(tmp, "embserve", "v1").iterdir()):
-            text = produced.read_text().replace(_IMPORT_FROM, _IMPORT_TO)
+        produced_dirs = sorted({Path(tmp, p).parent for p in PROTOS})
+        for produced in sorted(p for d in produced_dirs for p in d.iterdir() if p.is_file()):
             target = out_dir / produced.name
-            target.write_text(text)
+            target.write_text(_rewrite(produced.name, produced.read_text()))
             written.append(target)
-    return written
+    return sorted(written)
 
 
 def main() -> int:

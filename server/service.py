@@ -74,6 +74,10 @@ def bounded(message: str) -> str:
 
 
 class InferenceServicer(pb_grpc.InferenceServiceServicer):
+    # (model_name, model_version) -> the servicer of that model, for requests that name one; set by
+    # server.oip (a repository serves several models and versions); None: only the default model
+    route: Callable[[str, str], InferenceServicer] | None = None
+
     def __init__(
         self,
         runtime: Runtime,
@@ -168,8 +172,24 @@ class InferenceServicer(pb_grpc.InferenceServiceServicer):
         if self.closing:
             self.metrics.requests.labels("GetModelMetadata", "UNAVAILABLE").inc()
             await context.abort(grpc.StatusCode.UNAVAILABLE, "the server is shutting down; retry on another replica")
+        if not isinstance(request, Undecodable) and (request.model_name or request.model_version):
+
+            async def named() -> pb.ModelMetadata:
+                return self._target(request)._metadata
+
+            return await self._handle("GetModelMetadata", context, named())
         self.metrics.requests.labels("GetModelMetadata", "OK").inc()
         return self._metadata
+
+    def _target(self, request: Any) -> InferenceServicer:
+        """The servicer of the model a request names (its optional model_name / model_version)."""
+        if not (request.model_name or request.model_version):
+            return self
+        if self.route is None:
+            raise _Failure(
+                grpc.StatusCode.NOT_FOUND, "this server serves one model; leave model_name empty", "not_found"
+            )
+        return self.route(request.model_name, request.model_version)
 
     def _accept(self, request: Any) -> None:
         """Gate every model call: undecodable bytes and calls during warm-up are refused first."""
@@ -188,32 +208,34 @@ class InferenceServicer(pb_grpc.InferenceServiceServicer):
         self._accept(request)
         if request.output_type not in (pb.OUTPUT_TYPE_FP32, pb.OUTPUT_TYPE_FP16):
             raise RequestError(f"unknown output_type {request.output_type}")
-        features = codec.decode_sparse(request.sparse, self.spec)
+        target = self._target(request)
+        features = codec.decode_sparse(request.sparse, target.spec)
         _check_deadline(context)
-        pooled = await self._submit(self.lookups, features, None)
+        pooled = await target._submit(target.lookups, features, None)
         return pb.LookupResponse(
             batch_size=pooled.shape[0],
             dim=pooled.shape[1],
             output_type=request.output_type,
             embeddings=codec.encode_embeddings(pooled, request.output_type),
-            columns=self._columns,
-            model_version=self.version,
+            columns=target._columns,
+            model_version=target.version,
         )
 
     async def _predict(self, request: pb.PredictRequest, context: grpc.aio.ServicerContext) -> pb.PredictResponse:
         self._accept(request)
-        if self.predictions is None:
+        target = self._target(request)
+        if target.predictions is None:
             raise _Failure(
                 grpc.StatusCode.FAILED_PRECONDITION, "this model has no dense part; call Lookup", "no_dense_part"
             )
-        features = codec.decode_sparse(request.sparse, self.spec)
-        dense = codec.decode_dense(request.dense_features, features.batch_size, self.spec.num_dense_features)
+        features = codec.decode_sparse(request.sparse, target.spec)
+        dense = codec.decode_dense(request.dense_features, features.batch_size, target.spec.num_dense_features)
         _check_deadline(context)
-        scores = await self._submit(self.predictions, features, dense)
+        scores = await target._submit(target.predictions, features, dense)
         return pb.PredictResponse(
             batch_size=scores.shape[0],
             scores=scores.to(torch.float32).contiguous().numpy().tobytes(),
-            model_version=self.version,
+            model_version=target.version,
         )
 
     async def _submit(self, batcher: DynamicBatcher, features: Any, dense: torch.Tensor | None) -> torch.Tensor:

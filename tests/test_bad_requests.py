@@ -1,7 +1,8 @@
 """The shared bad-request corpus against every entry point: each rejects each case with the same fragment.
 
 Entry points: the in-process ``Runtime``, the scripted model called directly (what TorchScript hosts
-run), the gRPC server (packed wire form) and the C++ ``embserve_run``. After each bad call the model
+run), the gRPC server (packed wire form), the Open Inference Protocol through tritonclient (gRPC and
+REST, per-feature tensors) and the C++ ``embserve_run``. After each bad call the model
 still answers a good request exactly as before.
 """
 
@@ -28,6 +29,8 @@ from infer.weights import random_weights
 from server.proto import inference_pb2 as pb
 from server.proto import inference_pb2_grpc as pb_grpc
 from tests.cpp.conftest import build_cpp_loader
+from tests.server.oip_support import PROTOCOLS, corpus_inputs, triton_inputs
+from tests.server.oip_support import client as triton_client
 from tests.server.support import CALL_TIMEOUT, LoopThread, Served, local_config
 from tests.support.bad_requests import BAD_REQUESTS, CORPUS_SPEC, BadRequest
 
@@ -62,7 +65,7 @@ def expected_good(corpus_model) -> torch.Tensor:
 @pytest.fixture(scope="module")
 def server(artifact) -> Iterator[Served]:
     loop = LoopThread()
-    served = Served.start(loop, artifact, local_config())
+    served = Served.start(loop, artifact, local_config(http_port=0))
     yield served
     served.close_channels()
     served.stop(grace=1.0)
@@ -115,6 +118,22 @@ def test_grpc_server(case: BadRequest, server: Served, expected_good):
     response = stub.Lookup(pb.LookupRequest(sparse=pb.SparseFeatures(packed=good)), timeout=CALL_TIMEOUT)
     pooled = torch.frombuffer(bytearray(response.embeddings), dtype=torch.float32).view(response.batch_size, -1)
     torch.testing.assert_close(pooled, expected_good, rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("protocol", PROTOCOLS)
+@pytest.mark.parametrize("case", BAD_REQUESTS, ids=repr)
+def test_open_inference_protocol(case: BadRequest, protocol: str, server: Served, expected_good):
+    from tritonclient.utils import InferenceServerException
+
+    address = server.address if protocol == "grpc" else f"127.0.0.1:{server.running.http_port}"
+    model = server.running.servicer.runtime.path.name
+    with triton_client(protocol, address) as client:
+        with pytest.raises(InferenceServerException) as info:
+            client.infer(model, corpus_inputs(protocol, case))
+        assert str(info.value.status()) == {"grpc": "StatusCode.INVALID_ARGUMENT", "http": "400"}[protocol]
+        assert case.fragment in info.value.message()
+        pooled = client.infer(model, triton_inputs(protocol, GOOD)).as_numpy("embeddings")
+    torch.testing.assert_close(torch.tensor(pooled), expected_good, rtol=1e-5, atol=1e-5)
 
 
 def test_embserve_run(artifact, tmp_path, expected_good):

@@ -6,10 +6,14 @@ import re
 import signal
 from pathlib import Path
 
+import torch
+
 from server.launch import spawn_server
+from tests.server.support import free_port
 
 README = Path(__file__).resolve().parent.parent / "README.md"
 README_ADDRESS = "127.0.0.1:50051"
+README_HTTP_ADDRESS = "127.0.0.1:8000"  # the Open Inference Protocol's REST example (--http-port 8000)
 
 
 def test_readme_python_blocks_run(tmp_path, monkeypatch):
@@ -18,12 +22,16 @@ def test_readme_python_blocks_run(tmp_path, monkeypatch):
     monkeypatch.chdir(tmp_path)
     namespace = {"__name__": "readme"}  # later blocks use the names of earlier ones
     server = None
+    http_port = free_port()
     try:
         for block in blocks:
-            if README_ADDRESS in block:
-                # the serving example talks to a server on the quickstart artifact
-                server, port = spawn_server(tmp_path / "artifacts" / "quickstart")
+            if README_ADDRESS in block or README_HTTP_ADDRESS in block:
+                # the serving examples talk to one server on the quickstart artifact
+                if server is None:
+                    artifact = tmp_path / "artifacts" / "quickstart"
+                    server, port = spawn_server(artifact, "--http-port", str(http_port))
                 block = block.replace(README_ADDRESS, f"127.0.0.1:{port}")
+                block = block.replace(README_HTTP_ADDRESS, f"127.0.0.1:{http_port}")
             exec(compile(block, str(README), "exec"), namespace)
     finally:
         if server is not None:
@@ -34,3 +42,4 @@ def test_readme_python_blocks_run(tmp_path, monkeypatch):
     runtime = namespace["runtime"]
     expected = runtime.lookup({"user_id": [[1, 2, 3], [4]], "item_id": [[7], []], "last_item": [[8, 9], [10]]})
     assert server is not None and namespace["pooled"].equal(expected)
+    assert torch.equal(torch.from_numpy(namespace["oip_pooled"].copy()), expected)  # Triton's clients, same bits

@@ -24,7 +24,7 @@ _sym_db = _symbol_database.Default()
 
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x1b\x65mbserve/v1/inference.proto\x12\x0b\x65mbserve.v1\"<\n\x0b\x46\x65\x61tureBags\x12\x0f\n\x07lengths\x18\x01 \x03(\x05\x12\x0b\n\x03ids\x18\x02 \x03(\x03\x12\x0f\n\x07weights\x18\x03 \x03(\x02\"\x96\x01\n\rTypedFeatures\x12:\n\x08\x66\x65\x61tures\x18\x01 \x03(\x0b\x32(.embserve.v1.TypedFeatures.FeaturesEntry\x1aI\n\rFeaturesEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\'\n\x05value\x18\x02 \x01(\x0b\x32\x18.embserve.v1.FeatureBags:\x02\x38\x01\"|\n\x0ePackedFeatures\x12\x15\n\rfeature_order\x18\x01 \x03(\t\x12\x0f\n\x07lengths\x18\x02 \x01(\x0c\x12\x0b\n\x03ids\x18\x03 \x01(\x0c\x12$\n\x07id_type\x18\x04 \x01(\x0e\x32\x13.embserve.v1.IdType\x12\x0f\n\x07weights\x18\x05 \x01(\x0c\"t\n\x0eSparseFeatures\x12+\n\x05typed\x18\x01 \x01(\x0b\x32\x1a.embserve.v1.TypedFeaturesH\x00\x12-\n\x06packed\x18\x02 \x01(\x0b\x32\x1b.embserve.v1.PackedFeaturesH\x00\x42\x06\n\x04\x66orm\":\n\x0b\x43olumnRange\x12\x0f\n\x07\x66\x65\x61ture\x18\x01 \x01(\t\x12\r\n\x05start\x18\x02 \x01(\x05\x12\x0b\n\x03\x65nd\x18\x03 \x01(\x05\"j\n\rLookupRequest\x12+\n\x06sparse\x18\x01 \x01(\x0b\x32\x1b.embserve.v1.SparseFeatures\x12,\n\x0boutput_type\x18\x02 \x01(\x0e\x32\x17.embserve.v1.OutputType\"\xb5\x01\n\x0eLookupResponse\x12\x12\n\nbatch_size\x18\x01 \x01(\x05\x12\x0b\n\x03\x64im\x18\x02 \x01(\x05\x12,\n\x0boutput_type\x18\x03 \x01(\x0e\x32\x17.embserve.v1.OutputType\x12\x12\n\nembeddings\x18\x04 \x01(\x0c\x12)\n\x07\x63olumns\x18\x05 \x03(\x0b\x32\x18.embserve.v1.ColumnRange\x12\x15\n\rmodel_version\x18\x06 \x01(\t\"U\n\x0ePredictRequest\x12+\n\x06sparse\x18\x01 \x01(\x0b\x32\x1b.embserve.v1.SparseFeatures\x12\x16\n\x0e\x64\x65nse_features\x18\x02 \x01(\x0c\"L\n\x0fPredictResponse\x12\x12\n\nbatch_size\x18\x01 \x01(\x05\x12\x0e\n\x06scores\x18\x02 \x01(\x0c\x12\x15\n\rmodel_version\x18\x03 \x01(\t\"\x19\n\x17GetModelMetadataRequest\"\x87\x01\n\rTableMetadata\x12\x0c\n\x04name\x18\x01 \x01(\t\x12\x16\n\x0enum_embeddings\x18\x02 \x01(\x03\x12\x15\n\rembedding_dim\x18\x03 \x01(\x05\x12\x11\n\tdata_type\x18\x04 \x01(\t\x12\x0f\n\x07pooling\x18\x05 \x01(\t\x12\x15\n\rfeature_names\x18\x06 \x03(\t\"\xc6\x02\n\rModelMetadata\x12\x15\n\rmodel_version\x18\x01 \x01(\t\x12\x16\n\x0e\x66ormat_version\x18\x02 \x01(\x05\x12*\n\x06tables\x18\x03 \x03(\x0b\x32\x1a.embserve.v1.TableMetadata\x12\x15\n\rfeature_order\x18\x04 \x03(\t\x12)\n\x07\x63olumns\x18\x05 \x03(\x0b\x32\x18.embserve.v1.ColumnRange\x12\x12\n\noutput_dim\x18\x06 \x01(\x05\x12\x11\n\thas_dense\x18\x07 \x01(\x08\x12\x1a\n\x12num_dense_features\x18\x08 \x01(\x05\x12\x0f\n\x07\x64\x65vices\x18\t \x03(\t\x12\x12\n\nworld_size\x18\n \x01(\x05\x12\x18\n\x10\x65mbserve_version\x18\x0b \x01(\t\x12\x16\n\x0emax_batch_size\x18\x0c \x01(\x05*.\n\x06IdType\x12\x11\n\rID_TYPE_INT64\x10\x00\x12\x11\n\rID_TYPE_INT32\x10\x01*8\n\nOutputType\x12\x14\n\x10OUTPUT_TYPE_FP32\x10\x00\x12\x14\n\x10OUTPUT_TYPE_FP16\x10\x01\x32\xf1\x01\n\x10InferenceService\x12\x41\n\x06Lookup\x12\x1a.embserve.v1.LookupRequest\x1a\x1b.embserve.v1.LookupResponse\x12\x44\n\x07Predict\x12\x1b.embserve.v1.PredictRequest\x1a\x1c.embserve.v1.PredictResponse\x12T\n\x10GetModelMetadata\x12$.embserve.v1.GetModelMetadataRequest\x1a\x1a.embserve.v1.ModelMetadatab\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x1b\x65mbserve/v1/inference.proto\x12\x0b\x65mbserve.v1\"<\n\x0b\x46\x65\x61tureBags\x12\x0f\n\x07lengths\x18\x01 \x03(\x05\x12\x0b\n\x03ids\x18\x02 \x03(\x03\x12\x0f\n\x07weights\x18\x03 \x03(\x02\"\x96\x01\n\rTypedFeatures\x12:\n\x08\x66\x65\x61tures\x18\x01 \x03(\x0b\x32(.embserve.v1.TypedFeatures.FeaturesEntry\x1aI\n\rFeaturesEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\'\n\x05value\x18\x02 \x01(\x0b\x32\x18.embserve.v1.FeatureBags:\x02\x38\x01\"|\n\x0ePackedFeatures\x12\x15\n\rfeature_order\x18\x01 \x03(\t\x12\x0f\n\x07lengths\x18\x02 \x01(\x0c\x12\x0b\n\x03ids\x18\x03 \x01(\x0c\x12$\n\x07id_type\x18\x04 \x01(\x0e\x32\x13.embserve.v1.IdType\x12\x0f\n\x07weights\x18\x05 \x01(\x0c\"t\n\x0eSparseFeatures\x12+\n\x05typed\x18\x01 \x01(\x0b\x32\x1a.embserve.v1.TypedFeaturesH\x00\x12-\n\x06packed\x18\x02 \x01(\x0b\x32\x1b.embserve.v1.PackedFeaturesH\x00\x42\x06\n\x04\x66orm\":\n\x0b\x43olumnRange\x12\x0f\n\x07\x66\x65\x61ture\x18\x01 \x01(\t\x12\r\n\x05start\x18\x02 \x01(\x05\x12\x0b\n\x03\x65nd\x18\x03 \x01(\x05\"\x95\x01\n\rLookupRequest\x12+\n\x06sparse\x18\x01 \x01(\x0b\x32\x1b.embserve.v1.SparseFeatures\x12,\n\x0boutput_type\x18\x02 \x01(\x0e\x32\x17.embserve.v1.OutputType\x12\x12\n\nmodel_name\x18\x03 \x01(\t\x12\x15\n\rmodel_version\x18\x04 \x01(\t\"\xb5\x01\n\x0eLookupResponse\x12\x12\n\nbatch_size\x18\x01 \x01(\x05\x12\x0b\n\x03\x64im\x18\x02 \x01(\x05\x12,\n\x0boutput_type\x18\x03 \x01(\x0e\x32\x17.embserve.v1.OutputType\x12\x12\n\nembeddings\x18\x04 \x01(\x0c\x12)\n\x07\x63olumns\x18\x05 \x03(\x0b\x32\x18.embserve.v1.ColumnRange\x12\x15\n\rmodel_version\x18\x06 \x01(\t\"\x80\x01\n\x0ePredictRequest\x12+\n\x06sparse\x18\x01 \x01(\x0b\x32\x1b.embserve.v1.SparseFeatures\x12\x16\n\x0e\x64\x65nse_features\x18\x02 \x01(\x0c\x12\x12\n\nmodel_name\x18\x03 \x01(\t\x12\x15\n\rmodel_version\x18\x04 \x01(\t\"L\n\x0fPredictResponse\x12\x12\n\nbatch_size\x18\x01 \x01(\x05\x12\x0e\n\x06scores\x18\x02 \x01(\x0c\x12\x15\n\rmodel_version\x18\x03 \x01(\t\"D\n\x17GetModelMetadataRequest\x12\x12\n\nmodel_name\x18\x01 \x01(\t\x12\x15\n\rmodel_version\x18\x02 \x01(\t\"\x87\x01\n\rTableMetadata\x12\x0c\n\x04name\x18\x01 \x01(\t\x12\x16\n\x0enum_embeddings\x18\x02 \x01(\x03\x12\x15\n\rembedding_dim\x18\x03 \x01(\x05\x12\x11\n\tdata_type\x18\x04 \x01(\t\x12\x0f\n\x07pooling\x18\x05 \x01(\t\x12\x15\n\rfeature_names\x18\x06 \x03(\t\"\xc6\x02\n\rModelMetadata\x12\x15\n\rmodel_version\x18\x01 \x01(\t\x12\x16\n\x0e\x66ormat_version\x18\x02 \x01(\x05\x12*\n\x06tables\x18\x03 \x03(\x0b\x32\x1a.embserve.v1.TableMetadata\x12\x15\n\rfeature_order\x18\x04 \x03(\t\x12)\n\x07\x63olumns\x18\x05 \x03(\x0b\x32\x18.embserve.v1.ColumnRange\x12\x12\n\noutput_dim\x18\x06 \x01(\x05\x12\x11\n\thas_dense\x18\x07 \x01(\x08\x12\x1a\n\x12num_dense_features\x18\x08 \x01(\x05\x12\x0f\n\x07\x64\x65vices\x18\t \x03(\t\x12\x12\n\nworld_size\x18\n \x01(\x05\x12\x18\n\x10\x65mbserve_version\x18\x0b \x01(\t\x12\x16\n\x0emax_batch_size\x18\x0c \x01(\x05*.\n\x06IdType\x12\x11\n\rID_TYPE_INT64\x10\x00\x12\x11\n\rID_TYPE_INT32\x10\x01*8\n\nOutputType\x12\x14\n\x10OUTPUT_TYPE_FP32\x10\x00\x12\x14\n\x10OUTPUT_TYPE_FP16\x10\x01\x32\xf1\x01\n\x10InferenceService\x12\x41\n\x06Lookup\x12\x1a.embserve.v1.LookupRequest\x1a\x1b.embserve.v1.LookupResponse\x12\x44\n\x07Predict\x12\x1b.embserve.v1.PredictRequest\x1a\x1c.embserve.v1.PredictResponse\x12T\n\x10GetModelMetadata\x12$.embserve.v1.GetModelMetadataRequest\x1a\x1a.embserve.v1.ModelMetadatab\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -33,10 +33,10 @@ if not _descriptor._USE_C_DESCRIPTORS:
   DESCRIPTOR._loaded_options = None
   _globals['_TYPEDFEATURES_FEATURESENTRY']._loaded_options = None
   _globals['_TYPEDFEATURES_FEATURESENTRY']._serialized_options = b'8\001'
-  _globals['_IDTYPE']._serialized_start=1514
-  _globals['_IDTYPE']._serialized_end=1560
-  _globals['_OUTPUTTYPE']._serialized_start=1562
-  _globals['_OUTPUTTYPE']._serialized_end=1618
+  _globals['_IDTYPE']._serialized_start=1645
+  _globals['_IDTYPE']._serialized_end=1691
+  _globals['_OUTPUTTYPE']._serialized_start=1693
+  _globals['_OUTPUTTYPE']._serialized_end=1749
   _globals['_FEATUREBAGS']._serialized_start=44
   _globals['_FEATUREBAGS']._serialized_end=104
   _globals['_TYPEDFEATURES']._serialized_start=107
@@ -49,20 +49,20 @@ if not _descriptor._USE_C_DESCRIPTORS:
   _globals['_SPARSEFEATURES']._serialized_end=501
   _globals['_COLUMNRANGE']._serialized_start=503
   _globals['_COLUMNRANGE']._serialized_end=561
-  _globals['_LOOKUPREQUEST']._serialized_start=563
-  _globals['_LOOKUPREQUEST']._serialized_end=669
-  _globals['_LOOKUPRESPONSE']._serialized_start=672
-  _globals['_LOOKUPRESPONSE']._serialized_end=853
-  _globals['_PREDICTREQUEST']._serialized_start=855
-  _globals['_PREDICTREQUEST']._serialized_end=940
-  _globals['_PREDICTRESPONSE']._serialized_start=942
-  _globals['_PREDICTRESPONSE']._serialized_end=1018
-  _globals['_GETMODELMETADATAREQUEST']._serialized_start=1020
-  _globals['_GETMODELMETADATAREQUEST']._serialized_end=1045
-  _globals['_TABLEMETADATA']._serialized_start=1048
-  _globals['_TABLEMETADATA']._serialized_end=1183
-  _globals['_MODELMETADATA']._serialized_start=1186
-  _globals['_MODELMETADATA']._serialized_end=1512
-  _globals['_INFERENCESERVICE']._serialized_start=1621
-  _globals['_INFERENCESERVICE']._serialized_end=1862
+  _globals['_LOOKUPREQUEST']._serialized_start=564
+  _globals['_LOOKUPREQUEST']._serialized_end=713
+  _globals['_LOOKUPRESPONSE']._serialized_start=716
+  _globals['_LOOKUPRESPONSE']._serialized_end=897
+  _globals['_PREDICTREQUEST']._serialized_start=900
+  _globals['_PREDICTREQUEST']._serialized_end=1028
+  _globals['_PREDICTRESPONSE']._serialized_start=1030
+  _globals['_PREDICTRESPONSE']._serialized_end=1106
+  _globals['_GETMODELMETADATAREQUEST']._serialized_start=1108
+  _globals['_GETMODELMETADATAREQUEST']._serialized_end=1176
+  _globals['_TABLEMETADATA']._serialized_start=1179
+  _globals['_TABLEMETADATA']._serialized_end=1314
+  _globals['_MODELMETADATA']._serialized_start=1317
+  _globals['_MODELMETADATA']._serialized_end=1643
+  _globals['_INFERENCESERVICE']._serialized_start=1752
+  _globals['_INFERENCESERVICE']._serialized_end=1993
 # @@protoc_insertion_point(module_scope)

@@ -77,12 +77,16 @@ class ColumnRange(_message.Message):
     def __init__(self, feature: _Optional[str] = ..., start: _Optional[int] = ..., end: _Optional[int] = ...) -> None: ...
 
 class LookupRequest(_message.Message):
-    __slots__ = ("sparse", "output_type")
+    __slots__ = ("sparse", "output_type", "model_name", "model_version")
     SPARSE_FIELD_NUMBER: _ClassVar[int]
     OUTPUT_TYPE_FIELD_NUMBER: _ClassVar[int]
+    MODEL_NAME_FIELD_NUMBER: _ClassVar[int]
+    MODEL_VERSION_FIELD_NUMBER: _ClassVar[int]
     sparse: SparseFeatures
     output_type: OutputType
-    def __init__(self, sparse: _Optional[_Union[SparseFeatures, _Mapping]] = ..., output_type: _Optional[_Union[OutputType, str]] = ...) -> None: ...
+    model_name: str
+    model_version: str
+    def __init__(self, sparse: _Optional[_Union[SparseFeatures, _Mapping]] = ..., output_type: _Optional[_Union[OutputType, str]] = ..., model_name: _Optional[str] = ..., model_version: _Optional[str] = ...) -> None: ...
 
 class LookupResponse(_message.Message):
     __slots__ = ("batch_size", "dim", "output_type", "embeddings", "columns", "model_version")
@@ -101,12 +105,16 @@ class LookupResponse(_message.Message):
     def __init__(self, batch_size: _Optional[int] = ..., dim: _Optional[int] = ..., output_type: _Optional[_Union[OutputType, str]] = ..., embeddings: _Optional[bytes] = ..., columns: _Optional[_Iterable[_Union[ColumnRange, _Mapping]]] = ..., model_version: _Optional[str] = ...) -> None: ...
 
 class PredictRequest(_message.Message):
-    __slots__ = ("sparse", "dense_features")
+    __slots__ = ("sparse", "dense_features", "model_name", "model_version")
     SPARSE_FIELD_NUMBER: _ClassVar[int]
     DENSE_FEATURES_FIELD_NUMBER: _ClassVar[int]
+    MODEL_NAME_FIELD_NUMBER: _ClassVar[int]
+    MODEL_VERSION_FIELD_NUMBER: _ClassVar[int]
     sparse: SparseFeatures
     dense_features: bytes
-    def __init__(self, sparse: _Optional[_Union[SparseFeatures, _Mapping]] = ..., dense_features: _Optional[bytes] = ...) -> None: ...
+    model_name: str
+    model_version: str
+    def __init__(self, sparse: _Optional[_Union[SparseFeatures, _Mapping]] = ..., dense_features: _Optional[bytes] = ..., model_name: _Optional[str] = ..., model_version: _Optional[str] = ...) -> None: ...
 
 class PredictResponse(_message.Message):
     __slots__ = ("batch_size", "scores", "model_version")
@@ -119,8 +127,12 @@ class PredictResponse(_message.Message):
     def __init__(self, batch_size: _Optional[int] = ..., scores: _Optional[bytes] = ..., model_version: _Optional[str] = ...) -> None: ...
 
 class GetModelMetadataRequest(_message.Message):
-    __slots__ = ()
-    def __init__(self) -> None: ...
+    __slots__ = ("model_name", "model_version")
+    MODEL_NAME_FIELD_NUMBER: _ClassVar[int]
+    MODEL_VERSION_FIELD_NUMBER: _ClassVar[int]
+    model_name: str
+    model_version: str
+    def __init__(self, model_name: _Optional[str] = ..., model_version: _Optional[str] = ...) -> None: ...
 
 class TableMetadata(_message.Message):
     __slots__ = ("name", "num_embeddings", "embedding_dim", "data_type", "pooling", "feature_names")

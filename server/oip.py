@@ -1,0 +1,475 @@
+"""The Open Inference Protocol (KServe v2) on embserve's gRPC port: ``inference.GRPCInferenceService``.
+
+It shares the embserve.v1 service's batchers, validation, metrics, auth and TLS: a ``ModelInfer`` call
+is decoded by ``server.oip_codec`` (the per-feature tensor contract), validated like every embserve
+request, queued on the same dynamic batchers and answered with ``raw_output_contents`` (what
+tritonclient's ``as_numpy`` reads). ``OpenInference`` holds the protocol-neutral calls that the gRPC
+servicer here and the REST server (``server.oip_http``) both use.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import logging
+from collections.abc import AsyncIterator, Callable, Sequence
+from dataclasses import dataclass
+from typing import Any, Protocol
+
+import grpc
+import torch
+
+from infer.artifact.runtime import Runtime
+from infer.errors import RequestError
+from infer.version import __version__
+from server import oip_codec as oc
+from server.batcher import DynamicBatcher
+from server.proto import open_inference_grpc_pb2 as pb
+from server.proto import open_inference_grpc_pb2_grpc as pb_grpc
+from server.service import InferenceServicer, Undecodable, _Failure, lenient
+
+logger = logging.getLogger(__name__)
+
+SERVICE_NAME = pb.DESCRIPTOR.services_by_name["GRPCInferenceService"].full_name
+SERVER_NAME = "embserve"
+PLATFORM = "embserve_torchscript"
+EXTENSIONS = ("binary_tensor_data", "model_repository")
+
+
+class ModelNotFound(_Failure):
+    """No such model, or no such version of it (NOT_FOUND; HTTP 404)."""
+
+    def __init__(self, message: str) -> None:
+        super().__init__(grpc.StatusCode.NOT_FOUND, message, "not_found")
+
+
+# ---------------------------------------------------------------------------------------- one model
+class ServedModel:
+    """One version of one model as the protocol serves it: runtime, batchers and metadata."""
+
+    def __init__(
+        self,
+        name: str,
+        version: str,
+        runtime: Runtime,
+        lookups: DynamicBatcher,
+        predictions: DynamicBatcher | None,
+        both: DynamicBatcher | None,
+        max_batch_size: int,
+    ) -> None:
+        self.name = name
+        self.version = version
+        self.runtime = runtime
+        self.spec = runtime.spec
+        self.lookups = lookups
+        self.predictions = predictions
+        self.both = both
+        self.max_batch_size = max_batch_size
+        self.sha256 = runtime.manifest.file(runtime.manifest.model_file).sha256
+
+    @property
+    def has_dense(self) -> bool:
+        return self.predictions is not None
+
+    def run_both(
+        self, values: torch.Tensor, lengths: torch.Tensor, weights: torch.Tensor | None, dense: torch.Tensor | None
+    ) -> torch.Tensor:
+        """Embeddings and scores of one forward, as columns ``[embeddings..., score]`` (the batcher splits rows)."""
+        assert dense is not None
+        module = self.runtime.module
+        with torch.inference_mode():
+            pooled = module(values, lengths, weights)
+            scores = module.dense_arch(dense.to(pooled.device), pooled)
+            return torch.cat([pooled.cpu(), scores.reshape(pooled.shape[0], 1).to(pooled.dtype).cpu()], dim=1)
+
+    async def infer(self, decoded: oc.Decoded) -> tuple[torch.Tensor | None, torch.Tensor | None]:
+        """(embeddings, scores) of a validated request, through the shared batchers."""
+        features = decoded.features
+        if features.batch_size > self.max_batch_size:
+            raise RequestError(
+                f"batch of {features.batch_size} examples exceeds the server's max batch size {self.max_batch_size}; "
+                "split the request"
+            )
+        if decoded.mode is oc.Mode.LOOKUP:
+            return await self.lookups.submit(features, None), None
+        if decoded.mode is oc.Mode.PREDICT:
+            assert self.predictions is not None
+            return None, await self.predictions.submit(features, decoded.dense)
+        assert self.both is not None
+        out = await self.both.submit(features, decoded.dense)
+        return out[:, :-1], out[:, -1]
+
+    def decode(
+        self, inputs: Sequence[oc.InputTensor], requested: Sequence[oc.RequestedOutput], fp16: bool = False
+    ) -> oc.Decoded:
+        features, dense = oc.decode_inputs(inputs, self.spec)
+        if dense is not None and not self.has_dense:
+            raise RequestError(f"this model has no dense part; drop the input {oc.DENSE!r}")
+        outputs, mode = oc.choose_outputs(requested, self.has_dense, dense is not None, fp16)
+        return oc.Decoded(features, dense, outputs, mode)
+
+    def metadata(self, versions: Sequence[str]) -> dict[str, Any]:
+        """The protocol's model metadata (JSON shape); gRPC converts it to ``ModelMetadataResponse``."""
+        spec = self.spec
+        inputs = []
+        for feature in spec.feature_names:
+            inputs += [
+                {"name": f"{feature}__values", "datatype": "INT64", "shape": [-1]},
+                {"name": f"{feature}__lengths", "datatype": "INT32", "shape": [-1]},
+                {"name": f"{feature}__offsets", "datatype": "INT32", "shape": [-1]},
+                {"name": f"{feature}__weights", "datatype": "FP32", "shape": [-1]},
+            ]
+        outputs = [{"name": oc.EMBEDDINGS, "datatype": "FP32", "shape": [-1, spec.output_dim]}]
+        if self.has_dense:
+            inputs.append({"name": oc.DENSE, "datatype": "FP32", "shape": [-1, spec.num_dense_features]})
+            outputs.append({"name": oc.SCORES, "datatype": "FP32", "shape": [-1]})
+        columns = {f.name: [f.column_start, f.column_end] for f in spec.features}
+        properties = {
+            "feature_order": ",".join(spec.feature_names),
+            "columns": json.dumps(columns, separators=(",", ":")),
+            "output_dim": str(spec.output_dim),
+            "num_dense_features": str(spec.num_dense_features if self.has_dense else 0),
+            "max_batch_size": str(self.max_batch_size),
+            "model_sha256": self.sha256,
+            "embserve_version": __version__,
+            **{f"columns.{name}": f"{start}:{end}" for name, (start, end) in columns.items()},
+            **{f"rows.{f.name}": str(f.num_embeddings) for f in spec.features},
+        }
+        return {
+            "name": self.name,
+            "versions": list(versions),
+            "platform": PLATFORM,
+            "inputs": inputs,
+            "outputs": outputs,
+            "properties": properties,
+        }
+
+
+class ModelSet(Protocol):
+    """Where the protocol finds its models: one artifact, or a repository of versions."""
+
+    def lease(self, name: str, version: str) -> contextlib.AbstractAsyncContextManager[ServedModel]:
+        """The model version to run a call on, held (not freed) until the call is done."""
+        ...
+
+    def find(self, name: str, version: str) -> ServedModel: ...
+
+    def versions(self, name: str) -> list[str]: ...
+
+    def ready(self, name: str, version: str) -> bool: ...
+
+    def failures(self, name: str) -> dict[str, str]:
+        """version -> why it failed to load (reported in the model's metadata)."""
+        ...
+
+    async def load(self, name: str) -> None: ...
+
+    async def unload(self, name: str) -> None: ...
+
+
+class SingleModel:
+    """One artifact served for the server's whole life (version "1"), on the embserve.v1 batchers."""
+
+    VERSION = "1"
+
+    def __init__(self, model: ServedModel) -> None:
+        self.model = model
+
+    def find(self, name: str, version: str) -> ServedModel:
+        if name != self.model.name:
+            raise ModelNotFound(f"unknown model {name!r}; this server serves {[self.model.name]}")
+        if version not in ("", self.VERSION):
+            raise ModelNotFound(f"model {name!r} has no version {version!r}; its versions are {[self.VERSION]}")
+        return self.model
+
+    @contextlib.asynccontextmanager
+    async def lease(self, name: str, version: str) -> AsyncIterator[ServedModel]:
+        yield self.find(name, version)
+
+    def versions(self, name: str) -> list[str]:
+        self.find(name, "")
+        return [self.VERSION]
+
+    def ready(self, name: str, version: str) -> bool:
+        try:
+            self.find(name, version)
+        except ModelNotFound:
+            return False
+        return True
+
+    def failures(self, name: str) -> dict[str, str]:
+        return {}
+
+    async def load(self, name: str) -> None:
+        self.find(name, "")  # already loaded: loading it again is a no-op, as in Triton
+
+    async def unload(self, name: str) -> None:
+        self.find(name, "")
+        raise _Failure(
+            grpc.StatusCode.FAILED_PRECONDITION,
+            "this server serves one artifact; start it on a repository (REPO/<model>/<version>/) to unload models",
+            "unsupported",
+        )
+
+
+# ---------------------------------------------------------------------------------------- the protocol
+@dataclass(frozen=True)
+class InferResult:
+    model: ServedModel
+    outputs: list[oc.OutputTensor]
+
+
+class OpenInference:
+    """The protocol's calls, independent of gRPC or REST; shares the v1 servicer's batchers and metrics."""
+
+    def __init__(
+        self,
+        v1: InferenceServicer,
+        models: ModelSet,
+        stop_batchers: Sequence[DynamicBatcher] = (),
+        repository: Any = None,
+    ) -> None:
+        self.v1 = v1
+        self.metrics = v1.metrics
+        self.models = models
+        self.repository = repository  # server.repository.Repository, closed with the protocol
+        self.is_ready = False
+        self._own_batchers = list(stop_batchers)
+        self.http: Any = None  # the REST server, when one runs (server.oip_http.RestServer)
+
+    @classmethod
+    def for_servicer(cls, v1: InferenceServicer, name: str, max_queue: int) -> OpenInference:
+        """The artifact of an embserve.v1 servicer as model ``name`` version "1", on its batchers."""
+        lookups = v1.lookups
+        both = None
+        model = ServedModel(name, SingleModel.VERSION, v1.runtime, lookups, v1.predictions, None, v1.max_batch_size)
+        if v1.predictions is not None:
+            # embeddings and scores from one forward: a batcher of its own (its rows carry both)
+            both = DynamicBatcher(
+                model.run_both,
+                lookups.max_batch_size,
+                lookups.max_delay_s,
+                max_queue,
+                lookups.workers,
+                v1.metrics.observe_batch,
+            )
+            model.both = both
+        return cls(v1, SingleModel(model), [both] if both is not None else [])
+
+    def start(self) -> None:
+        for batcher in self._own_batchers:
+            batcher.start()
+
+    async def serve_http(self, host: str, port: int, config: Any) -> int:
+        """Start the REST endpoint (``server.oip_http``) on the server's loop; returns its port."""
+        from server.oip_http import RestServer
+
+        self.http = RestServer(self, config)
+        return await self.http.start(host, port)
+
+    async def close(self, grace: float | None = None) -> None:
+        """Stop the REST endpoint (its calls in flight finish first, up to ``grace`` s) and our batchers."""
+        if self.http is not None:
+            await self.http.close(grace)
+            self.http = None
+        for batcher in self._own_batchers:
+            await batcher.close()
+        if self.repository is not None:
+            await self.repository.close()
+
+    def server_metadata(self) -> dict[str, Any]:
+        return {"name": SERVER_NAME, "version": __version__, "extensions": list(EXTENSIONS)}
+
+    def model_metadata(self, name: str, version: str) -> dict[str, Any]:
+        model = self.models.find(name, version)
+        metadata = model.metadata(self.models.versions(name))
+        failures = self.models.failures(name)
+        if failures:
+            metadata["properties"]["failed_versions"] = json.dumps(failures, sort_keys=True)
+        return metadata
+
+    def model_ready(self, name: str, version: str) -> bool:
+        return self.is_ready and self.models.ready(name, version)
+
+    async def infer(
+        self,
+        name: str,
+        version: str,
+        inputs: Callable[[], Sequence[oc.InputTensor]],
+        requested: Sequence[oc.RequestedOutput],
+        fp16: bool = False,
+    ) -> InferResult:
+        """Decode (``inputs`` is called once the model is known), validate, batch, run and encode.
+
+        ``fp16``: the request-level ``output_fp16`` (embeddings as FP16 unless an output says otherwise)."""
+        if not self.v1.ready:
+            raise _Failure(grpc.StatusCode.UNAVAILABLE, "the server is warming up; retry shortly", "warming_up")
+        if self.v1.closing:
+            raise _Failure(
+                grpc.StatusCode.UNAVAILABLE, "the server is shutting down; retry on another replica", "draining"
+            )
+        async with self.models.lease(name, version) as model:
+            decoded = model.decode(inputs(), requested, fp16)
+            embeddings, scores = await model.infer(decoded)
+            return InferResult(model, oc.encode_outputs(decoded.outputs, embeddings, scores))
+
+
+# ---------------------------------------------------------------------------------------- gRPC
+def grpc_inputs(request: pb.ModelInferRequest) -> list[oc.InputTensor]:
+    """The request's inputs, from raw_input_contents (one entry per input) or from typed contents."""
+    raw = request.raw_input_contents
+    if raw and len(raw) != len(request.inputs):
+        raise RequestError(
+            f"raw_input_contents has {len(raw)} entries for {len(request.inputs)} inputs; "
+            "send every input raw (one entry each, in order) or every input as typed contents"
+        )
+    tensors = []
+    for index, tensor in enumerate(request.inputs):
+        if raw:
+            tensors.append(oc.tensor_from_raw(tensor.name, tensor.datatype, tensor.shape, raw[index]))
+            continue
+        field = oc.CONTENTS_FIELD.get(tensor.datatype)
+        if field is None:
+            if tensor.datatype in oc.DATATYPES:
+                raise RequestError(f"input {tensor.name!r}: {tensor.datatype} data travel raw (raw_input_contents)")
+            raise RequestError(
+                f"input {tensor.name!r}: datatype {tensor.datatype!r} is not supported; use one of "
+                f"{sorted(oc.DATATYPES)}"
+            )
+        values = getattr(tensor.contents, field)
+        tensors.append(oc.tensor_from_values(tensor.name, tensor.datatype, tensor.shape, values))
+    return tensors
+
+
+def grpc_requested_outputs(request: pb.ModelInferRequest, fp16: bool) -> list[oc.RequestedOutput]:
+    return [
+        oc.RequestedOutput(o.name, fp16 or oc.parameter_flag(o.parameters, oc.FP16_PARAMETER)) for o in request.outputs
+    ]
+
+
+def _metadata_message(metadata: dict[str, Any]) -> pb.ModelMetadataResponse:
+    tensor = pb.ModelMetadataResponse.TensorMetadata
+    return pb.ModelMetadataResponse(
+        name=metadata["name"],
+        versions=metadata["versions"],
+        platform=metadata["platform"],
+        inputs=[tensor(**t) for t in metadata["inputs"]],
+        outputs=[tensor(**t) for t in metadata["outputs"]],
+        properties=metadata["properties"],
+    )
+
+
+class OpenInferenceServicer(pb_grpc.GRPCInferenceServiceServicer):
+    """``inference.GRPCInferenceService``: every call goes through the v1 servicer's error mapping,
+    metrics and drain accounting."""
+
+    def __init__(self, oip: OpenInference) -> None:
+        self.oip = oip
+        self._handle = oip.v1._handle
+
+    async def ServerLive(self, request: pb.ServerLiveRequest, context: Any) -> pb.ServerLiveResponse:
+        return pb.ServerLiveResponse(live=True)
+
+    async def ServerReady(self, request: pb.ServerReadyRequest, context: Any) -> pb.ServerReadyResponse:
+        return pb.ServerReadyResponse(ready=self.oip.is_ready)
+
+    async def ModelReady(self, request: pb.ModelReadyRequest, context: Any) -> pb.ModelReadyResponse:
+        async def work() -> pb.ModelReadyResponse:
+            _decodable(request)
+            return pb.ModelReadyResponse(ready=self.oip.model_ready(request.name, request.version))
+
+        return await self._handle("ModelReady", context, work())
+
+    async def ServerMetadata(self, request: pb.ServerMetadataRequest, context: Any) -> pb.ServerMetadataResponse:
+        return pb.ServerMetadataResponse(**self.oip.server_metadata())
+
+    async def ModelMetadata(self, request: pb.ModelMetadataRequest, context: Any) -> pb.ModelMetadataResponse:
+        async def work() -> pb.ModelMetadataResponse:
+            _decodable(request)
+            return _metadata_message(self.oip.model_metadata(request.name, request.version))
+
+        return await self._handle("ModelMetadata", context, work())
+
+    async def ModelInfer(self, request: pb.ModelInferRequest, context: Any) -> pb.ModelInferResponse:
+        return await self._handle("ModelInfer", context, self._infer(request))
+
+    async def _infer(self, request: pb.ModelInferRequest) -> pb.ModelInferResponse:
+        self.oip.v1._accept(request)  # undecodable bytes, or a call during warm-up
+        fp16 = oc.parameter_flag(request.parameters, oc.FP16_PARAMETER)
+        result = await self.oip.infer(
+            request.model_name,
+            request.model_version,
+            lambda: grpc_inputs(request),
+            grpc_requested_outputs(request, fp16),
+            fp16,
+        )
+        response = pb.ModelInferResponse(
+            model_name=result.model.name, model_version=result.model.version, id=request.id
+        )
+        for output in result.outputs:
+            response.outputs.add(name=output.name, datatype=output.datatype, shape=output.shape)
+            response.raw_output_contents.append(output.raw())
+        return response
+
+    async def RepositoryModelLoad(
+        self, request: pb.RepositoryModelLoadRequest, context: Any
+    ) -> pb.RepositoryModelLoadResponse:
+        async def work() -> pb.RepositoryModelLoadResponse:
+            _decodable(request)
+            await self.oip.models.load(request.model_name)
+            return pb.RepositoryModelLoadResponse()
+
+        return await self._handle("RepositoryModelLoad", context, work())
+
+    async def RepositoryModelUnload(
+        self, request: pb.RepositoryModelUnloadRequest, context: Any
+    ) -> pb.RepositoryModelUnloadResponse:
+        async def work() -> pb.RepositoryModelUnloadResponse:
+            _decodable(request)
+            await self.oip.models.unload(request.model_name)
+            return pb.RepositoryModelUnloadResponse()
+
+        return await self._handle("RepositoryModelUnload", context, work())
+
+
+def add_to_server(
+    v1: InferenceServicer, server: grpc.aio.Server, name: str, max_queue: int, repository: Any = None
+) -> OpenInference:
+    """Serve the v1 servicer's artifact (or a repository's models) over the Open Inference Protocol too,
+    on the same gRPC server. With a repository, the v1 service follows the first model's newest version."""
+    if repository is not None:
+        repository.attach_v1(v1)
+        oip = OpenInference(v1, repository, repository=repository)
+        v1.route = repository.v1_for
+    else:
+        oip = OpenInference.for_servicer(v1, name, max_queue)
+        models = oip.models
+
+        def route(model_name: str, version: str) -> InferenceServicer:
+            models.find(model_name or name, version)  # NOT_FOUND for another model or version
+            return v1
+
+        v1.route = route
+    servicer = OpenInferenceServicer(oip)
+    # lenient decoding, as embserve.v1: bytes that are no valid message are INVALID_ARGUMENT, not INTERNAL
+    service = pb.DESCRIPTOR.services_by_name["GRPCInferenceService"]
+    handlers = {
+        method.name: grpc.unary_unary_rpc_method_handler(
+            getattr(servicer, method.name),
+            request_deserializer=lenient(_MESSAGES[method.input_type.name]),
+            response_serializer=_MESSAGES[method.output_type.name].SerializeToString,
+        )
+        for method in service.methods
+    }
+    server.add_generic_rpc_handlers((grpc.method_handlers_generic_handler(SERVICE_NAME, handlers),))
+    return oip
+
+
+_MESSAGES: dict[str, Any] = {name: getattr(pb, name) for name in pb.DESCRIPTOR.message_types_by_name}
+
+
+def _decodable(request: Any) -> None:
+    if isinstance(request, Undecodable):
+        raise _Failure(
+            grpc.StatusCode.INVALID_ARGUMENT, f"request is not a valid {request.message_name}", "undecodable"
+        )

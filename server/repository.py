@@ -1,0 +1,548 @@
+"""A model repository: ``REPO/<model>/<version>/`` artifacts, a version policy, and zero-downtime reloads.
+
+A new version is loaded (checksums verified by ``load``), put behind batchers of its own and warmed up
+off the serving path; only then is it swapped in, in one step of the event loop. Calls already holding
+the old version (a lease, or a request in its batchers) finish on it; then its batchers stop and its
+memory goes. A version that fails to load or warm up is logged, counted in the metrics, reported in
+the model's metadata, and never replaces a good one. Before loading, the free memory must hold the
+new version beside the ones already loaded.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import copy
+import gc
+import logging
+import os
+import threading
+from collections.abc import AsyncIterator, Callable, Sequence
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import grpc
+import torch
+
+from infer.artifact.load import load
+from infer.artifact.manifest import MANIFEST_FILE
+from infer.errors import ConfigError, EmbserveError
+from infer.features import SparseFeatures
+from server import codec
+from server.batcher import DynamicBatcher
+from server.metrics import ServerMetrics
+from server.oip import ModelNotFound, ServedModel
+from server.service import InferenceServicer, _Failure
+
+logger = logging.getLogger(__name__)
+
+
+class LoadError(EmbserveError):
+    """A model version could not be loaded, verified or warmed up (the good versions keep serving)."""
+
+
+@dataclass(frozen=True)
+class VersionPolicy:
+    """Which versions of each model to serve: the ``latest`` N, or an explicit list of ``versions``."""
+
+    latest: int = 1
+    versions: tuple[int, ...] = ()
+
+    def __post_init__(self) -> None:
+        if self.latest < 1 and not self.versions:
+            raise ConfigError(f"version policy latest={self.latest}: serve at least the latest 1 version")
+        if any(v < 1 for v in self.versions):
+            raise ConfigError(f"version policy versions={list(self.versions)}: versions are positive integers")
+
+    @classmethod
+    def parse(cls, text: str) -> VersionPolicy:
+        """``latest:N`` or ``versions:1,3`` (the command line's ``--version-policy``)."""
+        kind, _, value = text.partition(":")
+        try:
+            if kind == "latest":
+                return cls(latest=int(value or "1"))
+            if kind == "versions":
+                return cls(versions=tuple(int(v) for v in value.split(",") if v.strip()))
+        except ValueError:
+            pass
+        raise ConfigError(f"version policy {text!r}: write 'latest:N' or 'versions:1,3'")
+
+    def select(self, available: Sequence[int]) -> list[int]:
+        if self.versions:
+            return sorted(v for v in available if v in self.versions)
+        return sorted(available)[-self.latest :]
+
+
+@dataclass(frozen=True)
+class BatchSettings:
+    max_batch_size: int
+    max_delay_s: float
+    max_queue: int
+    workers: int
+    warmup_batches: int = 3
+    threads: int = 0  # threads each CPU kernel splits a batch over; 0: the runtime's budget for ``workers``
+
+
+def is_repository(path: Any) -> bool:
+    """A folder of model folders (no manifest of its own), as opposed to one artifact."""
+    folder = Path(path) if isinstance(path, (str, os.PathLike)) else None
+    return folder is not None and folder.is_dir() and not (folder / MANIFEST_FILE).exists()
+
+
+def available_memory_bytes() -> int | None:
+    """MemAvailable of /proc/meminfo (None where there is none)."""
+    try:
+        with open("/proc/meminfo") as handle:
+            for line in handle:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        return None
+    return None
+
+
+def artifact_bytes(folder: Path) -> int:
+    return sum(p.stat().st_size for p in folder.rglob("*") if p.is_file())
+
+
+def _signature(folder: Path) -> tuple[int, int]:
+    """Changes when the version's folder is rewritten (a failed version is retried once it changes)."""
+    manifest = folder / MANIFEST_FILE
+    try:
+        stat = manifest.stat()
+    except OSError:
+        return (0, 0)
+    return (stat.st_mtime_ns, stat.st_size)
+
+
+@dataclass
+class _Loaded:
+    model: ServedModel
+    batchers: list[DynamicBatcher]
+    in_flight: int = 0
+    idle: asyncio.Event = field(default_factory=asyncio.Event)
+    v1_view: InferenceServicer | None = None  # embserve.v1 calls that name this version run on it
+
+    def __post_init__(self) -> None:
+        self.idle.set()
+
+    def enter(self) -> None:
+        self.in_flight += 1
+        self.idle.clear()
+
+    def leave(self) -> None:
+        self.in_flight -= 1
+        if not self.in_flight:
+            self.idle.set()
+
+
+class _CountedBatcher:
+    """A version's batcher as the embserve.v1 servicer sees it: its submits count as calls in flight."""
+
+    def __init__(self, loaded: _Loaded, batcher: DynamicBatcher) -> None:
+        self._loaded = loaded
+        self._batcher = batcher
+
+    @property
+    def depth(self) -> int:
+        return self._batcher.depth
+
+    async def submit(self, features: SparseFeatures, dense: torch.Tensor | None = None) -> torch.Tensor:
+        self._loaded.enter()
+        try:
+            return await self._batcher.submit(features, dense)
+        finally:
+            self._loaded.leave()
+
+    async def run_now(self, features: SparseFeatures, dense: torch.Tensor | None = None) -> torch.Tensor:
+        self._loaded.enter()
+        try:
+            return await self._batcher.run_now(features, dense)
+        finally:
+            self._loaded.leave()
+
+    def start(self) -> None:  # the repository starts and stops its versions' batchers
+        pass
+
+    async def close(self) -> None:
+        pass
+
+
+def _make_runners(runtime: Any) -> tuple[Callable[..., torch.Tensor], Callable[..., torch.Tensor]]:
+    module = runtime.module
+
+    def run_lookup(values: Any, lengths: Any, weights: Any, dense: Any) -> torch.Tensor:
+        with torch.inference_mode():
+            return module(values, lengths, weights).cpu()
+
+    def run_predict(values: Any, lengths: Any, weights: Any, dense: Any) -> torch.Tensor:
+        with torch.inference_mode():
+            return module.predict(dense, values, lengths, weights).cpu()
+
+    return run_lookup, run_predict
+
+
+class Repository:
+    """The models of a repository folder, each with the versions its policy selects (a ``ModelSet``)."""
+
+    def __init__(
+        self,
+        root: str | Path,
+        settings: BatchSettings,
+        metrics: ServerMetrics,
+        policy: VersionPolicy = VersionPolicy(),
+        check_memory: bool = True,
+    ) -> None:
+        self.root = Path(root)
+        if not self.root.is_dir():
+            raise ConfigError(f"model repository {self.root} is not a folder; give REPO with REPO/<model>/<version>/")
+        self.settings = settings
+        self.metrics = metrics
+        self.policy = policy
+        self.check_memory = check_memory
+        self._models: dict[str, dict[str, _Loaded]] = {}
+        self._failed: dict[tuple[str, str], tuple[tuple[int, int], str]] = {}
+        self._lock = asyncio.Lock()
+        self._poll_task: asyncio.Task[None] | None = None
+        self._retiring: set[asyncio.Task[None]] = set()
+        self._v1: InferenceServicer | None = None
+        self._v1_model: str | None = None
+
+    # ---------------------------------------------------------------------------------- ModelSet
+    def _versions_of(self, name: str) -> dict[str, _Loaded]:
+        versions = self._models.get(name)
+        if not versions:
+            raise ModelNotFound(f"unknown model {name!r}; this server serves {sorted(self._models)}")
+        return versions
+
+    def _entry(self, name: str, version: str) -> _Loaded:
+        versions = self._versions_of(name)
+        if not version:
+            return versions[max(versions, key=int)]
+        if version not in versions:
+            failure = self._failed.get((name, version))
+            reason = f" (it failed to load: {failure[1]})" if failure else ""
+            raise ModelNotFound(
+                f"model {name!r} has no version {version!r} loaded{reason}; its versions are {self.versions(name)}"
+            )
+        return versions[version]
+
+    def find(self, name: str, version: str) -> ServedModel:
+        return self._entry(name, version).model
+
+    @contextlib.asynccontextmanager
+    async def lease(self, name: str, version: str) -> AsyncIterator[ServedModel]:
+        entry = self._entry(name, version)
+        entry.enter()
+        try:
+            yield entry.model
+        finally:
+            entry.leave()
+
+    def versions(self, name: str) -> list[str]:
+        return sorted(self._versions_of(name), key=int)
+
+    def ready(self, name: str, version: str) -> bool:
+        try:
+            self._entry(name, version)
+        except ModelNotFound:
+            return False
+        return True
+
+    def failures(self, name: str) -> dict[str, str]:
+        """version -> why it failed to load, for the versions of ``name`` that did."""
+        return {v: why for (m, v), (_, why) in self._failed.items() if m == name}
+
+    async def load(self, name: str) -> None:
+        """Bring ``name`` in line with its folder: load the versions the policy selects, retire the rest."""
+        if not name or "/" in name or name.startswith("."):
+            raise _Failure(grpc.StatusCode.INVALID_ARGUMENT, f"model name {name!r} is not a folder name", "invalid")
+        if not (self.root / name).is_dir():
+            raise ModelNotFound(f"the repository {self.root} has no model folder {name!r}")
+        async with self._lock:
+            await self._sync(name, explicit=True)
+
+    async def unload(self, name: str) -> None:
+        async with self._lock:
+            versions = self._versions_of(name)
+            if self._v1_model == name:
+                raise _Failure(
+                    grpc.StatusCode.FAILED_PRECONDITION,
+                    f"model {name!r} backs the embserve.v1 service; it cannot be unloaded (load a new version)",
+                    "in_use",
+                )
+            del self._models[name]
+            for entry in versions.values():
+                self._retire(entry)
+            logger.info("unloaded model %s (versions %s)", name, sorted(versions, key=int))
+
+    # ---------------------------------------------------------------------------------- loading
+    def model_names(self) -> list[str]:
+        return sorted(p.name for p in self.root.iterdir() if p.is_dir() and not p.name.startswith("."))
+
+    def _available_versions(self, name: str) -> list[int]:
+        folder = self.root / name
+        if not folder.is_dir():
+            return []
+        return sorted(int(p.name) for p in folder.iterdir() if p.is_dir() and p.name.isdigit() and int(p.name) > 0)
+
+    async def load_all(self) -> None:
+        """Load every model of the repository (at start); fails when no version of any model loads."""
+        async with self._lock:
+            for name in self.model_names():
+                await self._sync(name, explicit=False)
+        if not self._models:
+            failures = "; ".join(f"{m}/{v}: {why}" for (m, v), (_, why) in self._failed.items())
+            raise ConfigError(
+                f"model repository {self.root} has no loadable model (REPO/<model>/<version>/ artifacts)"
+                + (f"; failures: {failures}" if failures else "")
+            )
+
+    async def poll_once(self) -> None:
+        async with self._lock:
+            for name in self.model_names():
+                await self._sync(name, explicit=False)
+
+    def start_polling(self, interval_s: float) -> None:
+        async def poll() -> None:
+            while True:
+                await asyncio.sleep(interval_s)
+                try:
+                    await self.poll_once()
+                except Exception:  # noqa: BLE001 - a poll that fails must not stop the next one
+                    logger.exception("repository poll failed")
+
+        self._poll_task = asyncio.create_task(poll())
+
+    async def _sync(self, name: str, explicit: bool) -> None:
+        wanted = [str(v) for v in self.policy.select(self._available_versions(name))]
+        if explicit and not wanted:
+            raise _Failure(
+                grpc.StatusCode.FAILED_PRECONDITION,
+                f"model {name!r} has no version the policy {self.policy} selects; add {name}/<version>/ folders",
+                "load_failed",
+            )
+        loaded = self._models.get(name, {})
+        errors = []
+        for version in wanted:
+            if version in loaded:
+                continue
+            signature = _signature(self.root / name / version)
+            failed = self._failed.get((name, version))
+            if failed is not None and failed[0] == signature and not explicit:
+                continue  # already reported; retried once the folder changes (or on an explicit load)
+            try:
+                entry = await self._load_version(name, version)
+            except Exception as err:  # noqa: BLE001 - any failure of a new version leaves the good ones serving
+                message = str(err) if isinstance(err, EmbserveError) else f"{type(err).__name__}: {err}"
+                self._failed[(name, version)] = (signature, message)
+                self.metrics.requests.labels("model load", "FAILED").inc()
+                logger.error("model %s version %s failed to load; the loaded versions keep serving: %s",
+                             name, version, message)  # fmt: skip
+                errors.append(f"version {version}: {message}")
+                continue
+            self._failed.pop((name, version), None)
+            versions = dict(self._models.get(name, {}))
+            versions[version] = entry
+            self._models[name] = versions  # the swap: one assignment, between two steps of the loop
+            self._point_v1(name)
+            self.metrics.requests.labels("model load", "OK").inc()
+            logger.info("model %s version %s is serving", name, version)
+        if not self._models.get(name) and not self.policy.versions:
+            # nothing of this model serves (the newest versions failed at start): fall back to older ones
+            for older in reversed(self._available_versions(name)):
+                if str(older) in wanted or (name, str(older)) in self._failed:
+                    continue
+                try:
+                    entry = await self._load_version(name, str(older))
+                except Exception as err:  # noqa: BLE001 - as above: reported, and the next older one is tried
+                    self._failed[(name, str(older))] = (_signature(self.root / name / str(older)), str(err))
+                    continue
+                self._models[name] = {str(older): entry}
+                self._point_v1(name)
+                logger.warning("model %s serves version %s: the newer versions failed to load", name, older)
+                break
+        serving = self._models.get(name, {})
+        # versions the policy no longer selects go once a selected one serves (never leave a model empty)
+        stale = [v for v in serving if v not in wanted] if any(v in serving for v in wanted) else []
+        for version in stale:
+            versions = dict(self._models[name])
+            entry = versions.pop(version)
+            self._models[name] = versions
+            self._point_v1(name)
+            self._retire(entry)
+            logger.info("model %s version %s retired (policy %s)", name, version, self.policy)
+        if explicit and errors:
+            # the caller sees paths inside the repository, not the server's file system
+            message = f"model {name!r}: " + "; ".join(errors).replace(f"{self.root}{os.sep}", "")
+            raise _Failure(grpc.StatusCode.FAILED_PRECONDITION, message, "load_failed")
+
+    async def _load_version(self, name: str, version: str) -> _Loaded:
+        folder = self.root / name / version
+        if self.check_memory:
+            needed = artifact_bytes(folder)
+            available = available_memory_bytes()
+            if available is not None and needed > available:
+                raise LoadError(
+                    f"model {name!r} version {version} needs about {needed / 2**20:.0f} MiB ({folder}) but only "
+                    f"{available / 2**20:.0f} MiB are free beside the loaded versions; free memory, unload a "
+                    "version or narrow the version policy"
+                )
+        # a thread of its own: its lowered priority must not stay with a pool thread that serves later
+        loader = ThreadPoolExecutor(max_workers=1, thread_name_prefix="embserve-load")
+        try:
+            runtime = await asyncio.get_running_loop().run_in_executor(loader, _load_in_background, folder)
+        finally:
+            loader.shutdown(wait=False)
+        settings = self.settings
+        runtime.set_threads(settings.threads or runtime.thread_budget(settings.workers))
+        run_lookup, run_predict = _make_runners(runtime)
+
+        def batcher(run: Callable[..., torch.Tensor]) -> DynamicBatcher:
+            return DynamicBatcher(
+                run,
+                settings.max_batch_size,
+                settings.max_delay_s,
+                settings.max_queue,
+                settings.workers,
+                self.metrics.observe_batch,
+            )
+
+        lookups = batcher(run_lookup)
+        predictions = batcher(run_predict) if runtime.has_dense else None
+        model = ServedModel(name, version, runtime, lookups, predictions, None, settings.max_batch_size)
+        if predictions is not None:
+            model.both = batcher(model.run_both)
+        batchers = [b for b in (lookups, predictions, model.both) if b is not None]
+        entry = _Loaded(model, batchers)
+        for b in batchers:
+            b.start()
+        try:
+            await _warm_up(model, settings.warmup_batches)
+        except BaseException:
+            for b in batchers:
+                await b.close()
+            raise
+        return entry
+
+    def _retire(self, entry: _Loaded) -> None:
+        """Once the calls on ``entry`` are done, stop its batchers and let its memory go."""
+
+        async def retire() -> None:
+            entry.v1_view = None  # no new v1 call finds it; the ones holding it count as in flight
+            await entry.idle.wait()
+            for b in entry.batchers:
+                await b.close()
+            entry.batchers.clear()
+            logger.info("model %s version %s freed", entry.model.name, entry.model.version)
+            del entry.model
+            gc.collect()
+
+        task = asyncio.create_task(retire())
+        self._retiring.add(task)
+        task.add_done_callback(self._retiring.discard)
+
+    async def retired(self) -> None:
+        """Return once every retired version has been freed (tests, shutdown)."""
+        while self._retiring:
+            await asyncio.gather(*list(self._retiring), return_exceptions=True)
+
+    # ---------------------------------------------------------------------------------- embserve.v1
+    def default_runtime(self) -> Any:
+        name = self.model_names_loaded()[0]
+        return self._entry(name, "").model.runtime
+
+    def model_names_loaded(self) -> list[str]:
+        return sorted(self._models)
+
+    def attach_v1(self, servicer: InferenceServicer) -> None:
+        """Let the embserve.v1 service serve the first model's newest version, and follow its reloads."""
+        self._v1 = servicer
+        self._v1_model = self.model_names_loaded()[0]
+        self._point_v1(self._v1_model)
+
+    def v1_for(self, name: str, version: str) -> InferenceServicer:
+        """The embserve.v1 servicer of one model version (for v1 calls that name a model or version)."""
+        entry = self._entry(name or (self._v1_model or ""), version)
+        if entry.v1_view is None:
+            assert self._v1 is not None
+            entry.v1_view = copy.copy(self._v1)  # shares metrics and settings; gets this version's model
+            _bind_v1(entry.v1_view, entry)
+        return entry.v1_view
+
+    def _point_v1(self, name: str) -> None:
+        if self._v1 is not None and name == self._v1_model:
+            _bind_v1(self._v1, self._entry(name, ""))
+
+    async def close(self) -> None:
+        if self._poll_task is not None:
+            self._poll_task.cancel()
+            await asyncio.gather(self._poll_task, return_exceptions=True)
+            self._poll_task = None
+        async with self._lock:
+            models, self._models = self._models, {}
+            for versions in models.values():
+                for entry in versions.values():
+                    self._retire(entry)
+        await self.retired()
+
+
+def _load_in_background(folder: Path) -> Any:
+    """``load`` at the lowest CPU priority (this thread only, on Linux): the versions serving meanwhile
+    keep the cores they need, and the new version takes longer to arrive instead."""
+    try:
+        os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), 19)
+    except (AttributeError, OSError):  # not Linux, or not allowed: load at normal priority
+        pass
+    try:
+        return load(folder)
+    finally:
+        try:
+            os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), 0)
+        except (AttributeError, OSError):  # lowering back may need privileges; the thread then stays nice
+            pass
+
+
+def _bind_v1(servicer: InferenceServicer, entry: _Loaded) -> None:
+    """Point an embserve.v1 servicer at one version, all in one step of the loop: a v1 call then decodes
+    against this spec and queues on these batchers (its submits count as calls in flight on the version)."""
+    model = entry.model
+    servicer.runtime = model.runtime
+    servicer.spec = model.spec
+    servicer.version = model.sha256[:16]
+    servicer.lookups = _CountedBatcher(entry, model.lookups)  # type: ignore[assignment]
+    counted = _CountedBatcher(entry, model.predictions) if model.predictions is not None else None
+    servicer.predictions = counted  # type: ignore[assignment]
+    servicer._columns = codec.column_ranges(model.spec)
+    servicer._metadata = servicer._build_metadata()
+
+
+async def _warm_up(model: ServedModel, batches: int) -> None:
+    """Run a few random batches through the new version's batchers (each kind of forward) before it serves."""
+    spec = model.spec
+    for seed in range(max(1, batches)):
+        features = SparseFeatures.random(spec, batch_size=min(64, model.max_batch_size), ids_per_bag=8, seed=seed)
+        await model.lookups.run_now(features)
+        if model.predictions is not None and model.both is not None:
+            dense = torch.zeros(features.batch_size, spec.num_dense_features)
+            await model.predictions.run_now(features, dense)
+            await model.both.run_now(features, dense)
+
+
+async def open_repository(path: str | Path, config: Any, metrics: ServerMetrics) -> Repository:
+    """The repository of ``embserve serve REPO`` with every model loaded (and polled, with ``config.poll_s``)."""
+    settings = BatchSettings(
+        max_batch_size=config.max_batch_size,
+        max_delay_s=config.max_delay_us / 1e6,
+        max_queue=config.max_queue,
+        workers=config.workers or max(1, os.cpu_count() or 1),
+        warmup_batches=config.warmup_batches,
+        threads=config.threads,
+    )
+    repository = Repository(path, settings, metrics, VersionPolicy.parse(config.version_policy))
+    await repository.load_all()
+    if config.poll_s:
+        repository.start_polling(config.poll_s)
+    return repository

@@ -1,0 +1,58 @@
+"""``EmbserveClient(protocol="oip")`` and ``embserve query --protocol oip`` against a real server."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+from pathlib import Path
+
+import grpc
+import pytest
+import torch
+
+from infer.errors import RequestError
+from server.client import EmbserveClient
+from tests.conftest import random_batch
+from tests.server.support import CALL_TIMEOUT, NUM_DENSE
+
+REPO = Path(__file__).resolve().parents[2]
+
+
+@pytest.mark.parametrize("weighted", [False, True], ids=["unweighted", "weighted"])
+def test_oip_client_equals_the_runtime(dense_server, dense_runtime, spec, weighted):
+    batch = random_batch(spec, batch_size=7, weighted=weighted, seed=60)
+    dense = torch.randn(7, NUM_DENSE, generator=torch.Generator().manual_seed(6))
+    with EmbserveClient(dense_server.address, timeout=CALL_TIMEOUT, protocol="oip", model="dense") as client:
+        assert torch.equal(client.lookup(batch), dense_runtime.lookup(batch))
+        assert torch.equal(client.lookup(batch, fp16=True), dense_runtime.lookup(batch).half().float())
+        assert torch.equal(client.predict(batch, dense), dense_runtime.predict(batch, dense))
+        metadata = client.metadata()
+    assert metadata.name == "dense" and list(metadata.versions) == ["1"]
+
+
+def test_oip_client_needs_a_model_name(dense_server):
+    with pytest.raises(RequestError, match="model="):
+        EmbserveClient(dense_server.address, protocol="oip")
+
+
+@pytest.mark.parametrize("protocol", ["v1", "oip"])
+def test_query_command(dense_server, spec, protocol):
+    command = [sys.executable, "-m", "infer.cli", "query", dense_server.address, "--batch-size", "3"]
+    command += ["--protocol", protocol, "--model", "dense"]
+    done = subprocess.run(command, cwd=REPO, capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stderr
+    assert f"output [3, {spec.output_dim}]" in done.stdout
+    assert "scores" in done.stdout
+
+
+def test_v1_calls_may_name_the_served_model(dense_server, dense_runtime, spec):
+    batch = random_batch(spec, batch_size=3, seed=61)
+    with EmbserveClient(dense_server.address, timeout=CALL_TIMEOUT, model="dense", version="1") as client:
+        assert torch.equal(client.lookup(batch), dense_runtime.lookup(batch))
+    with EmbserveClient(dense_server.address, timeout=CALL_TIMEOUT, model="other") as client:
+        with pytest.raises(grpc.RpcError) as caught:
+            client.lookup(batch)
+        assert caught.value.code() == grpc.StatusCode.NOT_FOUND
+        with pytest.raises(grpc.RpcError) as caught:
+            client.metadata()
+        assert caught.value.code() == grpc.StatusCode.NOT_FOUND

@@ -1,0 +1,103 @@
+"""The REST server against malformed HTTP: every bad request gets an answer (or a closed connection), never a crash.
+
+Plain ``http.client`` and raw sockets: what tritonclient would never send.
+"""
+
+from __future__ import annotations
+
+import http.client
+import json
+import socket
+from collections.abc import Iterator
+
+import grpc
+import pytest
+
+from server.proto import open_inference_grpc_pb2 as pb
+from server.proto import open_inference_grpc_pb2_grpc as pb_grpc
+from tests.conftest import random_batch
+from tests.server.oip_support import client, triton_inputs
+from tests.server.support import Served, local_config
+
+MAX_MESSAGE = 64 * 1024
+# a binary-extension request whose input claims 32 bytes while 8 follow the JSON header
+HEADER = b'{"inputs":[{"name":"f_int8__values","datatype":"INT64","shape":[4],"parameters":{"binary_data_size":32}}]}'
+SHORT_BINARY = HEADER + bytes(8)
+GARBAGE = (
+    b"\x00\x01\x02\r\n\r\n",
+    b"GET\r\n\r\n",
+    b"POST /v2/models/dense/infer HTTP/1.1\r\nContent-Length: x\r\n\r\n",
+)
+
+
+@pytest.fixture(scope="module")
+def rest_server(loop_thread, dense_artifact) -> Iterator[Served]:
+    served = Served.start(loop_thread, dense_artifact, local_config(http_port=0, max_message_bytes=MAX_MESSAGE))
+    yield served
+    served.close_channels()
+    served.stop(1.0)
+
+
+def _request(served: Served, method: str, path: str, body: bytes = b"", headers: dict | None = None):
+    connection = http.client.HTTPConnection("127.0.0.1", served.running.http_port, timeout=10)
+    try:
+        connection.request(method, path, body=body, headers=headers or {})
+        response = connection.getresponse()
+        return response.status, response.read()
+    finally:
+        connection.close()
+
+
+@pytest.mark.parametrize(
+    ("method", "path", "body", "headers", "status", "fragment"),
+    [
+        ("POST", "/v2/models/dense/infer", b"{not json", {}, 400, "not valid JSON"),
+        ("POST", "/v2/models/dense/infer", b"[1, 2]", {}, 400, "JSON object with an 'inputs' list"),
+        ("POST", "/v2/models/dense/infer", b'{"inputs": [{"name": 3}]}', {}, 400, "input #0"),
+        ("POST", "/v2/models/dense/infer", b'{"inputs": [{"name": "f_int8__values", "datatype": "INT64", '
+         b'"shape": [2], "data": ["a", "b"]}]}', {}, 400, "are not INT64 numbers"),  # fmt: skip
+        ("POST", "/v2/models/dense/infer", SHORT_BINARY, {"Inference-Header-Content-Length": str(len(HEADER))},
+         400, "runs past the request's binary data"),  # fmt: skip
+        ("POST", "/v2/models/dense/infer", b"{}", {"Inference-Header-Content-Length": "999"}, 400, "exceeds"),
+        ("POST", "/v2/models/dense/infer", b"x" * (MAX_MESSAGE + 1), {}, 413, "exceeds the server's limit"),
+        ("GET", "/v2/nowhere", b"", {}, 404, "no route GET /v2/nowhere"),
+        ("GET", "/v2/models/nobody", b"", {}, 404, "unknown model 'nobody'"),
+        ("POST", "/v2/models/dense/infer", b"{}", {"Content-Encoding": "br"}, 415, "not supported"),
+    ],
+    ids=[
+        "bad_json", "not_an_object", "unnamed_input", "non_numeric_data", "binary_past_the_end",
+        "header_length_past_body", "too_large", "unknown_route", "unknown_model", "unknown_encoding",
+    ],
+)  # fmt: skip
+def test_bad_http_requests_get_their_status(rest_server, method, path, body, headers, status, fragment):
+    got_status, payload = _request(rest_server, method, path, body, headers)
+    assert got_status == status
+    assert fragment in json.loads(payload)["error"]
+
+
+def test_the_server_survives_garbage_and_keeps_serving(rest_server, spec):
+    for garbage in (
+        b"\x00\x01\x02\r\n\r\n",
+        b"GET\r\n\r\n",
+        b"POST /v2/models/dense/infer HTTP/1.1\r\nContent-Length: x\r\n\r\n",
+    ):
+        with socket.create_connection(("127.0.0.1", rest_server.running.http_port), timeout=10) as sock:
+            sock.sendall(garbage)
+            answer = sock.recv(4096)
+        assert answer.startswith(b"HTTP/1.1 400")
+    with socket.create_connection(("127.0.0.1", rest_server.running.http_port), timeout=10) as sock:
+        sock.sendall(b"POST /v2/models/dense/infer HTTP/1.1\r\nContent-Length: 100\r\n\r\n{")  # then hang up
+    with client("http", f"127.0.0.1:{rest_server.running.http_port}") as c:
+        batch = random_batch(spec, batch_size=2, seed=70)
+        assert c.infer("dense", triton_inputs("http", batch)).as_numpy("embeddings").shape == (2, spec.output_dim)
+
+
+def test_grpc_bytes_that_are_no_message_are_invalid_argument(rest_server):
+    channel = rest_server.channel()
+    call = channel.unary_unary("/inference.GRPCInferenceService/ModelInfer")
+    with pytest.raises(grpc.RpcError) as caught:
+        call(b"\xff\xff\xff", timeout=10)
+    assert caught.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+    assert "not a valid ModelInferRequest" in caught.value.details()
+    stub = pb_grpc.GRPCInferenceServiceStub(channel)
+    assert stub.ServerLive(pb.ServerLiveRequest(), timeout=10).live

@@ -1,0 +1,220 @@
+"""A model repository behind the server: versions, policies, load/unload on demand, broken versions, memory check.
+
+Real servers on 127.0.0.1 port 0, talked to with tritonclient; expected values come from runtimes
+loaded in-process from the same version folders.
+"""
+
+from __future__ import annotations
+
+import shutil
+from pathlib import Path
+from typing import Any
+
+import grpc
+import numpy as np
+import pytest
+import torch
+from tritonclient.utils import InferenceServerException
+
+from infer.artifact.export import export
+from infer.artifact.load import load
+from infer.artifact.runtime import Runtime
+from infer.errors import ConfigError
+from infer.quant.quantize import quantize
+from infer.weights import random_weights
+from server import repository as repository_module
+from server.client import EmbserveClient
+from server.metrics import ServerMetrics
+from server.repository import BatchSettings, Repository, VersionPolicy
+from tests.conftest import TinyOverArch, random_batch
+from tests.server.oip_support import client, requested, triton_inputs
+from tests.server.support import CALL_TIMEOUT, NUM_DENSE
+
+MODEL = "ctr"
+
+
+def break_artifact(source: Path, target: Path) -> Path:
+    """A copy of ``source`` whose model file no longer matches its manifest's checksum."""
+    shutil.copytree(source, target)
+    model = target / "model.pt"
+    data = bytearray(model.read_bytes())
+    data[len(data) // 2] ^= 0xFF
+    model.write_bytes(bytes(data))
+    return target
+
+
+@pytest.fixture(scope="module")
+def versions(tmp_path_factory, spec) -> dict[str, Path]:
+    """Two good versions of one dense model (different weights) and a broken copy of the second."""
+    store = tmp_path_factory.mktemp("versions")
+    dense_spec = spec.with_dense_arch(TinyOverArch(NUM_DENSE, spec.output_dim), NUM_DENSE)
+    found = {}
+    for version, seed in (("1", 11), ("2", 12)):
+        torch.manual_seed(seed)
+        model = quantize(dense_spec, random_weights(dense_spec, seed=seed))
+        found[version] = export(model, store / f"v{version}")
+    found["broken"] = break_artifact(found["2"], store / "broken")
+    return found
+
+
+@pytest.fixture(scope="module")
+def runtimes(versions) -> dict[str, Runtime]:
+    return {v: load(versions[v]) for v in ("1", "2")}
+
+
+def make_repository(root: Path, layout: dict[str, dict[str, Path]]) -> Path:
+    for model, model_versions in layout.items():
+        for version, source in model_versions.items():
+            shutil.copytree(source, root / model / version)
+    return root
+
+
+def _embeddings(c: Any, protocol: str, batch: Any, version: str = "") -> tuple[torch.Tensor, str]:
+    result = c.infer(
+        MODEL, triton_inputs(protocol, batch), model_version=version, outputs=requested(protocol, "embeddings")
+    )
+    response = result.get_response(as_json=True) if protocol == "grpc" else result.get_response()
+    return torch.from_numpy(np.array(result.as_numpy("embeddings"))), response["model_version"]
+
+
+def test_a_new_version_is_loaded_on_demand_and_replaces_the_old(tmp_path, start_server, versions, runtimes, spec):
+    root = make_repository(tmp_path / "repo", {MODEL: {"1": versions["1"]}})
+    served = start_server(root, http_port=0)
+    batch = random_batch(spec, batch_size=8, seed=40)
+    with client("grpc", served.address) as c:
+        assert c.get_model_metadata(MODEL, as_json=True)["versions"] == ["1"]
+        got, version = _embeddings(c, "grpc", batch)
+        assert version == "1" and torch.equal(got, runtimes["1"].lookup(batch))
+
+        shutil.copytree(versions["2"], root / MODEL / "2")
+        c.load_model(MODEL)
+        assert c.get_model_metadata(MODEL, as_json=True)["versions"] == ["2"]  # policy latest:1
+        got, version = _embeddings(c, "grpc", batch)
+        assert version == "2" and torch.equal(got, runtimes["2"].lookup(batch))
+        with pytest.raises(InferenceServerException) as caught:
+            _embeddings(c, "grpc", batch, version="1")
+        assert "StatusCode.NOT_FOUND" in str(caught.value.status())
+    # embserve.v1 follows the repository's newest version too
+    with EmbserveClient(served.address, timeout=CALL_TIMEOUT) as v1:
+        assert torch.equal(v1.lookup(batch), runtimes["2"].lookup(batch))
+    with client("http", f"127.0.0.1:{served.running.http_port}") as c:
+        got, version = _embeddings(c, "http", batch)
+        assert version == "2" and torch.equal(got, runtimes["2"].lookup(batch))
+    loop = served.loop
+    loop.run(served.running.oip.repository.retired())  # the old version's batchers are gone
+
+
+def test_an_explicit_version_list_serves_each_version(tmp_path, start_server, versions, runtimes, spec):
+    root = make_repository(tmp_path / "repo", {MODEL: {"1": versions["1"], "2": versions["2"]}})
+    served = start_server(root, version_policy="versions:1,2")
+    batch = random_batch(spec, batch_size=5, seed=41)
+    with client("grpc", served.address) as c:
+        assert c.get_model_metadata(MODEL, as_json=True)["versions"] == ["1", "2"]
+        for version in ("1", "2"):
+            got, answered = _embeddings(c, "grpc", batch, version=version)
+            assert answered == version and torch.equal(got, runtimes[version].lookup(batch))
+        got, answered = _embeddings(c, "grpc", batch)
+        assert answered == "2"  # no version asked: the newest
+
+
+def test_embserve_v1_calls_name_a_model_and_version(tmp_path, start_server, versions, runtimes, spec):
+    root = make_repository(
+        tmp_path / "repo", {MODEL: {"1": versions["1"], "2": versions["2"]}, "zzz": {"1": versions["1"]}}
+    )
+    served = start_server(root, version_policy="versions:1,2")
+    batch = random_batch(spec, batch_size=4, weighted=True, seed=45)
+    dense = torch.randn(4, NUM_DENSE, generator=torch.Generator().manual_seed(4))
+    for version in ("1", "2"):
+        with EmbserveClient(served.address, timeout=CALL_TIMEOUT, model=MODEL, version=version) as v1:
+            assert torch.equal(v1.lookup(batch), runtimes[version].lookup(batch))
+            assert torch.equal(v1.predict(batch, dense), runtimes[version].predict(batch, dense))
+            assert v1.metadata().model_version == runtimes[version].manifest.file("model.pt").sha256[:16]
+    with EmbserveClient(served.address, timeout=CALL_TIMEOUT, model="zzz") as v1:
+        assert torch.equal(v1.lookup(batch), runtimes["1"].lookup(batch))
+    with EmbserveClient(served.address, timeout=CALL_TIMEOUT) as v1:  # the default: first model, newest version
+        assert torch.equal(v1.lookup(batch), runtimes["2"].lookup(batch))
+    with EmbserveClient(served.address, timeout=CALL_TIMEOUT, model="nobody") as v1:
+        with pytest.raises(grpc.RpcError) as caught:
+            v1.lookup(batch)
+        assert caught.value.code() == grpc.StatusCode.NOT_FOUND and "unknown model 'nobody'" in caught.value.details()
+
+
+def test_a_broken_version_never_replaces_a_good_one(tmp_path, start_server, versions, runtimes, spec):
+    root = make_repository(tmp_path / "repo", {MODEL: {"1": versions["1"]}})
+    served = start_server(root, http_port=0)
+    batch = random_batch(spec, batch_size=6, seed=42)
+    shutil.copytree(versions["broken"], root / MODEL / "2")
+    for protocol, address in (("grpc", served.address), ("http", f"127.0.0.1:{served.running.http_port}")):
+        with client(protocol, address) as c:
+            with pytest.raises(InferenceServerException) as caught:
+                c.load_model(MODEL)
+            message = caught.value.message()
+            assert "version 2: ctr/2/model.pt fails its sha256 check" in message and str(tmp_path) not in message
+            got, version = _embeddings(c, protocol, batch)
+            assert version == "1" and torch.equal(got, runtimes["1"].lookup(batch))
+    with client("http", f"127.0.0.1:{served.running.http_port}") as c:
+        properties = c.get_model_metadata(MODEL)["properties"]
+    assert '"2":' in properties["failed_versions"]
+    assert served.metric("embserve_requests_total", {"method": "model load", "code": "FAILED"}) == 2
+
+
+def test_a_repository_whose_newest_version_is_broken_starts_on_the_one_before(
+    tmp_path, start_server, versions, runtimes, spec
+):
+    root = make_repository(tmp_path / "repo", {MODEL: {"1": versions["1"], "2": versions["broken"]}})
+    served = start_server(root)
+    batch = random_batch(spec, batch_size=3, seed=43)
+    with client("grpc", served.address) as c:
+        got, version = _embeddings(c, "grpc", batch)
+    assert version == "1" and torch.equal(got, runtimes["1"].lookup(batch))
+
+
+def test_models_unload_and_load_on_demand(tmp_path, start_server, versions, spec):
+    root = make_repository(tmp_path / "repo", {MODEL: {"1": versions["1"]}, "other": {"1": versions["2"]}})
+    served = start_server(root, http_port=0)
+    with client("http", f"127.0.0.1:{served.running.http_port}") as c:
+        assert c.is_model_ready("other")
+        c.unload_model("other")
+        assert not c.is_model_ready("other")
+        with pytest.raises(InferenceServerException) as caught:
+            c.infer("other", triton_inputs("http", random_batch(spec, batch_size=2, seed=44)))
+        assert caught.value.status() == "404"
+        c.load_model("other")
+        assert c.is_model_ready("other")
+        with pytest.raises(InferenceServerException) as caught:
+            c.unload_model(MODEL)  # the model embserve.v1 serves
+        assert "embserve.v1" in caught.value.message()
+        with pytest.raises(InferenceServerException) as caught:
+            c.load_model("no_such_model")
+        assert caught.value.status() == "404"
+        (root / "empty").mkdir()
+        with pytest.raises(InferenceServerException) as caught:
+            c.load_model("empty")
+        assert "model 'empty' has no version" in caught.value.message()
+
+
+def test_memory_for_a_new_version_is_checked_before_loading(tmp_path, loop_thread, versions, monkeypatch):
+    root = make_repository(tmp_path / "repo", {MODEL: {"1": versions["1"]}})
+    monkeypatch.setattr(repository_module, "available_memory_bytes", lambda: 1024)
+    settings = BatchSettings(max_batch_size=64, max_delay_s=0.0005, max_queue=16, workers=1)
+
+    async def open_it() -> None:
+        repo = Repository(root, settings, ServerMetrics())
+        try:
+            await repo.load_all()
+        finally:
+            await repo.close()
+
+    with pytest.raises(ConfigError) as caught:
+        loop_thread.run(open_it())
+    assert f"model '{MODEL}' version 1 needs about" in str(caught.value)
+    assert "free memory, unload a version or narrow the version policy" in str(caught.value)
+
+
+def test_version_policies_parse_and_select():
+    assert VersionPolicy.parse("latest:2").select([1, 3, 2]) == [2, 3]
+    assert VersionPolicy.parse("versions:1,3").select([1, 2, 3, 4]) == [1, 3]
+    with pytest.raises(ConfigError):
+        VersionPolicy.parse("newest")
+    with pytest.raises(ConfigError):
+        VersionPolicy(latest=0)
