@@ -273,9 +273,8 @@ def test_exact_keeps_table_row_wise_on_one_host() -> None:
 
 
 @pytest.mark.slow
-def test_greedy_partitions_a_thousand_tables_on_64_devices_quickly() -> None:
-    import time
-
+def test_greedy_partitions_a_thousand_tables_on_64_devices() -> None:
+    """Correct and near the bound at scale; how fast it plans is bench/planner.py's job (no timing here)."""
     rng = random.Random(5)
     world = 64
     proposal = []
@@ -287,13 +286,9 @@ def test_greedy_partitions_a_thousand_tables_on_64_devices_quickly() -> None:
         else:
             proposal.append(option(f"t{t}", [rng.uniform(1, 10)], rng.randint(1000, 10_000)))
     topology = Topology(world, device_memory=(10**6,))
-    partitioner = GreedyPartitioner()
-    start = time.perf_counter()
-    result = partitioner.partition(tuple(proposal), topology)
-    elapsed = time.perf_counter() - start
+    result = GreedyPartitioner().partition(tuple(proposal), topology)
     check_valid(result, topology)
     assert result.bottleneck <= 1.05 * partition_lower_bound(result.proposal, world)
-    assert elapsed < 0.25, f"{elapsed * 1e3:.0f} ms"  # typically ~10 ms; generous for loaded CI machines
 
 
 def loads(result: PartitionResult, world: int) -> list[float]:
