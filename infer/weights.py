@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from collections.abc import Mapping
 from pathlib import Path
+from typing import Any
 
 import torch
 
@@ -40,19 +41,24 @@ def check_weights(spec: ModelSpec, weights: Mapping[str, torch.Tensor]) -> None:
             raise WeightsError(f"table {table.name!r}: weight dtype {weight.dtype} is not floating point")
 
 
+def load_tensor_file(path: Path, what: str) -> Any:
+    """``torch.load`` a checkpoint safely: ``weights_only``, memory-mapped when the file allows (legacy non-zip
+    files cannot be), every failure a ``WeightsError`` naming ``what`` and the file."""
+    try:
+        try:
+            return torch.load(path, weights_only=True, mmap=True, map_location="cpu")
+        except RuntimeError:
+            return torch.load(path, weights_only=True, map_location="cpu")
+    except Exception as err:  # noqa: BLE001 - torch raises many types for a bad file
+        raise WeightsError(f"cannot load {what} {str(path)!r}: {err}") from None
+
+
 def load_checkpoint(path: str | Path, spec: ModelSpec) -> dict[str, torch.Tensor]:
     """Load ``{table_name: fp32 tensor}`` safely (``weights_only``, memory-mapped) and check it."""
     path = Path(path)
     if not path.is_file():
         raise WeightsError(f"weights checkpoint {str(path)!r} does not exist")
-    try:
-        try:
-            data = torch.load(path, weights_only=True, mmap=True, map_location="cpu")
-        except RuntimeError:
-            # Legacy (non-zip) checkpoints cannot be memory-mapped.
-            data = torch.load(path, weights_only=True, map_location="cpu")
-    except Exception as err:  # noqa: BLE001 - torch raises many types for a bad file
-        raise WeightsError(f"cannot load weights checkpoint {str(path)!r}: {err}") from None
+    data = load_tensor_file(path, "weights checkpoint")
     if not isinstance(data, Mapping):
         raise WeightsError(f"{str(path)!r} holds a {type(data).__name__}; expected a dict of table name -> tensor")
     weights = dict(data)

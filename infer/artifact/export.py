@@ -25,6 +25,18 @@ from infer.version import __version__
 logger = logging.getLogger(__name__)
 
 
+def output_folder(out_dir: str | Path) -> Path:
+    """The absolute artifact folder to write: new, empty, or an artifact (replaced); anything else is refused."""
+    out_dir = Path(out_dir).absolute()
+    if out_dir.exists() and (
+        not out_dir.is_dir() or (any(out_dir.iterdir()) and not (out_dir / MANIFEST_FILE).exists())
+    ):
+        raise ArtifactError(
+            f"{out_dir} exists and is not an embserve artifact; choose an empty or new folder", path=str(out_dir)
+        )
+    return out_dir
+
+
 def export(
     model: torch.nn.Module,
     out_dir: str | Path,
@@ -47,13 +59,7 @@ def export(
 
     if not isinstance(model, EmbserveModel):
         raise ConfigError(f"export takes the model returned by infer.quantize(), got {type(model).__name__}")
-    out_dir = Path(out_dir).absolute()
-    if out_dir.exists() and (
-        not out_dir.is_dir() or (any(out_dir.iterdir()) and not (out_dir / MANIFEST_FILE).exists())
-    ):
-        raise ArtifactError(
-            f"{out_dir} exists and is not an embserve artifact; choose an empty or new folder", path=str(out_dir)
-        )
+    out_dir = output_folder(out_dir)
     started = time.monotonic()
     try:
         scripted = torch.jit.script(model)

@@ -19,6 +19,7 @@ from pathlib import Path
 
 import torch
 
+from infer.artifact.export import output_folder
 from infer.artifact.kernels import check_kernel, check_routing, kernel_holders, kernels_from_tbes, model_tbes
 from infer.artifact.manifest import MANIFEST_FILE, PLAN_FILE, FileEntry, Manifest
 from infer.errors import ArtifactError, ArtifactErrorKind, ConfigError
@@ -51,13 +52,7 @@ def export_hosts(model: torch.nn.Module, out_dir: str | Path, plan: ShardingPlan
             f"the plan's topology is one host ({plan.topology.world_size} devices); export it with infer.export, "
             "or plan for several hosts (Topology(world_size=H*G, local_world_size=G))"
         )
-    out_dir = Path(out_dir).absolute()
-    if out_dir.exists() and (
-        not out_dir.is_dir() or (any(out_dir.iterdir()) and not (out_dir / MANIFEST_FILE).exists())
-    ):
-        raise ArtifactError(
-            f"{out_dir} exists and is not an embserve artifact; choose an empty or new folder", path=str(out_dir)
-        )
+    out_dir = output_folder(out_dir)
     started = time.monotonic()
     out_dir.parent.mkdir(parents=True, exist_ok=True)
     staging = Path(tempfile.mkdtemp(prefix=f".{out_dir.name}.", dir=out_dir.parent))

@@ -19,6 +19,7 @@ from torch import nn
 
 from infer.config import DataType, ModelSpec, PoolingType, TableConfig
 from infer.errors import ConfigError, WeightsError
+from infer.weights import load_tensor_file
 
 if TYPE_CHECKING:
     from infer.modules.collection import EmbserveModel
@@ -388,14 +389,7 @@ def spec_from_checkpoint(source: str | Path) -> ModelSpec:
 
 
 def _torch_load(path: Path) -> Mapping[str, Any]:
-    try:
-        try:
-            data = torch.load(path, weights_only=True, mmap=True, map_location="cpu")
-        except RuntimeError:
-            # legacy (non-zip) files cannot be memory-mapped
-            data = torch.load(path, weights_only=True, map_location="cpu")
-    except Exception as err:  # noqa: BLE001 - torch raises many types for a bad file
-        raise WeightsError(f"cannot load TorchRec checkpoint {str(path)!r}: {err}") from None
+    data = load_tensor_file(path, "TorchRec checkpoint")
     if isinstance(data, Mapping) and "state_dict" in data and isinstance(data["state_dict"], Mapping):
         data = data["state_dict"]  # a training checkpoint {"state_dict": ..., "optimizer": ...}
     if not isinstance(data, Mapping):
