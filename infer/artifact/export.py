@@ -12,6 +12,8 @@ import os
 import shutil
 import tempfile
 import time
+from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 
 import torch
@@ -23,6 +25,25 @@ from infer.planner.types import ShardingPlan
 from infer.version import __version__
 
 logger = logging.getLogger(__name__)
+
+
+@contextmanager
+def staged(out_dir: Path) -> Iterator[Path]:
+    """A temporary sibling of ``out_dir`` to write an artifact into. When the block ends normally the staging
+    folder (and every folder in it) is made world-readable and renamed into place, replacing ``out_dir``; when
+    it raises, the staging folder is removed and ``out_dir`` is left as it was."""
+    out_dir.parent.mkdir(parents=True, exist_ok=True)
+    staging = Path(tempfile.mkdtemp(prefix=f".{out_dir.name}.", dir=out_dir.parent))
+    try:
+        yield staging
+        for folder in [staging, *(path for path in staging.rglob("*") if path.is_dir())]:
+            os.chmod(folder, 0o755)
+        if out_dir.exists():
+            shutil.rmtree(out_dir)
+        staging.rename(out_dir)
+    except BaseException:
+        shutil.rmtree(staging, ignore_errors=True)
+        raise
 
 
 def output_folder(out_dir: str | Path) -> Path:
@@ -65,9 +86,7 @@ def export(
         scripted = torch.jit.script(model)
     except Exception as err:  # noqa: BLE001 - TorchScript reports many error types
         raise ConfigError(f"the model (or its dense_arch) cannot be scripted with torch.jit.script: {err}") from None
-    out_dir.parent.mkdir(parents=True, exist_ok=True)
-    staging = Path(tempfile.mkdtemp(prefix=f".{out_dir.name}.", dir=out_dir.parent))
-    try:
+    with staged(out_dir) as staging:
         scripted.save(str(staging / MODEL_FILE))
         files = [FileEntry.of(staging, MODEL_FILE)]
         if plan is not None:
@@ -96,13 +115,6 @@ def export(
             onnx=onnx_entry,
         )
         (staging / MANIFEST_FILE).write_text(manifest.to_json(), encoding="utf-8")
-        os.chmod(staging, 0o755)
-        if out_dir.exists():
-            shutil.rmtree(out_dir)
-        staging.rename(out_dir)
-    except BaseException:
-        shutil.rmtree(staging, ignore_errors=True)
-        raise
     logger.debug("exported %s in %.1fs", out_dir, time.monotonic() - started)
     return out_dir
 

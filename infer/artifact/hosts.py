@@ -10,8 +10,6 @@ from __future__ import annotations
 
 import logging
 import os
-import shutil
-import tempfile
 import time
 from collections.abc import Mapping
 from dataclasses import dataclass
@@ -19,7 +17,7 @@ from pathlib import Path
 
 import torch
 
-from infer.artifact.export import output_folder
+from infer.artifact.export import output_folder, staged
 from infer.artifact.kernels import check_kernel, check_routing, kernel_holders, kernels_from_tbes, model_tbes
 from infer.artifact.manifest import MANIFEST_FILE, PLAN_FILE, FileEntry, Manifest
 from infer.errors import ArtifactError, ArtifactErrorKind, ConfigError
@@ -54,9 +52,7 @@ def export_hosts(model: torch.nn.Module, out_dir: str | Path, plan: ShardingPlan
         )
     out_dir = output_folder(out_dir)
     started = time.monotonic()
-    out_dir.parent.mkdir(parents=True, exist_ok=True)
-    staging = Path(tempfile.mkdtemp(prefix=f".{out_dir.name}.", dir=out_dir.parent))
-    try:
+    with staged(out_dir) as staging:
         files = []
         kernels = []
         for host in range(hosts):
@@ -92,14 +88,6 @@ def export_hosts(model: torch.nn.Module, out_dir: str | Path, plan: ShardingPlan
             devices_per_host=local,
         )
         (staging / MANIFEST_FILE).write_text(manifest.to_json(), encoding="utf-8")
-        for folder in [staging, staging / "hosts", *(staging / "hosts").iterdir()]:
-            os.chmod(folder, 0o755)
-        if out_dir.exists():
-            shutil.rmtree(out_dir)
-        staging.rename(out_dir)
-    except BaseException:
-        shutil.rmtree(staging, ignore_errors=True)
-        raise
     logger.debug("exported %s (%d hosts) in %.1fs", out_dir, hosts, time.monotonic() - started)
     return out_dir
 
