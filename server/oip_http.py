@@ -29,9 +29,8 @@ import grpc
 
 from infer.errors import EmbserveError, RequestError
 from server import oip_codec as oc
-from server.batcher import QueueFullError
 from server.oip import OpenInference
-from server.service import _Failure, bounded
+from server.service import REJECTIONS, _Failure, bounded, rejection
 
 logger = logging.getLogger(__name__)
 
@@ -312,12 +311,8 @@ class RestServer:
                 return _error_response(code, "missing or wrong bearer token (header 'Authorization')")
             operation, work = self._route(request)
             return await work
-        except RequestError as err:
-            code, message, reason = grpc.StatusCode.INVALID_ARGUMENT, str(err), "invalid"
-        except QueueFullError as err:
-            code, message, reason = grpc.StatusCode.RESOURCE_EXHAUSTED, str(err), "queue_full"
-        except _Failure as err:
-            code, message, reason = err.code, err.message, err.reason
+        except REJECTIONS as err:
+            code, message, reason = rejection(err)
         except Exception as err:  # noqa: BLE001 - the client gets 500 and a request id, the log gets the traceback
             request_id = uuid.uuid4().hex[:12]
             self.oip.v1._log_internal(operation, err, request_id)  # once per kind, then at powers of ten

@@ -256,12 +256,8 @@ class InferenceServicer(pb_grpc.InferenceServiceServicer):
         self._idle.clear()
         try:
             return await work
-        except RequestError as err:
-            code, message, reason = grpc.StatusCode.INVALID_ARGUMENT, str(err), "invalid"
-        except QueueFullError as err:
-            code, message, reason = grpc.StatusCode.RESOURCE_EXHAUSTED, str(err), "queue_full"
-        except _Failure as err:
-            code, message, reason = err.code, err.message, err.reason
+        except REJECTIONS as err:
+            code, message, reason = rejection(err)
         except asyncio.CancelledError:
             remaining = context.time_remaining()
             expired = remaining is not None and remaining <= 0
@@ -329,6 +325,20 @@ class _Failure(Exception):
         self.code = code
         self.message = message
         self.reason = reason  # the label of embserve_rejected_total
+
+
+# The failures a client causes (or must back off from): answered with their status, never logged as errors.
+REJECTIONS = (RequestError, QueueFullError, _Failure)
+
+
+def rejection(err: Exception) -> tuple[grpc.StatusCode, str, str]:
+    """Status code, message and ``embserve_rejected_total`` reason of one of ``REJECTIONS`` (every protocol
+    front end answers them the same way)."""
+    if isinstance(err, _Failure):
+        return err.code, err.message, err.reason
+    if isinstance(err, QueueFullError):
+        return grpc.StatusCode.RESOURCE_EXHAUSTED, str(err), "queue_full"
+    return grpc.StatusCode.INVALID_ARGUMENT, str(err), "invalid"
 
 
 def _check_deadline(context: grpc.aio.ServicerContext) -> None:
