@@ -247,3 +247,28 @@ def test_artifact_for_missing_cuda_devices_needs_a_device_map(quantized, tmp_pat
     batch = random_batch(spec, 4)
     assert torch.equal(runtime.lookup(batch), model(batch.values, batch.lengths, None))
     assert hashlib.sha256((path / "model.pt").read_bytes()).hexdigest() == manifest["files"]["model.pt"]["sha256"]
+
+
+@pytest.mark.parametrize(
+    "devices", [(0, 1), (0, 1, 2), (2, 0, 1)], ids=["even_blocks", "uneven_blocks", "out_of_device_order"]
+)
+def test_row_blocks_bucketized_once_or_per_device_give_the_same_output(quantized, devices):
+    """Row blocks in device order are bucketized for all devices by one fbgemm call in the collection (by
+    block size when the blocks are even, by their boundaries otherwise); blocks out of device order fall back
+    to each device bucketizing its own. Every route equals the unsharded model."""
+    spec, model = quantized
+    plan = make_plan(spec, len(devices), {name: (RW, devices) for name in ["shared", "int4", "fp16", "plain"]})
+    sharded = shard_model(model, plan)
+    # 1009, 503, 301 and 257 rows: halves differ by at most one row (even); thirds of 1009 are 337, 336, 336
+    assert sharded.embeddings.bucketized == (devices != (2, 0, 1))
+    assert sharded.embeddings.rw_even_blocks == (devices == (0, 1))
+    scripted = torch.jit.script(sharded)
+    for seed, weighted in ((6, False), (7, True)):
+        batch = random_batch(spec, batch_size=9, max_len=9, weighted=weighted, seed=seed)
+        with torch.no_grad():
+            expected = model(batch.values, batch.lengths, batch.weights)
+            for module in (sharded, scripted):
+                assert_parity("row_wise", module(batch.values, batch.lengths, batch.weights), expected)
+    empty = SparseFeatures(spec.feature_names, torch.zeros(0, dtype=torch.int64), torch.zeros(0, dtype=torch.int32))
+    with torch.no_grad():
+        assert scripted(empty.values, empty.lengths, None).shape == (0, spec.output_dim)
