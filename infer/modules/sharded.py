@@ -347,7 +347,8 @@ class ShardedEmbeddingBagCollection(ValidatingCollection):
         # blocks of one size (the last one short or empty): the kernel divides by the size instead of
         # searching the boundaries, twice as fast
         self.rw_even_blocks = self.bucketized and all(
-            p == [min(j * size, p[-1]) for j in range(len(p))] for p, size in zip(self.rw_positions, self.rw_block_sizes)
+            p == [min(j * size, p[-1]) for j in range(len(p))]
+            for p, size in zip(self.rw_positions, self.rw_block_sizes)
         )
         slot_of = {f: r for r, f in enumerate(self.rw_features)}
         for j, shard in enumerate(shards):
@@ -419,7 +420,17 @@ class ShardedEmbeddingBagCollection(ValidatingCollection):
             if i < count - 1:
                 futures.append(
                     torch.jit.fork(
-                        shard, values, lengths, weights, starts, batch, out, rw_values, rw_lengths, rw_weights, rw_starts
+                        shard,
+                        values,
+                        lengths,
+                        weights,
+                        starts,
+                        batch,
+                        out,
+                        rw_values,
+                        rw_lengths,
+                        rw_weights,
+                        rw_starts,
                     )
                 )
             else:
