@@ -173,8 +173,10 @@ def run_sharded(
     sets: list[tuple[torch.Tensor, torch.Tensor, torch.Tensor]],
     rounds: int,
     index_count: int,
+    torchrec: Callable[[int], object] | None,
 ) -> list[dict[str, object]]:
-    """Every sharded variant against the unsharded exported model, measured pairwise in the same run."""
+    """Every sharded variant against the unsharded exported model (and TorchRec's scripted QEBC when
+    torchrec is installed), measured in the same rounds."""
     rows = []
     default_threads = torch.get_num_threads()
     for shards in (1, 2, 4):
@@ -199,7 +201,10 @@ def run_sharded(
                 expected, got = run_baseline(0), run_sharded_model(0)
                 assert isinstance(expected, torch.Tensor) and isinstance(got, torch.Tensor)
                 max_diff = float((expected - got).abs().max())
-                seconds = measure({"unsharded": run_baseline, "sharded": run_sharded_model}, index_count, rounds, {})
+                cases: dict[str, Callable[[int], object]] = {"unsharded": run_baseline, "sharded": run_sharded_model}
+                if torchrec is not None:
+                    cases["torchrec_qebc"] = torchrec
+                seconds = measure(cases, index_count, rounds, {})
             lookups = w.num_tables * w.batch_size * w.ids_per_bag
             rows.append(
                 {
@@ -212,6 +217,9 @@ def run_sharded(
                     "mlookups_per_s": round(lookups / seconds["sharded"] / 1e6, 2),
                     "unsharded_mlookups_per_s": round(lookups / seconds["unsharded"] / 1e6, 2),
                     "ratio_to_unsharded": round(seconds["unsharded"] / seconds["sharded"], 3),
+                    "ratio_to_torchrec": (
+                        round(seconds["torchrec_qebc"] / seconds["sharded"], 3) if torchrec is not None else None
+                    ),
                     "max_abs_diff_vs_unsharded": max_diff,
                     "intra_op_threads": sharded_threads,
                 }
@@ -314,10 +322,57 @@ def run_workload(w: Workload, rounds: int, index_count: int, sharded: bool) -> l
             }
         )
         print(json.dumps(rows[-1]), flush=True)
+    rows.append(run_batch1(w, exported, holders, runtime.threads, torchrec, rounds * 20))
     if sharded:
         del tbe, gather_table, gather_out
-        rows += run_sharded(w, spec, model, exported, sets, rounds, index_count)
+        rows += run_sharded(w, spec, model, exported, sets, rounds, index_count, cases.get("torchrec_qebc"))
     return rows
+
+
+def run_batch1(
+    w: Workload,
+    exported: torch.jit.ScriptModule,
+    holders: list[torch.jit.ScriptModule],
+    threads: int,
+    torchrec: torch.jit.ScriptModule | None,
+    rounds: int,
+) -> dict[str, object]:
+    """Batch-1 latency: the exported model at its thread budget against the same model with its kernel
+    called once (threads=1, the behaviour before batch splitting): the split must not tax small requests."""
+    one = Workload(w.name, w.num_tables, w.rows, w.dim, 1, w.ids_per_bag)
+    sets = make_index_sets(one, 8, seed=3)
+
+    def run_budget(i: int) -> object:
+        return exported(sets[i][0], sets[i][1], None)
+
+    def run_single(i: int) -> object:
+        for holder in holders:
+            holder.threads = 1
+        try:
+            return exported(sets[i][0], sets[i][1], None)
+        finally:
+            for holder in holders:
+                holder.threads = threads
+
+    cases: dict[str, Callable[[int], object]] = {"budget": run_budget, "single_call": run_single}
+    if torchrec is not None:
+        module = torchrec
+        cases["torchrec_qebc"] = lambda i: module(sets[i][0], sets[i][1])
+    with torch.inference_mode():
+        seconds = measure(cases, len(sets), rounds, {})
+    row: dict[str, object] = {
+        "bench": "lookup_batch1",
+        "workload": w.name,
+        "case": "exported_batch1",
+        "us_p50": round(1e6 * seconds["budget"], 1),
+        "single_call_us_p50": round(1e6 * seconds["single_call"], 1),
+        "latency_ratio_to_single_call": round(seconds["budget"] / seconds["single_call"], 3),
+        "kernel_threads": threads,
+    }
+    if "torchrec_qebc" in seconds:
+        row["torchrec_us_p50"] = round(1e6 * seconds["torchrec_qebc"], 1)
+    print(json.dumps(row), flush=True)
+    return row
 
 
 def main() -> int:
