@@ -18,7 +18,7 @@ from pathlib import Path
 import torch
 
 from infer.artifact.export import output_folder, staged
-from infer.artifact.kernels import check_kernel, check_routing, kernel_holders, kernels_from_tbes, model_tbes
+from infer.artifact.kernels import check_kernel, check_routing, kernels_from_tbes, model_tbes
 from infer.artifact.manifest import MANIFEST_FILE, PLAN_FILE, FileEntry, Manifest
 from infer.errors import ArtifactError, ArtifactErrorKind, ConfigError
 from infer.planner.types import ShardingPlan
@@ -179,7 +179,7 @@ def load_host_part(
         )
     for index, (tbe, kernel) in enumerate(zip(tbes, expected)):
         check_kernel(tbe, kernel, index)
-    check_routing(kernel_holders(module), manifest.spec, plan, host_layouts(manifest.spec, plan, host))
+    check_routing(module, manifest.spec, plan, host_layouts(manifest.spec, plan, host))
     if mapping:
         _remap_shard_devices(module, mapping)
     targets = [mapping.get(d, d) for d in manifest.devices]

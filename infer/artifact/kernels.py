@@ -17,6 +17,7 @@ import torch
 
 from infer.config import DataType, ModelSpec
 from infer.errors import ArtifactError, ArtifactErrorKind
+from infer.modules.sharded import device_buckets, row_buckets
 from infer.planner.types import ShardingPlan
 from infer.quant.rowwise import CPU_ROW_ALIGNMENT, CUDA_ROW_ALIGNMENT, table_bytes
 from infer.shard.builder import device_layouts, plan_devices
@@ -128,11 +129,13 @@ def model_tbes(module: Any) -> list[Any]:
 ROUTING = ("lf_feature", "lf_kind", "lf_lo", "lf_hi", "lf_out_col", "lf_dim")
 
 
-def check_routing(holders: list[Any], spec: ModelSpec, plan: ShardingPlan, layouts: list[Any] | None = None) -> None:
+def check_routing(module: Any, spec: ModelSpec, plan: ShardingPlan, layouts: list[Any] | None = None) -> None:
     """Each device of a sharded model reads the features, row blocks, replica slices and output columns the
-    plan implies (``device_layouts``, or the given ``layouts``: one host's part of a multi-host plan); routing
-    steers slicing and copies, so it is checked like the kernels."""
+    plan implies (``device_layouts``, or the given ``layouts``: one host's part of a multi-host plan), and the
+    collection bucketizes row-wise ids as those imply; routing steers slicing and copies, so it is checked
+    like the kernels."""
     layouts = device_layouts(spec, plan) if layouts is None else layouts
+    holders = kernel_holders(module)
     for index, (holder, layout) in enumerate(zip(holders, layouts)):
         for position, name in enumerate(ROUTING):
             expected = [feature[position] for feature in layout.features]
@@ -146,6 +149,38 @@ def check_routing(holders: list[Any], spec: ModelSpec, plan: ShardingPlan, layou
         for name, expected in derived.items():
             if list(getattr(holder, name, [])) != expected:
                 raise _fail(index, f"its routing {name} disagrees with the plan")
+    _check_row_buckets(module.embeddings, holders, spec, layouts)
+
+
+def _check_row_buckets(collection: Any, holders: list[Any], spec: ModelSpec, layouts: list[Any]) -> None:
+    """The collection's one-call row-wise bucketizing (``sharded.row_buckets``) is the one the routing implies."""
+    if not holders:  # a host without shards
+        return
+    routings = [[tuple(feature[:4]) for feature in layout.features] for layout in layouts]
+    buckets = None if bool(collection.partial) else row_buckets(routings, [f.num_embeddings for f in spec.features])
+    features = list(buckets.features) if buckets is not None else []
+    rows = [spec.features[f].num_embeddings for f in features]
+    expected = {
+        "bucketized": buckets is not None,
+        "rw_features": features,
+        "rw_positions": [list(p) for p in buckets.positions] if buckets is not None else [],
+        "rw_block_sizes": list(buckets.block_sizes) if buckets is not None else [],
+        "rw_even_blocks": buckets is not None and buckets.even,
+        "rw_rows": rows,
+        "rw_min_rows": min(rows) if rows else 0,
+    }
+    for name, value in expected.items():
+        found = getattr(collection, name, None)
+        if (list(found) if isinstance(found, list) else found) != value:
+            raise ArtifactError(
+                f"the model's row-wise bucketing {name} disagrees with the plan; the model file is corrupted, "
+                "re-export it",
+                kind=ArtifactErrorKind.MODEL,
+            )
+    for index, (holder, routing) in enumerate(zip(holders, routings)):
+        bucket, count, slots = device_buckets(buckets, index, routing)
+        if (holder.bucket, holder.rw_feature_count, list(holder.rw_slot)) != (bucket, count, slots):
+            raise _fail(index, "its row-wise bucket routing disagrees with the plan")
 
 
 def _fail(index: int, what: str) -> ArtifactError:

@@ -10,7 +10,7 @@ from pathlib import Path
 import torch
 
 from infer.artifact.fbgemm_libs import load_fbgemm
-from infer.artifact.kernels import check_kernel, check_routing, expected_kernels, kernel_holders, model_tbes
+from infer.artifact.kernels import check_kernel, check_routing, expected_kernels, model_tbes
 from infer.artifact.manifest import MANIFEST_FILE, Manifest
 from infer.artifact.runtime import Runtime
 from infer.artifact.schema import parse_document, schema, validate
@@ -140,7 +140,7 @@ def _check_kernels(module: torch.jit.ScriptModule, manifest: Manifest, plan: Sha
     for index, (tbe, kernel) in enumerate(zip(tbes, manifest.kernels)):
         check_kernel(tbe, kernel, index)
     if plan is not None:
-        check_routing(kernel_holders(module), manifest.spec, plan)
+        check_routing(module, manifest.spec, plan)
 
 
 def _set_intra_op_threads(manifest: Manifest, devices: Sequence[str], requested: int | None) -> None:

@@ -8,6 +8,7 @@ partial sums are added afterwards, then MEAN features are divided by their full 
 the output is laid out exactly like the unsharded model's.
 """
 
+from dataclasses import dataclass
 from typing import Final, Optional
 
 import torch
@@ -21,6 +22,61 @@ from infer.modules.tbe import KernelRunner, first_id_error
 READ_ALL = 0  # table-wise and column-wise shards: every id of the feature
 READ_ROW_BLOCK = 1  # row-wise: ids in [lo, hi), shifted by -lo
 READ_BATCH_SLICE = 2  # replicated: bags of replica lo out of hi (lo * B // hi .. (lo + 1) * B // hi)
+
+
+@dataclass(frozen=True)
+class RowBuckets:
+    """Row-wise features bucketized for all devices together: device ``j``'s block of feature
+    ``features[r]`` is rows ``positions[r][j] .. positions[r][j + 1]`` (empty for a device without one)."""
+
+    features: tuple[int, ...]
+    positions: tuple[tuple[int, ...], ...]
+    block_sizes: tuple[int, ...]
+    even: bool  # every feature's blocks one size (the last short or empty): bucket = id // size
+
+
+def row_buckets(routings: list[list[tuple[int, int, int, int]]], feature_rows: list[int]) -> RowBuckets | None:
+    """The one-call bucketizing of a sharded collection whose devices read ``routings`` (per device, per kernel
+    feature: feature, kind, lo, hi), or None when a device holds several blocks of one feature or the devices'
+    blocks, in device order, do not tile a feature's rows (each device then bucketizes its own)."""
+    blocks: dict[int, dict[int, tuple[int, int]]] = {}
+    for j, routing in enumerate(routings):
+        for feature, kind, lo, hi in routing:
+            if kind != READ_ROW_BLOCK:
+                continue
+            per_device = blocks.setdefault(feature, {})
+            if j in per_device:
+                return None
+            per_device[j] = (lo, hi)
+    if not blocks:
+        return None
+    positions = []
+    for feature in sorted(blocks):
+        bounds = [0]
+        for j in range(len(routings)):
+            lo, hi = blocks[feature].get(j, (bounds[-1], bounds[-1]))
+            if lo != bounds[-1]:
+                return None
+            bounds.append(hi)
+        if bounds[-1] != feature_rows[feature]:
+            return None
+        positions.append(tuple(bounds))
+    sizes = tuple(max(b - a for a, b in zip(p, p[1:])) for p in positions)
+    even = all(list(p) == [min(j * size, p[-1]) for j in range(len(p))] for p, size in zip(positions, sizes))
+    return RowBuckets(tuple(sorted(blocks)), tuple(positions), sizes, even)
+
+
+def device_buckets(
+    buckets: RowBuckets | None, device: int, routing: list[tuple[int, int, int, int]]
+) -> tuple[int, int, list[int]]:
+    """Device ``device``'s bucket (-1: it bucketizes its own row blocks), the number of row-wise features, and
+    per kernel feature its row-wise slot (-1: not read from the bucketized input)."""
+    if buckets is None:
+        return -1, 0, [-1] * len(routing)
+    slot_of = {f: r for r, f in enumerate(buckets.features)}
+    slots = [slot_of[f] if kind == READ_ROW_BLOCK else -1 for f, kind, _, _ in routing]
+    bucket = device if any(kind == READ_ROW_BLOCK for _, kind, _, _ in routing) else -1
+    return bucket, len(buckets.features), slots
 
 
 class DeviceShards(nn.Module, KernelRunner):
@@ -313,51 +369,22 @@ class ShardedEmbeddingBagCollection(ValidatingCollection):
         self._set_row_buckets(shards)
 
     def _set_row_buckets(self, shards: list[DeviceShards]) -> None:
-        """Bucketize every row-wise feature for all devices in one fbgemm call when device ``j``'s row blocks
-        are bucket ``j``: per feature, the devices' blocks in device order tile its rows (a device without a
-        block of the feature gets an empty bucket). Otherwise (a device holding several blocks of one feature,
-        blocks out of device order, one host's part of a multi-host plan) each device bucketizes its own."""
-        blocks: dict[int, dict[int, tuple[int, int]]] = {}
-        for j, shard in enumerate(shards):
-            for i in shard.row_block_entries:
-                per_device = blocks.setdefault(shard.lf_feature[i], {})
-                if j in per_device:
-                    blocks = {}
-                    break
-                per_device[j] = (shard.lf_lo[i], shard.lf_hi[i])
-        positions: list[list[int]] = []
-        for feature in sorted(blocks):
-            bounds = [0]
-            for j in range(len(shards)):
-                lo, hi = blocks[feature].get(j, (bounds[-1], bounds[-1]))
-                if lo != bounds[-1]:
-                    break
-                bounds.append(hi)
-            if len(bounds) != len(shards) + 1 or bounds[-1] != self.feature_rows[feature]:
-                positions = []
-                break
-            positions.append(bounds)
-        self.bucketized = len(positions) > 0 and not self.partial
-        self.rw_features = sorted(blocks) if self.bucketized else []
-        self.rw_positions = positions if self.bucketized else []
+        """Bucketize every row-wise feature for all devices in one fbgemm call where ``row_buckets`` allows."""
+        routings = [
+            [(shard.lf_feature[i], shard.lf_kind[i], shard.lf_lo[i], shard.lf_hi[i]) for i in range(len(shard.lf_kind))]
+            for shard in shards
+        ]
+        buckets = None if self.partial else row_buckets(routings, self.feature_rows)
+        self.bucketized = buckets is not None
+        self.rw_features = list(buckets.features) if buckets is not None else []
+        self.rw_positions = [list(p) for p in buckets.positions] if buckets is not None else []
+        self.rw_block_sizes = list(buckets.block_sizes) if buckets is not None else []
+        self.rw_even_blocks = buckets is not None and buckets.even
         self.rw_rows = [self.feature_rows[f] for f in self.rw_features]
         self.rw_names = [self.feature_names[f] for f in self.rw_features]
         self.rw_min_rows = min(self.rw_rows) if self.rw_rows else 0
-        self.rw_block_sizes = [max(b - a for a, b in zip(p, p[1:])) for p in self.rw_positions]
-        # blocks of one size (the last one short or empty): the kernel divides by the size instead of
-        # searching the boundaries, twice as fast
-        self.rw_even_blocks = self.bucketized and all(
-            p == [min(j * size, p[-1]) for j in range(len(p))]
-            for p, size in zip(self.rw_positions, self.rw_block_sizes)
-        )
-        slot_of = {f: r for r, f in enumerate(self.rw_features)}
         for j, shard in enumerate(shards):
-            shard.bucket = j if self.bucketized and shard.row_block_entries else -1
-            shard.rw_feature_count = len(self.rw_features)
-            shard.rw_slot = [
-                slot_of[f] if self.bucketized and kind == READ_ROW_BLOCK else -1
-                for f, kind in zip(shard.lf_feature, shard.lf_kind)
-            ]
+            shard.bucket, shard.rw_feature_count, shard.rw_slot = device_buckets(buckets, j, routings[j])
 
     def bucketize(
         self, values: Tensor, lengths: Tensor, weights: Tensor | None, starts: list[int], batch: int
