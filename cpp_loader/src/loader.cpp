@@ -638,6 +638,101 @@ void check_routing(torch::jit::Module& holder, const Routing& routing, const sch
   if (!flag.isBool() || flag.toBool() != contiguous) check.fail("routing contiguous_input disagrees with the plan");
 }
 
+// The sharded collection bucketizes every row-wise feature for all devices in one fbgemm call when device j's
+// row blocks are bucket j (infer.modules.sharded.row_buckets): per feature, the devices' blocks in device order
+// tile its rows, an empty bucket for a device without one. `on` is false when a device holds two blocks of one
+// feature or the blocks do not tile (each device then bucketizes its own).
+struct RowBuckets {
+  bool on = false;
+  std::vector<int64_t> features;
+  std::vector<std::vector<int64_t>> positions;
+  std::vector<int64_t> block_sizes;
+  bool even = false;
+};
+
+RowBuckets row_buckets(const std::vector<Routing>& routing, const schema::Document& features) {
+  std::map<int64_t, std::map<size_t, std::pair<int64_t, int64_t>>> blocks;
+  for (size_t j = 0; j < routing.size(); ++j)
+    for (const auto& lf : routing[j]) {
+      if (lf[1] != 1) continue;
+      auto& per_device = blocks[lf[0]];
+      if (per_device.count(j)) return {};
+      per_device[j] = {lf[2], lf[3]};
+    }
+  RowBuckets buckets;
+  if (blocks.empty()) return buckets;
+  buckets.even = true;
+  for (const auto& [feature, per_device] : blocks) {
+    std::vector<int64_t> bounds{0};
+    for (size_t j = 0; j < routing.size(); ++j) {
+      const auto found = per_device.find(j);
+      const auto [lo, hi] = found == per_device.end() ? std::make_pair(bounds.back(), bounds.back()) : found->second;
+      if (lo != bounds.back()) return {};
+      bounds.push_back(hi);
+    }
+    if (bounds.back() != features[static_cast<size_t>(feature)]["num_embeddings"].get<int64_t>()) return {};
+    int64_t size = 0;
+    for (size_t j = 0; j + 1 < bounds.size(); ++j) size = std::max(size, bounds[j + 1] - bounds[j]);
+    for (size_t j = 0; j < bounds.size(); ++j)
+      buckets.even = buckets.even && bounds[j] == std::min(static_cast<int64_t>(j) * size, bounds.back());
+    buckets.features.push_back(feature);
+    buckets.positions.push_back(std::move(bounds));
+    buckets.block_sizes.push_back(size);
+  }
+  buckets.on = true;
+  return buckets;
+}
+
+void check_row_buckets(torch::jit::Module& embeddings, const std::vector<Routing>& routing,
+                       const schema::Document& features, const std::string& where) {
+  if (!embeddings.hasattr("bucketized")) return;  // exported before one-call bucketing
+  KernelCheck check(embeddings, where);
+  const RowBuckets buckets = row_buckets(routing, features);
+  auto fail = [&](const std::string& name) {
+    check.fail("row-wise bucketing " + name + " disagrees with the plan; the model file is corrupted, re-export it");
+  };
+  auto expect_ints = [&](torch::jit::Module& module, const std::string& name, const std::vector<int64_t>& expected) {
+    const c10::IValue value = KernelCheck(module, where).attr(name);
+    if (!value.isIntList() || value.toIntVector() != expected) fail(name);
+  };
+  auto expect_bool = [&](const std::string& name, bool expected) {
+    const c10::IValue value = check.attr(name);
+    if (!value.isBool() || value.toBool() != expected) fail(name);
+  };
+  expect_bool("bucketized", buckets.on);
+  expect_bool("rw_even_blocks", buckets.on && buckets.even);
+  expect_ints(embeddings, "rw_features", buckets.features);
+  expect_ints(embeddings, "rw_block_sizes", buckets.block_sizes);
+  std::vector<int64_t> rows;
+  for (const int64_t f : buckets.features) rows.push_back(features[static_cast<size_t>(f)]["num_embeddings"].get<int64_t>());
+  expect_ints(embeddings, "rw_rows", rows);
+  if (check.integer("rw_min_rows") != (rows.empty() ? 0 : *std::min_element(rows.begin(), rows.end())))
+    fail("rw_min_rows");
+  const c10::IValue positions = check.attr("rw_positions");
+  if (!positions.isList() || positions.toListRef().size() != buckets.positions.size()) fail("rw_positions");
+  for (size_t r = 0; r < buckets.positions.size(); ++r) {
+    const c10::IValue entry = positions.toListRef()[r];
+    if (!entry.isIntList() || entry.toIntVector() != buckets.positions[r]) fail("rw_positions");
+  }
+  torch::jit::Module shards = child(embeddings, "shards", where);
+  for (size_t j = 0; j < routing.size(); ++j) {
+    torch::jit::Module holder = child(shards, std::to_string(j), where);
+    std::vector<int64_t> slots;
+    bool reads_blocks = false;
+    for (const auto& lf : routing[j]) {
+      reads_blocks = reads_blocks || lf[1] == 1;
+      int64_t slot = -1;
+      if (buckets.on && lf[1] == 1)
+        slot = std::find(buckets.features.begin(), buckets.features.end(), lf[0]) - buckets.features.begin();
+      slots.push_back(slot);
+    }
+    KernelCheck device(holder, where + " shards." + std::to_string(j));
+    if (device.integer("bucket") != (buckets.on && reads_blocks ? static_cast<int64_t>(j) : -1)) fail("bucket");
+    if (device.integer("rw_feature_count") != static_cast<int64_t>(buckets.features.size())) fail("rw_feature_count");
+    expect_ints(holder, "rw_slot", slots);
+  }
+}
+
 // Every TBE of the model (embeddings.tbe, or embeddings.shards[i].tbe) against manifest kernel i; then
 // each CPU kernel may split a batch over `threads` example ranges (0: leave the exported setting).
 void check_kernels(const torch::jit::Module& model, const schema::Document& data, const std::vector<Routing>& routing,
@@ -666,6 +761,7 @@ void check_kernels(const torch::jit::Module& model, const schema::Document& data
         check_routing(holder, routing[i], data["features"], holder_where);
         check_kernel_holder(holder, kernels[i], holder_where, threads);
       }
+      check_row_buckets(embeddings, routing, data["features"], model_path + ": embeddings");
     } else {
       if (kernels.size() != 1)
         throw ModelError(model_path + ": the model has one kernel (embeddings.tbe) but the manifest lists " +

@@ -196,3 +196,22 @@ def test_changed_routing_is_a_model_error(attribute, embserve_run, sharded_artif
     module.save(str(copy / "model.pt"))
     rehash(copy, "model.pt")
     assert_clean_failure(run(embserve_run, copy), "ModelError", "kernel 1 (embeddings.shards.1)", attribute)
+
+
+@pytest.mark.parametrize("where,attribute", [("embeddings", "rw_positions"), ("embeddings.shards.1", "rw_slot")])
+def test_changed_row_bucketing_is_a_model_error(where, attribute, embserve_run, sharded_artifact, tmp_path):
+    """The collection's one-call row-wise bucketing (block boundaries per device, each device's slots) follows
+    from the plan's row blocks; a changed one is refused at load, before it sorts ids into the wrong block."""
+    copy = copy_artifact(sharded_artifact, tmp_path)
+    module = torch.jit.load(str(copy / "model.pt"))
+    assert module.embeddings.bucketized  # the fixture's row-wise table has its blocks in device order
+    holder = module.embeddings if where == "embeddings" else getattr(module.embeddings.shards, "1")
+    values = [list(v) if isinstance(v, list) else v for v in getattr(holder, attribute)]
+    if isinstance(values[0], list):
+        values[0][1] += 1
+    else:
+        values = [v + 1 if v >= 0 else v for v in values]
+    setattr(holder, attribute, values)
+    module.save(str(copy / "model.pt"))
+    rehash(copy, "model.pt")
+    assert_clean_failure(run(embserve_run, copy), "ModelError", "row-wise bucketing", attribute)
