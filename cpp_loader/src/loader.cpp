@@ -122,6 +122,16 @@ int64_t data_type_bits(const std::string& type) {
 
 int64_t round_up(int64_t value, int64_t step) { return (value + step - 1) / step * step; }
 
+// Bytes the TBE allocates for one table of a manifest kernel (infer.quant.rowwise.table_bytes): rows of
+// data + 4 scale/bias bytes for integer types, aligned, the table rounded up to 128 bytes.
+int64_t table_bytes(const schema::Document& table, int64_t alignment) {
+  const auto type = table["data_type"].get<std::string>();
+  const int64_t rows = table["rows"].get<int64_t>(), dim = table["dim"].get<int64_t>();
+  const int64_t scale_bias = (type == "int8" || type == "int4" || type == "int2") ? 4 : 0;
+  const int64_t row_bytes = round_up(dim * data_type_bits(type) / 8 + scale_bias, alignment);
+  return round_up(rows * row_bytes, 128);  // rows < 2^31, row bytes < 2^14: no overflow
+}
+
 // The rules that tie the manifest's parts together (as infer.artifact.manifest.Manifest.from_dict).
 // Runs after schema::validate, so every key exists with its type.
 void check_manifest(const schema::Document& data, const std::string& document) {
@@ -318,8 +328,10 @@ std::vector<Routing> check_plan(const schema::Document& plan, const schema::Docu
   const auto& features = data["features"];
   schema::Document expected = schema::Document::array();
   std::vector<Routing> routing;
+  std::vector<std::vector<std::string>> shard_keys;  // per expected kernel, per local table: the shard's identity
   for (int64_t rank = 0; rank < plan_world_size; ++rank) {
     schema::Document local_tables = schema::Document::array();
+    std::vector<std::string> local_keys;
     struct LocalFeature {
       size_t feature;
       int64_t out_col, lo;
@@ -336,6 +348,8 @@ std::vector<Routing> check_plan(const schema::Document& plan, const schema::Docu
         if (shard["device"].get<int64_t>() != rank) continue;
         const size_t local = local_tables.size();
         local_tables.push_back({{"rows", shard["num_rows"]}, {"dim", shard["num_cols"]}, {"data_type", table["data_type"]}});
+        local_keys.push_back(name + "\n" + shard["row_offset"].dump() + "," + shard["num_rows"].dump() + "," +
+                             shard["col_offset"].dump() + "," + shard["num_cols"].dump());
         for (size_t f = 0; f < features.size(); ++f) {
           if (features[f]["table"] != name) continue;
           int64_t read = 0, lo = 0, hi = 0;
@@ -365,12 +379,34 @@ std::vector<Routing> check_plan(const schema::Document& plan, const schema::Docu
     }
     routing.push_back(std::move(device_routing));
     expected.push_back({{"row_alignment", alignment}, {"tables", local_tables}, {"feature_table_map", feature_table_map}});
+    shard_keys.push_back(std::move(local_keys));
+  }
+  // On CPU, every distinct shard stored once in one buffer shared by the kernels, when some repeat
+  // (replicas): infer.shard.builder.shared_cpu_storage.
+  if (alignment == 1) {
+    std::map<std::string, int64_t> placed;
+    int64_t cursor = 0;
+    size_t local_count = 0;
+    std::vector<std::vector<int64_t>> offsets;
+    for (size_t k = 0; k < expected.size(); ++k) {
+      offsets.emplace_back();
+      for (size_t t = 0; t < shard_keys[k].size(); ++t, ++local_count) {
+        const auto [it, fresh] = placed.emplace(shard_keys[k][t], cursor);
+        if (fresh) cursor += table_bytes(expected[k]["tables"][t], alignment);
+        offsets.back().push_back(it->second);
+      }
+    }
+    if (placed.size() != local_count)
+      for (size_t k = 0; k < expected.size(); ++k)
+        expected[k]["shared_storage"] = {{"bytes", cursor}, {"table_offsets", offsets[k]}};
   }
   const auto& kernels = data["kernels"];
   bool same = kernels.size() == expected.size();
   for (size_t k = 0; same && k < kernels.size(); ++k)
     same = kernels[k]["row_alignment"] == expected[k]["row_alignment"] && kernels[k]["tables"] == expected[k]["tables"] &&
-           kernels[k]["feature_table_map"] == expected[k]["feature_table_map"];
+           kernels[k]["feature_table_map"] == expected[k]["feature_table_map"] &&
+           kernels[k].contains("shared_storage") == expected[k].contains("shared_storage") &&
+           (!expected[k].contains("shared_storage") || kernels[k]["shared_storage"] == expected[k]["shared_storage"]);
   if (!same) fail("the manifest's 'kernels' disagree with the plan (the shards each device holds)");
   return routing;
 }
@@ -510,17 +546,25 @@ void check_kernel(const torch::jit::Module& tbe, const schema::Document& kernel,
   const int64_t alignment = kernel["row_alignment"].get<int64_t>();
   const bool on_cpu = kernel["device"].get<std::string>() == "cpu";
 
-  std::vector<int64_t> table_offsets;
+  std::vector<int64_t> table_offsets, table_sizes;
   std::map<int, int64_t> max_dim;  // per data type code, as the kernel's max_*_D
   int64_t total_bytes = 0;
   for (const auto& table : tables) {
     const auto type = table["data_type"].get<std::string>();
-    const int64_t rows = table["rows"].get<int64_t>(), dim = table["dim"].get<int64_t>();
-    const int64_t scale_bias = (type == "int8" || type == "int4" || type == "int2") ? 4 : 0;
-    const int64_t row_bytes = round_up(dim * data_type_bits(type) / 8 + scale_bias, alignment);
+    const int64_t dim = table["dim"].get<int64_t>();
     table_offsets.push_back(total_bytes);
-    total_bytes += round_up(rows * row_bytes, 128);  // rows < 2^31, row bytes < 2^14: no overflow
+    table_sizes.push_back(table_bytes(table, alignment));
+    total_bytes += table_sizes.back();
     max_dim[data_type_code(type)] = std::max(max_dim[data_type_code(type)], dim);
+  }
+  if (kernel.contains("shared_storage")) {  // CPU replicas: the kernels point into one shared buffer
+    table_offsets = kernel["shared_storage"]["table_offsets"].get<std::vector<int64_t>>();
+    total_bytes = kernel["shared_storage"]["bytes"].get<int64_t>();
+    if (table_offsets.size() != tables.size()) check.fail("shared_storage lists an offset per table");
+    for (size_t t = 0; t < tables.size(); ++t)
+      if (table_offsets[t] % 128 != 0 || table_offsets[t] + table_sizes[t] > total_bytes)
+        check.fail("table " + std::to_string(t) + " at byte " + std::to_string(table_offsets[t]) +
+                   " does not fit the " + std::to_string(total_bytes) + "-byte weight buffer");
   }
   std::vector<int64_t> types, rows, d_offsets{0}, offsets;
   for (size_t table : ftm) {

@@ -9,6 +9,7 @@ that with the manifest's ``kernels``, then compares each loaded TBE's tensors wi
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
@@ -19,8 +20,8 @@ from infer.config import DataType, ModelSpec
 from infer.errors import ArtifactError, ArtifactErrorKind
 from infer.modules.sharded import device_buckets, row_buckets
 from infer.planner.types import ShardingPlan
-from infer.quant.rowwise import CPU_ROW_ALIGNMENT, CUDA_ROW_ALIGNMENT, table_bytes
-from infer.shard.builder import device_layouts, plan_devices
+from infer.quant.rowwise import CPU_ROW_ALIGNMENT, CUDA_ROW_ALIGNMENT, TABLE_ALIGNMENT, table_bytes
+from infer.shard.builder import SharedStorage, device_layouts, plan_devices, shared_cpu_storage
 
 # fbgemm's SparseType codes in a TBE's weights_tys, and its FATAL bounds-check mode.
 WEIGHT_TYPE_CODES = {DataType.FP32: 0, DataType.FP16: 1, DataType.INT8: 2, DataType.INT4: 3, DataType.INT2: 4}
@@ -43,24 +44,46 @@ class Kernel:
     row_alignment: int
     tables: tuple[KernelTable, ...]
     feature_table_map: tuple[int, ...]
+    shared: SharedStorage | None = None  # its tables' places in the weight buffer all CPU kernels share
 
-    def layout(self) -> tuple[int, tuple[KernelTable, ...], tuple[int, ...]]:
+    def layout(self) -> tuple[int, tuple[KernelTable, ...], tuple[int, ...], SharedStorage | None]:
         """What must agree between the manifest and the plan (the device name may be remapped)."""
-        return self.row_alignment, self.tables, self.feature_table_map
+        return self.row_alignment, self.tables, self.feature_table_map, self.shared
 
     def to_dict(self) -> dict[str, Any]:
-        return {
+        data: dict[str, Any] = {
             "rank": self.rank,
             "device": self.device,
             "row_alignment": self.row_alignment,
             "tables": [{"rows": t.rows, "dim": t.dim, "data_type": t.data_type.value} for t in self.tables],
             "feature_table_map": list(self.feature_table_map),
         }
+        if self.shared is not None:
+            data["shared_storage"] = {
+                "bytes": self.shared.total_bytes,
+                "table_offsets": list(self.shared.table_offsets),
+            }
+        return data
 
     @classmethod
     def from_dict(cls, data: Mapping[str, Any]) -> Kernel:
         tables = tuple(KernelTable(t["rows"], t["dim"], DataType(t["data_type"])) for t in data["tables"])
-        return cls(data["rank"], data["device"], data["row_alignment"], tables, tuple(data["feature_table_map"]))
+        shared = data.get("shared_storage")
+        return cls(
+            data["rank"],
+            data["device"],
+            data["row_alignment"],
+            tables,
+            tuple(data["feature_table_map"]),
+            SharedStorage(shared["bytes"], tuple(shared["table_offsets"])) if shared is not None else None,
+        )
+
+    def table_offsets(self) -> tuple[list[int], int]:
+        """Each table's first byte in the kernel's weight buffer, and the buffer's size."""
+        if self.shared is not None:
+            return list(self.shared.table_offsets), self.shared.total_bytes
+        sizes = [table_bytes(t.rows, t.dim, t.data_type, self.row_alignment) for t in self.tables]
+        return [sum(sizes[:i]) for i in range(len(sizes))], sum(sizes)
 
 
 def _alignment(device: str) -> int:
@@ -76,6 +99,8 @@ def expected_kernels(spec: ModelSpec, plan: ShardingPlan | None, devices: tuple[
         tables = tuple(KernelTable(t.num_embeddings, t.embedding_dim, t.data_type) for t in spec.tables)
         return [Kernel(0, device, _alignment(device), tables, tuple(index[f.table] for f in spec.features))]
     names = plan_devices(plan)
+    layouts = device_layouts(spec, plan)
+    shared = shared_cpu_storage(layouts, names) or [None] * len(layouts)
     return [
         Kernel(
             layout.rank,
@@ -83,8 +108,9 @@ def expected_kernels(spec: ModelSpec, plan: ShardingPlan | None, devices: tuple[
             _alignment(names[layout.rank]),
             tuple(KernelTable(rows, cols, dtype) for _, rows, cols, dtype in layout.tables),
             layout.feature_table_map,
+            storage,
         )
-        for layout in device_layouts(spec, plan)
+        for layout, storage in zip(layouts, shared)
     ]
 
 
@@ -106,7 +132,12 @@ def kernels_from_tbes(ranks: list[int], tbes: list[Any]) -> list[Kernel]:
             for _, rows, dim, weight_type, _ in tbe.embedding_specs
         )
         device = str(tbe.current_device)
-        kernels.append(Kernel(rank, device, int(tbe.row_alignment), tables, tuple(tbe.feature_table_map)))
+        kernel = Kernel(rank, device, int(tbe.row_alignment), tables, tuple(tbe.feature_table_map))
+        offsets, total = kernel.table_offsets()
+        physical = [int(offset) for offset in tbe.weights_physical_offsets]
+        if physical != offsets or int(tbe.weights_host.numel()) not in (0, total):  # points into a shared buffer
+            kernel = dataclasses.replace(kernel, shared=SharedStorage(int(tbe.weights_host.numel()), tuple(physical)))
+        kernels.append(kernel)
     return kernels
 
 
@@ -203,8 +234,13 @@ def check_kernel(tbe: Any, kernel: Kernel, index: int) -> None:
     """Raise ``ArtifactError(kind=MODEL)`` unless ``tbe``'s metadata and weight storage are exactly ``kernel``'s."""
     tables = [kernel.tables[t] for t in kernel.feature_table_map]
     count = len(tables)
-    sizes = [table_bytes(t.rows, t.dim, t.data_type, kernel.row_alignment) for t in kernel.tables]
-    starts = [sum(sizes[:i]) for i in range(len(sizes))]
+    starts, total = kernel.table_offsets()
+    for t, (start, table) in enumerate(zip(starts, kernel.tables)):
+        if (
+            start % TABLE_ALIGNMENT
+            or start + table_bytes(table.rows, table.dim, table.data_type, kernel.row_alignment) > total
+        ):
+            raise _fail(index, f"table {t} at byte {start} does not fit the {total}-byte weight buffer")
     expected = {
         "weights_tys": (torch.uint8, [WEIGHT_TYPE_CODES[t.data_type] for t in tables]),
         "rows_per_table": (torch.int64, [t.rows for t in tables]),
@@ -217,8 +253,8 @@ def check_kernel(tbe: Any, kernel: Kernel, index: int) -> None:
             raise _fail(index, f"{name} is {found[:8]}..., expected {values[:8]}...")
     storage = [getattr(tbe, name, None) for name in ("weights_host", "weights_dev", "weights_uvm")]
     stored = sum(t.numel() * t.element_size() for t in storage if isinstance(t, torch.Tensor))
-    if stored != sum(sizes):
-        raise _fail(index, f"its weights hold {stored} bytes, the tables need {sum(sizes)}")
+    if stored != total:
+        raise _fail(index, f"its weights hold {stored} bytes, the manifest's kernel says {total}")
     if int(getattr(tbe, "bounds_check_mode_int", -1)) != BOUNDS_CHECK_FATAL:
         raise _fail(index, "its bounds check is not FATAL")
     for name in ("index_remappings_array", "index_remapping_hash_table"):

@@ -55,6 +55,11 @@ class InferenceStorageEstimator:
     def storage(self, ctx: ShardContext) -> Storage:
         if self.is_inference:
             weights = table_bytes(ctx.num_rows, ctx.num_cols, ctx.data_type, ctx.topology.row_alignment)
+            one_host = ctx.topology.local_world_size >= ctx.topology.world_size
+            if ctx.sharding_type == ShardingType.REPLICATED and not ctx.topology.is_cuda and one_host:
+                # the replicas of one CPU host share one buffer (infer.shard.builder.shared_cpu_storage):
+                # each device accounts for its share of the one copy
+                weights = round_up(-(-weights // ctx.num_shards), TABLE_ALIGNMENT)
             extra = 0
         else:
             weights = table_bytes(ctx.num_rows, ctx.num_cols, DataType.FP32, ctx.topology.row_alignment)

@@ -24,7 +24,7 @@ from infer.modules.sharded import (
 )
 from infer.modules.tbe import make_tbe
 from infer.planner.types import Shard, ShardingPlan, ShardingType
-from infer.quant.rowwise import column_byte_range, column_slice_aligned
+from infer.quant.rowwise import CPU_ROW_ALIGNMENT, column_byte_range, column_slice_aligned, table_bytes
 
 logger = logging.getLogger(__name__)
 
@@ -150,6 +150,52 @@ def device_layouts(spec: ModelSpec, plan: ShardingPlan) -> list[DeviceLayout]:
     return layouts
 
 
+@dataclass(frozen=True)
+class SharedStorage:
+    """Where one CPU kernel's tables lie in the weight buffer that every CPU kernel of the model shares."""
+
+    total_bytes: int  # the shared buffer's size
+    table_offsets: tuple[int, ...]  # per local table, its first byte in the buffer
+
+
+def shared_cpu_storage(layouts: list[DeviceLayout], devices: list[str]) -> list[SharedStorage] | None:
+    """One weight buffer for every kernel of a plan whose devices are all CPU and where several devices hold
+    the same rows (replicas): each distinct shard (table, row block, column slice) is stored once, in rank
+    order, and every kernel points into the buffer; CPU "devices" share one memory, so copies buy nothing.
+    None (one buffer per kernel, as fbgemm allocates it) when nothing repeats or a device is not the CPU."""
+    if any(devices[layout.rank] != "cpu" for layout in layouts):
+        return None
+    offsets: dict[tuple[str, int, int, int, int], int] = {}
+    cursor = 0
+    placed: list[tuple[int, ...]] = []
+    for layout in layouts:
+        local = []
+        for (table, shard), (_, rows, cols, dtype) in zip(layout.sources, layout.tables):
+            key = (table.name, shard.row_offset, shard.num_rows, shard.col_offset, shard.num_cols)
+            if key not in offsets:
+                offsets[key] = cursor
+                cursor += table_bytes(rows, cols, dtype, CPU_ROW_ALIGNMENT)
+            local.append(offsets[key])
+        placed.append(tuple(local))
+    if len(offsets) == sum(len(layout.tables) for layout in layouts):
+        return None
+    return [SharedStorage(cursor, local) for local in placed]
+
+
+def share_weights(tbe: torch.nn.Module, buffer: torch.Tensor, storage: SharedStorage) -> None:
+    """Copy ``tbe``'s tables into their places in the shared ``buffer`` (a replica's place is filled once; the
+    copies are the same bytes) and point the TBE at the buffer; its own allocation is released."""
+    feature_table_map = list(tbe.feature_table_map)  # type: ignore[arg-type]
+    with torch.no_grad():
+        for t, (data, _) in enumerate(tbe.split_embedding_weights(split_scale_shifts=False)):  # type: ignore[operator]
+            flat = data.reshape(-1)
+            buffer[storage.table_offsets[t] : storage.table_offsets[t] + flat.numel()].copy_(flat)
+    tbe.weights_host = buffer
+    tbe.weights_offsets = torch.tensor([storage.table_offsets[t] for t in feature_table_map], dtype=torch.int64)
+    tbe.weights_physical_offsets = list(storage.table_offsets)
+    tbe.host_size = storage.total_bytes
+
+
 def build_device_shards(
     spec: ModelSpec,
     layout: DeviceLayout,
@@ -192,8 +238,16 @@ def shard_model(
     source_weights = dict(zip([t.name for t in spec.tables], source.table_weights()))
     features = spec.features
     shards: list[DeviceShards] = []
-    for layout in device_layouts(spec, plan):
-        shards.append(build_device_shards(spec, layout, devices[layout.rank], source_weights))
+    layouts = device_layouts(spec, plan)
+    storage = shared_cpu_storage(layouts, devices)
+    buffer = torch.zeros(storage[0].total_bytes, dtype=torch.uint8) if storage else None
+    for index, layout in enumerate(layouts):
+        device_shards = build_device_shards(spec, layout, devices[layout.rank], source_weights)
+        if storage is not None and buffer is not None:
+            share_weights(device_shards.tbe, buffer, storage[index])
+        shards.append(device_shards)
+    if storage is not None:
+        logger.info("CPU replicas share one weight buffer of %d bytes across %d kernels", len(buffer), len(shards))
     identity = (
         len(shards) == 1
         and shards[0].lf_feature == list(range(len(features)))

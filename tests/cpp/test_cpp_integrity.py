@@ -215,3 +215,15 @@ def test_changed_row_bucketing_is_a_model_error(where, attribute, embserve_run, 
     module.save(str(copy / "model.pt"))
     rehash(copy, "model.pt")
     assert_clean_failure(run(embserve_run, copy), "ModelError", "row-wise bucketing", attribute)
+
+
+def test_shared_replica_storage_is_checked_against_the_plan(embserve_run, sharded_artifact, tmp_path):
+    """CPU replicas point into one weight buffer (manifest kernels' shared_storage, derived from the plan):
+    the C++ loader derives the same layout from plan.json, so an edited offset is refused before any read."""
+    manifest = json.loads((sharded_artifact / "manifest.json").read_text())
+    shared = [kernel.get("shared_storage") for kernel in manifest["kernels"]]
+    assert all(s is not None for s in shared) and len({s["bytes"] for s in shared}) == 1
+    copy = copy_artifact(sharded_artifact, tmp_path)
+    manifest["kernels"][1]["shared_storage"]["table_offsets"][0] += 128
+    (copy / "manifest.json").write_text(json.dumps(manifest))
+    assert_clean_failure(run(embserve_run, copy), "ManifestError", "'kernels' disagree with the plan")
