@@ -100,7 +100,8 @@ def expected_kernels(spec: ModelSpec, plan: ShardingPlan | None, devices: tuple[
         return [Kernel(0, device, _alignment(device), tables, tuple(index[f.table] for f in spec.features))]
     names = plan_devices(plan)
     layouts = device_layouts(spec, plan)
-    shared = shared_cpu_storage(layouts, names) or [None] * len(layouts)
+    shared: list[SharedStorage | None] = [None] * len(layouts)
+    shared = list(shared_cpu_storage(layouts, names) or shared)
     return [
         Kernel(
             layout.rank,

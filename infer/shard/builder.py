@@ -9,6 +9,7 @@ from __future__ import annotations
 import logging
 from collections.abc import Mapping
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 
@@ -182,7 +183,7 @@ def shared_cpu_storage(layouts: list[DeviceLayout], devices: list[str]) -> list[
     return [SharedStorage(cursor, local) for local in placed]
 
 
-def share_weights(tbe: torch.nn.Module, buffer: torch.Tensor, storage: SharedStorage) -> None:
+def share_weights(tbe: Any, buffer: torch.Tensor, storage: SharedStorage) -> None:
     """Copy ``tbe``'s tables into their places in the shared ``buffer`` (a replica's place is filled once; the
     copies are the same bytes) and point the TBE at the buffer; its own allocation is released."""
     feature_table_map = list(tbe.feature_table_map)  # type: ignore[arg-type]
@@ -247,7 +248,9 @@ def shard_model(
             share_weights(device_shards.tbe, buffer, storage[index])
         shards.append(device_shards)
     if storage is not None:
-        logger.info("CPU replicas share one weight buffer of %d bytes across %d kernels", len(buffer), len(shards))
+        logger.info(
+            "CPU replicas share one weight buffer of %d bytes across %d kernels", storage[0].total_bytes, len(shards)
+        )
     identity = (
         len(shards) == 1
         and shards[0].lf_feature == list(range(len(features)))
