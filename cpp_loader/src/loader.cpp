@@ -381,9 +381,12 @@ std::vector<Routing> check_plan(const schema::Document& plan, const schema::Docu
     expected.push_back({{"row_alignment", alignment}, {"tables", local_tables}, {"feature_table_map", feature_table_map}});
     shard_keys.push_back(std::move(local_keys));
   }
-  // On CPU, every distinct shard stored once in one buffer shared by the kernels, when some repeat
-  // (replicas): infer.shard.builder.shared_cpu_storage.
-  if (alignment == 1) {
+  // On one CPU host, every distinct shard stored once in one buffer shared by the kernels, when some
+  // repeat (replicas): infer.shard.builder.shared_cpu_storage.
+  const auto& topology = plan["topology"];
+  const bool one_host = !topology.contains("local_world_size") ||
+                        topology["local_world_size"].get<int64_t>() >= topology["world_size"].get<int64_t>();
+  if (alignment == 1 && one_host) {
     std::map<std::string, int64_t> placed;
     int64_t cursor = 0;
     size_t local_count = 0;

@@ -101,7 +101,7 @@ def expected_kernels(spec: ModelSpec, plan: ShardingPlan | None, devices: tuple[
     names = plan_devices(plan)
     layouts = device_layouts(spec, plan)
     shared: list[SharedStorage | None] = [None] * len(layouts)
-    shared = list(shared_cpu_storage(layouts, names) or shared)
+    shared = list(shared_cpu_storage(plan, layouts, names) or shared)
     return [
         Kernel(
             layout.rank,
@@ -127,6 +127,7 @@ def kernels_of(model: Any, plan: ShardingPlan | None) -> list[Kernel]:
 def kernels_from_tbes(ranks: list[int], tbes: list[Any]) -> list[Kernel]:
     """The kernels of eager TBEs serving plan ranks ``ranks`` (one each, in order)."""
     kernels = []
+    buffers = [tbe.weights_host.data_ptr() for tbe in tbes if tbe.weights_host.numel() > 0]
     for rank, tbe in zip(ranks, tbes):
         tables = tuple(
             KernelTable(int(rows), int(dim), DataType(weight_type.name.lower()))
@@ -136,7 +137,8 @@ def kernels_from_tbes(ranks: list[int], tbes: list[Any]) -> list[Kernel]:
         kernel = Kernel(rank, device, int(tbe.row_alignment), tables, tuple(tbe.feature_table_map))
         offsets, total = kernel.table_offsets()
         physical = [int(offset) for offset in tbe.weights_physical_offsets]
-        if physical != offsets or int(tbe.weights_host.numel()) not in (0, total):  # points into a shared buffer
+        numel = int(tbe.weights_host.numel())
+        if numel > 0 and (physical != offsets or numel != total or buffers.count(tbe.weights_host.data_ptr()) > 1):
             kernel = dataclasses.replace(kernel, shared=SharedStorage(int(tbe.weights_host.numel()), tuple(physical)))
         kernels.append(kernel)
     return kernels

@@ -159,11 +159,16 @@ class SharedStorage:
     table_offsets: tuple[int, ...]  # per local table, its first byte in the buffer
 
 
-def shared_cpu_storage(layouts: list[DeviceLayout], devices: list[str]) -> list[SharedStorage] | None:
-    """One weight buffer for every kernel of a plan whose devices are all CPU and where several devices hold
-    the same rows (replicas): each distinct shard (table, row block, column slice) is stored once, in rank
+def shared_cpu_storage(
+    plan: ShardingPlan, layouts: list[DeviceLayout], devices: list[str]
+) -> list[SharedStorage] | None:
+    """One weight buffer for every kernel of a one-host plan whose devices are all CPU and where several devices
+    hold the same rows (replicas): each distinct shard (table, row block, column slice) is stored once, in rank
     order, and every kernel points into the buffer; CPU "devices" share one memory, so copies buy nothing.
-    None (one buffer per kernel, as fbgemm allocates it) when nothing repeats or a device is not the CPU."""
+    None (one buffer per kernel, as fbgemm allocates it) when nothing repeats, a device is not the CPU, or the
+    plan spans several hosts (each host holds its own part)."""
+    if plan.topology.local_world_size < plan.topology.world_size:
+        return None
     if any(devices[layout.rank] != "cpu" for layout in layouts):
         return None
     offsets: dict[tuple[str, int, int, int, int], int] = {}
@@ -240,7 +245,7 @@ def shard_model(
     features = spec.features
     shards: list[DeviceShards] = []
     layouts = device_layouts(spec, plan)
-    storage = shared_cpu_storage(layouts, devices)
+    storage = shared_cpu_storage(plan, layouts, devices)
     buffer = torch.zeros(storage[0].total_bytes, dtype=torch.uint8) if storage else None
     for index, layout in enumerate(layouts):
         device_shards = build_device_shards(spec, layout, devices[layout.rank], source_weights)
