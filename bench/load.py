@@ -91,6 +91,7 @@ def main() -> int:
     parser.add_argument("--repeats", type=int, default=3, help="timings per case (default 3)")
     parser.add_argument("--artifact", default=None, help="reuse an artifact this bench exported (no export)")
     parser.add_argument("--workdir", default=None, help="folder for the artifacts (default: a temporary one)")
+    parser.add_argument("--cases", nargs="+", default=None, help="run only these cases (sequential always runs)")
     args = parser.parse_args()
     if args.gb <= 0 or args.repeats < 1:
         parser.error("--gb must be > 0 and --repeats >= 1")
@@ -117,9 +118,15 @@ def main() -> int:
             "verify_whole": lambda: Manifest.read(legacy).verify_files(legacy),
             "verify_chunks": lambda: manifest.verify_files(chunked),
         }
+        if args.cases:
+            unknown = sorted(set(args.cases) - set(cases))
+            if unknown:
+                parser.error(f"unknown cases {unknown}; choose from {sorted(cases)}")
+            cases = {name: run for name, run in cases.items() if name == "sequential" or name in args.cases}
         sha256_file(model_path)  # warm the page cache
         load(chunked)
         times: dict[str, list[float]] = {name: [] for name in cases}
+        load_average = os.getloadavg()[0]  # other work on the host: parallel hashing needs idle cores
         for _ in range(args.repeats):
             for name, run in cases.items():
                 started = time.perf_counter()
@@ -143,8 +150,10 @@ def main() -> int:
                     "best_gb_per_s": round(total / 1e9 / min(seconds), 3),
                     "ratio_to_sequential": round(base / median, 3),
                     "repeats": args.repeats,
+                    "all_s": [round(t, 3) for t in seconds],
                     "workers": verify.default_workers(),
                     "cpus": os.cpu_count(),
+                    "host_load_1m": [round(load_average, 2), round(os.getloadavg()[0], 2)],
                 }
             ),
             flush=True,

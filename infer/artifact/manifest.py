@@ -284,12 +284,6 @@ class Manifest:
         if self.has_dense and spec.num_dense_features < 1:
             raise fail("dense.present needs dense.num_dense_features >= 1")
         names = {e.name for e in self.files}
-        for entry in self.files:
-            if entry.chunks is not None and len(entry.chunks.sha256) != entry.chunks.count_for(entry.bytes):
-                raise fail(
-                    f"files[{entry.name!r}].chunks lists {len(entry.chunks.sha256)} digests; a file of {entry.bytes} "
-                    f"bytes has {entry.chunks.count_for(entry.bytes)} chunks of {entry.chunks.bytes} bytes"
-                )
         if self.model_file not in names:
             raise ArtifactError(
                 f"{MANIFEST_FILE} has no checksum for {self.model_file}", path=self.model_file, kind=CHECKSUM
@@ -392,6 +386,15 @@ class Manifest:
                     kind=CHECKSUM,
                 )
             if entry.chunks is not None:
+                # checked here, not in from_dict: the C++ loader reads no chunks and must give the same verdicts
+                expected = entry.chunks.count_for(size)
+                if len(entry.chunks.sha256) != expected:
+                    raise ArtifactError(
+                        f"{MANIFEST_FILE} lists {len(entry.chunks.sha256)} chunk digests for {path}, whose "
+                        f"{size} bytes make {expected} chunks of {entry.chunks.bytes}; the manifest is corrupted",
+                        path=str(path),
+                        kind=CHECKSUM,
+                    )
                 chunked.append(ChunkedFile(path, size, entry.chunks))
                 continue
             digest = sha256_file(path)
