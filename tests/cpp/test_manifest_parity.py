@@ -132,3 +132,16 @@ def test_cpp_and_python_give_the_same_verdicts(
             disagreements.append(f"{folder.parent.name}/{folder.name}: C++ {line[:300]!r}; Python {python}")
     assert not disagreements, f"{len(disagreements)} disagreements:\n" + "\n".join(disagreements[:20])
     assert verdicts.get("ok", 0) > 10 and verdicts.get("ManifestError", 0) > 100, verdicts
+
+
+def test_cpp_loader_loads_a_chunked_artifact_and_checks_the_whole_file(embserve_run, chunked_artifact, tmp_path):
+    """Chunk digests are for the Python loader; the C++ loader accepts them and keeps checking whole files."""
+    from tests.cpp.support import assert_clean_failure, run
+    from tests.support.artifacts import copy_artifact
+
+    assert run(embserve_run, chunked_artifact).returncode == 0
+    copy = copy_artifact(chunked_artifact, tmp_path)
+    data = bytearray((copy / "model.pt").read_bytes())
+    data[len(data) // 2] ^= 0x5A
+    (copy / "model.pt").write_bytes(bytes(data))
+    assert_clean_failure(run(embserve_run, copy), "embserve_run: ChecksumError: ")
