@@ -64,6 +64,7 @@ from infer.features import SparseFeatures
 from infer.quant.quantize import quantize
 from infer.weights import random_weights
 from server import codec
+from server.batcher import MAX_MERGE_EXAMPLES
 from server.client import EmbserveClient
 from server.proto import inference_pb2 as pb
 from server.proto import inference_pb2_grpc as pb_grpc
@@ -111,6 +112,7 @@ class ServerProcess:
         command = [
             sys.executable, "-m", "infer.cli", "serve", str(artifact), "--host", HOST, "--port", "0",
             "--max-batch-size", str(args.max_batch_size), "--max-delay-us", str(args.max_delay_us),
+            "--max-merge-examples", str(args.max_merge_examples),
             "--workers", str(args.workers), "--drain-seconds", "5",
         ]  # fmt: skip
         self.log_path = log_path
@@ -498,6 +500,7 @@ def make_case(
         "server_threads": args.server_threads,
         "inprocess_threads": torch.get_num_threads(),
         "max_batch_size": args.max_batch_size,
+        "max_merge_examples": args.max_merge_examples or MAX_MERGE_EXAMPLES,
         "full_client": load_case.full_client,
         "fp16": load_case.fp16,
         "protocol": load_case.protocol,
@@ -801,6 +804,9 @@ def main() -> int:
     parser.add_argument("--max-delay-us", type=int, default=1000, help="server: batching delay")
     parser.add_argument("--workers", type=int, default=0, help="server: concurrent forwards (0: its default)")
     parser.add_argument("--max-batch-size", type=int, default=4096, help="server: examples per batched forward")
+    parser.add_argument(
+        "--max-merge-examples", type=int, default=0, help="server: merge requests up to this many examples (0: default)"
+    )
     parser.add_argument(
         "--server-threads", type=int, default=0, help="server: OMP_NUM_THREADS (0: leave its default, one per core)"
     )
