@@ -308,7 +308,8 @@ def cmd_run(args: argparse.Namespace) -> int:
     print(
         f"loaded {args.artifact} (checksums verified, {runtime.backend}) in {time.monotonic() - started:.2f}s{threads}"
     )
-    print(f"load rate: {_gb_rate(runtime.load_bytes, runtime.load_seconds)}, checksums included")
+    libraries = f" ({runtime.library_seconds:.2f}s of it importing fbgemm)" if runtime.library_seconds >= 0.01 else ""
+    print(f"load rate: {_gb_rate(runtime.load_bytes, runtime.load_seconds)}, checksums included{libraries}")
     batch = SparseFeatures.random(runtime.spec, batch_size=args.batch_size, ids_per_bag=args.ids_per_bag, seed=1)
     pooled = runtime.lookup(batch)
     times = []
