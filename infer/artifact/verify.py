@@ -29,7 +29,7 @@ from infer.errors import ArtifactError, ArtifactErrorKind
 logger = logging.getLogger(__name__)
 
 CHECKSUM = ArtifactErrorKind.CHECKSUM
-CHUNK_BYTES = 32 << 20  # 64 chunks for a 2 GB file: enough to keep every core busy to the end
+CHUNK_BYTES = 32 << 20  # 63 chunks for a 2.1 GB file: enough to keep every core busy to the end
 CHUNKED_MIN_BYTES = 64 << 20  # smaller files hash in well under 0.1 s on one core
 SUBPROCESS_MIN_BYTES = 256 << 20  # below this a child interpreter costs more than it overlaps
 USE_SUBPROCESS = True  # False: hash in this process's threads (bench/load.py compares the designs)
