@@ -14,6 +14,11 @@ Requests are encoded once up front (the packed form ``EmbserveClient`` sends), s
 share the machine with the server here, spend their CPU on gRPC alone; ``--full-client`` sends through
 ``EmbserveClient.lookup`` instead (encode and decode on every call).
 
+``--methods predict`` (default: both) adds Predict cases on the DLRM-style demo model (``infer.demo``: eight
+mixed-dtype tables and an MLP over-arch on 13 dense features, as ``make demo`` builds it), same batch sizes
+and client counts, against ``Runtime.predict`` on the same batches and dense features in the same run, with
+throughput in examples/s (acceptance at batch 512, 16 clients: >= 0.8x in-process, p99 <= 3x p50, 0 errors).
+
 ``--protocol oip`` measures every case twice on the same server, embserve.v1 ``Lookup`` and Open
 Inference Protocol ``ModelInfer`` (per-feature raw tensors, as tritonclient sends them; also encoded
 up front), in the order v1, OIP, OIP, v1, and prints the ratio of OIP to v1 throughput (acceptance:
@@ -22,6 +27,7 @@ up front), in the order v1, OIP, OIP, v1, and prints the ratio of OIP to v1 thro
     python bench/server.py                       # batch 1, 64, 512 x 1, 16 clients
     python bench/server.py --clients 32 --workers 1 --max-delay-us 500
     python bench/server.py --protocol oip --batch-sizes 512
+    python bench/server.py --methods predict --batch-sizes 512 --workers 1
 """
 
 from __future__ import annotations
@@ -53,9 +59,12 @@ from infer.artifact.export import export
 from infer.artifact.load import load
 from infer.artifact.runtime import Runtime
 from infer.config import DataType, ModelSpec, TableConfig
+from infer.demo import demo_spec
 from infer.features import SparseFeatures
 from infer.quant.quantize import quantize
+from infer.weights import random_weights
 from server import codec
+from server.batcher import MAX_MERGE_EXAMPLES
 from server.client import EmbserveClient
 from server.proto import inference_pb2 as pb
 from server.proto import inference_pb2_grpc as pb_grpc
@@ -68,6 +77,7 @@ MAX_MESSAGE_BYTES = 64 * 1024 * 1024
 ACCEPT_BATCH, ACCEPT_CLIENTS = 512, 16
 ACCEPT_RATIO, ACCEPT_TAIL = 0.7, 3.0
 ACCEPT_OIP_RATIO = 0.9
+ACCEPT_PREDICT_RATIO = 0.8  # issue 14: Predict at batch 512 x 16 clients
 MODEL_NAME = "artifact"  # the OIP model name: the artifact's folder name
 
 
@@ -83,6 +93,17 @@ def build_artifact(num_tables: int, rows: int, out_dir: Path) -> Path:
     return export(quantize(spec, weights), out_dir / "artifact")
 
 
+def build_demo_artifact(out_dir: Path) -> Path:
+    """The demo model with its dense part (what ``embserve demo`` exports), for the Predict cases."""
+    spec = demo_spec()
+    model = quantize(spec, random_weights(spec, seed=0))
+    return export(model, out_dir / "artifact")
+
+
+def dense_batch(batch: SparseFeatures, num_dense: int, seed: int) -> torch.Tensor:
+    return torch.randn(batch.batch_size, num_dense, generator=torch.Generator().manual_seed(seed))
+
+
 # ---------------------------------------------------------------------------------------------- server process
 class ServerProcess:
     """``embserve serve`` on a free loopback port; ``stop`` sends SIGTERM and returns the exit code."""
@@ -91,6 +112,7 @@ class ServerProcess:
         command = [
             sys.executable, "-m", "infer.cli", "serve", str(artifact), "--host", HOST, "--port", "0",
             "--max-batch-size", str(args.max_batch_size), "--max-delay-us", str(args.max_delay_us),
+            "--max-merge-examples", str(args.max_merge_examples),
             "--workers", str(args.workers), "--drain-seconds", "5",
         ]  # fmt: skip
         self.log_path = log_path
@@ -172,16 +194,15 @@ def percentile(sorted_values: Sequence[float], q: float) -> float:
     return sorted_values[min(len(sorted_values) - 1, max(0, round(q * len(sorted_values)) - 1))]
 
 
-def run_inprocess(
-    runtime: Runtime, batches: Sequence[SparseFeatures], into: Run, max_requests: int, seconds: float
-) -> None:
-    """``runtime.lookup`` back to back in this thread over the pool, until ``max_requests`` or ``seconds``."""
+def run_inprocess(call: Callable[[int], object], into: Run, max_requests: int, seconds: float) -> None:
+    """``call(i)`` (``runtime.lookup`` or ``runtime.predict`` on the i-th batch of the pool) back to back in
+    this thread, until ``max_requests`` or ``seconds``."""
     started = time.perf_counter()
     deadline = started + seconds
     done = 0
     while done < max_requests and time.perf_counter() < deadline:
         t0 = time.perf_counter()
-        runtime.lookup(batches[len(into.latencies) % len(batches)])
+        call(len(into.latencies))
         into.latencies.append(time.perf_counter() - t0)
         done += 1
     into.seconds += time.perf_counter() - started
@@ -220,6 +241,7 @@ class Load:
     fp16: bool = False
     warmup_per_client: int = 2
     protocol: str = "v1"  # "v1": embserve.v1 Lookup; "oip": Open Inference Protocol ModelInfer
+    method: str = "lookup"  # "lookup" or "predict" (embserve.v1 only)
 
 
 def _make_sender(address: str, batch_size: int, load: Load) -> tuple[Callable[[object], None], Callable[[], None]]:
@@ -252,6 +274,14 @@ def _make_sender(address: str, batch_size: int, load: Load) -> tuple[Callable[[o
 
         return send_oip, channel.close
     stub = pb_grpc.InferenceServiceStub(channel)
+    if load.method == "predict":
+
+        def send_predict(item: object) -> None:
+            response = stub.Predict(item, timeout=load.timeout_s)
+            if response.batch_size != batch_size or len(response.scores) != 4 * batch_size:
+                raise ValueError("BAD_RESPONSE")
+
+        return send_predict, channel.close
 
     def send_packed(item: object) -> None:
         response = stub.Lookup(item, timeout=load.timeout_s)
@@ -403,9 +433,16 @@ def outputs_match(address: str, runtime: Runtime, batch: SparseFeatures) -> bool
         return torch.equal(client.lookup(batch), runtime.lookup(batch))
 
 
+def predict_outputs_match(address: str, runtime: Runtime, batch: SparseFeatures, dense: torch.Tensor) -> bool:
+    """One Predict through the real client equals ``runtime.predict`` on the same batch."""
+    with EmbserveClient(address, timeout=60) as client:
+        return torch.equal(client.predict(batch, dense), runtime.predict(batch, dense))
+
+
 # ---------------------------------------------------------------------------------------------- report
 @dataclass(frozen=True)
 class Case:
+    method: str
     batch_size: int
     clients: int
     errors: int
@@ -434,6 +471,7 @@ def make_case(
     errors = dict(served.errors) | ({"STUCK_CLIENT": served.stuck_clients} if served.stuck_clients else {})
     row: dict[str, object] = {
         "bench": "server",
+        "method": load_case.method,
         "batch_size": batch_size,
         "clients": load_case.clients,
         "requests": len(latencies),
@@ -441,6 +479,8 @@ def make_case(
         "errors_by_code": errors,
         "seconds": round(served.seconds, 2),
         "qps": round(served.rate(), 1),
+        "examples_per_s": round(served.rate() * batch_size, 1),
+        "inprocess_examples_per_s": round(inprocess.rate() * batch_size, 1),
         "p50_ms": round(1e3 * p50, 3),
         "p99_ms": round(1e3 * p99, 3),
         "p99_over_p50": round(tail, 2),
@@ -460,12 +500,15 @@ def make_case(
         "server_threads": args.server_threads,
         "inprocess_threads": torch.get_num_threads(),
         "max_batch_size": args.max_batch_size,
+        "max_merge_examples": args.max_merge_examples or MAX_MERGE_EXAMPLES,
         "full_client": load_case.full_client,
         "fp16": load_case.fp16,
         "protocol": load_case.protocol,
         "cpus": os.cpu_count(),
     }
-    return Case(batch_size, load_case.clients, sum(errors.values()), ratio, tail, outputs_equal, row)
+    if load_case.method == "predict":  # lookups are not what Predict delivers: examples/s carry the ratio
+        del row["server_mlookups_per_s"], row["inprocess_mlookups_per_s"], row["lookups_per_request"]
+    return Case(load_case.method, batch_size, load_case.clients, sum(errors.values()), ratio, tail, outputs_equal, row)
 
 
 def run_batch_size(
@@ -494,10 +537,60 @@ def run_batch_size(
         if args.protocol == "oip":
             cases += compare_protocols(args, runtime, server, batches, items, load_case, lookups_per_request)
             continue
-        served, inprocess, meter = measure_case(runtime, server, batches, items, load_case, args.baseline_seconds)
+        served, inprocess, meter = measure_case(
+            lambda i: runtime.lookup(batches[i % len(batches)]),
+            server,
+            items,
+            batch_size,
+            load_case,
+            args.baseline_seconds,
+        )
         cpu_seconds = (meter.server_s, meter.client_s)
         case = make_case(
             batch_size, load_case, lookups_per_request, served, inprocess, cpu_seconds, args, outputs_equal
+        )
+        print(json.dumps(case.row), flush=True)
+        cases.append(case)
+    return cases
+
+
+def run_predict_batch_size(
+    args: argparse.Namespace,
+    runtime: Runtime,
+    server: ServerProcess,
+    batches: Sequence[SparseFeatures],
+    client_counts: Sequence[int],
+) -> list[Case]:
+    """Predict at one request batch size and every client count, interleaved with ``runtime.predict`` on the
+    same batches and dense features."""
+    address = f"{HOST}:{server.port}"
+    batch_size = batches[0].batch_size
+    num_dense = runtime.spec.num_dense_features
+    denses = [dense_batch(b, num_dense, seed=7 * i + batch_size) for i, b in enumerate(batches)]
+    items = [
+        pb.PredictRequest(sparse=codec.encode_packed(b), dense_features=d.contiguous().numpy().tobytes())
+        for b, d in zip(batches, denses)
+    ]
+    outputs_equal = predict_outputs_match(address, runtime, batches[0], denses[0])
+    for batch, dense in list(zip(batches, denses))[:2]:  # warm-up
+        runtime.predict(batch, dense)
+
+    def predict(i: int) -> object:
+        return runtime.predict(batches[i % len(batches)], denses[i % len(denses)])
+
+    cases = []
+    for clients in client_counts:
+        load_case = Load(clients, args.requests, args.seconds, args.rounds, args.timeout, method="predict")
+        served, inprocess, meter = measure_case(predict, server, items, batch_size, load_case, args.baseline_seconds)
+        case = make_case(
+            batch_size,
+            load_case,
+            int(batches[0].values.numel()),
+            served,
+            inprocess,
+            (meter.server_s, meter.client_s),
+            args,
+            outputs_equal,
         )
         print(json.dumps(case.row), flush=True)
         cases.append(case)
@@ -523,7 +616,16 @@ def compare_protocols(
     for protocol in ("v1", "oip", "oip", "v1"):
         items = oip_items if protocol == "oip" else v1_items
         protocol_load = replace(half, protocol=protocol)
-        runs[protocol].append(measure_case(runtime, server, batches, items, protocol_load, args.baseline_seconds / 2))
+        runs[protocol].append(
+            measure_case(
+                lambda i: runtime.lookup(batches[i % len(batches)]),
+                server,
+                items,
+                batches[0].batch_size,
+                protocol_load,
+                args.baseline_seconds / 2,
+            )
+        )
     cases = []
     for protocol, measured in runs.items():
         served, inprocess = Run(), Run()
@@ -590,26 +692,27 @@ class CpuMeter:
 
 
 def measure_case(
-    runtime: Runtime,
+    call: Callable[[int], object],
     server: ServerProcess,
-    batches: Sequence[SparseFeatures],
     items: Sequence[object],
+    batch_size: int,
     load_case: Load,
     baseline_seconds: float,
 ) -> tuple[Run, Run, CpuMeter]:
-    """(server side, in-process side, CPU while the clients ran) of one case."""
+    """(server side, in-process side, CPU while the clients ran) of one case; ``call(i)`` runs the i-th
+    batch of the pool in this process (the baseline)."""
     inprocess = Run()
     meter = CpuMeter(server)
 
     def between_rounds() -> None:
         meter.stop()
-        run_inprocess(runtime, batches, inprocess, load_case.max_requests, baseline_seconds / load_case.rounds)
+        run_inprocess(call, inprocess, load_case.max_requests, baseline_seconds / load_case.rounds)
         meter.start()
 
     served = run_closed_loop(
         f"{HOST}:{server.port}",
         items,
-        batches[0].batch_size,
+        batch_size,
         load_case,
         between_rounds,
         baseline_seconds / load_case.rounds,
@@ -618,30 +721,71 @@ def measure_case(
     return served, inprocess, meter
 
 
-def summary_row(cases: Sequence[Case], exit_code: int | None) -> dict[str, object]:
+def summary_row(cases: Sequence[Case], exit_codes: Sequence[int | None]) -> dict[str, object]:
     summary: dict[str, object] = {
         "bench": "server_summary",
         "cases": len(cases),
         "total_errors": sum(c.errors for c in cases),
         "all_outputs_equal": all(c.outputs_equal for c in cases),
-        "server_exit_code": exit_code,
+        "server_exit_code": next((code for code in exit_codes if code != 0), 0) if exit_codes else None,
     }
-    target = next((c for c in cases if (c.batch_size, c.clients) == (ACCEPT_BATCH, ACCEPT_CLIENTS)), None)
-    if target is not None:
-        summary |= {
-            "accept_case": f"batch {ACCEPT_BATCH}, {ACCEPT_CLIENTS} clients",
-            "accept_ratio": round(target.ratio_to_inprocess, 3),
-            "accept_ratio_ok": target.ratio_to_inprocess >= ACCEPT_RATIO,
-            "accept_p99_over_p50": round(target.p99_over_p50, 2),
-            "accept_tail_ok": target.p99_over_p50 <= ACCEPT_TAIL,
-            "accept_zero_errors": target.errors == 0,
-        }
-    at_accept = {c.row["protocol"]: c for c in cases if (c.batch_size, c.clients) == (ACCEPT_BATCH, ACCEPT_CLIENTS)}
+    for method, prefix, accept_ratio in (
+        ("lookup", "accept", ACCEPT_RATIO),
+        ("predict", "predict_accept", ACCEPT_PREDICT_RATIO),
+    ):
+        target = next(
+            (
+                c
+                for c in cases
+                if (c.method, c.batch_size, c.clients) == (method, ACCEPT_BATCH, ACCEPT_CLIENTS)
+                and c.row["protocol"] == "v1"
+            ),
+            None,
+        )
+        if target is not None:
+            summary |= {
+                f"{prefix}_case": f"{method} batch {ACCEPT_BATCH}, {ACCEPT_CLIENTS} clients",
+                f"{prefix}_ratio": round(target.ratio_to_inprocess, 3),
+                f"{prefix}_ratio_ok": target.ratio_to_inprocess >= accept_ratio,
+                f"{prefix}_p99_over_p50": round(target.p99_over_p50, 2),
+                f"{prefix}_tail_ok": target.p99_over_p50 <= ACCEPT_TAIL,
+                f"{prefix}_zero_errors": target.errors == 0,
+            }
+    at_accept = {
+        c.row["protocol"]: c
+        for c in cases
+        if (c.method, c.batch_size, c.clients) == ("lookup", ACCEPT_BATCH, ACCEPT_CLIENTS)
+    }
     if "oip" in at_accept and "v1" in at_accept:
         v1_qps, oip_qps = (float(str(at_accept[p].row["qps"])) for p in ("v1", "oip"))
         oip_ratio = oip_qps / v1_qps if v1_qps > 0 else float("nan")
         summary |= {"accept_oip_to_v1": round(oip_ratio, 3), "accept_oip_to_v1_ok": oip_ratio >= ACCEPT_OIP_RATIO}
     return summary
+
+
+def serve_and_measure(
+    args: argparse.Namespace, method: str, artifact: Path, log_path: Path, client_counts: Sequence[int]
+) -> tuple[list[Case], int | None]:
+    """Start a server of ``artifact``, run every batch size of ``method`` against it, stop it."""
+    # One thread, as the issue asks; more buys the TBE nothing on an idle host, and on a busy one its
+    # OpenMP regions (output fill, id range check) stall waiting for a descheduled thread.
+    runtime = load(artifact, intra_op_threads=args.inprocess_threads)
+    server = ServerProcess(artifact, args, log_path)
+    cases: list[Case] = []
+    try:
+        server.wait_ready(timeout_s=180)
+        for batch_size in args.batch_sizes:
+            batches = [
+                SparseFeatures.random(runtime.spec, batch_size, args.ids_per_bag, seed=1000 * batch_size + s)
+                for s in range(args.pool)
+            ]
+            run = run_predict_batch_size if method == "predict" else run_batch_size
+            cases += run(args, runtime, server, batches, client_counts)
+    finally:
+        exit_code = server.stop()
+        if exit_code != 0:
+            print(f"server exit code {exit_code}; its log ends:\n{server.log_tail()}", file=sys.stderr)
+    return cases, exit_code
 
 
 def main() -> int:
@@ -661,6 +805,9 @@ def main() -> int:
     parser.add_argument("--workers", type=int, default=0, help="server: concurrent forwards (0: its default)")
     parser.add_argument("--max-batch-size", type=int, default=4096, help="server: examples per batched forward")
     parser.add_argument(
+        "--max-merge-examples", type=int, default=0, help="server: merge requests up to this many examples (0: default)"
+    )
+    parser.add_argument(
         "--server-threads", type=int, default=0, help="server: OMP_NUM_THREADS (0: leave its default, one per core)"
     )
     parser.add_argument(
@@ -674,7 +821,19 @@ def main() -> int:
         default="v1",
         help="oip: each case on embserve.v1 and OIP, and the ratio",
     )
+    parser.add_argument(
+        "--methods",
+        choices=("lookup", "predict"),
+        nargs="+",
+        default=["lookup", "predict"],
+        help="lookup: INT8 tables; predict: the demo model with its dense part (default: both)",
+    )
+    parser.add_argument(
+        "--demo-artifact", default=None, help="predict: serve this exported demo artifact instead of exporting one"
+    )
     args = parser.parse_args()
+    if args.protocol == "oip" and "predict" in args.methods:
+        parser.error("--protocol oip compares Lookup on both protocols; use --methods lookup")
     if args.protocol == "oip" and args.full_client:
         parser.error("--protocol oip sends pre-encoded requests; drop --full-client")
     client_counts = sorted({1, 16, *args.clients})
@@ -684,27 +843,19 @@ def main() -> int:
         parser.error("--requests and --rounds must be >= 1, --seconds and --baseline-seconds in (0, 600]")
 
     cases: list[Case] = []
+    exit_codes: list[int | None] = []
     with tempfile.TemporaryDirectory(prefix="embserve-bench-") as tmp:
-        artifact = build_artifact(args.tables, args.rows, Path(tmp))
-        # One thread, as the issue asks; more buys the TBE nothing on an idle host, and on a busy one its
-        # OpenMP regions (output fill, id range check) stall waiting for a descheduled thread.
-        runtime = load(artifact, intra_op_threads=args.inprocess_threads)
-        server = ServerProcess(artifact, args, Path(tmp) / "server.log")
-        try:
-            server.wait_ready(timeout_s=180)
-            for batch_size in args.batch_sizes:
-                batches = [
-                    SparseFeatures.random(runtime.spec, batch_size, args.ids_per_bag, seed=1000 * batch_size + s)
-                    for s in range(args.pool)
-                ]
-                cases += run_batch_size(args, runtime, server, batches, client_counts)
-        finally:
-            exit_code = server.stop()
-            if exit_code != 0:
-                print(f"server exit code {exit_code}; its log ends:\n{server.log_tail()}", file=sys.stderr)
-    summary = summary_row(cases, exit_code)
+        for method in args.methods:
+            if method == "predict":
+                artifact = Path(args.demo_artifact) if args.demo_artifact else build_demo_artifact(Path(tmp) / method)
+            else:
+                artifact = build_artifact(args.tables, args.rows, Path(tmp) / method)
+            found, exit_code = serve_and_measure(args, method, artifact, Path(tmp) / f"{method}.log", client_counts)
+            cases += found
+            exit_codes.append(exit_code)
+    summary = summary_row(cases, exit_codes)
     print(json.dumps(summary), flush=True)
-    return 0 if exit_code == 0 and summary["total_errors"] == 0 else 1
+    return 0 if all(code == 0 for code in exit_codes) and summary["total_errors"] == 0 else 1
 
 
 if __name__ == "__main__":

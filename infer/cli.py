@@ -279,8 +279,20 @@ def cmd_inspect(args: argparse.Namespace) -> int:
         print(f"{f.name:<20} {f.table:<16} {f'{f.column_start}:{f.column_end}':>12}")
     print()
     for entry in manifest.files:
-        print(f"file {entry.name:<12} {entry.bytes:>14,} bytes  sha256 {entry.sha256}")
+        chunks = f" ({len(entry.chunks.sha256)} chunk digests)" if entry.chunks is not None else ""
+        print(f"file {entry.name:<12} {entry.bytes:>14,} bytes  sha256 {entry.sha256}{chunks}")
+    if args.verify:
+        started = time.perf_counter()
+        manifest.verify_files(folder)
+        seconds = time.perf_counter() - started
+        total = sum(e.bytes for e in manifest.files)
+        print(f"\nchecksums verified: {len(manifest.files)} files, {_gb_rate(total, seconds)}")
     return 0
+
+
+def _gb_rate(total_bytes: int, seconds: float) -> str:
+    rate = total_bytes / seconds / 1e9 if seconds > 0 else float("inf")
+    return f"{total_bytes / 1e9:.2f} GB in {seconds:.2f}s, {rate:.2f} GB/s"
 
 
 def cmd_run(args: argparse.Namespace) -> int:
@@ -296,6 +308,8 @@ def cmd_run(args: argparse.Namespace) -> int:
     print(
         f"loaded {args.artifact} (checksums verified, {runtime.backend}) in {time.monotonic() - started:.2f}s{threads}"
     )
+    libraries = f" ({runtime.library_seconds:.2f}s of it importing fbgemm)" if runtime.library_seconds >= 0.01 else ""
+    print(f"load rate: {_gb_rate(runtime.load_bytes, runtime.load_seconds)}, checksums included{libraries}")
     batch = SparseFeatures.random(runtime.spec, batch_size=args.batch_size, ids_per_bag=args.ids_per_bag, seed=1)
     pooled = runtime.lookup(batch)
     times = []
@@ -407,6 +421,7 @@ def build_parser() -> argparse.ArgumentParser:
     ins = sub.add_parser("inspect", help="print an artifact's manifest")
     ins.add_argument("artifact")
     ins.add_argument("--json", action="store_true", help="print the raw manifest JSON")
+    ins.add_argument("--verify", action="store_true", help="also check every file's size and checksums (and time it)")
     ins.set_defaults(func=cmd_inspect)
 
     plan = sub.add_parser("plan", help="plan table placement on the devices of one host")

@@ -26,6 +26,7 @@ from infer.artifact.runtime import Runtime
 from infer.errors import ConfigError
 from infer.features import SparseFeatures
 from server.auth import BearerTokenInterceptor
+from server.batcher import MAX_MERGE_EXAMPLES
 from server.health import DrainingHealthServicer
 from server.metrics import ServerMetrics
 from server.oip import OpenInference
@@ -46,6 +47,7 @@ class ServerConfig:
     host: str = "0.0.0.0"
     port: int = 50051
     max_batch_size: int = 4096  # examples per batched forward (and per request)
+    max_merge_examples: int = MAX_MERGE_EXAMPLES  # requests merge into one forward up to this many examples
     max_delay_us: int = 1000  # how long a request waits for others to batch with
     max_queue: int = 1024  # requests waiting; beyond it callers get RESOURCE_EXHAUSTED
     workers: int = 0  # concurrent forwards; 0 -> cores // CPU shards of the model (at least 1)
@@ -161,6 +163,7 @@ async def create_server(artifact: str | Path | Runtime, config: ServerConfig = S
         max_delay_s=config.max_delay_us / 1e6,
         max_queue=config.max_queue,
         workers=workers,
+        max_merge_examples=config.max_merge_examples,
     )
     interceptors = [BearerTokenInterceptor(config.auth_token)] if config.auth_token else []
     options = [

@@ -45,6 +45,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
         http_host=args.http_host,
         poll_s=args.poll_s,
         version_policy=args.version_policy,
+        **({"max_merge_examples": args.max_merge_examples} if args.max_merge_examples else {}),
     )
     from server.distributed import GroupConfig, is_multi_host, serve_distributed
 
@@ -191,6 +192,12 @@ def add_subcommands(subcommands: Any) -> None:
     srv.add_argument("--port", type=int, default=50051)
     srv.add_argument("--max-batch-size", type=int, default=4096, help="examples per batched forward")
     srv.add_argument("--max-delay-us", type=int, default=1000, help="how long a request waits to be batched")
+    srv.add_argument(
+        "--max-merge-examples",
+        type=int,
+        default=0,
+        help="requests merge into one forward up to this many examples (0: the server's default)",
+    )
     srv.add_argument("--max-queue", type=int, default=1024, help="queued requests before RESOURCE_EXHAUSTED")
     srv.add_argument("--workers", type=int, default=0, help="concurrent forwards (0: cores / CPU shards)")
     srv.add_argument("--intra-op-threads", type=int, default=0, help="torch threads per forward (0: auto)")

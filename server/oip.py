@@ -252,6 +252,7 @@ class OpenInference:
                 max_queue,
                 lookups.workers,
                 v1.metrics.observe_batch,
+                lookups.max_merge_examples,
             )
             model.both = both
         return cls(v1, SingleModel(model), [both] if both is not None else [])

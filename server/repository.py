@@ -31,7 +31,7 @@ from infer.artifact.manifest import MANIFEST_FILE
 from infer.errors import ConfigError, EmbserveError
 from infer.features import SparseFeatures
 from server import codec
-from server.batcher import DynamicBatcher
+from server.batcher import MAX_MERGE_EXAMPLES, DynamicBatcher
 from server.metrics import ServerMetrics
 from server.oip import ModelNotFound, ServedModel
 from server.service import InferenceServicer, _Failure
@@ -83,6 +83,7 @@ class BatchSettings:
     workers: int
     warmup_batches: int = 3
     threads: int = 0  # threads each CPU kernel splits a batch over; 0: the runtime's budget for ``workers``
+    max_merge_examples: int = MAX_MERGE_EXAMPLES  # requests merge into one forward up to this many examples
 
 
 def is_repository(path: Any) -> bool:
@@ -408,6 +409,7 @@ class Repository:
                 settings.max_queue,
                 settings.workers,
                 self.metrics.observe_batch,
+                settings.max_merge_examples,
             )
 
         lookups = batcher(run_lookup)
@@ -540,6 +542,7 @@ async def open_repository(path: str | Path, config: Any, metrics: ServerMetrics)
         workers=config.workers or max(1, os.cpu_count() or 1),
         warmup_batches=config.warmup_batches,
         threads=config.threads,
+        max_merge_examples=getattr(config, "max_merge_examples", MAX_MERGE_EXAMPLES),
     )
     repository = Repository(path, settings, metrics, VersionPolicy.parse(config.version_policy))
     await repository.load_all()

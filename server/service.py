@@ -23,7 +23,7 @@ from infer.artifact.runtime import Runtime
 from infer.errors import RequestError
 from infer.version import __version__
 from server import codec
-from server.batcher import DynamicBatcher, QueueFullError
+from server.batcher import MAX_MERGE_EXAMPLES, DynamicBatcher, QueueFullError
 from server.metrics import ServerMetrics
 from server.proto import inference_pb2 as pb
 from server.proto import inference_pb2_grpc as pb_grpc
@@ -86,6 +86,7 @@ class InferenceServicer(pb_grpc.InferenceServiceServicer):
         max_delay_s: float,
         max_queue: int,
         workers: int,
+        max_merge_examples: int = MAX_MERGE_EXAMPLES,
     ) -> None:
         self.runtime = runtime
         self.spec = runtime.spec
@@ -94,10 +95,18 @@ class InferenceServicer(pb_grpc.InferenceServiceServicer):
         self.version = manifest.file(manifest.model_file).sha256[:16]
         self.max_batch_size = max_batch_size
         self.lookups = DynamicBatcher(
-            self._run_lookup, max_batch_size, max_delay_s, max_queue, workers, metrics.observe_batch
+            self._run_lookup, max_batch_size, max_delay_s, max_queue, workers, metrics.observe_batch, max_merge_examples
         )
         self.predictions = (
-            DynamicBatcher(self._run_predict, max_batch_size, max_delay_s, max_queue, workers, metrics.observe_batch)
+            DynamicBatcher(
+                self._run_predict,
+                max_batch_size,
+                max_delay_s,
+                max_queue,
+                workers,
+                metrics.observe_batch,
+                max_merge_examples,
+            )
             if runtime.has_dense
             else None
         )

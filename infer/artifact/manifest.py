@@ -16,6 +16,7 @@ from typing import Any
 
 from infer.artifact.kernels import Kernel, expected_kernels
 from infer.artifact.schema import is_host_file, parse_document, validate
+from infer.artifact.verify import ChunkedFile, Chunks, PendingVerification, file_digests
 from infer.config import ModelSpec
 from infer.errors import ArtifactError, ArtifactErrorKind, ConfigError
 
@@ -42,11 +43,24 @@ class FileEntry:
     name: str
     bytes: int
     sha256: str
+    chunks: Chunks | None = None  # per-chunk sha256 of a large file (infer.artifact.verify), verified in parallel
 
     @classmethod
     def of(cls, folder: Path, name: str) -> FileEntry:
         path = folder / name
-        return cls(name, path.stat().st_size, sha256_file(path))
+        whole, chunks = file_digests(path)
+        return cls(name, path.stat().st_size, whole, chunks)
+
+    def to_dict(self) -> dict[str, Any]:
+        data: dict[str, Any] = {"bytes": self.bytes, "sha256": self.sha256}
+        if self.chunks is not None:
+            data["chunks"] = self.chunks.to_dict()
+        return data
+
+    @classmethod
+    def from_dict(cls, name: str, data: Mapping[str, Any]) -> FileEntry:
+        chunks = Chunks.from_dict(data["chunks"]) if "chunks" in data else None
+        return cls(name, data["bytes"], data["sha256"], chunks)
 
 
 @dataclass(frozen=True)
@@ -178,7 +192,7 @@ class Manifest:
                 "fbgemm_gpu": self.fbgemm_version,
             },
             "fbgemm": {"libraries": list(self.fbgemm_libraries), "build_dir": self.fbgemm_library_dir},
-            "files": {e.name: {"bytes": e.bytes, "sha256": e.sha256} for e in self.files},
+            "files": {e.name: e.to_dict() for e in self.files},
             **({"onnx": self.onnx.to_dict()} if self.onnx is not None else {}),
         }
         if self.host_parts:  # only then: a one-host manifest stays what every loader already reads
@@ -225,7 +239,7 @@ class Manifest:
             fbgemm_version=data["versions"]["fbgemm_gpu"],
             fbgemm_libraries=tuple(data["fbgemm"]["libraries"]),
             fbgemm_library_dir=data["fbgemm"]["build_dir"],
-            files=tuple(FileEntry(n, e["bytes"], e["sha256"]) for n, e in data["files"].items()),
+            files=tuple(FileEntry.from_dict(n, e) for n, e in data["files"].items()),
             format_version=version,
             model_file=data["model_file"],
             plan_file=data["sharding"]["plan_file"],
@@ -340,11 +354,20 @@ class Manifest:
 
     def verify_files(self, folder: Path, only: tuple[str, ...] | None = None) -> None:
         """Check every listed file's (or the ``only`` ones') size and sha256; raise ``ArtifactError`` naming the
-        first bad one."""
+        first bad one (and, for a file with chunk digests, the bad byte range)."""
+        self.start_verify(folder, only).wait()
+
+    def start_verify(
+        self, folder: Path, only: tuple[str, ...] | None = None, overlap: bool = False
+    ) -> PendingVerification:
+        """Check paths and sizes and the sha256 of every file without chunk digests now; return the chunk
+        hashing of the others, whose ``wait()`` raises like ``verify_files``. ``overlap=True``: start it in a
+        child process now, so that the caller's own work (``torch.jit.load``) runs meanwhile."""
         if self.model_file not in {e.name for e in self.files}:
             raise ArtifactError(
                 f"{MANIFEST_FILE} has no checksum for {self.model_file}", path=self.model_file, kind=CHECKSUM
             )
+        chunked = []
         for entry in self.files:
             if only is not None and entry.name not in only:
                 continue
@@ -362,6 +385,18 @@ class Manifest:
                     path=str(path),
                     kind=CHECKSUM,
                 )
+            if entry.chunks is not None:
+                # checked here, not in from_dict: the C++ loader reads no chunks and must give the same verdicts
+                expected = entry.chunks.count_for(size)
+                if len(entry.chunks.sha256) != expected:
+                    raise ArtifactError(
+                        f"{MANIFEST_FILE} lists {len(entry.chunks.sha256)} chunk digests for {path}, whose "
+                        f"{size} bytes make {expected} chunks of {entry.chunks.bytes}; the manifest is corrupted",
+                        path=str(path),
+                        kind=CHECKSUM,
+                    )
+                chunked.append(ChunkedFile(path, size, entry.chunks))
+                continue
             digest = sha256_file(path)
             if digest != entry.sha256:
                 raise ArtifactError(
@@ -369,3 +404,4 @@ class Manifest:
                     path=str(path),
                     kind=CHECKSUM,
                 )
+        return PendingVerification(chunked, overlap)

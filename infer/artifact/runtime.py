@@ -33,6 +33,9 @@ class Runtime:
         self.module = module
         self.backend = backend
         self.threads = 1
+        self.load_bytes = 0  # bytes of the artifact's files read and verified by ``load``
+        self.load_seconds = 0.0  # how long ``load`` took, checks included
+        self.library_seconds = 0.0  # of which importing fbgemm's libraries (the first load of a process)
 
     @property
     def cpu_devices(self) -> int:

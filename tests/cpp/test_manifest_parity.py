@@ -10,6 +10,9 @@ import subprocess
 from pathlib import Path
 from typing import Any
 
+import pytest
+
+from infer.artifact import verify
 from infer.artifact.load import verify_plan
 from infer.artifact.manifest import Manifest
 from infer.errors import ArtifactError, ArtifactErrorKind
@@ -86,13 +89,29 @@ def _mutants(artifact: Path, root: Path, rng: random.Random, count: int) -> list
     return folders
 
 
+@pytest.fixture(scope="module")
+def chunked_artifact(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """An artifact whose model file lists per-chunk sha256 (small chunks, so mutations land in the list)."""
+    from infer.artifact.export import export
+    from infer.quant.quantize import quantize
+    from infer.weights import random_weights
+    from tests.conftest import mixed_spec
+
+    spec = mixed_spec()
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(verify, "CHUNK_BYTES", 1 << 14)
+        patch.setattr(verify, "CHUNKED_MIN_BYTES", 0)
+        return export(quantize(spec, random_weights(spec, seed=3)), tmp_path_factory.mktemp("cpp") / "chunked")
+
+
 def test_cpp_and_python_give_the_same_verdicts(
-    cpp_build, unsharded_artifact, sharded_artifact, onnx_artifact, tmp_path
+    cpp_build, unsharded_artifact, sharded_artifact, onnx_artifact, chunked_artifact, tmp_path
 ):
     rng = random.Random(SEED)
     folders = _mutants(unsharded_artifact, tmp_path / "unsharded", rng, MUTANTS)
     folders += _mutants(sharded_artifact, tmp_path / "sharded", rng, MUTANTS)
     folders += _mutants(onnx_artifact, tmp_path / "onnx", rng, MUTANTS // 2)
+    folders += _mutants(chunked_artifact, tmp_path / "chunked", rng, MUTANTS // 2)
     result = subprocess.run(
         [str(cpp_build / "embserve_manifest_check"), *map(str, folders)],
         capture_output=True,
@@ -113,3 +132,16 @@ def test_cpp_and_python_give_the_same_verdicts(
             disagreements.append(f"{folder.parent.name}/{folder.name}: C++ {line[:300]!r}; Python {python}")
     assert not disagreements, f"{len(disagreements)} disagreements:\n" + "\n".join(disagreements[:20])
     assert verdicts.get("ok", 0) > 10 and verdicts.get("ManifestError", 0) > 100, verdicts
+
+
+def test_cpp_loader_loads_a_chunked_artifact_and_checks_the_whole_file(embserve_run, chunked_artifact, tmp_path):
+    """Chunk digests are for the Python loader; the C++ loader accepts them and keeps checking whole files."""
+    from tests.cpp.support import assert_clean_failure, run
+    from tests.support.artifacts import copy_artifact
+
+    assert run(embserve_run, chunked_artifact).returncode == 0
+    copy = copy_artifact(chunked_artifact, tmp_path)
+    data = bytearray((copy / "model.pt").read_bytes())
+    data[len(data) // 2] ^= 0x5A
+    (copy / "model.pt").write_bytes(bytes(data))
+    assert_clean_failure(run(embserve_run, copy), "embserve_run: ChecksumError: ")

@@ -103,6 +103,25 @@ def test_requests_over_the_batch_limit_together_are_split(start_server, dense_ar
     assert served.metric("embserve_batch_examples_count") == 4
 
 
+def test_merging_stops_at_max_merge_examples_and_larger_requests_run_alone(
+    start_server, dense_artifact, dense_runtime, spec
+):
+    # a merge limit of 8 under a batch limit of 64: 5-example requests never share a forward, and a
+    # 20-example request (over the merge limit, under the batch limit) is served, alone
+    served = start_server(
+        dense_artifact, max_delay_us=50_000, max_batch_size=64, max_merge_examples=8, warmup_batches=0
+    )
+    stub = served.stub()
+    stub.GetModelMetadata(pb.GetModelMetadataRequest(), timeout=CALL_TIMEOUT)
+    batches = [random_batch(spec, batch_size=5, seed=400 + i) for i in range(4)]
+    batches.append(random_batch(spec, batch_size=20, seed=404))
+    futures = [stub.Lookup.future(lookup_request(b), timeout=CALL_TIMEOUT) for b in batches]
+    for batch, future in zip(batches, futures):
+        assert torch.equal(codec.decode_embeddings(future.result()), dense_runtime.lookup(batch))
+    assert served.metric("embserve_batch_examples_count") == 5
+    assert served.metric("embserve_batch_examples_bucket", {"le": "8.0"}) == 4
+
+
 def test_full_queue_is_resource_exhausted(start_server, gated, dense_runtime, spec):
     runtime, gate = gated
     served = start_server(runtime, max_queue=1, workers=1, max_delay_us=0)

@@ -82,6 +82,16 @@ def _deep(depth: int) -> Callable[[str], bytes]:
     return lambda text: ('{"format": "embserve-artifact", "x": ' + "[" * depth + "]" * depth + "}").encode()
 
 
+def _model_chunks(chunks: Any) -> Edit:
+    """Give the model file's entry a ``chunks`` value (per-chunk sha256; the C++ loader reads none but checks
+    the schema)."""
+
+    def edit(data: dict[str, Any]) -> None:
+        data["files"][data["model_file"]]["chunks"] = chunks
+
+    return edit
+
+
 def _kernel_rows_off(data: dict[str, Any]) -> None:
     data["kernels"][0]["tables"][0]["rows"] += 1
 
@@ -157,4 +167,15 @@ BAD_MANIFESTS: tuple[BadManifest, ...] = (
     ),
     BadManifest("name_too_long", "tables[0].name is 300 bytes long", _set("tables.0.name", "t" * 300)),
     BadManifest("kernel_disagrees_with_tables", "kernels", _kernel_rows_off),
+    BadManifest("chunks_not_object", "chunks must be an object", _model_chunks([])),
+    BadManifest(
+        "chunks_bytes_too_small", "chunks.bytes must be at least 4096", _model_chunks({"bytes": 100, "sha256": []})
+    ),
+    BadManifest(
+        "chunks_digest_not_hex",
+        "chunks.sha256[0] must be 64 lowercase hex digits",
+        _model_chunks({"bytes": 4096, "sha256": ["xyz"]}),
+    ),
+    BadManifest("chunks_without_digests", "chunks lacks the key 'sha256'", _model_chunks({"bytes": 4096})),
+    BadManifest("chunks_unknown_key", "unknown key 'crc32'", _model_chunks({"bytes": 4096, "sha256": [], "crc32": 1})),
 )

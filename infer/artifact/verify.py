@@ -1,0 +1,220 @@
+"""Checksums of an artifact's large files in chunks: written at export, hashed in parallel at load.
+
+A file of ``CHUNKED_MIN_BYTES`` or more carries, beside its whole-file sha256 (which the C++ loader checks),
+the sha256 of every ``CHUNK_BYTES`` slice. ``torch.jit.load`` holds the GIL for its whole run (measured: a
+spinning Python thread got ~0.2 % of its idle rate during it), so threads of this process cannot hash while it
+reads; a child interpreter (``python -I -S``, stdlib only, a few tens of ms to start) hashes the chunks on its
+own threads instead, and the load overlaps it. Where no child can be started (an embedded interpreter) the
+chunks are hashed by a thread pool here, after the load.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import logging
+import mmap
+import os
+import subprocess
+import sys
+import weakref
+from collections.abc import Mapping, Sequence
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from infer.errors import ArtifactError, ArtifactErrorKind
+
+logger = logging.getLogger(__name__)
+
+CHECKSUM = ArtifactErrorKind.CHECKSUM
+CHUNK_BYTES = 32 << 20  # 63 chunks for a 2.1 GB file: enough to keep every core busy to the end
+CHUNKED_MIN_BYTES = 64 << 20  # smaller files hash in well under 0.1 s on one core
+SUBPROCESS_MIN_BYTES = 256 << 20  # below this a child interpreter costs more than it overlaps
+USE_SUBPROCESS = True  # False: hash in this process's threads (bench/load.py compares the designs)
+
+# The child's whole program: argv = chunk_bytes workers path...; stdout = JSON [[digest, ...] per path].
+_HASHER_SOURCE = r"""
+import hashlib, json, mmap, os, sys
+from concurrent.futures import ThreadPoolExecutor
+chunk, workers, paths = int(sys.argv[1]), int(sys.argv[2]), sys.argv[3:]
+def digests(pool, path):
+    size = os.path.getsize(path)
+    if size == 0:
+        return []
+    with open(path, "rb") as handle, mmap.mmap(handle.fileno(), 0, access=mmap.ACCESS_READ) as mapped:
+        view = memoryview(mapped)
+        try:
+            return list(pool.map(lambda start: hashlib.sha256(view[start:start + chunk]).hexdigest(),
+                                 range(0, size, chunk)))
+        finally:
+            view.release()
+with ThreadPoolExecutor(workers) as pool:
+    json.dump([digests(pool, path) for path in paths], sys.stdout)
+"""
+
+
+@dataclass(frozen=True)
+class Chunks:
+    """The sha256 of every ``bytes``-long slice of a file (the last one may be shorter), in order."""
+
+    bytes: int
+    sha256: tuple[str, ...]
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"bytes": self.bytes, "sha256": list(self.sha256)}
+
+    @classmethod
+    def from_dict(cls, data: Mapping[str, Any]) -> Chunks:
+        return cls(int(data["bytes"]), tuple(str(d) for d in data["sha256"]))
+
+    def count_for(self, size: int) -> int:
+        return -(-size // self.bytes)
+
+    def byte_range(self, index: int, size: int) -> tuple[int, int]:
+        """First and last byte (inclusive) of chunk ``index`` of a ``size``-byte file."""
+        start = index * self.bytes
+        return start, min(size, start + self.bytes) - 1
+
+
+def default_workers() -> int:
+    try:
+        return max(1, len(os.sched_getaffinity(0)))
+    except AttributeError:  # not on Linux
+        return max(1, os.cpu_count() or 1)
+
+
+def chunk_digests(path: Path, chunk_bytes: int, pool: ThreadPoolExecutor) -> list[str]:
+    """The sha256 of every ``chunk_bytes`` slice of ``path``, hashed by ``pool`` over a read-only mapping
+    (hashlib releases the GIL on large buffers; the mapping copies nothing)."""
+    size = path.stat().st_size
+    if size == 0:
+        return []
+    with path.open("rb") as handle, mmap.mmap(handle.fileno(), 0, access=mmap.ACCESS_READ) as mapped:
+        view = memoryview(mapped)
+        try:
+            return list(
+                pool.map(
+                    lambda start: hashlib.sha256(view[start : start + chunk_bytes]).hexdigest(),
+                    range(0, size, chunk_bytes),
+                )
+            )
+        finally:
+            view.release()
+
+
+def file_digests(path: Path) -> tuple[str, Chunks | None]:
+    """Whole-file sha256 and, for a file of ``CHUNKED_MIN_BYTES`` or more, its chunk digests (hashed by a pool
+    while this thread hashes the whole file)."""
+    size = path.stat().st_size
+    if size < CHUNKED_MIN_BYTES:
+        return _sha256_mapped(path), None
+    chunk_bytes = CHUNK_BYTES
+    with ThreadPoolExecutor(default_workers()) as pool, ThreadPoolExecutor(1) as whole_file:
+        whole = whole_file.submit(_sha256_mapped, path)
+        chunks = chunk_digests(path, chunk_bytes, pool)
+        return whole.result(), Chunks(chunk_bytes, tuple(chunks))
+
+
+def _sha256_mapped(path: Path) -> str:
+    digest = hashlib.sha256()
+    if path.stat().st_size:
+        with path.open("rb") as handle, mmap.mmap(handle.fileno(), 0, access=mmap.ACCESS_READ) as mapped:
+            view = memoryview(mapped)
+            try:
+                digest.update(view)
+            finally:
+                view.release()
+    return digest.hexdigest()
+
+
+@dataclass(frozen=True)
+class ChunkedFile:
+    """A file to verify chunk by chunk: where it is, its size (already checked) and its expected chunks."""
+
+    path: Path
+    size: int
+    chunks: Chunks
+
+
+class PendingVerification:
+    """Chunk hashing under way (in a child process, or not started yet); ``wait`` finishes it and raises
+    ``ArtifactError(kind=CHECKSUM)`` naming the file and byte range of the first chunk that does not match."""
+
+    def __init__(self, files: Sequence[ChunkedFile], overlap: bool) -> None:
+        self.files = tuple(files)
+        self.bytes = sum(f.size for f in self.files)
+        self._child: subprocess.Popen[str] | None = None
+        if overlap and USE_SUBPROCESS and self.bytes >= SUBPROCESS_MIN_BYTES:
+            self._child = _start_child(self.files)
+        if self._child is not None:  # a load that fails before ``wait`` leaves no hasher running
+            self._stop = weakref.finalize(self, _stop_child, self._child)
+
+    def wait(self) -> None:
+        found = _child_result(self._child, self.files) if self._child is not None else None
+        if self._child is not None:
+            self._stop.detach()
+        self._child = None
+        if found is None:
+            found = self._hash_here()
+        for file, digests in zip(self.files, found):
+            _compare(file, digests)
+
+    def _hash_here(self) -> list[list[str]]:
+        with ThreadPoolExecutor(default_workers()) as pool:
+            return [chunk_digests(f.path, f.chunks.bytes, pool) for f in self.files]
+
+
+def _start_child(files: Sequence[ChunkedFile]) -> subprocess.Popen[str] | None:
+    chunk_sizes = {f.chunks.bytes for f in files}
+    if not sys.executable or len(chunk_sizes) != 1:
+        return None
+    command = [sys.executable, "-I", "-S", "-c", _HASHER_SOURCE, str(chunk_sizes.pop()), str(default_workers())]
+    try:
+        return subprocess.Popen(
+            command + [str(f.path) for f in files], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True
+        )
+    except OSError as err:
+        logger.info("no child interpreter to hash chunks (%s); hashing them in this process", err)
+        return None
+
+
+def _stop_child(child: subprocess.Popen[str]) -> None:
+    if child.poll() is None:
+        child.kill()
+    child.communicate()
+
+
+def _child_result(child: subprocess.Popen[str], files: Sequence[ChunkedFile]) -> list[list[str]] | None:
+    """The child's digests, or None (hash here instead) when it failed: it must never pass a file unread."""
+    out, err = child.communicate()
+    try:
+        found = json.loads(out) if child.returncode == 0 else None
+    except ValueError:
+        found = None
+    if not isinstance(found, list) or len(found) != len(files) or not all(isinstance(d, list) for d in found):
+        logger.info("the chunk hasher exited %s (%s); hashing the chunks in this process", child.returncode, err[-200:])
+        return None
+    return found
+
+
+def _compare(file: ChunkedFile, digests: Sequence[str]) -> None:
+    expected = file.chunks.sha256
+    for index, want in enumerate(expected):
+        got = digests[index] if index < len(digests) else ""
+        if got != want:
+            first, last = file.chunks.byte_range(index, file.size)
+            raise ArtifactError(
+                f"{file.path} fails its sha256 check in bytes {first}-{last} (chunk {index} of {len(expected)}: "
+                f"{got[:12]}… != {want[:12]}…); the file is corrupted",
+                path=str(file.path),
+                kind=CHECKSUM,
+            )
+    if len(digests) != len(expected):  # the file grew after its size was checked
+        raise ArtifactError(
+            f"{file.path} has {len(digests)} chunks of {file.chunks.bytes} bytes, the manifest lists "
+            f"{len(expected)}; the file is truncated or corrupted",
+            path=str(file.path),
+            kind=CHECKSUM,
+        )
