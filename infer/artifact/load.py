@@ -21,7 +21,7 @@ from infer.shard.builder import check_plan
 logger = logging.getLogger(__name__)
 
 MODEL = ArtifactErrorKind.MODEL
-BACKENDS = ("torchscript", "onnxruntime")
+BACKENDS = ("torchscript", "onnxruntime", "pt2")
 
 
 def load(
@@ -36,6 +36,9 @@ def load(
     ``backend="onnxruntime"`` runs the artifact's ``model.onnx`` (exported with ``onnx=True``) on
     onnxruntime's CPU provider instead of ``model.pt``: same checks first, same API, same errors, and
     fbgemm is never imported. ``intra_op_threads`` then sets onnxruntime's threads (default: its own).
+
+    ``backend="pt2"`` runs the artifact's ``model.pt2`` (exported with ``pt2=True``; AOTInductor) after loading
+    fbgemm's operators: same checks first, same ``lookup`` (``predict`` needs the torchscript backend).
 
     ``device_map`` (e.g. ``{"cuda:0": "cpu", "cuda:1": "cpu"}``) moves an artifact built for other
     devices onto this host's; without it an artifact built for CUDA does not load on a CPU-only host.
@@ -65,6 +68,12 @@ def load(
         from infer.artifact.onnx_runtime import load_onnx
 
         return load_onnx(folder, manifest, intra_op_threads or None)
+    if backend == "pt2":
+        if device_map:
+            raise ConfigError("device_map applies to the torchscript backend; model.pt2 runs where it was compiled for")
+        from infer.artifact.pt2_runtime import load_pt2
+
+        return load_pt2(folder, manifest)
     mapping = dict(device_map or {})
     targets = [mapping.get(d, d) for d in manifest.devices]
     missing = [d for d in targets if d.startswith("cuda") and not _cuda_device_exists(d)]

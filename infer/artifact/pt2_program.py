@@ -1,0 +1,244 @@
+"""The program ``model.pt2`` is compiled from: the model's lookups as plain tensor code ``torch.export`` can trace.
+
+A TBE *module* does not export (its ``fbgemm::AtomicCounter`` script object has no fake class), so each
+kernel becomes a ``KernelCall``: the TBE's buffers and sizes, passed straight to fbgemm's bounds check and
+lookup operators (both have fake kernels). ``LookupProgram`` routes a request to every kernel, puts the
+columns in input order and divides MEAN features by their bag lengths, exactly as the scripted model does,
+so its output is bit-identical. The signature is fixed (the C++ loader's contract):
+``forward(values int64[N], lengths int64[F*B], weights float32[N]) -> float32[B, output_dim]``; a request
+without weights passes ones (a weight of 1.0 leaves every product exact).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from torch import Tensor, nn
+
+from infer.config import PoolingType
+from infer.errors import ConfigError
+
+# fbgemm's BoundsCheckMode.FATAL and PoolingMode.SUM (the model's TBEs use both; MEAN is applied afterwards)
+BOUNDS_CHECK_FATAL = 0
+POOLING_SUM = 0
+
+
+class KernelCall(nn.Module):
+    """One TBE's lookup: its storage and metadata as buffers (the same tensors, not copies) and the FATAL
+    bounds check before the kernel, as ``IntNBitTableBatchedEmbeddingBagsCodegen.forward`` runs them."""
+
+    rows_per_table: Tensor
+
+    def __init__(self, tbe: Any) -> None:
+        super().__init__()
+        if tbe.index_remappings_array.numel() or tbe.index_remapping_hash_table.numel():
+            raise ConfigError("the pt2 program has no index remapping (pruning); export without --pt2")
+        on_host = int(tbe.host_size) > 0
+        self.register_buffer("dev_weights", tbe.weights_host if on_host else tbe.weights_dev)
+        self.register_buffer("uvm_weights", tbe.weights_uvm)
+        for name in ("weights_placements", "weights_offsets", "weights_tys", "D_offsets", "rows_per_table"):
+            self.register_buffer(name, getattr(tbe, name))
+        self.register_buffer(
+            "bounds_check_warning", torch.zeros(1, dtype=torch.int64, device=tbe.rows_per_table.device)
+        )
+        self.register_buffer("lxu_cache_weights", tbe.lxu_cache_weights)
+        self.register_buffer("lxu_cache_locations", torch.empty(0, dtype=torch.int32, device=tbe.rows_per_table.device))
+        self.total_dim = int(tbe.total_D)
+        self.max_dims = (
+            int(tbe.max_int2_D),
+            int(tbe.max_int4_D),
+            int(tbe.max_int8_D),
+            int(tbe.max_float16_D),
+            int(tbe.max_float32_D),
+        )
+        self.output_dtype = int(tbe.output_dtype)
+        self.row_alignment = int(tbe.row_alignment)
+        self.fp8 = (int(tbe.max_float8_D), int(tbe.fp8_exponent_bits), int(tbe.fp8_exponent_bias))
+        if int(tbe.pooling_mode) != POOLING_SUM or int(tbe.bounds_check_mode_int) != BOUNDS_CHECK_FATAL:
+            raise ConfigError("embserve's TBEs pool with SUM and check bounds FATAL; this kernel does not")
+
+    def forward(self, indices: Tensor, offsets: Tensor, weights: Tensor) -> Tensor:
+        torch.ops.fbgemm.bounds_check_indices(
+            self.rows_per_table, indices, offsets, BOUNDS_CHECK_FATAL, self.bounds_check_warning, weights
+        )
+        max_int2, max_int4, max_int8, max_fp16, max_fp32 = self.max_dims
+        max_fp8, fp8_bits, fp8_bias = self.fp8
+        return torch.ops.fbgemm.int_nbit_split_embedding_codegen_lookup_function(
+            self.dev_weights,
+            self.uvm_weights,
+            self.weights_placements,
+            self.weights_offsets,
+            self.weights_tys,
+            self.D_offsets,
+            self.total_dim,
+            max_int2,
+            max_int4,
+            max_int8,
+            max_fp16,
+            max_fp32,
+            indices,
+            offsets,
+            POOLING_SUM,
+            weights,
+            self.output_dtype,
+            self.lxu_cache_weights,
+            self.lxu_cache_locations,
+            self.row_alignment,
+            max_fp8,
+            fp8_bits,
+            fp8_bias,
+        )
+
+
+@dataclass(frozen=True)
+class ColumnCopy:
+    """Columns ``[local, local + width)`` of kernel ``kernel``'s output are the output's next ``width`` columns."""
+
+    kernel: int
+    local: int
+    width: int
+
+
+@dataclass(frozen=True)
+class KernelRoute:
+    """The input features a kernel reads whole, in its (ascending) order."""
+
+    features: tuple[int, ...]
+
+    def kind(self, num_features: int) -> str:
+        if self.features == tuple(range(num_features)):
+            return "all"
+        first = self.features[0]
+        if self.features == tuple(range(first, first + len(self.features))):
+            return "run"
+        return "subset"
+
+
+def _offsets(lengths: Tensor) -> Tensor:
+    return torch.cat([lengths.new_zeros(1), torch.cumsum(lengths, 0)])
+
+
+class LookupProgram(nn.Module):
+    """``forward(values, lengths, weights)`` of an exported model, built from its kernels and routing."""
+
+    column_feature: Tensor
+    mean_column: Tensor
+
+    def __init__(
+        self,
+        kernels: list[KernelCall],
+        routes: list[KernelRoute],
+        copies: list[ColumnCopy],
+        feature_dims: list[int],
+        mean_features: list[int],
+    ) -> None:
+        super().__init__()
+        self.kernels = nn.ModuleList(kernels)
+        self.routes = routes
+        self.copies = copies
+        self.num_features = len(feature_dims)
+        self.output_dim = sum(feature_dims)
+        self.has_mean = bool(mean_features)
+        column_feature = [f for f, dim in enumerate(feature_dims) for _ in range(dim)]
+        device = kernels[0].rows_per_table.device
+        self.register_buffer("column_feature", torch.tensor(column_feature, dtype=torch.int64, device=device))
+        is_mean = [f in set(mean_features) for f in column_feature]
+        self.register_buffer("mean_column", torch.tensor(is_mean, dtype=torch.bool, device=device))
+        for k, route in enumerate(routes):
+            mask = [f in set(route.features) for f in range(self.num_features)]
+            self.register_buffer(f"reads_{k}", torch.tensor(mask, dtype=torch.bool, device=device))
+
+    def forward(self, values: Tensor, lengths: Tensor, weights: Tensor) -> Tensor:
+        num_features = self.num_features
+        batch = lengths.shape[0] // num_features
+        torch._check(lengths.shape[0] == num_features * batch)
+        torch._check(weights.shape[0] == values.shape[0])
+        bag_lengths = lengths.view(num_features, batch)
+        pooled: list[Tensor] = []
+        feature_of_id: Tensor | None = None
+        for k, (kernel, route) in enumerate(zip(self.kernels, self.routes)):
+            kind = route.kind(num_features)
+            if kind == "all":
+                pooled.append(kernel(values, _offsets(lengths), weights))
+                continue
+            first, last = route.features[0], route.features[-1] + 1
+            local_lengths = (bag_lengths[first:last] if kind == "run" else bag_lengths[list(route.features)]).reshape(
+                -1
+            )
+            if kind == "run":
+                per_feature = bag_lengths.sum(1)
+                start: Any = per_feature[:first].sum().item() if first > 0 else 0
+                count: Any = per_feature[first:last].sum().item()
+                torch._check_is_size(start)
+                torch._check_is_size(count)
+                torch._check(start + count <= values.shape[0])
+                local_values = values.narrow(0, start, count)
+                local_weights = weights.narrow(0, start, count)
+            else:
+                if feature_of_id is None:
+                    feature_of_id = torch.repeat_interleave(
+                        torch.arange(num_features, device=values.device),
+                        bag_lengths.sum(1),
+                        output_size=values.shape[0],
+                    )
+                keep = getattr(self, f"reads_{k}")[feature_of_id]
+                local_values = values[keep]
+                local_weights = weights[keep]
+            pooled.append(kernel(local_values, _offsets(local_lengths), local_weights))
+        if len(self.copies) == 1 and self.copies[0].width == self.output_dim:
+            out = pooled[self.copies[0].kernel]
+        else:
+            out = torch.cat([pooled[c.kernel][:, c.local : c.local + c.width] for c in self.copies], 1)
+        if self.has_mean:
+            counts = bag_lengths.to(out.dtype).clamp(min=1.0).t()[:, self.column_feature]
+            out = out / torch.where(self.mean_column, counts, torch.ones_like(counts))
+        return out
+
+
+def lookup_program(model: Any) -> LookupProgram:
+    """The exportable lookup of an ``EmbserveModel`` (unsharded, or sharded table-wise / column-wise);
+    ``ConfigError`` for routing the program cannot express, naming the table and the fix."""
+    spec = model.spec
+    embeddings = model.embeddings
+    features = spec.features
+    mean_features = [i for i, f in enumerate(features) if f.pooling == PoolingType.MEAN]
+    dims = [f.embedding_dim for f in features]
+    if not hasattr(embeddings, "shards"):
+        whole = KernelRoute(tuple(range(len(features))))
+        return LookupProgram(
+            [KernelCall(embeddings.tbe)], [whole], [ColumnCopy(0, 0, spec.output_dim)], dims, mean_features
+        )
+    kernels: list[KernelCall] = []
+    routes: list[KernelRoute] = []
+    pieces: list[tuple[int, int, int, int]] = []  # (output column, kernel, local column, width)
+    for k, shard in enumerate(embeddings.shards):
+        for f, kind in zip(shard.lf_feature, shard.lf_kind):
+            if kind != 0:  # READ_ALL
+                table = features[f].table
+                how = "row-wise" if kind == 1 else "replicated"
+                raise ConfigError(
+                    f"table {table!r} is sharded {how}; the pt2 program supports table-wise and column-wise shards. "
+                    "Plan it table-wise or column-wise, or export without --pt2 (model.pt serves every sharding)"
+                )
+        if list(shard.lf_feature) != sorted(set(shard.lf_feature)):
+            raise ConfigError(
+                f"device {shard.device} of the plan holds two shards of one feature's table; the pt2 program reads "
+                "each feature once per device. Plan the table's shards on different devices, or export without --pt2"
+            )
+        kernels.append(KernelCall(shard.tbe))
+        routes.append(KernelRoute(tuple(shard.lf_feature)))
+        pieces.extend(zip(shard.lf_out_col, [k] * len(shard.lf_dim), shard.lf_local_col, shard.lf_dim))
+    copies: list[ColumnCopy] = []
+    column = 0
+    for out_col, kernel, local, width in sorted(pieces):
+        if out_col != column:  # pragma: no cover - a plan's shards tile the output columns
+            raise ConfigError(f"the plan leaves output columns {column}..{out_col} without a shard")
+        last = copies[-1] if copies else None
+        if last is not None and last.kernel == kernel and last.local + last.width == local:
+            copies[-1] = ColumnCopy(kernel, last.local, last.width + width)
+        else:
+            copies.append(ColumnCopy(kernel, local, width))
+        column = out_col + width
+    return LookupProgram(kernels, routes, copies, dims, mean_features)

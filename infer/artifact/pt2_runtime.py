@@ -1,0 +1,111 @@
+"""The pt2 backend: an artifact's ``model.pt2`` (AOTInductor) behind the same ``Runtime`` API.
+
+``Pt2Module`` stands where the scripted model stands: ``module(values, lengths, weights)`` validates the
+request with the shared rules (``SparseFeatures.validate``, the ``request_rules`` wording) and raises
+``RequestError`` before the compiled program sees it, then calls the program with int64 ids and lengths and
+all-ones weights when the request has none (bit-identical to an unweighted lookup). fbgemm's FATAL bounds
+check inside the program stays as the last line.
+
+Calling the package from Python holds the GIL for the whole call (``AOTIModelPackageLoader.boxed_run`` does
+not release it; bench/pt2.py measures it), so splitting a batch over Python threads gains nothing here:
+every call is one program run. A C++ host may split a batch into example ranges on its own threads.
+"""
+
+from __future__ import annotations
+
+import logging
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from infer import request_rules as rules
+from infer.artifact.fbgemm_libs import load_fbgemm
+from infer.artifact.manifest import PT2_INPUTS, Manifest
+from infer.artifact.runtime import Runtime
+from infer.config import ModelSpec
+from infer.errors import ArtifactError, ArtifactErrorKind, RequestError
+from infer.features import SparseFeatures
+
+logger = logging.getLogger(__name__)
+
+BACKEND = "pt2"
+MODEL = ArtifactErrorKind.MODEL
+
+
+class Pt2Module:
+    """A module-like wrapper of one loaded AOTInductor package (the program named "model")."""
+
+    def __init__(self, compiled: Any, spec: ModelSpec, has_dense: bool) -> None:
+        self.compiled = compiled
+        self.spec = spec
+        self.has_dense = has_dense
+
+    def forward(self, values: torch.Tensor, lengths: torch.Tensor, weights: torch.Tensor | None = None) -> torch.Tensor:
+        """Pooled embeddings ``[batch, output_dim]`` fp32 (validated first)."""
+        features = SparseFeatures.from_tensors(self.spec.feature_names, values, lengths, weights).validate(self.spec)
+        ids = features.values.to(torch.int64).contiguous()
+        bag_lengths = features.lengths.to(torch.int64).contiguous()
+        id_weights = features.weights.contiguous() if features.weights is not None else torch.ones(ids.numel())
+        result: torch.Tensor = self.compiled(ids, bag_lengths, id_weights)
+        return result
+
+    __call__ = forward
+
+    def predict(
+        self,
+        dense_features: torch.Tensor,
+        values: torch.Tensor,
+        lengths: torch.Tensor,
+        weights: torch.Tensor | None = None,
+    ) -> torch.Tensor:
+        if not self.has_dense:
+            raise RequestError(rules.NO_DENSE_PART)
+        raise RequestError(
+            "this server runs model.pt2, which holds the lookups only; predict with the torchscript backend"
+        )
+
+
+def load_pt2(folder: Path, manifest: Manifest) -> Runtime:
+    """The ``Runtime`` of an already verified artifact (manifest read, checksums checked) on model.pt2."""
+    entry = manifest.pt2
+    if entry is None:
+        raise ArtifactError(
+            f"{folder} has no model.pt2; re-export it with infer.export(..., pt2=True) or `embserve export --pt2`",
+            path=str(folder),
+            kind=MODEL,
+        )
+    package = folder / entry.file
+    if entry.torch_version != torch.__version__:
+        raise ArtifactError(
+            f"{package} was compiled by torch {entry.torch_version} and this process runs torch {torch.__version__}; "
+            "AOTInductor code runs only under the torch that compiled it. Re-export with --pt2 under this torch, "
+            "or load the torchscript backend",
+            path=str(package),
+            kind=MODEL,
+        )
+    if tuple(entry.inputs) != PT2_INPUTS:
+        raise ArtifactError(
+            f"{package} takes inputs {list(entry.inputs)}; this embserve passes {list(PT2_INPUTS)}. Re-export it",
+            path=str(package),
+            kind=MODEL,
+        )
+    if entry.device != "cpu" and not (torch.cuda.is_available() and torch.device(entry.device).index is not None):
+        raise ArtifactError(
+            f"{package} was compiled for {entry.device} and this host has no such device; "
+            "load the torchscript backend with a device map",
+            path=str(package),
+            kind=MODEL,
+        )
+    load_fbgemm()  # the program calls fbgemm's operators through the proxy executor
+    from torch._inductor.package import load_package
+
+    try:
+        compiled = load_package(str(package))
+    except Exception as err:  # noqa: BLE001 - the loader raises RuntimeError and others for a bad package
+        first_line = str(err).strip().splitlines()[0] if str(err).strip() else type(err).__name__
+        raise ArtifactError(
+            f"{package} cannot be loaded by AOTInductor: {first_line}", path=str(package), kind=MODEL
+        ) from None
+    logger.debug("AOTInductor loaded %s", package)
+    return Runtime(folder, manifest, Pt2Module(compiled, manifest.spec, manifest.has_dense), backend=BACKEND)
