@@ -1,5 +1,6 @@
 """The C++ loader's Pt2 backend (model.pt2, AOTInductor) against the Python TorchScript artifact: same outputs bit
-for bit, the same request errors, typed load errors. Each model.pt2 is compiled once per session (~35 s each)."""
+for bit, the same request errors, typed load errors. Each model.pt2 is compiled once per session (export(...,
+pt2=True), about a minute each on this machine kind: three artifacts)."""
 
 from __future__ import annotations
 
@@ -14,7 +15,6 @@ from infer.artifact.cpp_io import read_responses, write_requests
 from infer.artifact.load import load
 from infer.features import SparseFeatures
 from tests.conftest import mixed_spec, random_batch
-from tests.cpp.pt2_support import add_pt2
 from tests.cpp.support import assert_clean_failure, run
 from tests.support.artifacts import copy_artifact, edit_manifest, rehash
 from tests.support.bad_requests import BAD_REQUESTS, CORPUS_SPEC
@@ -30,8 +30,25 @@ def pt2_artifact(tmp_path_factory: pytest.TempPathFactory) -> Path:
     from infer.weights import random_weights
 
     spec = mixed_spec()
-    artifact = export(quantize(spec, random_weights(spec, seed=11)), tmp_path_factory.mktemp("pt2") / "mixed")
-    return add_pt2(artifact)
+    print("compiling model.pt2 for mixed_spec (about a minute)", flush=True)
+    return export(quantize(spec, random_weights(spec, seed=11)), tmp_path_factory.mktemp("pt2") / "mixed", pt2=True)
+
+
+@pytest.fixture(scope="session")
+def sharded_pt2_artifact(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """mixed_spec sharded table-wise over 2 CPU devices, with model.pt and model.pt2 (one program)."""
+    from infer.artifact.export import export
+    from infer.planner.types import ShardingType
+    from infer.quant.quantize import quantize
+    from infer.shard.builder import shard_model
+    from infer.shard.plans import make_plan
+    from infer.weights import random_weights
+
+    spec = mixed_spec()
+    plan = make_plan(spec, 2, {t.name: (ShardingType.TABLE_WISE, (i % 2,)) for i, t in enumerate(spec.tables)})
+    model = shard_model(quantize(spec, random_weights(spec, seed=12)), plan)
+    print("compiling model.pt2 for mixed_spec, table-wise over 2 devices (about a minute)", flush=True)
+    return export(model, tmp_path_factory.mktemp("pt2") / "sharded_tw2", plan=plan, pt2=True)
 
 
 @pytest.fixture(scope="session")
@@ -41,10 +58,15 @@ def corpus_pt2_artifact(tmp_path_factory: pytest.TempPathFactory) -> Path:
     from infer.quant.quantize import quantize
     from infer.weights import random_weights
 
-    artifact = export(
-        quantize(CORPUS_SPEC, random_weights(CORPUS_SPEC, seed=0)), tmp_path_factory.mktemp("pt2") / "corpus"
-    )
-    return add_pt2(artifact)
+    print("compiling model.pt2 for the bad-request corpus's model (about a minute)", flush=True)
+    model = quantize(CORPUS_SPEC, random_weights(CORPUS_SPEC, seed=0))
+    return export(model, tmp_path_factory.mktemp("pt2") / "corpus", pt2=True)
+
+
+@pytest.fixture(params=["unsharded", "sharded_tw2"])
+def any_pt2_artifact(request: pytest.FixtureRequest) -> Path:
+    name = "pt2_artifact" if request.param == "unsharded" else "sharded_pt2_artifact"
+    return request.getfixturevalue(name)  # type: ignore[no-any-return]
 
 
 def torchscript_outputs(artifact: Path, requests: list[Request]) -> list[torch.Tensor]:
@@ -58,7 +80,14 @@ def run_requests(
 ) -> tuple[subprocess.CompletedProcess[str], list]:  # type: ignore[type-arg]
     write_requests(folder / "requests.bin", requests)
     result = run(
-        embserve_run, artifact, "--backend", "pt2", "--requests", folder / "requests.bin", "--out", folder / "o.bin",
+        embserve_run,
+        artifact,
+        "--backend",
+        "pt2",
+        "--requests",
+        folder / "requests.bin",
+        "--out",
+        folder / "o.bin",
         *options,
     )
     return result, read_responses(folder / "o.bin") if (folder / "o.bin").exists() else []
@@ -69,18 +98,21 @@ def parity_requests(batch: int) -> list[Request]:
     for seed, (id_dtype, weighted) in enumerate(
         [(torch.int64, False), (torch.int32, False), (torch.int64, True), (torch.int32, True)]
     ):
-        b = random_batch(mixed_spec(), batch_size=batch, max_len=8, weighted=weighted, seed=seed + batch, id_dtype=id_dtype)
+        b = random_batch(
+            mixed_spec(), batch_size=batch, max_len=8, weighted=weighted, seed=seed + batch, id_dtype=id_dtype
+        )
         requests.append((b.values, b.lengths, b.weights))
     return requests
 
 
 @pytest.mark.parametrize("batch", [1, 16, 4096])
-def test_pt2_outputs_equal_torchscript(batch, embserve_run, pt2_artifact, tmp_path):
-    """INT8/INT4/INT2/FP16/FP32 tables, SUM and MEAN, weighted and not, int32 and int64 ids: torch.equal."""
+def test_pt2_outputs_equal_torchscript(batch, embserve_run, any_pt2_artifact, tmp_path):
+    """INT8/INT4/INT2/FP16/FP32 tables, SUM and MEAN, weighted and not, int32 and int64 ids, unsharded and
+    table-wise over 2 devices: torch.equal to the TorchScript model."""
     requests = parity_requests(batch)
-    result, responses = run_requests(embserve_run, pt2_artifact, requests, tmp_path)
+    result, responses = run_requests(embserve_run, any_pt2_artifact, requests, tmp_path)
     assert result.returncode == 0, result.stderr
-    for response, expected in zip(responses, torchscript_outputs(pt2_artifact, requests), strict=True):
+    for response, expected in zip(responses, torchscript_outputs(any_pt2_artifact, requests), strict=True):
         assert response.ok, response.message
         assert response.output is not None and response.output.dtype == torch.float32
         assert response.output.shape == expected.shape
@@ -88,23 +120,24 @@ def test_pt2_outputs_equal_torchscript(batch, embserve_run, pt2_artifact, tmp_pa
 
 
 @pytest.mark.parametrize("kernel_threads", [1, 2, 3])
-def test_pt2_split_batches_are_bit_identical(kernel_threads, embserve_run, pt2_artifact, tmp_path):
+def test_pt2_split_batches_are_bit_identical(kernel_threads, embserve_run, any_pt2_artifact, tmp_path):
     """A batch cut into example ranges run on threads gives the TorchScript model's rows exactly."""
     b = random_batch(mixed_spec(), batch_size=1024, max_len=40, seed=9, weighted=True)  # ~120k ids: 3 ranges
     requests: list[Request] = [(b.values, b.lengths, b.weights), (b.values.to(torch.int32), b.lengths, None)]
     result, responses = run_requests(
-        embserve_run, pt2_artifact, requests, tmp_path, "--kernel-threads", kernel_threads
+        embserve_run, any_pt2_artifact, requests, tmp_path, "--kernel-threads", kernel_threads
     )
     assert result.returncode == 0, result.stderr
-    for response, expected in zip(responses, torchscript_outputs(pt2_artifact, requests), strict=True):
+    for response, expected in zip(responses, torchscript_outputs(any_pt2_artifact, requests), strict=True):
         assert response.output is not None and torch.equal(response.output, expected)
 
 
-def test_pt2_edge_batches(embserve_run, pt2_artifact, tmp_path):
+def test_pt2_edge_batches(embserve_run, any_pt2_artifact, tmp_path):
     """No ids at all, one id, and an empty batch: the same answers as the TorchScript model."""
+    pt2_artifact = any_pt2_artifact
     features = len(mixed_spec().features)
     one = torch.zeros(features * 2, dtype=torch.int32)
-    one[features] = 1  # feature 2 (f_int4, MEAN), example 0: a single id
+    one[4] = 1  # feature 2 (f_int4, MEAN), example 0: a single id
     requests: list[Request] = [
         (torch.zeros(0, dtype=torch.int64), torch.zeros(features * 3, dtype=torch.int32), None),
         (torch.tensor([7]), one, None),
@@ -133,10 +166,10 @@ def test_pt2_bad_request_corpus(embserve_run, corpus_pt2_artifact, tmp_path):
     assert torch.equal(responses[-1].output, torchscript_outputs(corpus_pt2_artifact, [good])[0])
 
 
-def test_pt2_threads_share_a_model(cpp_build, pt2_artifact):
+def test_pt2_threads_share_a_model(cpp_build, any_pt2_artifact):
     """Several threads on one Pt2 model; every output equals the TorchScript backend's in the same process."""
     result = subprocess.run(
-        [str(cpp_build / "embserve_thread_test"), str(pt2_artifact), "4", "60", "pt2"],
+        [str(cpp_build / "embserve_thread_test"), str(any_pt2_artifact), "4", "60", "pt2"],
         capture_output=True,
         text=True,
         timeout=300,
@@ -160,7 +193,9 @@ def test_another_torch_version_is_a_model_error_naming_both(embserve_run, pt2_ar
     # the TorchScript backend of the same artifact is not affected
     assert run(embserve_run, artifact).returncode == 0
     edit_manifest(artifact, lambda m: m["pt2"].update(torch_version="nightly"))
-    assert_clean_failure(run(embserve_run, artifact, "--backend", "pt2"), "ModelError", "'nightly' is not a torch version")
+    assert_clean_failure(
+        run(embserve_run, artifact, "--backend", "pt2"), "ModelError", "'nightly' is not a torch version"
+    )
 
 
 def test_a_missing_fbgemm_library_is_named(embserve_run, pt2_artifact, tmp_path):
@@ -203,7 +238,10 @@ def test_manifest_check_accepts_pt2_and_wants_its_checksum(cpp_build, pt2_artifa
     artifact = copy_artifact(pt2_artifact, tmp_path)
     edit_manifest(artifact, lambda m: m["files"].pop("model.pt2"))
     result = run(check, pt2_artifact, artifact)
-    assert result.stdout.splitlines() == ["ok", f"ChecksumError: {artifact / 'manifest.json'} has no checksum for model.pt2"]
+    assert result.stdout.splitlines() == [
+        "ok",
+        f"ChecksumError: {artifact / 'manifest.json'} has no checksum for model.pt2",
+    ]
     edit_manifest(artifact, lambda m: m["pt2"].update(extra=1))
     assert "ManifestError" in run(check, artifact).stdout
 
