@@ -123,9 +123,21 @@ def run_case(
     }
 
 
-def bench_cpp(binary: Path, artifact: Path, request_file: Path, calls: int, backend: str) -> dict[str, float]:
+def bench_cpp(
+    binary: Path, artifact: Path, request_file: Path, calls: int, backend: str, *extra: str
+) -> dict[str, float]:
     result = subprocess.run(
-        [str(binary), str(artifact), "--backend", backend, "--requests", str(request_file), "--bench", str(calls)],
+        [
+            str(binary),
+            str(artifact),
+            "--backend",
+            backend,
+            "--requests",
+            str(request_file),
+            "--bench",
+            str(calls),
+            *extra,
+        ],
         check=True,
         capture_output=True,
         text=True,
@@ -151,14 +163,21 @@ def run_pt2_case(
 ) -> dict[str, object]:
     """C++ pt2 vs C++ TorchScript on one artifact, backends alternating each round; best round of each."""
     runs: dict[str, list[dict[str, float]]] = {"torchscript": [], "pt2": []}
+    latency = shape["batch"] == 1
+    one_range: list[dict[str, float]] = []  # pt2 without the loader's batch split (throughput cases)
     for _ in range(rounds):
         for backend in runs:
             runs[backend].append(bench_cpp(binary, artifact, request_file, calls, backend))
+        if not latency:
+            one_range.append(bench_cpp(binary, artifact, request_file, calls, "pt2", "--kernel-threads", "1"))
     best_ts_p50 = min(r["p50_us"] for r in runs["torchscript"])
     best_pt2_p50 = min(r["p50_us"] for r in runs["pt2"])
     best_ts_rate = max(r["lookups_per_s"] for r in runs["torchscript"])
     best_pt2_rate = max(r["lookups_per_s"] for r in runs["pt2"])
-    latency = shape["batch"] == 1
+    split = {}
+    if one_range:
+        best_one = max(r["lookups_per_s"] for r in one_range)
+        split = {"pt2_one_range_lookups_per_s": round(best_one), "split_speedup": round(best_pt2_rate / best_one, 3)}
     return {
         "bench": "cpp_loader",
         "case": case,
@@ -171,6 +190,7 @@ def run_pt2_case(
         "pt2_lookups_per_s": round(best_pt2_rate),
         "metric": "p50_latency" if latency else "lookups_per_s",
         "ratio": round(best_pt2_p50 / best_ts_p50 if latency else best_pt2_rate / best_ts_rate, 3),
+        **split,
         "export_with_pt2_s": round(export_s, 1),
         "pt2_bytes": (artifact / "model.pt2").stat().st_size,
         "model_pt_bytes": (artifact / "model.pt").stat().st_size,
