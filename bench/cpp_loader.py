@@ -12,13 +12,16 @@ pt2 cases (``--pt2``, or ``--only-pt2``): the same artifacts exported with ``pt2
 backends over ``--rounds`` rounds (best of each): batch-1 p50 latency (``pt2_batch1_*``), and W128-style
 throughput (``pt2_w128_*``: 8 INT8 tables x ``--w128-rows`` rows x D=128, batch 2048, 20 ids per bag, 8 distinct
 requests cycled). ``ratio`` = pt2 / torchscript (p50 for latency, lookups/s for throughput); compile time and
-model.pt2 size are reported beside them.
+model.pt2 size are reported beside them. ``--env KEY=VALUE`` sets a variable for both backends' runs (e.g.
+``OMP_WAIT_POLICY=passive``: on a busy shared host, OpenMP workers spinning after a parallel region slow both
+backends' large batches several-fold and make the numbers noisy); it is printed in each line.
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import os
 import shutil
 import statistics
 import subprocess
@@ -123,6 +126,9 @@ def run_case(
     }
 
 
+BENCH_ENV: dict[str, str] = {}  # --env KEY=VALUE, for the pt2 cases' embserve_run calls
+
+
 def bench_cpp(
     binary: Path, artifact: Path, request_file: Path, calls: int, backend: str, *extra: str
 ) -> dict[str, float]:
@@ -138,6 +144,7 @@ def bench_cpp(
             str(calls),
             *extra,
         ],
+        env={**os.environ, **BENCH_ENV},
         check=True,
         capture_output=True,
         text=True,
@@ -191,6 +198,7 @@ def run_pt2_case(
         "metric": "p50_latency" if latency else "lookups_per_s",
         "ratio": round(best_pt2_p50 / best_ts_p50 if latency else best_pt2_rate / best_ts_rate, 3),
         **split,
+        "env": BENCH_ENV,
         "export_with_pt2_s": round(export_s, 1),
         "pt2_bytes": (artifact / "model.pt2").stat().st_size,
         "model_pt_bytes": (artifact / "model.pt").stat().st_size,
@@ -218,8 +226,11 @@ def pt2_cases(binary: Path, folder: Path, args: argparse.Namespace, batch1: list
     model = quantize(spec, random_weights(spec, seed=0))
     plan = make_plan(spec, 2, {f"t{i}": (ShardingType.TABLE_WISE, (i % 2,)) for i in range(TABLES)})
     shape = {"tables": TABLES, "rows": ROWS, "dim": DIM, "batch": 1, "ids_per_bag": IDS_PER_BAG}
-    for case, built in (("pt2_batch1_unsharded", model), ("pt2_batch1_sharded_tw2", shard_model(model, plan))):
-        artifact, export_s = export_pt2_timed(built, folder / case, plan if "sharded" in case else None)
+    for case, built, built_plan in (
+        ("pt2_batch1_unsharded", model, None),
+        ("pt2_batch1_sharded_tw2", shard_model(model, plan), plan),
+    ):
+        artifact, export_s = export_pt2_timed(built, folder / case, built_plan)
         row = run_pt2_case(case, artifact, binary, batch1_file, args.calls, args.rounds, export_s, shape)
         print(json.dumps(row), flush=True)
         shutil.rmtree(artifact)
@@ -232,8 +243,7 @@ def pt2_cases(binary: Path, folder: Path, args: argparse.Namespace, batch1: list
     w128_file = write_requests(folder / "w128.bin", w128_requests(rows))
     w128_plan = make_plan(w128, 2, {f"t{i}": (ShardingType.TABLE_WISE, (i % 2,)) for i in range(TABLES)})
     shape = {"tables": TABLES, "rows": rows, "dim": DIM, "batch": 2048, "ids_per_bag": IDS_PER_BAG}
-    for case in ("pt2_w128_unsharded", "pt2_w128_sharded_tw2"):
-        sharded = "sharded" in case
+    for case, sharded in (("pt2_w128_unsharded", False), ("pt2_w128_sharded_tw2", True)):
         built = shard_model(w128_model, w128_plan) if sharded else w128_model
         artifact, export_s = export_pt2_timed(built, folder / case, w128_plan if sharded else None)
         del built
@@ -250,7 +260,9 @@ def main() -> None:
     parser.add_argument("--rounds", type=int, default=2, help="pt2 cases: rounds of both backends, alternating")
     parser.add_argument("--w128-rows", type=int, default=1_000_000, help="pt2 W128 case: rows per table")
     parser.add_argument("--w128-calls", type=int, default=30, help="pt2 W128 case: timed calls per round")
+    parser.add_argument("--env", action="append", default=[], help="KEY=VALUE for the pt2 cases' C++ runs")
     args = parser.parse_args()
+    BENCH_ENV.update(item.split("=", 1) for item in args.env)
     binary = build_cpp()
     spec = ModelSpec(
         tuple(TableConfig(f"t{i}", ROWS, DIM, (f"f{i}",), PoolingType.SUM, DataType.INT8) for i in range(TABLES))

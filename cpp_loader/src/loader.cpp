@@ -989,6 +989,14 @@ namespace {
 // A range of fewer ids than this stays on the calling thread (as infer.modules.tbe.MIN_IDS_PER_CHUNK).
 constexpr int64_t kMinIdsPerChunk = 4096;
 
+// All-ones weights (a weight of 1.0 leaves every product exact, so the weighted program pools as the unweighted
+// model does), filled on the calling thread: no OpenMP region for it (at::ones opens one for a large batch).
+at::Tensor unit_weights(int64_t count) {
+  at::Tensor ones = at::empty({count}, at::TensorOptions().dtype(at::kFloat));
+  std::fill_n(ones.data_ptr<float>(), count, 1.0f);
+  return ones;
+}
+
 at::Tensor run_program(torch::inductor::AOTIModelPackageLoader& program, at::Tensor values, at::Tensor lengths,
                        at::Tensor weights) {
   c10::InferenceMode guard;
@@ -1000,20 +1008,21 @@ at::Tensor run_program(torch::inductor::AOTIModelPackageLoader& program, at::Ten
 
 // The program takes (values int64[N], lengths int64[F*B], weights float32[N]) and returns [B, output_dim]
 // float32 exactly as model.pt's forward. A large batch is cut into contiguous example ranges, each gathered
-// into its own (values, lengths, weights) and run on its own thread; every bag is pooled by one run either
-// way, so the concatenated rows are the single run's, bit for bit.
+// into its own (values, lengths, weights) and run by one of torch's intra-op threads (at::parallel_for: no
+// thread started per call, and the operators inside a range run inline instead of opening nested parallel
+// regions); every bag is pooled by one run either way, so the concatenated rows are the single run's, bit for
+// bit. At most min(kernel_threads, at::get_num_threads()) ranges.
 at::Tensor Model::lookup_pt2(const at::Tensor& values, const at::Tensor& lengths,
                              const std::optional<at::Tensor>& weights) const {
   const int64_t num_features = static_cast<int64_t>(features_.size());
   const int64_t batch = lengths.numel() / num_features;
   at::Tensor ids = values.to(at::kLong).contiguous();
   at::Tensor bag_lengths = lengths.to(at::kLong).contiguous();
-  at::Tensor id_weights = weights.has_value() && weights->defined()
-                              ? weights->contiguous()
-                              : at::ones({ids.numel()}, at::TensorOptions().dtype(at::kFloat));
+  at::Tensor id_weights = weights.has_value() && weights->defined() ? weights->contiguous() : unit_weights(ids.numel());
   if (batch == 0) return at::zeros({0, output_dim_}, at::TensorOptions().dtype(at::kFloat));
-  const int64_t chunks =
-      std::max<int64_t>(1, std::min<int64_t>({static_cast<int64_t>(pt2_threads_), batch, ids.numel() / kMinIdsPerChunk}));
+  const int64_t chunks = std::max<int64_t>(
+      1, std::min<int64_t>({static_cast<int64_t>(pt2_threads_), static_cast<int64_t>(at::get_num_threads()), batch,
+                            ids.numel() / kMinIdsPerChunk}));
   try {
     if (chunks <= 1) return run_program(*pt2_, ids, bag_lengths, id_weights);
     // offsets[f * batch + b]: where bag b of feature f starts in ids
@@ -1033,25 +1042,10 @@ at::Tensor Model::lookup_pt2(const at::Tensor& values, const at::Tensor& lengths
       return run_program(*pt2_, at::cat(range_ids), at::cat(range_lengths), at::cat(range_weights));
     };
     std::vector<at::Tensor> pooled(static_cast<size_t>(chunks));
-    std::vector<std::exception_ptr> errors(static_cast<size_t>(chunks));
-    std::vector<std::thread> workers;
-    for (int64_t k = 0; k + 1 < chunks; ++k) {
-      workers.emplace_back([&, k] {
-        try {
-          pooled[static_cast<size_t>(k)] = run_range(k * batch / chunks, (k + 1) * batch / chunks);
-        } catch (...) {
-          errors[static_cast<size_t>(k)] = std::current_exception();
-        }
-      });
-    }
-    try {  // the calling thread runs the last range itself instead of idling
-      pooled.back() = run_range((chunks - 1) * batch / chunks, batch);
-    } catch (...) {
-      errors.back() = std::current_exception();
-    }
-    for (auto& worker : workers) worker.join();
-    for (const auto& error : errors)
-      if (error) std::rethrow_exception(error);
+    at::parallel_for(0, chunks, 1, [&](int64_t begin, int64_t end) {  // rethrows a range's first error
+      for (int64_t k = begin; k < end; ++k)
+        pooled[static_cast<size_t>(k)] = run_range(k * batch / chunks, (k + 1) * batch / chunks);
+    });
     return at::cat(pooled, 0);
   } catch (const Error&) {
     throw;

@@ -84,7 +84,14 @@ def test_pt2_split_batches_are_bit_identical(kernel_threads, embserve_run, any_p
     b = random_batch(mixed_spec(), batch_size=1024, max_len=40, seed=9, weighted=True)  # ~120k ids: 3 ranges
     requests: list[Request] = [(b.values, b.lengths, b.weights), (b.values.to(torch.int32), b.lengths, None)]
     result, responses = run_requests(
-        embserve_run, any_pt2_artifact, requests, tmp_path, "--kernel-threads", kernel_threads
+        embserve_run,
+        any_pt2_artifact,
+        requests,
+        tmp_path,
+        "--kernel-threads",
+        kernel_threads,
+        "--threads",
+        kernel_threads,
     )
     assert result.returncode == 0, result.stderr
     for response, expected in zip(responses, torchscript_outputs(any_pt2_artifact, requests), strict=True):

@@ -78,8 +78,9 @@ struct LoadOptions {
   int intra_op_threads = -1;
   // Example ranges each CPU kernel may split a batch into, run in parallel on the same weights (output
   // bit-identical): -1 = as Python's load (cores / CPU kernels, at least 1); 0 = as exported; n > 0 = n.
-  // Pt2: the loader splits the batch itself and runs the program on the ranges from threads (-1 = cores,
-  // 0 = one range); the package gets that many runners (AOTInductor model instances).
+  // Pt2: the loader splits the batch itself and runs the program on the ranges with at::parallel_for, at most
+  // min(kernel_threads, torch's intra-op threads) ranges (-1 = cores, 0 = one range); the package gets that many
+  // runners (AOTInductor model instances sharing one copy of the constants), at least 2.
   int kernel_threads = -1;
 };
 
