@@ -109,8 +109,10 @@ def bench_variant(variant: str, w: Workload, rounds: int, index_count: int, late
 
         def run(first: int) -> None:
             picked = torch.cat(
-                [values[f * w.batch_size * w.ids_per_bag :][first * w.ids_per_bag :][: per_feature * w.ids_per_bag]
-                 for f in range(w.num_tables)]
+                [
+                    values[f * w.batch_size * w.ids_per_bag :][first * w.ids_per_bag :][: per_feature * w.ids_per_bag]
+                    for f in range(w.num_tables)
+                ]
             )
             local = torch.full((half_bags,), w.ids_per_bag, dtype=torch.int64)
             outputs.append(program(picked, local, ones[:half_ids]))
@@ -128,7 +130,9 @@ def bench_variant(variant: str, w: Workload, rounds: int, index_count: int, late
         "pt2_two_threads": two_threads,
     }
     with torch.inference_mode():
-        equal = all(torch.equal(pt2.module(v, lengths, None), scripted.module(v, lengths, None)) for v, lengths, _ in sets)
+        equal = all(
+            torch.equal(pt2.module(v, lengths, None), scripted.module(v, lengths, None)) for v, lengths, _ in sets
+        )
         seconds = measure(cases, index_count, rounds, {})
     lookups = w.num_tables * w.batch_size * w.ids_per_bag
     common = {"bench": "pt2", "variant": variant, "workload": w.name, "rows": w.rows, "batch": w.batch_size}

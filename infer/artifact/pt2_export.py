@@ -44,6 +44,26 @@ def example_inputs(num_features: int, device: str) -> tuple[torch.Tensor, torch.
     return values, lengths, torch.ones(values.numel(), device=device)
 
 
+def export_program(program: torch.nn.Module, num_features: int, device: str) -> torch.export.ExportedProgram:
+    """``torch.export`` of a ``LookupProgram``: non-strict, N ids and B examples dynamic (lengths ``F*B``).
+
+    Size-oblivious tracing keeps sizes 0 and 1 generic: without it export assumes B >= 2 and guards on it,
+    while a batch of 1 (and a request of no ids) must run the same program."""
+    import torch.fx.experimental._config as fx_config
+
+    ids = torch.export.Dim("num_ids", min=0, max=MAX_IDS)
+    batch = torch.export.Dim("batch", min=1, max=MAX_BATCH)
+    dynamic = ({0: ids}, {0: num_features * batch}, {0: ids})
+    try:
+        with torch.no_grad(), fx_config.patch(backed_size_oblivious=True):
+            return torch.export.export(
+                program, example_inputs(num_features, device), dynamic_shapes=dynamic, strict=False
+            )
+    except Exception as err:  # noqa: BLE001 - torch.export raises many error types
+        first_line = str(err).strip().splitlines()[0] if str(err).strip() else type(err).__name__
+        raise ConfigError(f"the model's lookups cannot be exported with torch.export: {first_line}") from None
+
+
 def export_pt2(model: Any, folder: Path) -> Pt2Entry:
     """Write ``folder/model.pt2`` for ``model`` (an ``EmbserveModel``, sharded or not) and describe it."""
     from infer.artifact.fbgemm_libs import load_fbgemm
@@ -52,19 +72,8 @@ def export_pt2(model: Any, folder: Path) -> Pt2Entry:
     load_fbgemm()  # the bounds-check and lookup operators, and their fake kernels
     device = program_device(model)
     program = lookup_program(model).eval()
-    num_features = len(model.spec.features)
-    ids = torch.export.Dim("num_ids", min=0, max=MAX_IDS)
-    batch = torch.export.Dim("batch", min=1, max=MAX_BATCH)
-    dynamic = ({0: ids}, {0: num_features * batch}, {0: ids})
     started = time.monotonic()
-    try:
-        with torch.no_grad():
-            exported = torch.export.export(
-                program, example_inputs(num_features, device), dynamic_shapes=dynamic, strict=False
-            )
-    except Exception as err:  # noqa: BLE001 - torch.export raises many error types
-        first_line = str(err).strip().splitlines()[0] if str(err).strip() else type(err).__name__
-        raise ConfigError(f"the model's lookups cannot be exported with torch.export: {first_line}") from None
+    exported = export_program(program, len(model.spec.features), device)
     logger.info("compiling %s with AOTInductor (about a minute)...", PT2_FILE)
     compile_started = time.monotonic()
     torch._inductor.aoti_compile_and_package(exported, package_path=str(folder / PT2_FILE))

@@ -107,13 +107,8 @@ class KernelRoute:
 
     features: tuple[int, ...]
 
-    def kind(self, num_features: int) -> str:
-        if self.features == tuple(range(num_features)):
-            return "all"
-        first = self.features[0]
-        if self.features == tuple(range(first, first + len(self.features))):
-            return "run"
-        return "subset"
+    def reads_all(self, num_features: int) -> bool:
+        return self.features == tuple(range(num_features))
 
 
 def _offsets(lengths: Tensor) -> Tensor:
@@ -159,33 +154,22 @@ class LookupProgram(nn.Module):
         pooled: list[Tensor] = []
         feature_of_id: Tensor | None = None
         for k, (kernel, route) in enumerate(zip(self.kernels, self.routes)):
-            kind = route.kind(num_features)
-            if kind == "all":
+            if route.reads_all(num_features):
                 pooled.append(kernel(values, _offsets(lengths), weights))
                 continue
-            first, last = route.features[0], route.features[-1] + 1
-            local_lengths = (bag_lengths[first:last] if kind == "run" else bag_lengths[list(route.features)]).reshape(
-                -1
-            )
-            if kind == "run":
-                per_feature = bag_lengths.sum(1)
-                start: Any = per_feature[:first].sum().item() if first > 0 else 0
-                count: Any = per_feature[first:last].sum().item()
-                torch._check_is_size(start)
-                torch._check_is_size(count)
-                torch._check(start + count <= values.shape[0])
-                local_values = values.narrow(0, start, count)
-                local_weights = weights.narrow(0, start, count)
-            else:
-                if feature_of_id is None:
-                    feature_of_id = torch.repeat_interleave(
-                        torch.arange(num_features, device=values.device),
-                        bag_lengths.sum(1),
-                        output_size=values.shape[0],
-                    )
-                keep = getattr(self, f"reads_{k}")[feature_of_id]
-                local_values = values[keep]
-                local_weights = weights[keep]
+            # The kernel's features, gathered with a mask over the ids (a copy of the ids it reads). A slice
+            # with a data-dependent start would copy less, but AOTInductor (torch 2.13) drops the start of such
+            # a slice (narrow_copy) from the generated kernel: the lookups read the wrong ids.
+            local_lengths = bag_lengths[list(route.features)].reshape(-1)
+            if feature_of_id is None:
+                feature_of_id = torch.repeat_interleave(
+                    torch.arange(num_features, device=values.device),
+                    bag_lengths.sum(1),
+                    output_size=values.shape[0],
+                )
+            keep = getattr(self, f"reads_{k}")[feature_of_id]
+            local_values = values[keep]
+            local_weights = weights[keep]
             pooled.append(kernel(local_values, _offsets(local_lengths), local_weights))
         if len(self.copies) == 1 and self.copies[0].width == self.output_dim:
             out = pooled[self.copies[0].kernel]
