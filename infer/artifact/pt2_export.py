@@ -55,7 +55,7 @@ def export_program(program: torch.nn.Module, num_features: int, device: str) -> 
     batch = torch.export.Dim("batch", min=1, max=MAX_BATCH)
     dynamic = ({0: ids}, {0: num_features * batch}, {0: ids})
     try:
-        with torch.no_grad(), fx_config.patch(backed_size_oblivious=True):
+        with torch.no_grad(), fx_config.patch(backed_size_oblivious=True):  # type: ignore[attr-defined]
             return torch.export.export(
                 program, example_inputs(num_features, device), dynamic_shapes=dynamic, strict=False
             )
