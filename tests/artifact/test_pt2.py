@@ -34,13 +34,14 @@ from infer.shard.plans import make_plan
 from infer.weights import random_weights
 from server.client import EmbserveClient
 from server.launch import spawn_server
-from tests.conftest import random_batch
+from tests.conftest import TinyOverArch, random_batch
 from tests.support.artifacts import copy_artifact, edit_manifest
 from tests.support.bad_requests import BAD_REQUESTS, CORPUS_SPEC
 
 pytestmark = pytest.mark.slow
 
 TABLE_WISE = ShardingType.TABLE_WISE
+NUM_DENSE = 4
 
 
 def pt2_spec() -> ModelSpec:
@@ -68,8 +69,12 @@ TABLE_WISE_LAYOUT = {
 }
 
 
-def _export(name: str, folder: Path, caplog: pytest.LogCaptureFixture | None = None):  # type: ignore[no-untyped-def]
+def _export(name: str, folder: Path):  # type: ignore[no-untyped-def]
+    """Unsharded with a dense part (the package's second program), table-wise without one."""
     spec = pt2_spec()
+    if name == "unsharded":
+        torch.manual_seed(0)
+        spec = spec.with_dense_arch(TinyOverArch(NUM_DENSE, spec.output_dim), NUM_DENSE)
     model = quantize(spec, random_weights(spec, seed=41))
     plan = None
     if name == "table_wise":
@@ -144,8 +149,30 @@ def test_the_program_itself_matches_at_other_batch_sizes(compiled):
         assert torch.equal(got, scripted.lookup(batch)), size
 
 
+def test_predictions_match_the_torchscript_artifact(compiled):
+    """The dense program after the lookup program (the unsharded model has a dense part)."""
+    name, spec, _, scripted, pt2 = compiled
+    if name != "unsharded":
+        assert not pt2.has_dense
+        with pytest.raises(RequestError, match="no dense part"):
+            pt2.predict(random_batch(spec, 2), torch.zeros(2, 0))
+        return
+    assert pt2.has_dense
+    generator = torch.Generator().manual_seed(9)
+    for case, batch in _batches(spec):
+        dense = torch.randn(batch.batch_size, NUM_DENSE, generator=generator)
+        expected = scripted.predict(batch, dense)
+        got = pt2.predict(batch, dense)
+        assert got.shape == expected.shape == (batch.batch_size,), case
+        assert torch.equal(got, expected), (case, float((got - expected).abs().max()))
+    with pytest.raises(RequestError, match=r"dense_features must have shape \[3, 4\], got \[2, 4\]"):
+        pt2.module.predict(torch.zeros(2, NUM_DENSE), *_int64_lengths(random_batch(spec, 3))[:2])
+    with pytest.raises(RequestError, match="float32"):
+        pt2.module.predict(torch.zeros(3, NUM_DENSE, dtype=torch.float64), *_int64_lengths(random_batch(spec, 3))[:2])
+
+
 def test_manifest_lists_model_pt2(compiled):
-    _, _, path, _, pt2 = compiled
+    name, _, path, _, pt2 = compiled
     manifest = json.loads((path / "manifest.json").read_text())
     assert manifest["format_version"] == 2
     assert manifest["pt2"] == {
@@ -153,6 +180,7 @@ def test_manifest_lists_model_pt2(compiled):
         "torch_version": torch.__version__,
         "device": "cpu",
         "inputs": ["values:int64", "lengths:int64", "weights:float32"],
+        **({"dense_program": "dense"} if name == "unsharded" else {}),
     }
     assert manifest["files"]["model.pt2"]["bytes"] == (path / "model.pt2").stat().st_size
     assert len(manifest["files"]["model.pt2"]["sha256"]) == 64
@@ -209,7 +237,7 @@ class _NeverCalled:
 def test_bad_request_corpus_never_reaches_the_program(case):
     """The shared corpus against the pt2 module's validation (CORPUS_SPEC, no compile needed: no bad
     request may reach the program)."""
-    module = Pt2Module(_NeverCalled(), CORPUS_SPEC, has_dense=False)
+    module = Pt2Module(_NeverCalled(), CORPUS_SPEC)
     values, lengths = case.values.clone(), case.lengths.clone()
     with pytest.raises(RequestError) as raised:
         module(values, lengths, case.weights)
