@@ -266,7 +266,8 @@ def cmd_inspect(args: argparse.Namespace) -> int:
         )
     if manifest.pt2 is not None:
         pt2 = manifest.pt2
-        print(f"pt2          {pt2.file} (AOTInductor, lookups), torch {pt2.torch_version}, {pt2.device}")
+        programs = "lookups + dense" if pt2.dense_program else "lookups"
+        print(f"pt2          {pt2.file} (AOTInductor, {programs}), torch {pt2.torch_version}, {pt2.device}")
     dense = f"yes ({spec.num_dense_features} dense features)" if manifest.has_dense else "no"
     print(f"dense part   {dense}")
     print(f"output       [batch, {spec.output_dim}] float32")

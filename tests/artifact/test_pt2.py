@@ -356,7 +356,22 @@ def test_a_program_spans_one_device():
         program_device(holder)
 
 
-# ---------------------------------------------------------------------------------------- server
+# ------------------------------------------------------------------------------------- CLI, server
+def test_cli_inspect_and_run_with_the_pt2_backend(compiled):
+    name, _, path, _, _ = compiled
+    if name != "unsharded":
+        return
+    inspect = subprocess.run(
+        [sys.executable, "-m", "infer.cli", "inspect", str(path)], capture_output=True, text=True, timeout=120
+    )
+    assert inspect.returncode == 0, inspect.stderr
+    assert f"pt2          model.pt2 (AOTInductor, lookups + dense), torch {torch.__version__}, cpu" in inspect.stdout
+    command = [sys.executable, "-m", "infer.cli", "run", str(path), "--backend", "pt2", "--iterations", "2"]
+    run = subprocess.run(command, capture_output=True, text=True, timeout=120)
+    assert run.returncode == 0, run.stderr
+    assert "(checksums verified, pt2)" in run.stdout
+
+
 def test_serve_with_the_pt2_backend(compiled):
     name, spec, path, scripted, _ = compiled
     if name != "table_wise":
