@@ -207,8 +207,8 @@ def lookup_program(model: Any) -> LookupProgram:
     rows = [f.num_embeddings for f in features]
     if not hasattr(embeddings, "shards"):
         whole = KernelRoute(tuple(range(len(features))))
-        copies = [ColumnCopy(0, 0, spec.output_dim)]
-        return LookupProgram([KernelCall(embeddings.tbe)], [whole], copies, dims, mean_features, rows)
+        columns = [ColumnCopy(0, 0, spec.output_dim)]
+        return LookupProgram([KernelCall(embeddings.tbe)], [whole], columns, dims, mean_features, rows)
     kernels: list[KernelCall] = []
     routes: list[KernelRoute] = []
     pieces: list[tuple[int, int, int, int]] = []  # (output column, kernel, local column, width)
