@@ -117,24 +117,36 @@ class Pt2Entry:
     """The AOTInductor package of the model's lookups (``export(..., pt2=True)``); see ``infer.artifact.pt2_export``.
 
     ``torch_version``: the torch that compiled it (the package's code runs only under that version);
-    ``device``: where its kernels run; ``inputs``: its program's positional inputs, ``name:dtype``."""
+    ``device``: where its kernels run; ``inputs``: its program's positional inputs, ``name:dtype``;
+    ``dense_program``: the package's second program, the dense part ``(dense_features, pooled) -> scores``
+    (None: lookups only)."""
 
     file: str
     torch_version: str
     device: str
     inputs: tuple[str, ...] = PT2_INPUTS
+    dense_program: str | None = None
 
     def to_dict(self) -> dict[str, Any]:
-        return {
+        data: dict[str, Any] = {
             "file": self.file,
             "torch_version": self.torch_version,
             "device": self.device,
             "inputs": list(self.inputs),
         }
+        if self.dense_program is not None:  # only then: a lookups-only entry keeps the four keys
+            data["dense_program"] = self.dense_program
+        return data
 
     @classmethod
     def from_dict(cls, data: Mapping[str, Any]) -> Pt2Entry:
-        return cls(str(data["file"]), str(data["torch_version"]), str(data["device"]), tuple(data["inputs"]))
+        return cls(
+            str(data["file"]),
+            str(data["torch_version"]),
+            str(data["device"]),
+            tuple(data["inputs"]),
+            data.get("dense_program"),
+        )
 
 
 @dataclass(frozen=True)

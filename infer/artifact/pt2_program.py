@@ -1,10 +1,18 @@
 """The program ``model.pt2`` is compiled from: the model's lookups as plain tensor code ``torch.export`` can trace.
 
 A TBE *module* does not export (its ``fbgemm::AtomicCounter`` script object has no fake class), so each
-kernel becomes a ``KernelCall``: the TBE's buffers and sizes, passed straight to fbgemm's bounds check and
-lookup operators (both have fake kernels). ``LookupProgram`` routes a request to every kernel, puts the
-columns in input order and divides MEAN features by their bag lengths, exactly as the scripted model does,
-so its output is bit-identical. The signature is fixed (the C++ loader's contract):
+kernel becomes a ``KernelCall``: the TBE's buffers and sizes, passed straight to fbgemm's lookup operator
+(it has a fake kernel). ``LookupProgram`` runs fbgemm's FATAL bounds check once over the whole request (every
+id against its feature's table), routes the request to every kernel, puts the columns in input order and
+divides MEAN features by their bag lengths, exactly as the scripted model does, so its output is
+bit-identical.
+
+Routing: a kernel reading every feature, or a run of consecutive features, gets the request's ids as they
+are and its slice of the bag offsets (the kernel reads only its bags' ids: no copy). A kernel reading other
+features gets its ids gathered with a mask. (A slice of the ids with a data-dependent start would copy less,
+but AOTInductor in torch 2.13 drops the start of such a slice from the generated code.)
+
+The signature is fixed (the C++ loader's contract):
 ``forward(values int64[N], lengths int64[F*B], weights float32[N]) -> float32[B, output_dim]``; a request
 without weights passes ones (a weight of 1.0 leaves every product exact).
 """
@@ -26,8 +34,9 @@ POOLING_SUM = 0
 
 
 class KernelCall(nn.Module):
-    """One TBE's lookup: its storage and metadata as buffers (the same tensors, not copies) and the FATAL
-    bounds check before the kernel, as ``IntNBitTableBatchedEmbeddingBagsCodegen.forward`` runs them."""
+    """One TBE's lookup: its storage and metadata as buffers (the same tensors, not copies), passed to the
+    operator as ``IntNBitTableBatchedEmbeddingBagsCodegen.forward`` passes them (its bounds check runs once
+    for the whole request, in ``LookupProgram``)."""
 
     rows_per_table: Tensor
 
@@ -40,9 +49,6 @@ class KernelCall(nn.Module):
         self.register_buffer("uvm_weights", tbe.weights_uvm)
         for name in ("weights_placements", "weights_offsets", "weights_tys", "D_offsets", "rows_per_table"):
             self.register_buffer(name, getattr(tbe, name))
-        self.register_buffer(
-            "bounds_check_warning", torch.zeros(1, dtype=torch.int64, device=tbe.rows_per_table.device)
-        )
         self.register_buffer("lxu_cache_weights", tbe.lxu_cache_weights)
         self.register_buffer("lxu_cache_locations", torch.empty(0, dtype=torch.int32, device=tbe.rows_per_table.device))
         self.total_dim = int(tbe.total_D)
@@ -60,9 +66,6 @@ class KernelCall(nn.Module):
             raise ConfigError("embserve's TBEs pool with SUM and check bounds FATAL; this kernel does not")
 
     def forward(self, indices: Tensor, offsets: Tensor, weights: Tensor) -> Tensor:
-        torch.ops.fbgemm.bounds_check_indices(
-            self.rows_per_table, indices, offsets, BOUNDS_CHECK_FATAL, self.bounds_check_warning, weights
-        )
         max_int2, max_int4, max_int8, max_fp16, max_fp32 = self.max_dims
         max_fp8, fp8_bits, fp8_bias = self.fp8
         return torch.ops.fbgemm.int_nbit_split_embedding_codegen_lookup_function(
@@ -107,13 +110,12 @@ class KernelRoute:
 
     features: tuple[int, ...]
 
-    def kind(self, num_features: int) -> str:
-        if self.features == tuple(range(num_features)):
-            return "all"
+    @property
+    def is_run(self) -> bool:
+        """Consecutive input features (every feature, for an unsharded model): its bags are a slice of the
+        request's bags."""
         first = self.features[0]
-        if self.features == tuple(range(first, first + len(self.features))):
-            return "run"
-        return "subset"
+        return self.features == tuple(range(first, first + len(self.features)))
 
 
 def _offsets(lengths: Tensor) -> Tensor:
@@ -125,6 +127,8 @@ class LookupProgram(nn.Module):
 
     column_feature: Tensor
     mean_column: Tensor
+    feature_rows: Tensor
+    bounds_check_warning: Tensor
 
     def __init__(
         self,
@@ -133,7 +137,9 @@ class LookupProgram(nn.Module):
         copies: list[ColumnCopy],
         feature_dims: list[int],
         mean_features: list[int],
+        feature_rows: list[int],
     ) -> None:
+        """``feature_rows``: the rows of every input feature's table (what its ids are checked against)."""
         super().__init__()
         self.kernels = nn.ModuleList(kernels)
         self.routes = routes
@@ -143,6 +149,8 @@ class LookupProgram(nn.Module):
         self.has_mean = bool(mean_features)
         column_feature = [f for f, dim in enumerate(feature_dims) for _ in range(dim)]
         device = kernels[0].rows_per_table.device
+        self.register_buffer("feature_rows", torch.tensor(feature_rows, dtype=torch.int64, device=device))
+        self.register_buffer("bounds_check_warning", torch.zeros(1, dtype=torch.int64, device=device))
         self.register_buffer("column_feature", torch.tensor(column_feature, dtype=torch.int64, device=device))
         is_mean = [f in set(mean_features) for f in column_feature]
         self.register_buffer("mean_column", torch.tensor(is_mean, dtype=torch.bool, device=device))
@@ -156,37 +164,28 @@ class LookupProgram(nn.Module):
         torch._check(lengths.shape[0] == num_features * batch)
         torch._check(weights.shape[0] == values.shape[0])
         bag_lengths = lengths.view(num_features, batch)
+        offsets = _offsets(lengths)
+        # the last line behind the loader's checks: raises on an id outside its feature's table (or < -1) and
+        # on offsets that disagree with the ids, before any kernel reads a row
+        torch.ops.fbgemm.bounds_check_indices(
+            self.feature_rows, values, offsets, BOUNDS_CHECK_FATAL, self.bounds_check_warning, weights
+        )
         pooled: list[Tensor] = []
         feature_of_id: Tensor | None = None
         for k, (kernel, route) in enumerate(zip(self.kernels, self.routes)):
-            kind = route.kind(num_features)
-            if kind == "all":
-                pooled.append(kernel(values, _offsets(lengths), weights))
+            if route.is_run:
+                first, last = route.features[0], route.features[-1] + 1
+                pooled.append(kernel(values, offsets[first * batch : last * batch + 1], weights))
                 continue
-            first, last = route.features[0], route.features[-1] + 1
-            local_lengths = (bag_lengths[first:last] if kind == "run" else bag_lengths[list(route.features)]).reshape(
-                -1
-            )
-            if kind == "run":
-                per_feature = bag_lengths.sum(1)
-                start: Any = per_feature[:first].sum().item() if first > 0 else 0
-                count: Any = per_feature[first:last].sum().item()
-                torch._check_is_size(start)
-                torch._check_is_size(count)
-                torch._check(start + count <= values.shape[0])
-                local_values = values.narrow(0, start, count)
-                local_weights = weights.narrow(0, start, count)
-            else:
-                if feature_of_id is None:
-                    feature_of_id = torch.repeat_interleave(
-                        torch.arange(num_features, device=values.device),
-                        bag_lengths.sum(1),
-                        output_size=values.shape[0],
-                    )
-                keep = getattr(self, f"reads_{k}")[feature_of_id]
-                local_values = values[keep]
-                local_weights = weights[keep]
-            pooled.append(kernel(local_values, _offsets(local_lengths), local_weights))
+            if feature_of_id is None:
+                feature_of_id = torch.repeat_interleave(
+                    torch.arange(num_features, device=values.device),
+                    bag_lengths.sum(1),
+                    output_size=values.shape[0],
+                )
+            keep = getattr(self, f"reads_{k}")[feature_of_id]
+            local_lengths = bag_lengths[list(route.features)].reshape(-1)
+            pooled.append(kernel(values[keep], _offsets(local_lengths), weights[keep]))
         if len(self.copies) == 1 and self.copies[0].width == self.output_dim:
             out = pooled[self.copies[0].kernel]
         else:
@@ -205,11 +204,11 @@ def lookup_program(model: Any) -> LookupProgram:
     features = spec.features
     mean_features = [i for i, f in enumerate(features) if f.pooling == PoolingType.MEAN]
     dims = [f.embedding_dim for f in features]
+    rows = [f.num_embeddings for f in features]
     if not hasattr(embeddings, "shards"):
         whole = KernelRoute(tuple(range(len(features))))
-        return LookupProgram(
-            [KernelCall(embeddings.tbe)], [whole], [ColumnCopy(0, 0, spec.output_dim)], dims, mean_features
-        )
+        columns = [ColumnCopy(0, 0, spec.output_dim)]
+        return LookupProgram([KernelCall(embeddings.tbe)], [whole], columns, dims, mean_features, rows)
     kernels: list[KernelCall] = []
     routes: list[KernelRoute] = []
     pieces: list[tuple[int, int, int, int]] = []  # (output column, kernel, local column, width)
@@ -241,4 +240,4 @@ def lookup_program(model: Any) -> LookupProgram:
         else:
             copies.append(ColumnCopy(kernel, local, width))
         column = out_col + width
-    return LookupProgram(kernels, routes, copies, dims, mean_features)
+    return LookupProgram(kernels, routes, copies, dims, mean_features, rows)

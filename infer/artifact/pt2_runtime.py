@@ -36,10 +36,12 @@ MODEL = ArtifactErrorKind.MODEL
 class Pt2Module:
     """A module-like wrapper of one loaded AOTInductor package (the program named "model")."""
 
-    def __init__(self, compiled: Any, spec: ModelSpec, has_dense: bool) -> None:
+    def __init__(self, compiled: Any, spec: ModelSpec, dense: Any = None) -> None:
+        """``compiled``: the lookup program; ``dense``: the package's dense program, or None (lookups only)."""
         self.compiled = compiled
+        self.dense = dense
         self.spec = spec
-        self.has_dense = has_dense
+        self.has_dense = dense is not None
 
     def forward(self, values: torch.Tensor, lengths: torch.Tensor, weights: torch.Tensor | None = None) -> torch.Tensor:
         """Pooled embeddings ``[batch, output_dim]`` fp32 (validated first)."""
@@ -59,11 +61,21 @@ class Pt2Module:
         lengths: torch.Tensor,
         weights: torch.Tensor | None = None,
     ) -> torch.Tensor:
+        """Scores of the dense part ``[batch]`` (validated first): the lookup program, then the dense program."""
         if not self.has_dense:
             raise RequestError(rules.NO_DENSE_PART)
-        raise RequestError(
-            "this server runs model.pt2, which holds the lookups only; predict with the torchscript backend"
-        )
+        pooled = self.forward(values, lengths, weights)
+        batch = pooled.shape[0]
+        if not isinstance(dense_features, torch.Tensor) or tuple(dense_features.shape) != (
+            batch,
+            self.spec.num_dense_features,
+        ):
+            shape = list(dense_features.shape) if isinstance(dense_features, torch.Tensor) else type(dense_features)
+            raise RequestError(rules.dense_shape(batch, self.spec.num_dense_features, str(shape)))
+        if dense_features.dtype != torch.float32:
+            raise RequestError(rules.DENSE_DTYPE)
+        scores: torch.Tensor = self.dense(dense_features.contiguous(), pooled)
+        return scores
 
 
 def load_pt2(folder: Path, manifest: Manifest) -> Runtime:
@@ -102,10 +114,13 @@ def load_pt2(folder: Path, manifest: Manifest) -> Runtime:
 
     try:
         compiled = load_package(str(package))
+        dense = load_package(str(package), entry.dense_program) if entry.dense_program is not None else None
     except Exception as err:  # noqa: BLE001 - the loader raises RuntimeError and others for a bad package
         first_line = str(err).strip().splitlines()[0] if str(err).strip() else type(err).__name__
         raise ArtifactError(
             f"{package} cannot be loaded by AOTInductor: {first_line}", path=str(package), kind=MODEL
         ) from None
+    if manifest.has_dense and dense is None:
+        logger.warning("%s holds the lookups only (no dense program): this runtime serves no predictions", package)
     logger.debug("AOTInductor loaded %s", package)
-    return Runtime(folder, manifest, Pt2Module(compiled, manifest.spec, manifest.has_dense), backend=BACKEND)
+    return Runtime(folder, manifest, Pt2Module(compiled, manifest.spec, dense), backend=BACKEND)
