@@ -193,6 +193,8 @@ def run_pt2_case(
         "rounds": rounds,
         "torchscript_p50_us": round(best_ts_p50, 2),
         "pt2_p50_us": round(best_pt2_p50, 2),
+        "torchscript_mean_us": round(min(r["mean_us"] for r in runs["torchscript"]), 2),
+        "pt2_mean_us": round(min(r["mean_us"] for r in runs["pt2"]), 2),
         "torchscript_lookups_per_s": round(best_ts_rate),
         "pt2_lookups_per_s": round(best_pt2_rate),
         "metric": "p50_latency" if latency else "lookups_per_s",

@@ -982,9 +982,6 @@ at::Tensor Model::lookup(const at::Tensor& values, const at::Tensor& lengths,
   }
 }
 
-}  // namespace embserve
-
-namespace embserve {
 namespace {
 // A range of fewer ids than this stays on the calling thread (as infer.modules.tbe.MIN_IDS_PER_CHUNK).
 constexpr int64_t kMinIdsPerChunk = 4096;

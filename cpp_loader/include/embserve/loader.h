@@ -75,6 +75,7 @@ struct LoadOptions {
   bool verify_checksums = true;
   // torch intra-op threads (process-wide): -1 = as Python's load (cores / world_size for models
   // sharded over several CPU devices, unchanged otherwise); 0 = leave alone; n > 0 = set n.
+  // Pt2: -1 leaves torch's setting alone (a Pt2 lookup runs its example ranges on those threads).
   int intra_op_threads = -1;
   // Example ranges each CPU kernel may split a batch into, run in parallel on the same weights (output
   // bit-identical): -1 = as Python's load (cores / CPU kernels, at least 1); 0 = as exported; n > 0 = n.
