@@ -6,7 +6,9 @@
 
 #include <algorithm>
 #include <array>
+#include <atomic>
 #include <cctype>
+#include <condition_variable>
 #include <cstdlib>
 #include <filesystem>
 #include <fstream>
@@ -1001,14 +1003,58 @@ at::Tensor run_program(torch::inductor::AOTIModelPackageLoader& program, at::Ten
   if (outputs.size() != 1) throw ModelError("model.pt2 returned " + std::to_string(outputs.size()) + " outputs, not 1");
   return outputs[0];
 }
+
+// One split lookup: its example ranges, claimed one at a time by the calling thread and by helpers on torch's
+// inter-op pool (at::launch, as TorchScript's fork). The caller waits only for ranges already claimed, so a
+// busy or exhausted pool delays nothing and cannot deadlock; a helper that starts late finds no range left and
+// touches nothing but this (shared) state.
+struct SplitLookup {
+  torch::inductor::AOTIModelPackageLoader* program = nullptr;
+  at::Tensor ids, lengths, weights;
+  std::vector<int64_t> offsets;  // offsets[f * batch + b]: where bag b of feature f starts in ids
+  int64_t num_features = 0, batch = 0, chunks = 0;
+  std::atomic<int64_t> next{0};
+  std::mutex mutex;
+  std::condition_variable finished;
+  int64_t done = 0;
+  std::vector<at::Tensor> pooled;
+  std::exception_ptr error;
+
+  at::Tensor run_range(int64_t k) {
+    const int64_t first = k * batch / chunks, last = (k + 1) * batch / chunks;
+    std::vector<at::Tensor> range_ids, range_lengths, range_weights;
+    for (int64_t f = 0; f < num_features; ++f) {
+      const int64_t start = offsets[static_cast<size_t>(f * batch + first)];
+      const int64_t end = offsets[static_cast<size_t>(f * batch + last)];
+      range_ids.push_back(ids.slice(0, start, end));
+      range_weights.push_back(weights.slice(0, start, end));
+      range_lengths.push_back(lengths.slice(0, f * batch + first, f * batch + last));
+    }
+    return run_program(*program, at::cat(range_ids), at::cat(range_lengths), at::cat(range_weights));
+  }
+
+  static void work(const std::shared_ptr<SplitLookup>& state) {
+    for (int64_t k = state->next.fetch_add(1); k < state->chunks; k = state->next.fetch_add(1)) {
+      at::Tensor out;
+      std::exception_ptr failure;
+      try {
+        out = state->run_range(k);
+      } catch (...) {
+        failure = std::current_exception();
+      }
+      std::lock_guard<std::mutex> lock(state->mutex);
+      state->pooled[static_cast<size_t>(k)] = std::move(out);
+      if (failure && !state->error) state->error = failure;
+      if (++state->done == state->chunks) state->finished.notify_all();
+    }
+  }
+};
 }  // namespace
 
 // The program takes (values int64[N], lengths int64[F*B], weights float32[N]) and returns [B, output_dim]
 // float32 exactly as model.pt's forward. A large batch is cut into contiguous example ranges, each gathered
-// into its own (values, lengths, weights) and run by one of torch's intra-op threads (at::parallel_for: no
-// thread started per call, and the operators inside a range run inline instead of opening nested parallel
-// regions); every bag is pooled by one run either way, so the concatenated rows are the single run's, bit for
-// bit. At most min(kernel_threads, at::get_num_threads()) ranges.
+// into its own (values, lengths, weights) and run in parallel (SplitLookup); every bag is pooled by one run
+// either way, so the concatenated rows are the single run's, bit for bit.
 at::Tensor Model::lookup_pt2(const at::Tensor& values, const at::Tensor& lengths,
                              const std::optional<at::Tensor>& weights) const {
   const int64_t num_features = static_cast<int64_t>(features_.size());
@@ -1017,33 +1063,29 @@ at::Tensor Model::lookup_pt2(const at::Tensor& values, const at::Tensor& lengths
   at::Tensor bag_lengths = lengths.to(at::kLong).contiguous();
   at::Tensor id_weights = weights.has_value() && weights->defined() ? weights->contiguous() : unit_weights(ids.numel());
   if (batch == 0) return at::zeros({0, output_dim_}, at::TensorOptions().dtype(at::kFloat));
-  const int64_t chunks = std::max<int64_t>(
-      1, std::min<int64_t>({static_cast<int64_t>(pt2_threads_), static_cast<int64_t>(at::get_num_threads()), batch,
-                            ids.numel() / kMinIdsPerChunk}));
+  const int64_t chunks =
+      std::max<int64_t>(1, std::min<int64_t>({static_cast<int64_t>(pt2_threads_), batch, ids.numel() / kMinIdsPerChunk}));
   try {
     if (chunks <= 1) return run_program(*pt2_, ids, bag_lengths, id_weights);
-    // offsets[f * batch + b]: where bag b of feature f starts in ids
-    std::vector<int64_t> offsets(static_cast<size_t>(bag_lengths.numel()) + 1, 0);
+    auto state = std::make_shared<SplitLookup>();
+    state->program = pt2_.get();
+    state->ids = ids;
+    state->lengths = bag_lengths;
+    state->weights = id_weights;
+    state->num_features = num_features;
+    state->batch = batch;
+    state->chunks = chunks;
+    state->pooled.resize(static_cast<size_t>(chunks));
+    state->offsets.assign(static_cast<size_t>(bag_lengths.numel()) + 1, 0);
     const int64_t* length_data = bag_lengths.data_ptr<int64_t>();
     for (int64_t i = 0; i < bag_lengths.numel(); ++i)
-      offsets[static_cast<size_t>(i) + 1] = offsets[static_cast<size_t>(i)] + length_data[i];
-    auto run_range = [&](int64_t first, int64_t last) {
-      std::vector<at::Tensor> range_ids, range_lengths, range_weights;
-      for (int64_t f = 0; f < num_features; ++f) {
-        const int64_t start = offsets[static_cast<size_t>(f * batch + first)];
-        const int64_t end = offsets[static_cast<size_t>(f * batch + last)];
-        range_ids.push_back(ids.slice(0, start, end));
-        range_weights.push_back(id_weights.slice(0, start, end));
-        range_lengths.push_back(bag_lengths.slice(0, f * batch + first, f * batch + last));
-      }
-      return run_program(*pt2_, at::cat(range_ids), at::cat(range_lengths), at::cat(range_weights));
-    };
-    std::vector<at::Tensor> pooled(static_cast<size_t>(chunks));
-    at::parallel_for(0, chunks, 1, [&](int64_t begin, int64_t end) {  // rethrows a range's first error
-      for (int64_t k = begin; k < end; ++k)
-        pooled[static_cast<size_t>(k)] = run_range(k * batch / chunks, (k + 1) * batch / chunks);
-    });
-    return at::cat(pooled, 0);
+      state->offsets[static_cast<size_t>(i) + 1] = state->offsets[static_cast<size_t>(i)] + length_data[i];
+    for (int64_t k = 0; k + 1 < chunks; ++k) at::launch([state] { SplitLookup::work(state); });
+    SplitLookup::work(state);  // the calling thread claims ranges too instead of idling
+    std::unique_lock<std::mutex> lock(state->mutex);
+    state->finished.wait(lock, [&] { return state->done == state->chunks; });
+    if (state->error) std::rethrow_exception(state->error);
+    return at::cat(state->pooled, 0);
   } catch (const Error&) {
     throw;
   } catch (const std::exception& err) {

@@ -75,13 +75,13 @@ struct LoadOptions {
   bool verify_checksums = true;
   // torch intra-op threads (process-wide): -1 = as Python's load (cores / world_size for models
   // sharded over several CPU devices, unchanged otherwise); 0 = leave alone; n > 0 = set n.
-  // Pt2: -1 leaves torch's setting alone (a Pt2 lookup runs its example ranges on those threads).
+  // Pt2: -1 leaves torch's setting alone.
   int intra_op_threads = -1;
   // Example ranges each CPU kernel may split a batch into, run in parallel on the same weights (output
   // bit-identical): -1 = as Python's load (cores / CPU kernels, at least 1); 0 = as exported; n > 0 = n.
-  // Pt2: the loader splits the batch itself and runs the program on the ranges with at::parallel_for, at most
-  // min(kernel_threads, torch's intra-op threads) ranges (-1 = cores, 0 = one range); the package gets that many
-  // runners (AOTInductor model instances sharing one copy of the constants), at least 2.
+  // Pt2: the loader splits the batch itself into at most kernel_threads ranges (-1 = cores, 0 = one range), run
+  // by the calling thread and helpers on torch's inter-op pool (at::launch, as TorchScript's fork); the package
+  // gets that many runners (AOTInductor model instances sharing one copy of the constants), at least 2.
   int kernel_threads = -1;
 };
 
