@@ -241,7 +241,7 @@ class LookupProgram(nn.Module):
 
 
 def lookup_program(model: Any) -> LookupProgram:
-    """The exportable lookup of an ``EmbserveModel`` (unsharded, or sharded table-wise / column-wise);
+    """The exportable lookup of an ``EmbserveModel`` (unsharded, or sharded table-wise, column-wise, replicated);
     ``ConfigError`` for routing the program cannot express, naming the table and the fix."""
     spec = model.spec
     embeddings = model.embeddings
