@@ -78,6 +78,17 @@ class Pt2Module:
         return scores
 
 
+def load_program(package: Path, name: str) -> Any:
+    """One program of an AOTInductor package, callable with tensors (what the C++ loader's
+    ``AOTIModelPackageLoader`` loads). ``torch._inductor.package.load_package`` would first probe the host's
+    vector ISA by building test programs with the C++ compiler (seconds, and a compiler on every serving
+    host); the package loader itself needs none of that."""
+    from torch._inductor.package.package import AOTICompiledModel
+
+    loader = torch._C._aoti.AOTIModelPackageLoader(str(package), name, False, 1, -1)
+    return AOTICompiledModel(loader)
+
+
 def load_pt2(folder: Path, manifest: Manifest) -> Runtime:
     """The ``Runtime`` of an already verified artifact (manifest read, checksums checked) on model.pt2."""
     entry = manifest.pt2
@@ -110,11 +121,9 @@ def load_pt2(folder: Path, manifest: Manifest) -> Runtime:
             kind=MODEL,
         )
     load_fbgemm()  # the program calls fbgemm's operators through the proxy executor
-    from torch._inductor.package import load_package
-
     try:
-        compiled = load_package(str(package))
-        dense = load_package(str(package), entry.dense_program) if entry.dense_program is not None else None
+        compiled = load_program(package, "model")
+        dense = load_program(package, entry.dense_program) if entry.dense_program is not None else None
     except Exception as err:  # noqa: BLE001 - the loader raises RuntimeError and others for a bad package
         first_line = str(err).strip().splitlines()[0] if str(err).strip() else type(err).__name__
         raise ArtifactError(
