@@ -155,7 +155,7 @@ def test_the_program_itself_matches_at_other_batch_sizes(compiled):
     for size in (1, 2, 3, 100):
         batch = random_batch(spec, size, seed=size)
         ids, lengths = batch.values.to(torch.int64), batch.lengths.to(torch.int64)
-        got = pt2.module.compiled(ids, lengths, torch.ones(ids.numel()))
+        got = pt2.module.program(ids, lengths, torch.ones(ids.numel()))
         assert torch.equal(got, scripted.lookup(batch)), size
 
 
@@ -235,11 +235,11 @@ def test_fbgemm_bounds_check_stays_inside_the_program(compiled):
     ids = batch.values.to(torch.int64).clone()
     ids[-1] = 10**6
     with pytest.raises(RuntimeError):
-        pt2.module.compiled(ids, batch.lengths.to(torch.int64), torch.ones(ids.numel()))
+        pt2.module.program(ids, batch.lengths.to(torch.int64), torch.ones(ids.numel()))
 
 
 class _NeverCalled:
-    def __call__(self, *args: object) -> torch.Tensor:
+    def boxed_run(self, inputs: list[torch.Tensor]) -> list[torch.Tensor]:
         raise AssertionError("a bad request reached the compiled program")
 
 
