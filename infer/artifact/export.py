@@ -75,7 +75,8 @@ def export(
 
     ``pt2=True`` adds ``model.pt2``: the lookups compiled by torch.export + AOTInductor for the model's
     device (``load(path, backend="pt2")``, and the C++ loader's pt2 backend); compiling takes about a minute.
-    Unsharded and table-/column-wise sharded models; a model with a dense part gets its lookups only.
+    Unsharded models and table-wise, column-wise and replicated shards (row-wise: ``ConfigError``); a dense
+    part is a second program in the same package.
 
     An existing artifact at ``out_dir`` is replaced; any other non-empty folder is left alone
     and ``ArtifactError`` is raised.

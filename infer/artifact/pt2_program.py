@@ -9,7 +9,8 @@ bit-identical.
 
 Routing: a kernel reading every feature, or a run of consecutive features, gets the request's ids as they
 are and its slice of the bag offsets (the kernel reads only its bags' ids: no copy). A kernel reading other
-features gets its ids gathered with a mask. (A slice of the ids with a data-dependent start would copy less,
+features, or one replica's slice of the batch, gets its ids gathered with a mask (a replica's other bags are
+empty, and its rows of the output are taken from it). (A slice of the ids with a data-dependent start would copy less,
 but AOTInductor in torch 2.13 drops the start of such a slice from the generated code.)
 
 The signature is fixed (the C++ loader's contract):
@@ -27,6 +28,7 @@ from torch import Tensor, nn
 
 from infer.config import PoolingType
 from infer.errors import ConfigError
+from infer.modules.sharded import READ_BATCH_SLICE, READ_ROW_BLOCK
 
 # fbgemm's BoundsCheckMode.FATAL and PoolingMode.SUM (the model's TBEs use both; MEAN is applied afterwards)
 BOUNDS_CHECK_FATAL = 0
@@ -102,6 +104,7 @@ class ColumnCopy:
     kernel: int
     local: int
     width: int
+    replica: tuple[int, int] = (0, 1)  # (replica, replicas): the rows of the batch this copy serves
 
 
 @dataclass(frozen=True)
@@ -109,13 +112,24 @@ class KernelRoute:
     """The input features a kernel reads whole, in its (ascending) order."""
 
     features: tuple[int, ...]
+    replicas: tuple[tuple[int, int], ...]  # per feature (replica, replicas); (0, 1) for a whole feature
+
+    @property
+    def has_replicas(self) -> bool:
+        return any(count > 1 for _, count in self.replicas)
 
     @property
     def is_run(self) -> bool:
-        """Consecutive input features (every feature, for an unsharded model): its bags are a slice of the
-        request's bags."""
+        """Consecutive whole input features (every feature, for an unsharded model): its bags are a slice of
+        the request's bags."""
         first = self.features[0]
-        return self.features == tuple(range(first, first + len(self.features)))
+        return not self.has_replicas and self.features == tuple(range(first, first + len(self.features)))
+
+
+def _rows(replica: tuple[int, int], batch: Any) -> tuple[Any, Any]:
+    """The examples ``[first, last)`` replica ``replica[0]`` of ``replica[1]`` serves (as the scripted model)."""
+    index, count = replica
+    return index * batch // count, (index + 1) * batch // count
 
 
 def _offsets(lengths: Tensor) -> Tensor:
@@ -157,6 +171,11 @@ class LookupProgram(nn.Module):
         for k, route in enumerate(routes):
             mask = [f in set(route.features) for f in range(self.num_features)]
             self.register_buffer(f"reads_{k}", torch.tensor(mask, dtype=torch.bool, device=device))
+            replica = dict(zip(route.features, route.replicas))
+            index = [replica.get(f, (0, 1))[0] for f in range(self.num_features)]
+            count = [replica.get(f, (0, 1))[1] for f in range(self.num_features)]
+            self.register_buffer(f"replica_{k}", torch.tensor(index, dtype=torch.int64, device=device))
+            self.register_buffer(f"replicas_{k}", torch.tensor(count, dtype=torch.int64, device=device))
 
     def forward(self, values: Tensor, lengths: Tensor, weights: Tensor) -> Tensor:
         num_features = self.num_features
@@ -172,32 +191,57 @@ class LookupProgram(nn.Module):
         )
         pooled: list[Tensor] = []
         feature_of_id: Tensor | None = None
+        position = values  # each id's bag within its feature (computed when a kernel needs it)
         for k, (kernel, route) in enumerate(zip(self.kernels, self.routes)):
             if route.is_run:
                 first, last = route.features[0], route.features[-1] + 1
                 pooled.append(kernel(values, offsets[first * batch : last * batch + 1], weights))
                 continue
             if feature_of_id is None:
-                feature_of_id = torch.repeat_interleave(
-                    torch.arange(num_features, device=values.device),
-                    bag_lengths.sum(1),
-                    output_size=values.shape[0],
+                bag_of_id = torch.repeat_interleave(
+                    torch.arange(num_features * batch, device=values.device), lengths, output_size=values.shape[0]
                 )
+                feature_of_id = bag_of_id // batch
+                position = bag_of_id - feature_of_id * batch
             keep = getattr(self, f"reads_{k}")[feature_of_id]
-            local_lengths = bag_lengths[list(route.features)].reshape(-1)
-            pooled.append(kernel(values[keep], _offsets(local_lengths), weights[keep]))
-        if len(self.copies) == 1 and self.copies[0].width == self.output_dim:
-            out = pooled[self.copies[0].kernel]
-        else:
-            out = torch.cat([pooled[c.kernel][:, c.local : c.local + c.width] for c in self.copies], 1)
+            local_lengths = bag_lengths[list(route.features)]
+            if route.has_replicas:
+                replica, replicas = getattr(self, f"replica_{k}"), getattr(self, f"replicas_{k}")
+                first_bag = replica * batch // replicas
+                end_bag = (replica + 1) * batch // replicas
+                keep = keep & (position >= first_bag[feature_of_id]) & (position < end_bag[feature_of_id])
+                bags = torch.arange(batch, device=values.device)
+                local = list(route.features)
+                served = (bags >= first_bag[local].unsqueeze(1)) & (bags < end_bag[local].unsqueeze(1))
+                local_lengths = torch.where(served, local_lengths, torch.zeros_like(local_lengths))
+            pooled.append(kernel(values[keep], _offsets(local_lengths.reshape(-1)), weights[keep]))
+        out = self._assemble(pooled, batch)
         if self.has_mean:
             counts = bag_lengths.to(out.dtype).clamp(min=1.0).t()[:, self.column_feature]
             out = out / torch.where(self.mean_column, counts, torch.ones_like(counts))
         return out
 
+    def _assemble(self, pooled: list[Tensor], batch: Any) -> Tensor:
+        """The output columns in input order from the kernels' outputs; a replicated table's rows from each
+        replica in turn."""
+        if len(self.copies) == 1 and self.copies[0].width == self.output_dim:
+            return pooled[self.copies[0].kernel]
+        blocks: list[Tensor] = []
+        for copy in self.copies:
+            piece = pooled[copy.kernel][:, copy.local : copy.local + copy.width]
+            index, _ = copy.replica
+            if index == 0:
+                blocks.append(piece)
+                continue
+            first, last = _rows(copy.replica, batch)
+            rows = torch.arange(batch, device=piece.device)
+            served = ((rows >= first) & (rows < last)).unsqueeze(1)
+            blocks[-1] = torch.where(served, piece, blocks[-1])
+        return torch.cat(blocks, 1)
+
 
 def lookup_program(model: Any) -> LookupProgram:
-    """The exportable lookup of an ``EmbserveModel`` (unsharded, or sharded table-wise / column-wise);
+    """The exportable lookup of an ``EmbserveModel`` (unsharded, or sharded table-wise, column-wise, replicated);
     ``ConfigError`` for routing the program cannot express, naming the table and the fix."""
     spec = model.spec
     embeddings = model.embeddings
@@ -206,38 +250,43 @@ def lookup_program(model: Any) -> LookupProgram:
     dims = [f.embedding_dim for f in features]
     rows = [f.num_embeddings for f in features]
     if not hasattr(embeddings, "shards"):
-        whole = KernelRoute(tuple(range(len(features))))
+        whole = KernelRoute(tuple(range(len(features))), ((0, 1),) * len(features))
         columns = [ColumnCopy(0, 0, spec.output_dim)]
         return LookupProgram([KernelCall(embeddings.tbe)], [whole], columns, dims, mean_features, rows)
     kernels: list[KernelCall] = []
     routes: list[KernelRoute] = []
-    pieces: list[tuple[int, int, int, int]] = []  # (output column, kernel, local column, width)
+    pieces: list[tuple[int, tuple[int, int], int, int, int]] = []  # (out column, replica, kernel, local, width)
     for k, shard in enumerate(embeddings.shards):
-        for f, kind in zip(shard.lf_feature, shard.lf_kind):
-            if kind != 0:  # READ_ALL
-                table = features[f].table
-                how = "row-wise" if kind == 1 else "replicated"
+        replicas: list[tuple[int, int]] = []
+        for f, kind, lo, hi in zip(shard.lf_feature, shard.lf_kind, shard.lf_lo, shard.lf_hi):
+            if kind == READ_ROW_BLOCK:
                 raise ConfigError(
-                    f"table {table!r} is sharded {how}; the pt2 program supports table-wise and column-wise shards. "
-                    "Plan it table-wise or column-wise, or export without --pt2 (model.pt serves every sharding)"
+                    f"table {features[f].table!r} is sharded row-wise; the pt2 program supports table-wise, "
+                    "column-wise and replicated shards. Plan it otherwise, or export without --pt2 (model.pt "
+                    "serves every sharding)"
                 )
+            replicas.append((lo, hi) if kind == READ_BATCH_SLICE else (0, 1))
         if list(shard.lf_feature) != sorted(set(shard.lf_feature)):
             raise ConfigError(
                 f"device {shard.device} of the plan holds two shards of one feature's table; the pt2 program reads "
                 "each feature once per device. Plan the table's shards on different devices, or export without --pt2"
             )
         kernels.append(KernelCall(shard.tbe))
-        routes.append(KernelRoute(tuple(shard.lf_feature)))
-        pieces.extend(zip(shard.lf_out_col, [k] * len(shard.lf_dim), shard.lf_local_col, shard.lf_dim))
+        routes.append(KernelRoute(tuple(shard.lf_feature), tuple(replicas)))
+        pieces.extend(zip(shard.lf_out_col, replicas, [k] * len(shard.lf_dim), shard.lf_local_col, shard.lf_dim))
     copies: list[ColumnCopy] = []
     column = 0
-    for out_col, kernel, local, width in sorted(pieces):
+    for out_col, replica, kernel, local, width in sorted(pieces):
+        if replica[0] > 0:  # another replica of the block just placed
+            copies.append(ColumnCopy(kernel, local, width, replica))
+            continue
         if out_col != column:  # pragma: no cover - a plan's shards tile the output columns
             raise ConfigError(f"the plan leaves output columns {column}..{out_col} without a shard")
         last = copies[-1] if copies else None
-        if last is not None and last.kernel == kernel and last.local + last.width == local:
+        merges = replica == (0, 1) and last is not None and last.replica == (0, 1)
+        if merges and last is not None and last.kernel == kernel and last.local + last.width == local:
             copies[-1] = ColumnCopy(kernel, last.local, last.width + width)
         else:
-            copies.append(ColumnCopy(kernel, local, width))
+            copies.append(ColumnCopy(kernel, local, width, replica))
         column = out_col + width
     return LookupProgram(kernels, routes, copies, dims, mean_features, rows)

@@ -36,9 +36,10 @@ MODEL = ArtifactErrorKind.MODEL
 class Pt2Module:
     """A module-like wrapper of one loaded AOTInductor package (the program named "model")."""
 
-    def __init__(self, compiled: Any, spec: ModelSpec, dense: Any = None) -> None:
-        """``compiled``: the lookup program; ``dense``: the package's dense program, or None (lookups only)."""
-        self.compiled = compiled
+    def __init__(self, lookup: Any, spec: ModelSpec, dense: Any = None) -> None:
+        """``lookup``: the package's lookup program, ``dense``: its dense program or None (lookups only); each
+        a loaded ``AOTIModelPackageLoader`` (or anything with its ``boxed_run(list of tensors)``)."""
+        self.lookup = lookup
         self.dense = dense
         self.spec = spec
         self.has_dense = dense is not None
@@ -49,7 +50,11 @@ class Pt2Module:
         ids = features.values.to(torch.int64).contiguous()
         bag_lengths = features.lengths.to(torch.int64).contiguous()
         id_weights = features.weights.contiguous() if features.weights is not None else torch.ones(ids.numel())
-        result: torch.Tensor = self.compiled(ids, bag_lengths, id_weights)
+        return self.program(ids, bag_lengths, id_weights)
+
+    def program(self, values: torch.Tensor, lengths: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
+        """The lookup program alone, no checks: int64 ids and lengths, float32 weights (what a C++ host calls)."""
+        result: torch.Tensor = self.lookup.boxed_run([values, lengths, weights])[0]
         return result
 
     __call__ = forward
@@ -74,8 +79,16 @@ class Pt2Module:
             raise RequestError(rules.dense_shape(batch, self.spec.num_dense_features, str(shape)))
         if dense_features.dtype != torch.float32:
             raise RequestError(rules.DENSE_DTYPE)
-        scores: torch.Tensor = self.dense(dense_features.contiguous(), pooled)
+        scores: torch.Tensor = self.dense.boxed_run([dense_features.contiguous(), pooled])[0]
         return scores
+
+
+def load_program(package: Path, name: str) -> Any:
+    """One program of an AOTInductor package: the ``AOTIModelPackageLoader`` the C++ loader uses too, called
+    with a flat list of tensors (``boxed_run``). ``torch._inductor.package.load_package`` would first probe the
+    host's vector ISA by building test programs with the C++ compiler (seconds, and a compiler on every
+    serving host) and wrap every call in pytree flattening (~9 us at batch 1); the loader needs neither."""
+    return torch._C._aoti.AOTIModelPackageLoader(str(package), name, False, 1, -1)
 
 
 def load_pt2(folder: Path, manifest: Manifest) -> Runtime:
@@ -110,11 +123,9 @@ def load_pt2(folder: Path, manifest: Manifest) -> Runtime:
             kind=MODEL,
         )
     load_fbgemm()  # the program calls fbgemm's operators through the proxy executor
-    from torch._inductor.package import load_package
-
     try:
-        compiled = load_package(str(package))
-        dense = load_package(str(package), entry.dense_program) if entry.dense_program is not None else None
+        lookup = load_program(package, "model")
+        dense = load_program(package, entry.dense_program) if entry.dense_program is not None else None
     except Exception as err:  # noqa: BLE001 - the loader raises RuntimeError and others for a bad package
         first_line = str(err).strip().splitlines()[0] if str(err).strip() else type(err).__name__
         raise ArtifactError(
@@ -123,4 +134,4 @@ def load_pt2(folder: Path, manifest: Manifest) -> Runtime:
     if manifest.has_dense and dense is None:
         logger.warning("%s holds the lookups only (no dense program): this runtime serves no predictions", package)
     logger.debug("AOTInductor loaded %s", package)
-    return Runtime(folder, manifest, Pt2Module(compiled, manifest.spec, dense), backend=BACKEND)
+    return Runtime(folder, manifest, Pt2Module(lookup, manifest.spec, dense), backend=BACKEND)

@@ -1,8 +1,9 @@
 """``model.pt2`` (torch.export + AOTInductor): lookups ``torch.equal`` the TorchScript artifact, errors typed.
 
 The reference is always the TorchScript artifact loaded from the same export (``infer.load(path)``), never
-the program under test. Compiling takes about a minute per model, so each model is compiled once per
-session (two compiles: unsharded and table-wise over 2 CPU devices); the export logs a progress line.
+the program under test. Compiling takes up to a minute per model, so each model is compiled once per
+session (three compiles: unsharded with a dense part, table-wise over 2 CPU devices, and column-wise +
+replicated + table-wise over 3); the export logs a progress line.
 """
 
 from __future__ import annotations
@@ -67,6 +68,15 @@ TABLE_WISE_LAYOUT = {
     "t_int2": (TABLE_WISE, (1,)),
     **{name: (TABLE_WISE, (0,)) for name in ("t_int8", "t_fp16", "t_fp32", "t_int8_mean", "t_int4_sum", "t_fp16_sum")},
 }
+# Every sharding the program takes at once: a table's columns from two devices, tables replicated over two
+# and three devices (each replica serves a slice of the batch), table-wise tables on the third device.
+MIXED_LAYOUT = {
+    "t_int8": (ShardingType.COLUMN_WISE, (0, 1)),
+    "t_int4": (TABLE_WISE, (2,)),
+    "t_int2": (TABLE_WISE, (2,)),
+    "t_fp16": (ShardingType.REPLICATED, (0, 1, 2)),
+    "t_fp16_sum": (ShardingType.REPLICATED, (0, 1)),
+}
 
 
 def _export(name: str, folder: Path):  # type: ignore[no-untyped-def]
@@ -77,14 +87,14 @@ def _export(name: str, folder: Path):  # type: ignore[no-untyped-def]
         spec = spec.with_dense_arch(TinyOverArch(NUM_DENSE, spec.output_dim), NUM_DENSE)
     model = quantize(spec, random_weights(spec, seed=41))
     plan = None
-    if name == "table_wise":
-        plan = make_plan(spec, 2, TABLE_WISE_LAYOUT)
+    if name != "unsharded":
+        plan = make_plan(spec, 2, TABLE_WISE_LAYOUT) if name == "table_wise" else make_plan(spec, 3, MIXED_LAYOUT)
         model = shard_model(model, plan)
     path = export(model, folder / name, plan=plan, pt2=True)
     return spec, path
 
 
-@pytest.fixture(scope="session", params=["unsharded", "table_wise"])
+@pytest.fixture(scope="session", params=["unsharded", "table_wise", "mixed_sharding"])
 def compiled(request, tmp_path_factory):
     """(name, spec, artifact path, TorchScript runtime, pt2 runtime); compiled once per session."""
     logging.getLogger("infer.artifact.pt2_export").info("tests: compiling a pt2 model (about a minute)")
@@ -145,7 +155,7 @@ def test_the_program_itself_matches_at_other_batch_sizes(compiled):
     for size in (1, 2, 3, 100):
         batch = random_batch(spec, size, seed=size)
         ids, lengths = batch.values.to(torch.int64), batch.lengths.to(torch.int64)
-        got = pt2.module.compiled(ids, lengths, torch.ones(ids.numel()))
+        got = pt2.module.program(ids, lengths, torch.ones(ids.numel()))
         assert torch.equal(got, scripted.lookup(batch)), size
 
 
@@ -225,11 +235,11 @@ def test_fbgemm_bounds_check_stays_inside_the_program(compiled):
     ids = batch.values.to(torch.int64).clone()
     ids[-1] = 10**6
     with pytest.raises(RuntimeError):
-        pt2.module.compiled(ids, batch.lengths.to(torch.int64), torch.ones(ids.numel()))
+        pt2.module.program(ids, batch.lengths.to(torch.int64), torch.ones(ids.numel()))
 
 
 class _NeverCalled:
-    def __call__(self, *args: object) -> torch.Tensor:
+    def boxed_run(self, inputs: list[torch.Tensor]) -> list[torch.Tensor]:
         raise AssertionError("a bad request reached the compiled program")
 
 
@@ -325,11 +335,12 @@ def _sharded(spec: ModelSpec, layout):  # type: ignore[no-untyped-def]
     return shard_model(quantize(spec, random_weights(spec, seed=43)), plan), plan
 
 
-def test_column_wise_program_exports_and_matches(tmp_path):
-    """Column-wise tables (a feature's columns from both devices): the exported program (not compiled,
-    to keep the suite short) equals the TorchScript artifact."""
+def test_exported_program_matches_before_compiling(tmp_path):
+    """The torch.export program itself (before AOTInductor) equals the TorchScript artifact: column-wise
+    and replicated tables on two devices."""
     spec = pt2_spec()
-    model, plan = _sharded(spec, {"t_int8": (ShardingType.COLUMN_WISE, (0, 1)), "t_int4": (TABLE_WISE, (1,))})
+    layout = {"t_int8": (ShardingType.COLUMN_WISE, (0, 1)), "t_int4": (ShardingType.REPLICATED, (0, 1))}
+    model, plan = _sharded(spec, layout)
     scripted = load(export(model, tmp_path / "cw", plan=plan))
     exported = export_program(lookup_program(model), len(spec.features), "cpu").module()
     for size, weighted in ((1, False), (300, True)):
@@ -339,11 +350,11 @@ def test_column_wise_program_exports_and_matches(tmp_path):
         assert torch.equal(got, scripted.lookup(batch)), size
 
 
-@pytest.mark.parametrize("kind", [ShardingType.ROW_WISE, ShardingType.REPLICATED])
-def test_row_wise_and_replicated_are_refused_naming_the_table(kind, tmp_path):
+@pytest.mark.parametrize("kind", [ShardingType.ROW_WISE, ShardingType.TABLE_ROW_WISE])
+def test_row_wise_is_refused_naming_the_table(kind, tmp_path):
     spec = pt2_spec()
     model, plan = _sharded(spec, {"t_int4": (kind, (0, 1))})
-    with pytest.raises(ConfigError, match="table 't_int4' is sharded .*export without --pt2"):
+    with pytest.raises(ConfigError, match="table 't_int4' is sharded row-wise.*export without --pt2"):
         export(model, tmp_path / "a", plan=plan, pt2=True)
     assert not (tmp_path / "a").exists()
 
