@@ -127,12 +127,13 @@ def cmd_export(args: argparse.Namespace) -> int:
             print(f"exported {out} ({hosts} hosts x {plan.topology.local_world_size} devices)")
             return 0
         model = shard_model(model, plan)
-    out = export(model, args.out, plan=plan, onnx=args.onnx, onnx_pooling=args.onnx_pooling)
+    out = export(model, args.out, plan=plan, onnx=args.onnx, onnx_pooling=args.onnx_pooling, pt2=args.pt2)
     dense = "with its dense part" if spec.dense_arch is not None else "lookups only"
     print(
         f"exported {out}"
         + (f" ({plan.topology.world_size} shards)" if plan is not None else "")
         + (" with model.onnx" if args.onnx else "")
+        + (" with model.pt2" if args.pt2 else "")
         + f", {dense}"
     )
     return 0
@@ -263,6 +264,10 @@ def cmd_inspect(args: argparse.Namespace) -> int:
             f"{onnx.onnx_version}, onnxruntime {onnx.onnxruntime_version}, pooling {onnx.pooling}"
             + (f", dense part alone in {onnx.dense_file}" if onnx.dense_file else "")
         )
+    if manifest.pt2 is not None:
+        pt2 = manifest.pt2
+        programs = "lookups + dense" if pt2.dense_program else "lookups"
+        print(f"pt2          {pt2.file} (AOTInductor, {programs}), torch {pt2.torch_version}, {pt2.device}")
     dense = f"yes ({spec.num_dense_features} dense features)" if manifest.has_dense else "no"
     print(f"dense part   {dense}")
     print(f"output       [batch, {spec.output_dim}] float32")
@@ -409,6 +414,11 @@ def build_parser() -> argparse.ArgumentParser:
     exp.add_argument("--no-dense", action="store_true", help="export lookups only though the spec has dense features")
     exp.add_argument("--force", action="store_true", help="replace an existing, non-empty --out folder")
     exp.add_argument("--onnx", action="store_true", help="also write model.onnx (+ dense.onnx) for onnxruntime")
+    exp.add_argument(
+        "--pt2",
+        action="store_true",
+        help="also write model.pt2 (torch.export + AOTInductor; compiling takes about a minute)",
+    )
     exp.add_argument("--onnx-pooling", default=None, help="ONNX pooling design: padded (default), prefix_sum, scatter")
     exp.set_defaults(func=cmd_export)
 
@@ -452,7 +462,10 @@ def build_parser() -> argparse.ArgumentParser:
         "--threads", type=int, default=0, help="ranges a CPU kernel splits a batch into (0: cores / kernels)"
     )
     run.add_argument(
-        "--backend", choices=["torchscript", "onnxruntime"], default="torchscript", help="model.pt or model.onnx"
+        "--backend",
+        choices=["torchscript", "onnxruntime", "pt2"],
+        default="torchscript",
+        help="model.pt, model.onnx or model.pt2",
     )
     run.set_defaults(func=cmd_run)
     return parser

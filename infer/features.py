@@ -243,7 +243,10 @@ class SparseFeatures:
         ends = torch.cumsum(per_feature, 0).tolist()
         starts = [0] + ends[:-1]
         rows = {f.name: f.num_embeddings for f in spec.features}
-        for key, start, end in zip(self.keys, starts, ends):
+        # one reduction over every id first: only a suspicious one pays the per-feature checks below
+        low_id, high_id = (int(x) for x in torch.aminmax(self.values)) if num_ids else (0, -1)
+        checks = () if low_id >= 0 and high_id < min(rows.values()) else zip(self.keys, starts, ends)
+        for key, start, end in checks:
             if end == start:
                 continue
             ids = self.values[start:end]

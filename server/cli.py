@@ -223,9 +223,9 @@ def add_subcommands(subcommands: Any) -> None:
     )
     srv.add_argument(
         "--backend",
-        choices=["torchscript", "onnxruntime"],
+        choices=["torchscript", "onnxruntime", "pt2"],
         default="torchscript",
-        help="run model.pt (fbgemm) or model.onnx (onnxruntime; export with --onnx)",
+        help="run model.pt (fbgemm), model.onnx (onnxruntime; export with --onnx) or model.pt2 (AOTInductor; --pt2)",
     )
     srv.add_argument(
         "--collective-timeout-s",

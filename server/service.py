@@ -319,7 +319,7 @@ class InferenceServicer(pb_grpc.InferenceServiceServicer):
             feature_order=list(spec.feature_names),
             columns=self._columns,
             output_dim=spec.output_dim,
-            has_dense=manifest.has_dense,
+            has_dense=self.runtime.has_dense,
             num_dense_features=spec.num_dense_features,
             devices=list(manifest.devices),
             world_size=manifest.world_size,

@@ -6,11 +6,15 @@
 
 #include <algorithm>
 #include <array>
+#include <atomic>
+#include <cctype>
+#include <condition_variable>
 #include <cstdlib>
 #include <filesystem>
 #include <fstream>
 #include <map>
 #include <mutex>
+#include <optional>
 #include <set>
 #include <tuple>
 #include <sstream>
@@ -19,8 +23,10 @@
 #include <ATen/Parallel.h>
 #include <c10/core/InferenceMode.h>
 #include <nlohmann/json.hpp>
+#include <torch/csrc/inductor/aoti_package/model_package_loader.h>
 #include <torch/cuda.h>
 #include <torch/script.h>
+#include <torch/version.h>
 
 #include "schema.h"
 
@@ -205,6 +211,7 @@ void check_manifest(const schema::Document& data, const std::string& document) {
     if (onnx["dense_file"].is_null() == has_dense)
       fail("onnx.dense_file must be set exactly when dense.present is true");
   }
+  if (data.contains("pt2")) needs_checksum(data["pt2"]["file"]);  // model.pt2 (the Pt2 backend's program)
   // kernels: each feature_table_map entry names one of its kernel's tables; the row alignment is the device's
   const auto& kernels = data["kernels"];
   for (size_t k = 0; k < kernels.size(); ++k) {
@@ -824,6 +831,55 @@ void check_kernels(const torch::jit::Module& model, const schema::Document& data
   }
 }
 
+// The program's inputs, in order, as the manifest's pt2.inputs lists them (infer's pt2 export writes these).
+const std::vector<std::string> kPt2Inputs = {"values:int64", "lengths:int64", "weights:float32"};
+
+// "2.13.0+cpu" -> {2, 13, 0}; nullopt when it does not start with three dot-separated numbers.
+std::optional<std::array<int, 3>> release_of(const std::string& version) {
+  std::array<int, 3> parts{};
+  size_t at = 0;
+  for (int i = 0; i < 3; ++i) {
+    size_t end = at;
+    while (end < version.size() && std::isdigit(static_cast<unsigned char>(version[end]))) ++end;
+    if (end == at || end - at > 6) return std::nullopt;
+    parts[static_cast<size_t>(i)] = std::stoi(version.substr(at, end - at));
+    if (i < 2) {
+      if (end >= version.size() || version[end] != '.') return std::nullopt;
+      at = end + 1;
+    } else if (end < version.size() && version[end] != '+' && version[end] != 'a' && version[end] != 'b' &&
+               version[end] != 'r' && version[end] != '.' && version[end] != 'd') {
+      return std::nullopt;
+    }
+  }
+  return parts;
+}
+
+std::string runtime_torch_version() {
+  return std::to_string(TORCH_VERSION_MAJOR) + "." + std::to_string(TORCH_VERSION_MINOR) + "." +
+         std::to_string(TORCH_VERSION_PATCH);
+}
+
+// An AOTInductor package runs only under the torch release that compiled it (its .so calls libtorch's
+// shim ABI of that release): compare major.minor.patch, ignoring the local tag (+cpu, +cu128).
+void check_pt2_torch_version(const std::string& compiled, const std::string& pt2_path) {
+  const auto release = release_of(compiled);
+  const std::array<int, 3> runtime{TORCH_VERSION_MAJOR, TORCH_VERSION_MINOR, TORCH_VERSION_PATCH};
+  if (!release.has_value())
+    throw ModelError(pt2_path + ": the manifest's pt2.torch_version '" + compiled.substr(0, 64) +
+                     "' is not a torch version (major.minor.patch); re-export with `embserve export --pt2`");
+  if (*release != runtime)
+    throw ModelError(pt2_path + " was compiled by torch " + compiled + " but this loader runs libtorch " +
+                     runtime_torch_version() + "; an AOTInductor package loads only under the torch release that "
+                     "compiled it: re-export with `embserve export --pt2` under torch " + runtime_torch_version() +
+                     ", or load with the TorchScript backend");
+}
+
+// Bounded, one line: AOTInductor's errors can carry long generated-code context.
+std::string cause_of(const std::exception& err) {
+  std::string text = first_line(message_of(err));
+  if (text.size() > 512) text = text.substr(0, 512) + "...";
+  return text;
+}
 }  // namespace
 
 namespace {
@@ -855,6 +911,11 @@ Model Model::load(const std::string& artifact_dir, const LoadOptions& options) {
   Model model;
   model.path_ = artifact_dir;
   const auto model_file = data["model_file"].get<std::string>();
+  model.backend_ = options.backend;
+  if (options.backend == Backend::Pt2 && !data.contains("pt2"))
+    throw ManifestError((folder / "manifest.json").string() + " has no 'pt2' entry: the artifact carries no " +
+                        "model.pt2 for the Pt2 backend. Re-export with `embserve export --pt2` (infer.export(..., " +
+                        "pt2=True)), or load with the TorchScript backend");
   for (const auto& f : data["features"]) {
     FeatureInfo info;
     info.name = f["name"].get<std::string>();
@@ -884,7 +945,36 @@ Model Model::load(const std::string& artifact_dir, const LoadOptions& options) {
   if (const char* env = std::getenv("EMBSERVE_FBGEMM_LIB_DIR"); env && *env) dirs.emplace_back(env);
   if (!build_dir.empty()) dirs.push_back(build_dir);
   if (std::string(EMBSERVE_FBGEMM_DIR).size()) dirs.emplace_back(EMBSERVE_FBGEMM_DIR);
+  // before the program: model.pt's types and model.pt2's extern calls both resolve to fbgemm's operators
   model.libraries_ = load_libraries(libraries, dirs);
+
+  if (options.backend == Backend::Pt2) {
+    const auto& pt2 = data["pt2"];
+    const fs::path pt2_path = folder / pt2["file"].get<std::string>();
+    if (pt2["inputs"].get<std::vector<std::string>>() != kPt2Inputs)
+      throw ManifestError((folder / "manifest.json").string() + ": pt2.inputs is " + pt2["inputs"].dump() +
+                          "; this loader feeds [values:int64, lengths:int64, weights:float32]. Re-export with " +
+                          "`embserve export --pt2`");
+    const auto pt2_device = pt2["device"].get<std::string>();
+    if (pt2_device != "cpu")
+      throw ModelError(pt2_path.string() + " was compiled for device " + pt2_device +
+                       "; this loader runs CPU packages only. Re-export with `embserve export --pt2` for cpu, " +
+                       "or load with the TorchScript backend");
+    check_pt2_torch_version(pt2["torch_version"].get<std::string>(), pt2_path.string());
+    // one range per core unless told otherwise; each range runs on its own runner (model instance)
+    const auto cores = static_cast<int>(std::max(1u, std::thread::hardware_concurrency()));
+    model.pt2_threads_ = options.kernel_threads < 0 ? cores : std::max(1, options.kernel_threads);
+    try {
+      model.pt2_ = std::make_shared<torch::inductor::AOTIModelPackageLoader>(
+          pt2_path.string(), "model", /*run_single_threaded=*/false,
+          /*num_runners=*/static_cast<size_t>(std::max(model.pt2_threads_, 2)));
+    } catch (const std::exception& err) {
+      throw ModelError(pt2_path.string() + " cannot be loaded by AOTInductor: " + cause_of(err) +
+                       " (are the fbgemm libraries in the manifest's fbgemm.libraries the ones it was compiled with?)");
+    }
+    if (options.intra_op_threads > 0) at::set_num_threads(options.intra_op_threads);
+    return model;
+  }
 
   fs::path model_path = folder / model_file;
   try {
@@ -1018,6 +1108,7 @@ void Model::validate(const at::Tensor& values, const at::Tensor& lengths,
 at::Tensor Model::lookup(const at::Tensor& values, const at::Tensor& lengths,
                          const std::optional<at::Tensor>& weights) const {
   validate(values, lengths, weights);
+  if (backend_ == Backend::Pt2) return lookup_pt2(values, lengths, weights);
   c10::InferenceMode guard;
   std::vector<c10::IValue> inputs;
   inputs.reserve(3);
@@ -1029,6 +1120,115 @@ at::Tensor Model::lookup(const at::Tensor& values, const at::Tensor& lengths,
     inputs.emplace_back(c10::IValue());
   try {
     return module_->forward(std::move(inputs)).toTensor();
+  } catch (const Error&) {
+    throw;
+  } catch (const std::exception& err) {
+    rethrow_script_error(err);
+  }
+}
+
+namespace {
+// A range of fewer ids than this stays on the calling thread (as infer.modules.tbe.MIN_IDS_PER_CHUNK).
+constexpr int64_t kMinIdsPerChunk = 4096;
+
+// All-ones weights (a weight of 1.0 leaves every product exact, so the weighted program pools as the unweighted
+// model does), filled on the calling thread: no OpenMP region for it (at::ones opens one for a large batch).
+at::Tensor unit_weights(int64_t count) {
+  at::Tensor ones = at::empty({count}, at::TensorOptions().dtype(at::kFloat));
+  std::fill_n(ones.data_ptr<float>(), count, 1.0f);
+  return ones;
+}
+
+at::Tensor run_program(torch::inductor::AOTIModelPackageLoader& program, at::Tensor values, at::Tensor lengths,
+                       at::Tensor weights) {
+  c10::InferenceMode guard;
+  std::vector<at::Tensor> outputs = program.run({std::move(values), std::move(lengths), std::move(weights)});
+  if (outputs.size() != 1) throw ModelError("model.pt2 returned " + std::to_string(outputs.size()) + " outputs, not 1");
+  return outputs[0];
+}
+
+// One split lookup: its example ranges, claimed one at a time by the calling thread and by helpers on torch's
+// inter-op pool (at::launch, as TorchScript's fork). The caller waits only for ranges already claimed, so a
+// busy or exhausted pool delays nothing and cannot deadlock; a helper that starts late finds no range left and
+// touches nothing but this (shared) state.
+struct SplitLookup {
+  torch::inductor::AOTIModelPackageLoader* program = nullptr;
+  at::Tensor ids, lengths, weights;
+  std::vector<int64_t> offsets;  // offsets[f * batch + b]: where bag b of feature f starts in ids
+  int64_t num_features = 0, batch = 0, chunks = 0;
+  std::atomic<int64_t> next{0};
+  std::mutex mutex;
+  std::condition_variable finished;
+  int64_t done = 0;
+  std::vector<at::Tensor> pooled;
+  std::exception_ptr error;
+
+  at::Tensor run_range(int64_t k) {
+    const int64_t first = k * batch / chunks, last = (k + 1) * batch / chunks;
+    std::vector<at::Tensor> range_ids, range_lengths, range_weights;
+    for (int64_t f = 0; f < num_features; ++f) {
+      const int64_t start = offsets[static_cast<size_t>(f * batch + first)];
+      const int64_t end = offsets[static_cast<size_t>(f * batch + last)];
+      range_ids.push_back(ids.slice(0, start, end));
+      range_weights.push_back(weights.slice(0, start, end));
+      range_lengths.push_back(lengths.slice(0, f * batch + first, f * batch + last));
+    }
+    return run_program(*program, at::cat(range_ids), at::cat(range_lengths), at::cat(range_weights));
+  }
+
+  static void work(const std::shared_ptr<SplitLookup>& state) {
+    for (int64_t k = state->next.fetch_add(1); k < state->chunks; k = state->next.fetch_add(1)) {
+      at::Tensor out;
+      std::exception_ptr failure;
+      try {
+        out = state->run_range(k);
+      } catch (...) {
+        failure = std::current_exception();
+      }
+      std::lock_guard<std::mutex> lock(state->mutex);
+      state->pooled[static_cast<size_t>(k)] = std::move(out);
+      if (failure && !state->error) state->error = failure;
+      if (++state->done == state->chunks) state->finished.notify_all();
+    }
+  }
+};
+}  // namespace
+
+// The program takes (values int64[N], lengths int64[F*B], weights float32[N]) and returns [B, output_dim]
+// float32 exactly as model.pt's forward. A large batch is cut into contiguous example ranges, each gathered
+// into its own (values, lengths, weights) and run in parallel (SplitLookup); every bag is pooled by one run
+// either way, so the concatenated rows are the single run's, bit for bit.
+at::Tensor Model::lookup_pt2(const at::Tensor& values, const at::Tensor& lengths,
+                             const std::optional<at::Tensor>& weights) const {
+  const int64_t num_features = static_cast<int64_t>(features_.size());
+  const int64_t batch = lengths.numel() / num_features;
+  at::Tensor ids = values.to(at::kLong).contiguous();
+  at::Tensor bag_lengths = lengths.to(at::kLong).contiguous();
+  at::Tensor id_weights = weights.has_value() && weights->defined() ? weights->contiguous() : unit_weights(ids.numel());
+  if (batch == 0) return at::zeros({0, output_dim_}, at::TensorOptions().dtype(at::kFloat));
+  const int64_t chunks =
+      std::max<int64_t>(1, std::min<int64_t>({static_cast<int64_t>(pt2_threads_), batch, ids.numel() / kMinIdsPerChunk}));
+  try {
+    if (chunks <= 1) return run_program(*pt2_, ids, bag_lengths, id_weights);
+    auto state = std::make_shared<SplitLookup>();
+    state->program = pt2_.get();
+    state->ids = ids;
+    state->lengths = bag_lengths;
+    state->weights = id_weights;
+    state->num_features = num_features;
+    state->batch = batch;
+    state->chunks = chunks;
+    state->pooled.resize(static_cast<size_t>(chunks));
+    state->offsets.assign(static_cast<size_t>(bag_lengths.numel()) + 1, 0);
+    const int64_t* length_data = bag_lengths.data_ptr<int64_t>();
+    for (int64_t i = 0; i < bag_lengths.numel(); ++i)
+      state->offsets[static_cast<size_t>(i) + 1] = state->offsets[static_cast<size_t>(i)] + length_data[i];
+    for (int64_t k = 0; k + 1 < chunks; ++k) at::launch([state] { SplitLookup::work(state); });
+    SplitLookup::work(state);  // the calling thread claims ranges too instead of idling
+    std::unique_lock<std::mutex> lock(state->mutex);
+    state->finished.wait(lock, [&] { return state->done == state->chunks; });
+    if (state->error) std::rethrow_exception(state->error);
+    return at::cat(state->pooled, 0);
   } catch (const Error&) {
     throw;
   } catch (const std::exception& err) {

@@ -1,5 +1,7 @@
 // Two (or more) threads share one embserve::Model; every thread's outputs must equal a single-thread
-// reference computed first. Usage: embserve_thread_test ARTIFACT [THREADS] [ITERATIONS]
+// reference computed first. Usage: embserve_thread_test ARTIFACT [THREADS] [ITERATIONS] [torchscript|pt2]
+// With pt2 the threads share a Pt2-backend model and the reference comes from the TorchScript backend loaded
+// in the same process.
 // Prints "ok ..." and exits 0 on success; exits 1 naming the first mismatch otherwise.
 #include <embserve/loader.h>
 
@@ -18,8 +20,12 @@ int main(int argc, char** argv) {
   }
   const int num_threads = argc > 2 ? std::stoi(argv[2]) : 2;
   const int iterations = argc > 3 ? std::stoi(argv[3]) : 50;
+  const bool pt2 = argc > 4 && std::string(argv[4]) == "pt2";
   try {
-    embserve::Model model = embserve::Model::load(argv[1]);
+    embserve::LoadOptions options;
+    if (pt2) options.backend = embserve::Backend::Pt2;
+    embserve::Model model = embserve::Model::load(argv[1], options);
+    const embserve::Model reference_model = pt2 ? embserve::Model::load(argv[1]) : model;
     const auto& features = model.features();
     const int64_t num_features = static_cast<int64_t>(features.size());
     torch::manual_seed(0);
@@ -39,12 +45,12 @@ int main(int argc, char** argv) {
       if (r % 2) values = values.to(torch::kInt32);
       requests.push_back({values, lengths, r % 3 == 0 ? torch::rand({values.numel()}) : at::Tensor()});
     }
-    auto call = [&](const Req& q) {
-      return model.lookup(q.values, q.lengths,
-                          q.weights.defined() ? std::optional<at::Tensor>(q.weights) : std::nullopt);
+    auto call_on = [&](const embserve::Model& on, const Req& q) {
+      return on.lookup(q.values, q.lengths, q.weights.defined() ? std::optional<at::Tensor>(q.weights) : std::nullopt);
     };
+    auto call = [&](const Req& q) { return call_on(model, q); };
     std::vector<at::Tensor> reference;
-    for (const auto& q : requests) reference.push_back(call(q));
+    for (const auto& q : requests) reference.push_back(call_on(reference_model, q));
 
     std::atomic<int> mismatches{0};
     std::atomic<int> failures{0};
@@ -67,7 +73,8 @@ int main(int argc, char** argv) {
       std::cerr << "FAILED: " << mismatches << " mismatches, " << failures << " failed threads\n";
       return 1;
     }
-    std::cout << "ok " << num_threads << " threads x " << iterations << " lookups match the reference\n";
+    std::cout << "ok " << num_threads << " threads x " << iterations << " lookups match the reference"
+              << (pt2 ? " (pt2 backend vs torchscript)" : "") << "\n";
     return 0;
   } catch (const std::exception& err) {
     std::cerr << "error: " << err.what() << "\n";

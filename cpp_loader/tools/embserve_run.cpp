@@ -1,5 +1,5 @@
 // embserve_run ARTIFACT [--requests FILE --out FILE]... [--bench N] [--library-dir DIR]... [--threads N]
-//              [--kernel-threads N]
+//              [--kernel-threads N] [--backend torchscript|pt2]
 //
 // Runs the lookups in FILE (written by infer.cpp_io.write_requests) and writes one result per request
 // to --out (read by infer.cpp_io.read_responses). A request that fails validation is reported on
@@ -9,6 +9,8 @@
 // 2 on a usage error. Every error is one line on stderr ("embserve_run: ..."), never a backtrace.
 // --threads sets torch's intra-op threads; --kernel-threads how many example ranges each CPU kernel may split
 // a batch into (LoadOptions::kernel_threads; default cores / CPU kernels, as Python's load).
+// --backend picks the model file that runs: model.pt (torchscript, the default) or model.pt2 (pt2, an AOTInductor
+// package; the artifact must be exported with `embserve export --pt2`).
 // File format: see infer/cpp_io.py.
 #include <embserve/loader.h>
 
@@ -193,8 +195,9 @@ std::string error_kind(const std::exception& err) {
 
 int usage() {
   std::cerr << "usage: embserve_run ARTIFACT [--requests FILE --out FILE]... [--library-dir DIR]... [--threads N]\n"
-               "                    [--kernel-threads N]\n"
-               "       embserve_run ARTIFACT --requests FILE [--out FILE] --bench N [--library-dir DIR]... [--threads N]\n";
+               "                    [--kernel-threads N] [--backend torchscript|pt2]\n"
+               "       embserve_run ARTIFACT --requests FILE [--out FILE] --bench N [--library-dir DIR]... [--threads N]\n"
+               "                    [--kernel-threads N] [--backend torchscript|pt2]\n";
   return 2;
 }
 
@@ -258,6 +261,12 @@ int run(int argc, char** argv) {
       else if (arg == "--library-dir") options.library_dirs.push_back(next());
       else if (arg == "--threads") options.intra_op_threads = std::stoi(next());
       else if (arg == "--kernel-threads") options.kernel_threads = std::stoi(next());
+      else if (arg == "--backend") {
+        const std::string backend = next();
+        if (backend == "torchscript") options.backend = embserve::Backend::TorchScript;
+        else if (backend == "pt2") options.backend = embserve::Backend::Pt2;
+        else throw std::invalid_argument("unknown backend '" + backend + "' (torchscript or pt2)");
+      }
       else if (arg == "-h" || arg == "--help") return usage(), 0;
       else if (!arg.empty() && arg[0] == '-') return usage();
       else if (artifact.empty()) artifact = arg;
@@ -281,7 +290,8 @@ int run(int argc, char** argv) {
   }
   const embserve::Model& model = *loaded;
   if (requests_paths.empty()) {
-    std::cout << "loaded " << artifact << ": " << model.features().size() << " features, output_dim "
+    std::cout << "loaded " << artifact << " (" << (model.backend() == embserve::Backend::Pt2 ? "pt2" : "torchscript")
+              << "): " << model.features().size() << " features, output_dim "
               << model.output_dim() << "; fbgemm libraries:";
     for (const auto& library : model.libraries()) std::cout << " " << library;
     std::cout << "\n";
@@ -325,7 +335,9 @@ int run(int argc, char** argv) {
       for (double v : latencies) mean += v;
       mean /= static_cast<double>(latencies.size());
       auto pct = [&](double q) { return sorted[std::min(sorted.size() - 1, static_cast<size_t>(q * sorted.size()))]; };
-      std::cout << "{\"bench\": \"embserve_run\", \"calls\": " << bench << ", \"mean_us\": " << mean
+      std::cout << "{\"bench\": \"embserve_run\", \"backend\": \""
+                << (model.backend() == embserve::Backend::Pt2 ? "pt2" : "torchscript") << "\", \"calls\": " << bench
+                << ", \"mean_us\": " << mean
                 << ", \"p50_us\": " << pct(0.5) << ", \"p99_us\": " << pct(0.99)
                 << ", \"calls_per_s\": " << bench / total_s << ", \"lookups_per_s\": " << ids / total_s
                 << ", \"bags_per_s\": " << bags / total_s << "}" << std::endl;

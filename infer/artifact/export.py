@@ -19,7 +19,7 @@ from pathlib import Path
 import torch
 
 from infer.artifact.kernels import kernels_of
-from infer.artifact.manifest import MANIFEST_FILE, MODEL_FILE, PLAN_FILE, FileEntry, Manifest, OnnxEntry
+from infer.artifact.manifest import MANIFEST_FILE, MODEL_FILE, PLAN_FILE, FileEntry, Manifest, OnnxEntry, Pt2Entry
 from infer.errors import ArtifactError, ConfigError
 from infer.planner.types import ShardingPlan
 from infer.version import __version__
@@ -64,6 +64,7 @@ def export(
     plan: ShardingPlan | None = None,
     onnx: bool = False,
     onnx_pooling: str | None = None,
+    pt2: bool = False,
 ) -> Path:
     """Script ``model`` (from ``infer.quantize``, or ``infer.shard_model`` with its ``plan``)
     and write the artifact to ``out_dir``; a plan is stored beside the model as ``plan.json``.
@@ -71,6 +72,11 @@ def export(
     ``onnx=True`` adds ``model.onnx`` (+ ``model.onnx.data``, and ``dense.onnx`` when there is a dense
     part): the same model as a standard ONNX graph for onnxruntime (``load(path, backend="onnxruntime")``);
     a sharded model becomes one graph. ``onnx_pooling`` picks a pooling design (``onnx_export.POOLINGS``).
+
+    ``pt2=True`` adds ``model.pt2``: the lookups compiled by torch.export + AOTInductor for the model's
+    device (``load(path, backend="pt2")``, and the C++ loader's pt2 backend); compiling takes about a minute.
+    Unsharded models and table-wise, column-wise and replicated shards (row-wise: ``ConfigError``); a dense
+    part is a second program in the same package.
 
     An existing artifact at ``out_dir`` is replaced; any other non-empty folder is left alone
     and ``ArtifactError`` is raised.
@@ -98,6 +104,12 @@ def export(
             names = [onnx_entry.model_file, *onnx_entry.data_files]
             names += [onnx_entry.dense_file] if onnx_entry.dense_file else []
             files.extend(FileEntry.of(staging, name) for name in names)
+        pt2_entry: Pt2Entry | None = None
+        if pt2:
+            from infer.artifact.pt2_export import export_pt2
+
+            pt2_entry = export_pt2(model, staging)
+            files.append(FileEntry.of(staging, pt2_entry.file))
         devices = _model_devices(model)
         manifest = Manifest(
             spec=model.spec,
@@ -113,6 +125,7 @@ def export(
             world_size=plan.topology.world_size if plan is not None else 1,
             kernels=tuple(kernels_of(model, plan)),
             onnx=onnx_entry,
+            pt2=pt2_entry,
         )
         (staging / MANIFEST_FILE).write_text(manifest.to_json(), encoding="utf-8")
     logger.debug("exported %s in %.1fs", out_dir, time.monotonic() - started)

@@ -22,7 +22,7 @@ from infer.shard.builder import check_plan
 logger = logging.getLogger(__name__)
 
 MODEL = ArtifactErrorKind.MODEL
-BACKENDS = ("torchscript", "onnxruntime")
+BACKENDS = ("torchscript", "onnxruntime", "pt2")
 
 
 def load(
@@ -37,6 +37,9 @@ def load(
     ``backend="onnxruntime"`` runs the artifact's ``model.onnx`` (exported with ``onnx=True``) on
     onnxruntime's CPU provider instead of ``model.pt``: same checks first, same API, same errors, and
     fbgemm is never imported. ``intra_op_threads`` then sets onnxruntime's threads (default: its own).
+
+    ``backend="pt2"`` runs the artifact's ``model.pt2`` (exported with ``pt2=True``; AOTInductor) after loading
+    fbgemm's operators: same checks first, same ``lookup`` (``predict`` needs the torchscript backend).
 
     ``device_map`` (e.g. ``{"cuda:0": "cpu", "cuda:1": "cpu"}``) moves an artifact built for other
     devices onto this host's; without it an artifact built for CUDA does not load on a CPU-only host.
@@ -60,13 +63,13 @@ def load(
 
         raise whole_load_refused(folder, manifest)
     library_seconds = 0.0
-    if backend == "torchscript":
+    if backend in ("torchscript", "pt2"):
         # first: a child hashing the chunks while fbgemm's libraries import made the import ~3x slower (2 cores)
         libraries_started = time.perf_counter()
         load_fbgemm()
         library_seconds = time.perf_counter() - libraries_started
     # small files are checked now; the chunks of large ones are hashed meanwhile, in parallel with the load
-    verification = manifest.start_verify(folder, overlap=backend == "torchscript")
+    verification = manifest.start_verify(folder, overlap=backend in ("torchscript", "pt2"))
     plan = verify_plan(folder, manifest) if manifest.plan_file is not None else None
     if backend == "onnxruntime":
         if device_map:
@@ -75,6 +78,16 @@ def load(
 
         verification.wait()
         return _timed(load_onnx(folder, manifest, intra_op_threads or None), started)
+    if backend == "pt2":
+        if device_map:
+            raise ConfigError("device_map applies to the torchscript backend; model.pt2 runs where it was compiled for")
+        from infer.artifact.pt2_runtime import load_pt2
+
+        try:
+            runtime = load_pt2(folder, manifest)
+        finally:
+            verification.wait()  # a corrupted file explains a failed load best; a failed chunk drops the model
+        return _timed(runtime, started, library_seconds)
     mapping = dict(device_map or {})
     targets = [mapping.get(d, d) for d in manifest.devices]
     missing = [d for d in targets if d.startswith("cuda") and not _cuda_device_exists(d)]

@@ -122,6 +122,47 @@ class OnnxEntry:
         )
 
 
+PT2_FILE = "model.pt2"
+PT2_INPUTS = ("values:int64", "lengths:int64", "weights:float32")
+
+
+@dataclass(frozen=True)
+class Pt2Entry:
+    """The AOTInductor package of the model's lookups (``export(..., pt2=True)``); see ``infer.artifact.pt2_export``.
+
+    ``torch_version``: the torch that compiled it (the package's code runs only under that version);
+    ``device``: where its kernels run; ``inputs``: its program's positional inputs, ``name:dtype``;
+    ``dense_program``: the package's second program, the dense part ``(dense_features, pooled) -> scores``
+    (None: lookups only)."""
+
+    file: str
+    torch_version: str
+    device: str
+    inputs: tuple[str, ...] = PT2_INPUTS
+    dense_program: str | None = None
+
+    def to_dict(self) -> dict[str, Any]:
+        data: dict[str, Any] = {
+            "file": self.file,
+            "torch_version": self.torch_version,
+            "device": self.device,
+            "inputs": list(self.inputs),
+        }
+        if self.dense_program is not None:  # only then: a lookups-only entry keeps the four keys
+            data["dense_program"] = self.dense_program
+        return data
+
+    @classmethod
+    def from_dict(cls, data: Mapping[str, Any]) -> Pt2Entry:
+        return cls(
+            str(data["file"]),
+            str(data["torch_version"]),
+            str(data["device"]),
+            tuple(data["inputs"]),
+            data.get("dense_program"),
+        )
+
+
 @dataclass(frozen=True)
 class Manifest:
     spec: ModelSpec
@@ -139,6 +180,7 @@ class Manifest:
     world_size: int = 1
     kernels: tuple[Kernel, ...] = ()  # every TBE of the model, in model order
     onnx: OnnxEntry | None = None  # present when the artifact carries model.onnx
+    pt2: Pt2Entry | None = None  # present when the artifact carries model.pt2
     # a multi-host artifact (infer.artifact.hosts): one model file per host, hosts/<h>/model.pt; () otherwise
     host_parts: tuple[str, ...] = ()
     devices_per_host: int = 0
@@ -194,6 +236,7 @@ class Manifest:
             "fbgemm": {"libraries": list(self.fbgemm_libraries), "build_dir": self.fbgemm_library_dir},
             "files": {e.name: e.to_dict() for e in self.files},
             **({"onnx": self.onnx.to_dict()} if self.onnx is not None else {}),
+            **({"pt2": self.pt2.to_dict()} if self.pt2 is not None else {}),
         }
         if self.host_parts:  # only then: a one-host manifest stays what every loader already reads
             data["hosts"] = {
@@ -246,6 +289,7 @@ class Manifest:
             world_size=data["sharding"]["world_size"],
             kernels=tuple(Kernel.from_dict(k) for k in data["kernels"]),
             onnx=OnnxEntry.from_dict(data["onnx"]) if data.get("onnx") is not None else None,
+            pt2=Pt2Entry.from_dict(data["pt2"]) if "pt2" in data else None,
             host_parts=tuple(data["hosts"]["parts"]) if "hosts" in data else (),
             devices_per_host=data["hosts"]["devices_per_host"] if "hosts" in data else 0,
         )
@@ -302,6 +346,10 @@ class Manifest:
                     raise ArtifactError(f"{MANIFEST_FILE} has no checksum for {name}", path=name, kind=CHECKSUM)
             if (self.onnx.dense_file is not None) != self.has_dense:
                 raise fail("onnx.dense_file must be set exactly when dense.present is true")
+        if self.pt2 is not None and self.pt2.file not in names:
+            raise ArtifactError(
+                f"{MANIFEST_FILE} has no checksum for {self.pt2.file}", path=self.pt2.file, kind=CHECKSUM
+            )
         if self.host_parts:
             self._check_hosts(data, names)
         if self.plan_file is None:

@@ -65,7 +65,8 @@ class Runtime:
 
     @property
     def has_dense(self) -> bool:
-        return self.manifest.has_dense
+        """The model has a dense part and this backend runs it (a lookups-only model.pt2 does not)."""
+        return self.manifest.has_dense and bool(getattr(self.module, "has_dense", True))
 
     def _features(self, batch: SparseFeatures | Mapping[str, Any]) -> SparseFeatures:
         if not isinstance(batch, SparseFeatures):

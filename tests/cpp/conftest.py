@@ -92,3 +92,47 @@ def onnx_artifact(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
     spec = mixed_spec()
     return export(quantize(spec, random_weights(spec, seed=7)), tmp_path_factory.mktemp("cpp") / "onnx", onnx=True)
+
+
+@pytest.fixture(scope="session")
+def pt2_artifact(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """mixed_spec (INT8, INT4, INT2, FP16, FP32 tables; SUM and MEAN) with model.pt and model.pt2."""
+    from infer.artifact.export import export
+    from infer.quant.quantize import quantize
+    from infer.weights import random_weights
+    from tests.conftest import mixed_spec
+
+    spec = mixed_spec()
+    print("compiling model.pt2 for mixed_spec (about a minute)", flush=True)
+    return export(quantize(spec, random_weights(spec, seed=11)), tmp_path_factory.mktemp("pt2") / "mixed", pt2=True)
+
+
+@pytest.fixture(scope="session")
+def sharded_pt2_artifact(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """mixed_spec sharded table-wise over 2 CPU devices, with model.pt and model.pt2 (one program)."""
+    from infer.artifact.export import export
+    from infer.planner.types import ShardingType
+    from infer.quant.quantize import quantize
+    from infer.shard.builder import shard_model
+    from infer.shard.plans import make_plan
+    from infer.weights import random_weights
+    from tests.conftest import mixed_spec
+
+    spec = mixed_spec()
+    plan = make_plan(spec, 2, {t.name: (ShardingType.TABLE_WISE, (i % 2,)) for i, t in enumerate(spec.tables)})
+    model = shard_model(quantize(spec, random_weights(spec, seed=12)), plan)
+    print("compiling model.pt2 for mixed_spec, table-wise over 2 devices (about a minute)", flush=True)
+    return export(model, tmp_path_factory.mktemp("pt2") / "sharded_tw2", plan=plan, pt2=True)
+
+
+@pytest.fixture(scope="session")
+def corpus_pt2_artifact(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """The bad-request corpus's model (tests/support/bad_requests.py) with model.pt2."""
+    from infer.artifact.export import export
+    from infer.quant.quantize import quantize
+    from infer.weights import random_weights
+    from tests.support.bad_requests import CORPUS_SPEC
+
+    print("compiling model.pt2 for the bad-request corpus's model (about a minute)", flush=True)
+    model = quantize(CORPUS_SPEC, random_weights(CORPUS_SPEC, seed=0))
+    return export(model, tmp_path_factory.mktemp("pt2") / "corpus", pt2=True)

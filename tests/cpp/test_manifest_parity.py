@@ -145,3 +145,35 @@ def test_cpp_loader_loads_a_chunked_artifact_and_checks_the_whole_file(embserve_
     data[len(data) // 2] ^= 0x5A
     (copy / "model.pt").write_bytes(bytes(data))
     assert_clean_failure(run(embserve_run, copy), "embserve_run: ChecksumError: ")
+
+
+def test_pt2_entries_get_the_same_verdicts(cpp_build, pt2_artifact, tmp_path):
+    """Mutations inside the manifest's `pt2` entry and of model.pt2's checksum entry: same verdict from both."""
+    rng = random.Random(SEED + 1)
+    manifest = json.loads((pt2_artifact / "manifest.json").read_text())
+    folders = []
+    for i in range(120):
+        folder = tmp_path / f"p{i:03d}"
+        folder.mkdir()
+        for other in pt2_artifact.iterdir():
+            if other.name != "manifest.json":
+                (folder / other.name).symlink_to(other)
+        data = json.loads(json.dumps(manifest))
+        if i % 10 == 0:
+            del data["files"]["model.pt2"]
+        elif i % 10 == 1:
+            data["pt2"]["file"] = "other.pt2"
+        else:
+            data["pt2"] = _mutate(data["pt2"], rng)
+        (folder / "manifest.json").write_text(json.dumps(data))
+        folders.append(folder)
+    result = subprocess.run(
+        [str(cpp_build / "embserve_manifest_check"), *map(str, folders)], capture_output=True, text=True, timeout=300
+    )
+    lines = result.stdout.splitlines()
+    assert result.returncode == 0 and len(lines) == len(folders), result.stderr[-2000:]
+    verdicts = [(line.split(":", 1)[0], _python_verdict(folder), line) for folder, line in zip(folders, lines)]
+    disagreements = [f"{cpp} vs Python {python}: {line[:300]}" for cpp, python, line in verdicts if cpp != python]
+    assert not disagreements, "\n".join(disagreements[:20])
+    kinds = {python for _, python, _ in verdicts}
+    assert {"ok", "ManifestError", "ChecksumError"} <= kinds, kinds

@@ -4,6 +4,8 @@
 //   at::Tensor pooled = model.lookup(values, lengths);      // [batch, output_dim] float32
 //
 // Every failure is an exception deriving from embserve::Error (itself a std::runtime_error).
+// Two backends run the same lookups, bit-identical: the TorchScript model.pt (default) and the AOTInductor
+// package model.pt2 (LoadOptions.backend = Backend::Pt2; artifacts exported with `embserve export --pt2`).
 #pragma once
 
 #include <cstdint>
@@ -17,6 +19,9 @@
 
 namespace torch::jit {
 struct Module;
+}
+namespace torch::inductor {
+class AOTIModelPackageLoader;
 }
 
 namespace embserve {
@@ -43,7 +48,8 @@ class LibraryError : public Error {
   using Error::Error;
 };
 // TorchScript cannot load or run the model (unknown operator or type, bad archive, ...), or a kernel's
-// metadata or weight storage differs from what the manifest's `kernels` entry implies.
+// metadata or weight storage differs from what the manifest's `kernels` entry implies; on the Pt2 backend,
+// model.pt2 was compiled by another torch version, or AOTInductor cannot load or run it.
 class ModelError : public Error {
  public:
   using Error::Error;
@@ -54,7 +60,14 @@ class RequestError : public Error {
   using Error::Error;
 };
 
+// Which of the artifact's model files runs the lookups.
+enum class Backend {
+  TorchScript,  // model.pt with torch::jit::load (every artifact has it)
+  Pt2,          // model.pt2 with torch::inductor::AOTIModelPackageLoader (the manifest's `pt2` entry)
+};
+
 struct LoadOptions {
+  Backend backend = Backend::TorchScript;
   // Folders searched first for the fbgemm libraries; then $EMBSERVE_FBGEMM_LIB_DIR, the manifest's
   // fbgemm.build_dir, and the fbgemm_gpu folder recorded when embserve_loader was built.
   std::vector<std::string> library_dirs;
@@ -62,9 +75,13 @@ struct LoadOptions {
   bool verify_checksums = true;
   // torch intra-op threads (process-wide): -1 = as Python's load (cores / world_size for models
   // sharded over several CPU devices, unchanged otherwise); 0 = leave alone; n > 0 = set n.
+  // Pt2: -1 leaves torch's setting alone.
   int intra_op_threads = -1;
   // Example ranges each CPU kernel may split a batch into, run in parallel on the same weights (output
   // bit-identical): -1 = as Python's load (cores / CPU kernels, at least 1); 0 = as exported; n > 0 = n.
+  // Pt2: the loader splits the batch itself into at most kernel_threads ranges (-1 = cores, 0 = one range), run
+  // by the calling thread and helpers on torch's inter-op pool (at::launch, as TorchScript's fork); the package
+  // gets that many runners (AOTInductor model instances sharing one copy of the constants), at least 2.
   int kernel_threads = -1;
 };
 
@@ -91,7 +108,7 @@ class Model {
   // Pooled embeddings [batch, output_dim] float32, columns per feature in feature_names() order.
   // values: 1-D int32/int64 ids; lengths: 1-D int32/int64, num_features * batch bag lengths,
   // feature-major; weights: optional 1-D float32, one per id. Throws RequestError on bad input.
-  // Safe to call from several threads on one Model.
+  // Safe to call from several threads on one Model (Pt2: at most `runners` program runs at once; more wait).
   at::Tensor lookup(const at::Tensor& values, const at::Tensor& lengths,
                     const std::optional<at::Tensor>& weights = std::nullopt) const;
 
@@ -104,6 +121,7 @@ class Model {
   int64_t output_dim() const { return output_dim_; }
   int world_size() const { return world_size_; }
   const std::string& path() const { return path_; }
+  Backend backend() const { return backend_; }
   // Absolute paths of the fbgemm libraries loaded for this model, in load order.
   const std::vector<std::string>& libraries() const { return libraries_; }
 
@@ -114,7 +132,13 @@ class Model {
   int64_t output_dim_ = 0;
   int world_size_ = 1;
   std::vector<std::string> libraries_;
+  Backend backend_ = Backend::TorchScript;
   std::shared_ptr<torch::jit::Module> module_;
+  std::shared_ptr<torch::inductor::AOTIModelPackageLoader> pt2_;
+  int pt2_threads_ = 1;  // example ranges a Pt2 lookup may split a batch into
+
+  at::Tensor lookup_pt2(const at::Tensor& values, const at::Tensor& lengths,
+                        const std::optional<at::Tensor>& weights) const;
 };
 
 }  // namespace embserve

@@ -1,0 +1,137 @@
+"""The pt2 backend: an artifact's ``model.pt2`` (AOTInductor) behind the same ``Runtime`` API.
+
+``Pt2Module`` stands where the scripted model stands: ``module(values, lengths, weights)`` validates the
+request with the shared rules (``SparseFeatures.validate``, the ``request_rules`` wording) and raises
+``RequestError`` before the compiled program sees it, then calls the program with int64 ids and lengths and
+all-ones weights when the request has none (bit-identical to an unweighted lookup). fbgemm's FATAL bounds
+check inside the program stays as the last line.
+
+Calling the package from Python holds the GIL for the whole call (``AOTIModelPackageLoader.boxed_run`` does
+not release it; bench/pt2.py measures it), so splitting a batch over Python threads gains nothing here:
+every call is one program run. A C++ host may split a batch into example ranges on its own threads.
+"""
+
+from __future__ import annotations
+
+import logging
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from infer import request_rules as rules
+from infer.artifact.fbgemm_libs import load_fbgemm
+from infer.artifact.manifest import PT2_INPUTS, Manifest
+from infer.artifact.runtime import Runtime
+from infer.config import ModelSpec
+from infer.errors import ArtifactError, ArtifactErrorKind, RequestError
+from infer.features import SparseFeatures
+
+logger = logging.getLogger(__name__)
+
+BACKEND = "pt2"
+MODEL = ArtifactErrorKind.MODEL
+
+
+class Pt2Module:
+    """A module-like wrapper of one loaded AOTInductor package (the program named "model")."""
+
+    def __init__(self, lookup: Any, spec: ModelSpec, dense: Any = None) -> None:
+        """``lookup``: the package's lookup program, ``dense``: its dense program or None (lookups only); each
+        a loaded ``AOTIModelPackageLoader`` (or anything with its ``boxed_run(list of tensors)``)."""
+        self.lookup = lookup
+        self.dense = dense
+        self.spec = spec
+        self.has_dense = dense is not None
+
+    def forward(self, values: torch.Tensor, lengths: torch.Tensor, weights: torch.Tensor | None = None) -> torch.Tensor:
+        """Pooled embeddings ``[batch, output_dim]`` fp32 (validated first)."""
+        features = SparseFeatures.from_tensors(self.spec.feature_names, values, lengths, weights).validate(self.spec)
+        ids = features.values.to(torch.int64).contiguous()
+        bag_lengths = features.lengths.to(torch.int64).contiguous()
+        id_weights = features.weights.contiguous() if features.weights is not None else torch.ones(ids.numel())
+        return self.program(ids, bag_lengths, id_weights)
+
+    def program(self, values: torch.Tensor, lengths: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
+        """The lookup program alone, no checks: int64 ids and lengths, float32 weights (what a C++ host calls)."""
+        result: torch.Tensor = self.lookup.boxed_run([values, lengths, weights])[0]
+        return result
+
+    __call__ = forward
+
+    def predict(
+        self,
+        dense_features: torch.Tensor,
+        values: torch.Tensor,
+        lengths: torch.Tensor,
+        weights: torch.Tensor | None = None,
+    ) -> torch.Tensor:
+        """Scores of the dense part ``[batch]`` (validated first): the lookup program, then the dense program."""
+        if not self.has_dense:
+            raise RequestError(rules.NO_DENSE_PART)
+        pooled = self.forward(values, lengths, weights)
+        batch = pooled.shape[0]
+        if not isinstance(dense_features, torch.Tensor) or tuple(dense_features.shape) != (
+            batch,
+            self.spec.num_dense_features,
+        ):
+            shape = list(dense_features.shape) if isinstance(dense_features, torch.Tensor) else type(dense_features)
+            raise RequestError(rules.dense_shape(batch, self.spec.num_dense_features, str(shape)))
+        if dense_features.dtype != torch.float32:
+            raise RequestError(rules.DENSE_DTYPE)
+        scores: torch.Tensor = self.dense.boxed_run([dense_features.contiguous(), pooled])[0]
+        return scores
+
+
+def load_program(package: Path, name: str) -> Any:
+    """One program of an AOTInductor package: the ``AOTIModelPackageLoader`` the C++ loader uses too, called
+    with a flat list of tensors (``boxed_run``). ``torch._inductor.package.load_package`` would first probe the
+    host's vector ISA by building test programs with the C++ compiler (seconds, and a compiler on every
+    serving host) and wrap every call in pytree flattening (~9 us at batch 1); the loader needs neither."""
+    return torch._C._aoti.AOTIModelPackageLoader(str(package), name, False, 1, -1)
+
+
+def load_pt2(folder: Path, manifest: Manifest) -> Runtime:
+    """The ``Runtime`` of an already verified artifact (manifest read, checksums checked) on model.pt2."""
+    entry = manifest.pt2
+    if entry is None:
+        raise ArtifactError(
+            f"{folder} has no model.pt2; re-export it with infer.export(..., pt2=True) or `embserve export --pt2`",
+            path=str(folder),
+            kind=MODEL,
+        )
+    package = folder / entry.file
+    if entry.torch_version != torch.__version__:
+        raise ArtifactError(
+            f"{package} was compiled by torch {entry.torch_version} and this process runs torch {torch.__version__}; "
+            "AOTInductor code runs only under the torch that compiled it. Re-export with --pt2 under this torch, "
+            "or load the torchscript backend",
+            path=str(package),
+            kind=MODEL,
+        )
+    if tuple(entry.inputs) != PT2_INPUTS:
+        raise ArtifactError(
+            f"{package} takes inputs {list(entry.inputs)}; this embserve passes {list(PT2_INPUTS)}. Re-export it",
+            path=str(package),
+            kind=MODEL,
+        )
+    if entry.device != "cpu" and not (torch.cuda.is_available() and torch.device(entry.device).index is not None):
+        raise ArtifactError(
+            f"{package} was compiled for {entry.device} and this host has no such device; "
+            "load the torchscript backend with a device map",
+            path=str(package),
+            kind=MODEL,
+        )
+    load_fbgemm()  # the program calls fbgemm's operators through the proxy executor
+    try:
+        lookup = load_program(package, "model")
+        dense = load_program(package, entry.dense_program) if entry.dense_program is not None else None
+    except Exception as err:  # noqa: BLE001 - the loader raises RuntimeError and others for a bad package
+        first_line = str(err).strip().splitlines()[0] if str(err).strip() else type(err).__name__
+        raise ArtifactError(
+            f"{package} cannot be loaded by AOTInductor: {first_line}", path=str(package), kind=MODEL
+        ) from None
+    if manifest.has_dense and dense is None:
+        logger.warning("%s holds the lookups only (no dense program): this runtime serves no predictions", package)
+    logger.debug("AOTInductor loaded %s", package)
+    return Runtime(folder, manifest, Pt2Module(lookup, manifest.spec, dense), backend=BACKEND)
