@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import statistics
 import sys
 import tempfile
@@ -222,6 +223,7 @@ def run_sharded(
                     ),
                     "max_abs_diff_vs_unsharded": max_diff,
                     "intra_op_threads": sharded_threads,
+                    "thp_mem_alloc": os.environ.get("THP_MEM_ALLOC_ENABLE"),
                 }
             )
             print(json.dumps(rows[-1]), flush=True)
@@ -319,6 +321,7 @@ def run_workload(w: Workload, rounds: int, index_count: int, sharded: bool) -> l
                 "outputs_equal_direct_tbe": check,
                 "threads": torch.get_num_threads(),
                 "kernel_threads": runtime.threads,
+                "thp_mem_alloc": os.environ.get("THP_MEM_ALLOC_ENABLE"),
             }
         )
         print(json.dumps(rows[-1]), flush=True)
