@@ -367,3 +367,13 @@ def _feature_weights(key: str, weights: Any, lengths: torch.Tensor) -> torch.Ten
                 )
             flat.append(float(w))
     return torch.tensor(flat, dtype=torch.float32)
+
+
+def check_dense_features(dense_features: Any, batch: int, num_dense: int) -> torch.Tensor:
+    """``dense_features`` as a backend takes it: a float32 ``[batch, num_dense]`` tensor, else ``RequestError``."""
+    if not isinstance(dense_features, torch.Tensor) or tuple(dense_features.shape) != (batch, num_dense):
+        shape = list(dense_features.shape) if isinstance(dense_features, torch.Tensor) else type(dense_features)
+        raise RequestError(rules.dense_shape(batch, num_dense, str(shape)))
+    if dense_features.dtype != torch.float32:
+        raise RequestError(rules.DENSE_DTYPE)
+    return dense_features.contiguous()

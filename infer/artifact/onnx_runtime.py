@@ -21,7 +21,7 @@ from infer.artifact.manifest import Manifest
 from infer.artifact.runtime import Runtime
 from infer.config import ModelSpec
 from infer.errors import ArtifactError, ArtifactErrorKind, RequestError
-from infer.features import SparseFeatures
+from infer.features import SparseFeatures, check_dense_features
 
 logger = logging.getLogger(__name__)
 
@@ -68,15 +68,8 @@ class OnnxModule:
             raise RequestError(rules.NO_DENSE_PART)
         feeds = self._feeds(values, lengths, weights)
         batch = feeds["lengths"].size // len(self.spec.features)
-        if not isinstance(dense_features, torch.Tensor) or tuple(dense_features.shape) != (
-            batch,
-            self.spec.num_dense_features,
-        ):
-            shape = list(dense_features.shape) if isinstance(dense_features, torch.Tensor) else type(dense_features)
-            raise RequestError(rules.dense_shape(batch, self.spec.num_dense_features, str(shape)))
-        if dense_features.dtype != torch.float32:
-            raise RequestError(rules.DENSE_DTYPE)
-        feeds["dense_features"] = dense_features.contiguous().cpu().numpy()
+        dense = check_dense_features(dense_features, batch, self.spec.num_dense_features)
+        feeds["dense_features"] = dense.cpu().numpy()
         return torch.from_numpy(np.asarray(self.session.run(["scores"], feeds)[0]))
 
 

@@ -25,7 +25,7 @@ from infer.artifact.manifest import PT2_INPUTS, Manifest
 from infer.artifact.runtime import Runtime
 from infer.config import ModelSpec
 from infer.errors import ArtifactError, ArtifactErrorKind, RequestError
-from infer.features import SparseFeatures
+from infer.features import SparseFeatures, check_dense_features
 
 logger = logging.getLogger(__name__)
 
@@ -71,15 +71,8 @@ class Pt2Module:
             raise RequestError(rules.NO_DENSE_PART)
         pooled = self.forward(values, lengths, weights)
         batch = pooled.shape[0]
-        if not isinstance(dense_features, torch.Tensor) or tuple(dense_features.shape) != (
-            batch,
-            self.spec.num_dense_features,
-        ):
-            shape = list(dense_features.shape) if isinstance(dense_features, torch.Tensor) else type(dense_features)
-            raise RequestError(rules.dense_shape(batch, self.spec.num_dense_features, str(shape)))
-        if dense_features.dtype != torch.float32:
-            raise RequestError(rules.DENSE_DTYPE)
-        scores: torch.Tensor = self.dense.boxed_run([dense_features.contiguous(), pooled])[0]
+        dense = check_dense_features(dense_features, batch, self.spec.num_dense_features)
+        scores: torch.Tensor = self.dense.boxed_run([dense, pooled])[0]
         return scores
 
 

@@ -26,7 +26,7 @@ from infer.shard.builder import shard_model
 from infer.shard.plans import make_plan
 from infer.weights import random_weights
 from tests.conftest import mixed_spec, random_batch
-from tests.support.artifacts import copy_artifact, rehash
+from tests.support.artifacts import copy_artifact, rehash, tamper_row_bucketing
 
 
 @pytest.fixture(scope="module")
@@ -176,22 +176,11 @@ def test_changed_routing_is_a_model_error(artifacts, tmp_path, attribute):
     assert info.value.kind == ArtifactErrorKind.MODEL
 
 
-@pytest.mark.parametrize("where,attribute", [("collection", "rw_positions"), ("device", "rw_slot")])
+@pytest.mark.parametrize("where,attribute", [("embeddings", "rw_positions"), ("embeddings.shards.0", "rw_slot")])
 def test_changed_row_bucketing_is_a_model_error(artifacts, tmp_path, where, attribute):
     """The collection's one-call row-wise bucketing (block boundaries per device, each device's slots) follows
     from the plan's row blocks; a changed one is refused at load, before it can sort ids into the wrong block."""
-    copy = copy_artifact(artifacts["sharded"], tmp_path)
-    module = torch.jit.load(str(copy / "model.pt"))
-    assert module.embeddings.bucketized  # the fixture's row-wise table has its blocks in device order
-    holder = module.embeddings if where == "collection" else getattr(module.embeddings.shards, "0")
-    values = [list(v) if isinstance(v, list) else v for v in getattr(holder, attribute)]
-    if isinstance(values[0], list):
-        values[0][1] += 1
-    else:
-        values = [v + 1 if v >= 0 else v for v in values]
-    setattr(holder, attribute, values)
-    module.save(str(copy / "model.pt"))
-    rehash(copy, "model.pt")
+    copy = tamper_row_bucketing(artifacts["sharded"], tmp_path, where, attribute)
     with pytest.raises(ArtifactError) as info:
         load(copy)
     assert info.value.kind == ArtifactErrorKind.MODEL

@@ -20,7 +20,7 @@ import torch
 from infer.artifact.cpp_io import write_requests
 from tests.conftest import mixed_spec, random_batch
 from tests.cpp.support import BACKTRACE_MARKERS, assert_clean_failure, run
-from tests.support.artifacts import copy_artifact, rehash
+from tests.support.artifacts import copy_artifact, rehash, tamper_row_bucketing
 
 
 def _tbe(module: Any, kernel: int) -> Any:
@@ -202,18 +202,7 @@ def test_changed_routing_is_a_model_error(attribute, embserve_run, sharded_artif
 def test_changed_row_bucketing_is_a_model_error(where, attribute, embserve_run, sharded_artifact, tmp_path):
     """The collection's one-call row-wise bucketing (block boundaries per device, each device's slots) follows
     from the plan's row blocks; a changed one is refused at load, before it sorts ids into the wrong block."""
-    copy = copy_artifact(sharded_artifact, tmp_path)
-    module = torch.jit.load(str(copy / "model.pt"))
-    assert module.embeddings.bucketized  # the fixture's row-wise table has its blocks in device order
-    holder = module.embeddings if where == "embeddings" else getattr(module.embeddings.shards, "1")
-    values = [list(v) if isinstance(v, list) else v for v in getattr(holder, attribute)]
-    if isinstance(values[0], list):
-        values[0][1] += 1
-    else:
-        values = [v + 1 if v >= 0 else v for v in values]
-    setattr(holder, attribute, values)
-    module.save(str(copy / "model.pt"))
-    rehash(copy, "model.pt")
+    copy = tamper_row_bucketing(sharded_artifact, tmp_path, where, attribute)
     assert_clean_failure(run(embserve_run, copy), "ModelError", "row-wise bucketing", attribute)
 
 
