@@ -35,7 +35,7 @@ from infer.shard.plans import make_plan
 from infer.weights import random_weights
 from server.client import EmbserveClient
 from server.launch import spawn_server
-from tests.conftest import TinyOverArch, random_batch
+from tests.conftest import TinyOverArch, mixed_spec, random_batch
 from tests.support.artifacts import copy_artifact, edit_manifest
 from tests.support.bad_requests import BAD_REQUESTS, CORPUS_SPEC
 
@@ -46,14 +46,11 @@ NUM_DENSE = 4
 
 
 def pt2_spec() -> ModelSpec:
-    """INT8, INT4 and FP16 tables, each with SUM and MEAN features (plus INT2 and FP32)."""
+    """INT8, INT4 and FP16 tables, each with SUM and MEAN features (plus INT2 and FP32): the shared mixed spec
+    and one table of the other pooling for each of INT8, INT4 and FP16."""
     return ModelSpec(
-        (
-            TableConfig("t_int8", 1000, 64, ("f_int8", "f_int8_b"), PoolingType.SUM, DataType.INT8),
-            TableConfig("t_int4", 500, 32, ("f_int4",), PoolingType.MEAN, DataType.INT4),
-            TableConfig("t_int2", 300, 16, ("f_int2",), PoolingType.SUM, DataType.INT2),
-            TableConfig("t_fp16", 300, 8, ("f_fp16",), PoolingType.MEAN, DataType.FP16),
-            TableConfig("t_fp32", 200, 12, ("f_fp32",), PoolingType.SUM, DataType.FP32),
+        mixed_spec().tables
+        + (
             TableConfig("t_int8_mean", 700, 32, ("f_int8_mean",), PoolingType.MEAN, DataType.INT8),
             TableConfig("t_int4_sum", 400, 16, ("f_int4_sum",), PoolingType.SUM, DataType.INT4),
             TableConfig("t_fp16_sum", 250, 16, ("f_fp16_sum",), PoolingType.SUM, DataType.FP16),
