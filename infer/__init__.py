@@ -8,16 +8,7 @@ or ``load``; CUDA is never initialised by the import; the server (``server``) is
 
 from __future__ import annotations
 
-import os
-
-# Kernel outputs are fresh multi-MB tensors every call; in 4 KB pages their first touch is thousands of page
-# faults per call, serialized across the threads that run devices and batch ranges (measured: W128 lookups
-# 1.3-1.6x faster with 2 MB pages). torch's CPU allocator reads this once, at its first allocation, so it
-# takes effect when embserve is imported before torch allocates (always so for `embserve ...` commands);
-# a value already set (e.g. THP_MEM_ALLOC_ENABLE=0) wins.
-os.environ.setdefault("THP_MEM_ALLOC_ENABLE", "1")
-
-from infer.artifact.export import export  # noqa: E402
+from infer.artifact.export import export
 from infer.artifact.load import load
 from infer.artifact.runtime import Runtime
 from infer.config import DataType, FeatureInfo, ModelSpec, PoolingType, TableConfig
