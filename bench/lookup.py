@@ -21,8 +21,12 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass
 
-import torch
-import torch.nn.functional as F
+# Before torch loads OpenMP: its idle workers otherwise spin after every parallel region (the fp32 and gather
+# probes run at 2 torch threads) and steal the core from whichever case runs next, skewing the ratios.
+os.environ.setdefault("OMP_WAIT_POLICY", "passive")
+
+import torch  # noqa: E402
+import torch.nn.functional as F  # noqa: E402
 
 from infer.artifact.export import export
 from infer.artifact.kernels import kernel_holders
@@ -322,6 +326,7 @@ def run_workload(w: Workload, rounds: int, index_count: int, sharded: bool) -> l
                 "threads": torch.get_num_threads(),
                 "kernel_threads": runtime.threads,
                 "thp_mem_alloc": os.environ.get("THP_MEM_ALLOC_ENABLE"),
+                "omp_wait_policy": os.environ.get("OMP_WAIT_POLICY"),
             }
         )
         print(json.dumps(rows[-1]), flush=True)
