@@ -14,6 +14,7 @@ from pathlib import Path
 from types import ModuleType
 from typing import TYPE_CHECKING
 
+from infer.artifact.load import BACKENDS
 from infer.errors import ConfigError, EmbserveError
 
 if TYPE_CHECKING:
@@ -463,7 +464,7 @@ def build_parser() -> argparse.ArgumentParser:
     )
     run.add_argument(
         "--backend",
-        choices=["torchscript", "onnxruntime", "pt2"],
+        choices=BACKENDS,
         default="torchscript",
         help="model.pt, model.onnx or model.pt2",
     )

@@ -11,6 +11,8 @@ import time
 from pathlib import Path
 from typing import Any
 
+from infer.artifact.load import BACKENDS
+
 
 def cmd_serve(args: argparse.Namespace) -> int:
     import asyncio
@@ -223,7 +225,7 @@ def add_subcommands(subcommands: Any) -> None:
     )
     srv.add_argument(
         "--backend",
-        choices=["torchscript", "onnxruntime", "pt2"],
+        choices=BACKENDS,
         default="torchscript",
         help="run model.pt (fbgemm), model.onnx (onnxruntime; export with --onnx) or model.pt2 (AOTInductor; --pt2)",
     )

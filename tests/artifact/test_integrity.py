@@ -26,7 +26,7 @@ from infer.shard.builder import shard_model
 from infer.shard.plans import make_plan
 from infer.weights import random_weights
 from tests.conftest import mixed_spec, random_batch
-from tests.support.artifacts import copy_artifact, rehash, tamper_row_bucketing
+from tests.support.artifacts import copy_artifact, rehash, rewrite_zip_entry, tamper_row_bucketing
 
 
 @pytest.fixture(scope="module")
@@ -109,15 +109,6 @@ def test_a_consistent_tampered_plan_is_an_artifact_error(artifacts, tmp_path, ed
         load(copy)
 
 
-def _rewrite_entry(model: Path, name: str, data: bytes) -> None:
-    """Replace one zip entry (with a valid CRC), as a tool that edits the archive would."""
-    with zipfile.ZipFile(model) as source:
-        entries = [(info, source.read(info.filename)) for info in source.infolist()]
-    with zipfile.ZipFile(model, "w") as target:
-        for info, content in entries:
-            target.writestr(info, data if info.filename == name else content)
-
-
 def test_byte_flips_in_small_tensors_never_crash_the_process(artifacts, tmp_path):
     """Flip bytes in the archive's small tensor records (the kernels' metadata lives there), rewrite the zip
     and the checksum, then load and look up in a child process: every outcome is an ArtifactError or an
@@ -134,7 +125,7 @@ def test_byte_flips_in_small_tensors_never_crash_the_process(artifacts, tmp_path
         position = rng.randrange(len(data))
         data[position] ^= 1 << rng.randrange(8)
         copy = copy_artifact(artifact, tmp_path / f"c{case}")
-        _rewrite_entry(copy / "model.pt", name, bytes(data))
+        rewrite_zip_entry(copy / "model.pt", name, bytes(data))
         rehash(copy, "model.pt")
         cases.append(str(copy))
     batch = random_batch(mixed_spec(), batch_size=8, seed=2)

@@ -20,7 +20,7 @@ import torch
 from infer.artifact.cpp_io import write_requests
 from tests.conftest import mixed_spec, random_batch
 from tests.cpp.support import BACKTRACE_MARKERS, assert_clean_failure, run
-from tests.support.artifacts import copy_artifact, rehash, tamper_row_bucketing
+from tests.support.artifacts import copy_artifact, rehash, rewrite_zip_entry, tamper_row_bucketing
 
 
 def _tbe(module: Any, kernel: int) -> Any:
@@ -122,15 +122,6 @@ def test_a_consistent_tampered_plan_is_a_manifest_error(edit, embserve_run, shar
     assert_clean_failure(run(embserve_run, copy), "embserve_run: ManifestError: ", "plan.json", fragment)
 
 
-def _rewrite_entry(model: Path, name: str, data: bytes) -> None:
-    """Replace one zip entry (with a valid CRC), as a tool that edits the archive would."""
-    with zipfile.ZipFile(model) as source:
-        entries = [(info, source.read(info.filename)) for info in source.infolist()]
-    with zipfile.ZipFile(model, "w") as target:
-        for info, content in entries:
-            target.writestr(info, data if info.filename == name else content)
-
-
 @pytest.mark.parametrize("which", ["unsharded", "sharded"])
 def test_byte_flips_in_small_tensors_never_crash_embserve_run(
     which, embserve_run, unsharded_artifact, sharded_artifact, tmp_path
@@ -150,7 +141,7 @@ def test_byte_flips_in_small_tensors_never_crash_embserve_run(
         data = bytearray(records[name])
         data[rng.randrange(len(data))] ^= 1 << rng.randrange(8)
         copy = copy_artifact(artifact, tmp_path / f"c{case}")
-        _rewrite_entry(copy / "model.pt", name, bytes(data))
+        rewrite_zip_entry(copy / "model.pt", name, bytes(data))
         rehash(copy, "model.pt")
         copies.append(copy)
 

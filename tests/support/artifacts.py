@@ -5,6 +5,7 @@ from __future__ import annotations
 import hashlib
 import json
 import shutil
+import zipfile
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -51,3 +52,12 @@ def tamper_row_bucketing(artifact: Path, folder: Path, holder_path: str, attribu
     module.save(str(copy / "model.pt"))
     rehash(copy, "model.pt")
     return copy
+
+
+def rewrite_zip_entry(model: Path, name: str, data: bytes) -> None:
+    """Replace one entry of a zip archive (model.pt) with a valid CRC, as a tool that edits the archive would."""
+    with zipfile.ZipFile(model) as source:
+        entries = [(info, source.read(info.filename)) for info in source.infolist()]
+    with zipfile.ZipFile(model, "w") as target:
+        for info, content in entries:
+            target.writestr(info, data if info.filename == name else content)
