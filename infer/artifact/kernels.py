@@ -100,8 +100,7 @@ def expected_kernels(spec: ModelSpec, plan: ShardingPlan | None, devices: tuple[
         return [Kernel(0, device, _alignment(device), tables, tuple(index[f.table] for f in spec.features))]
     names = plan_devices(plan)
     layouts = device_layouts(spec, plan)
-    shared: list[SharedStorage | None] = [None] * len(layouts)
-    shared = list(shared_cpu_storage(plan, layouts, names) or shared)
+    shared: list[SharedStorage | None] = list(shared_cpu_storage(plan, layouts, names) or [None] * len(layouts))
     return [
         Kernel(
             layout.rank,
@@ -139,7 +138,7 @@ def kernels_from_tbes(ranks: list[int], tbes: list[Any]) -> list[Kernel]:
         physical = [int(offset) for offset in tbe.weights_physical_offsets]
         numel = int(tbe.weights_host.numel())
         if numel > 0 and (physical != offsets or numel != total or buffers.count(tbe.weights_host.data_ptr()) > 1):
-            kernel = dataclasses.replace(kernel, shared=SharedStorage(int(tbe.weights_host.numel()), tuple(physical)))
+            kernel = dataclasses.replace(kernel, shared=SharedStorage(numel, tuple(physical)))
         kernels.append(kernel)
     return kernels
 
