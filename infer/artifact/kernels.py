@@ -100,7 +100,8 @@ def expected_kernels(spec: ModelSpec, plan: ShardingPlan | None, devices: tuple[
         return [Kernel(0, device, _alignment(device), tables, tuple(index[f.table] for f in spec.features))]
     names = plan_devices(plan)
     layouts = device_layouts(spec, plan)
-    shared: list[SharedStorage | None] = list(shared_cpu_storage(plan, layouts, names) or [None] * len(layouts))
+    placed = shared_cpu_storage(plan, layouts, names)
+    shared: list[SharedStorage | None] = list(placed) if placed is not None else [None] * len(layouts)
     return [
         Kernel(
             layout.rank,
