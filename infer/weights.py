@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+import pickle
+import re
+from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -10,6 +12,14 @@ import torch
 
 from infer.config import ModelSpec
 from infer.errors import WeightsError
+
+# A table's weight in any TorchRec state dict: DLRM's ``sparse_arch.embedding_bag_collection.`` prefix,
+# DMP's stripped wrapper, a user's own module path: only the tail is fixed.
+TORCHREC_TABLE_KEY = re.compile(r"(?:^|\.)embedding_bags\.(?P<table>.+)\.weight$")
+# Terminal colour codes: torch's weights-only unpickler puts them in its message.
+_ANSI = re.compile(r"\x1b\[[0-9;]*[A-Za-z]")
+# What torch's weights-only unpickler says when the file holds a pickled object, not tensors.
+_PICKLED_CLASS = re.compile(r"Unsupported global: GLOBAL (?P<cls>[\w.]+)")
 
 
 def random_weights(spec: ModelSpec, seed: int = 0, std: float = 1.0) -> dict[str, torch.Tensor]:
@@ -25,7 +35,7 @@ def check_weights(spec: ModelSpec, weights: Mapping[str, torch.Tensor]) -> None:
     unknown = [n for n in weights if n not in names]
     if missing or unknown:
         raise WeightsError(
-            f"checkpoint tables do not match the spec: missing {missing}, unknown {unknown}; the spec has {names}"
+            f"checkpoint tables do not match the spec: {table_mismatch(missing, unknown)}; the spec has {names}"
         )
     for table in spec.tables:
         weight = weights[table.name]
@@ -41,6 +51,13 @@ def check_weights(spec: ModelSpec, weights: Mapping[str, torch.Tensor]) -> None:
             raise WeightsError(f"table {table.name!r}: weight dtype {weight.dtype} is not floating point")
 
 
+def table_mismatch(missing: Sequence[str], unknown: Sequence[str]) -> str:
+    """``missing [...], not in the spec [...]`` with the empty part left out (one wording for every checkpoint)."""
+    parts = [f"missing {list(missing)}"] if missing else []
+    parts += [f"not in the spec {list(unknown)}"] if unknown else []
+    return ", ".join(parts)
+
+
 def load_tensor_file(path: Path, what: str) -> Any:
     """``torch.load`` a checkpoint safely: ``weights_only``, memory-mapped when the file allows (legacy non-zip
     files cannot be), every failure a ``WeightsError`` naming ``what`` and the file."""
@@ -49,8 +66,26 @@ def load_tensor_file(path: Path, what: str) -> Any:
             return torch.load(path, weights_only=True, mmap=True, map_location="cpu")
         except RuntimeError:
             return torch.load(path, weights_only=True, map_location="cpu")
+    except pickle.UnpicklingError as err:
+        raise WeightsError(_pickled_object_message(path, what, _plain(err))) from None
     except Exception as err:  # noqa: BLE001 - torch raises many types for a bad file
-        raise WeightsError(f"cannot load {what} {str(path)!r}: {err}") from None
+        raise WeightsError(f"cannot load {what} {str(path)!r}: {_plain(err).splitlines()[0]}") from None
+
+
+def _plain(err: BaseException) -> str:
+    """An error's text without terminal colour codes."""
+    return _ANSI.sub("", str(err)).strip() or type(err).__name__
+
+
+def _pickled_object_message(path: Path, what: str, detail: str) -> str:
+    """A file the weights-only loader refuses holds pickled objects (``torch.save(model)``), not tensors."""
+    found = _PICKLED_CLASS.search(detail)
+    holds = f"a pickled {found['cls']} object" if found else "pickled Python objects"
+    return (
+        f"cannot load {what} {str(path)!r}: it holds {holds} (torch.save(model)?), not a state dict; embserve "
+        "reads a state dict (a dict of tensors) or a DCP folder and never runs pickled code: save one with "
+        "torch.save(model.state_dict(), path)"
+    )
 
 
 def load_checkpoint(path: str | Path, spec: ModelSpec) -> dict[str, torch.Tensor]:
@@ -62,5 +97,20 @@ def load_checkpoint(path: str | Path, spec: ModelSpec) -> dict[str, torch.Tensor
     if not isinstance(data, Mapping):
         raise WeightsError(f"{str(path)!r} holds a {type(data).__name__}; expected a dict of table name -> tensor")
     weights = dict(data)
+    _refuse_torchrec_state_dict(path, spec, weights)
     check_weights(spec, weights)
     return weights
+
+
+def _refuse_torchrec_state_dict(path: Path, spec: ModelSpec, weights: Mapping[str, Any]) -> None:
+    """A TorchRec state dict (``...embedding_bags.<table>.weight`` keys) is read by the TorchRec importer: say so."""
+    names = {t.name for t in spec.tables}
+    if names <= set(weights):
+        return
+    torchrec_keys = [key for key in weights if TORCHREC_TABLE_KEY.search(str(key))]
+    if torchrec_keys:
+        raise WeightsError(
+            f"{str(path)!r} is a TorchRec state dict (keys like {torchrec_keys[0]!r}), not a "
+            "{table_name: tensor} checkpoint; pass it with --from-torchrec instead of --weights "
+            "(Python: infer.load_torchrec_checkpoint(path, spec))"
+        )

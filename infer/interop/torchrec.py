@@ -19,16 +19,13 @@ from torch import nn
 
 from infer.config import DataType, ModelSpec, PoolingType, TableConfig
 from infer.errors import ConfigError, WeightsError
-from infer.weights import load_tensor_file
+from infer.weights import TORCHREC_TABLE_KEY, load_tensor_file, table_mismatch
 
 if TYPE_CHECKING:
     from infer.modules.collection import EmbserveModel
 
 logger = logging.getLogger(__name__)
 
-# A table's weight in any TorchRec state dict: DLRM's ``sparse_arch.embedding_bag_collection.`` prefix,
-# DMP's stripped wrapper, a user's own module path: only the tail is fixed.
-_TABLE_KEY = re.compile(r"(?:^|\.)embedding_bags\.(?P<table>.+)\.weight$")
 # The first layer of a TorchRec DLRM's dense arch: its input width is the number of dense features.
 _DLRM_DENSE_INPUT_KEY = re.compile(r"(?:^|\.)dense_arch\.model\._mlp\.0\._linear\.weight$")
 
@@ -373,7 +370,7 @@ def spec_from_checkpoint(source: str | Path) -> ModelSpec:
     shapes: dict[str, tuple[int, ...]] = {}
     num_dense = 0
     for key, shape in all_shapes.items():
-        found = _TABLE_KEY.search(key)
+        found = TORCHREC_TABLE_KEY.search(key)
         if found:
             shapes.setdefault(found["table"], shape)
         elif _DLRM_DENSE_INPUT_KEY.search(key) and len(shape) == 2:
@@ -401,7 +398,7 @@ def _match_tables(keys: list[str], spec: ModelSpec, origin: str) -> dict[str, st
     """``{table: state dict key}``; missing and unknown tables in one error."""
     by_table: dict[str, list[str]] = {}
     for key in keys:
-        found = _TABLE_KEY.search(key)
+        found = TORCHREC_TABLE_KEY.search(key)
         if found:
             by_table.setdefault(found["table"], []).append(key)
     names = [t.name for t in spec.tables]
@@ -409,7 +406,7 @@ def _match_tables(keys: list[str], spec: ModelSpec, origin: str) -> dict[str, st
     extra = sorted(n for n in by_table if n not in names)
     if missing or extra:
         raise WeightsError(
-            f"{origin}: the checkpoint's tables do not match the spec: missing {missing}, not in the spec {extra}; "
+            f"{origin}: the checkpoint's tables do not match the spec: {table_mismatch(missing, extra)}; "
             f"keys are matched on 'embedding_bags.<table>.weight' (the spec has {names}); "
             "rename the spec's tables or write a spec with `embserve spec --from-torchrec`"
         )

@@ -144,3 +144,50 @@ def test_weights_and_from_torchrec_are_exclusive(trained, tmp_path, capsys):
     assert main(args) == 2
     assert "exactly one of --weights" in _error(capsys)
     assert main([*args, "--weights", str(folder / "model.pt"), "--from-torchrec", str(folder / "model.pt")]) == 2
+
+
+# --- issue 24: errors a user can act on ---------------------------------------------------------------------
+
+
+def test_spec_from_a_pickled_model_says_what_the_file_is_and_how_to_make_a_state_dict(trained, tmp_path, capsys):
+    dlrm, _, _ = trained
+    torch.save(dlrm, tmp_path / "pickled.pt")  # the whole module, not its state dict
+    assert main(["spec", "--from-torchrec", str(tmp_path / "pickled.pt")]) == 2
+    captured = capsys.readouterr()
+    message = captured.err
+    assert "pickled.pt" in message and "torchrec.models.dlrm.DLRM" in message
+    assert "not a state dict" in message and "torch.save(model.state_dict(), path)" in message
+    assert "\x1b[" not in message and "Traceback" not in message and "WeightsUnpickler" not in message
+    assert captured.out == ""
+
+
+def test_a_torchrec_state_dict_given_to_weights_suggests_from_torchrec(trained, tmp_path, capsys):
+    _, _, folder = trained
+    args = ["export", "--spec", str(folder / "spec.json"), "--weights", str(folder / "model.pt"), "--no-dense"]
+    assert main([*args, "--out", str(tmp_path / "a")]) == 2
+    message = _error(capsys)
+    assert "model.pt" in message and "TorchRec state dict" in message and "--from-torchrec" in message
+    assert "embedding_bags." in message  # the key that gave it away
+    assert not (tmp_path / "a").exists()
+
+
+def test_table_mismatch_messages_leave_out_empty_lists(trained, tmp_path):
+    from infer.errors import WeightsError
+    from infer.interop.torchrec import load_torchrec_checkpoint
+    from infer.weights import check_weights
+
+    _, imported, folder = trained
+    spec = imported.spec
+    fewer = ModelSpec(spec.tables[:-1])  # the checkpoint has one table more than this spec: nothing is missing
+    with pytest.raises(WeightsError) as info:
+        load_torchrec_checkpoint(folder / "model.pt", fewer)
+    message = str(info.value)
+    assert f"not in the spec ['{spec.tables[-1].name}']" in message
+    assert "missing" not in message and "[]" not in message
+    weights = dict(imported.weights)
+    del weights[spec.tables[0].name]  # one table missing, none unknown
+    with pytest.raises(WeightsError) as info:
+        check_weights(spec, weights)
+    message = str(info.value)
+    assert f"missing ['{spec.tables[0].name}']" in message and "unknown" not in message
+    assert "not in the spec" not in message and "[]" not in message
