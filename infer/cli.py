@@ -105,13 +105,15 @@ def cmd_export(args: argparse.Namespace) -> int:
                     table.data_type.value,
                 )
         spec = spec.with_data_types(overrides={t.table: t.data_type for t in plan.tables})
-    spec = _with_dense_part(spec, args.dense_arch, args.no_dense, args.spec)
+    # inputs are checked in the order the pipeline uses them: spec, plan, tables, then the dense part
+    _check_dense_flags(spec, args.dense_arch, args.no_dense, args.spec)
     if args.from_torchrec:
         from infer.interop.torchrec import load_torchrec_checkpoint
 
         weights = load_torchrec_checkpoint(args.from_torchrec, spec)
     else:
         weights = load_checkpoint(args.weights, spec)
+    spec = _with_dense_part(spec, args.dense_arch)
     model = quantize(spec, weights, progress=_print_progress)
     print(format_accuracy(accuracy_report(spec, weights, model)))
     if plan is not None:
@@ -167,21 +169,26 @@ def _check_plan_data_types(plan: ShardingPlan, dtype: str | None, overrides: dic
         )
 
 
-def _with_dense_part(spec: ModelSpec, dense_arch: str | None, no_dense: bool, spec_file: str) -> ModelSpec:
-    """Attach --dense-arch; a spec that declares dense features needs one unless --no-dense says otherwise."""
+def _check_dense_flags(spec: ModelSpec, dense_arch: str | None, no_dense: bool, spec_file: str) -> None:
+    """The dense flags agree with each other and the spec: one that declares dense features needs --dense-arch
+    unless --no-dense says otherwise. (The file itself is read after the tables, in pipeline order.)"""
     if dense_arch and no_dense:
         raise ConfigError("--dense-arch and --no-dense contradict each other; give one")
-    if dense_arch:
-        from infer.interop.dense_arch import load_dense_arch
-
-        return spec.with_dense_arch(load_dense_arch(dense_arch, spec), spec.num_dense_features)
-    if spec.num_dense_features > 0 and not no_dense:
+    if not dense_arch and spec.num_dense_features > 0 and not no_dense:
         raise ConfigError(
             f"spec {spec_file!r} declares num_dense_features={spec.num_dense_features} but no dense part was given: "
             "pass --dense-arch FILE (TorchScript or torch.export, taking (dense [B, n], pooled [B, d])), "
             "or --no-dense to export lookups only"
         )
-    return spec
+
+
+def _with_dense_part(spec: ModelSpec, dense_arch: str | None) -> ModelSpec:
+    """Attach --dense-arch (checked against the spec: its call, and the pooled layout it records)."""
+    if not dense_arch:
+        return spec
+    from infer.interop.dense_arch import load_dense_arch
+
+    return spec.with_dense_arch(load_dense_arch(dense_arch, spec), spec.num_dense_features)
 
 
 def cmd_spec(args: argparse.Namespace) -> int:

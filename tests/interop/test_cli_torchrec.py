@@ -191,3 +191,17 @@ def test_table_mismatch_messages_leave_out_empty_lists(trained, tmp_path):
     message = str(info.value)
     assert f"missing ['{spec.tables[0].name}']" in message and "unknown" not in message
     assert "not in the spec" not in message and "[]" not in message
+
+
+def test_a_wrong_checkpoint_is_reported_before_the_dense_part_is_probed(trained, tmp_path, capsys):
+    dlrm, _, folder = trained
+    state = dict(dlrm.state_dict())
+    state.pop("sparse_arch.embedding_bag_collection.embedding_bags.city.weight")
+    torch.save(state, tmp_path / "wrong_ckpt.pt")
+    torch.jit.save(torch.jit.script(torch.nn.Linear(3, 1)), str(tmp_path / "wrong_dense.pt"))
+    args = ["export", "--from-torchrec", str(tmp_path / "wrong_ckpt.pt"), "--spec", str(folder / "spec.json")]
+    assert main([*args, "--out", str(tmp_path / "a"), "--dense-arch", str(tmp_path / "wrong_dense.pt")]) == 2
+    message = _error(capsys)
+    # the pipeline reads the tables before it runs the dense part: the checkpoint is what is named
+    assert "wrong_ckpt.pt" in message and "missing ['city']" in message
+    assert "wrong_dense.pt" not in message
