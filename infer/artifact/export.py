@@ -20,6 +20,7 @@ import torch
 
 from infer.artifact.kernels import kernels_of
 from infer.artifact.manifest import MANIFEST_FILE, MODEL_FILE, PLAN_FILE, FileEntry, Manifest, OnnxEntry, Pt2Entry
+from infer.dense_layout import checked_layout
 from infer.errors import ArtifactError, ConfigError
 from infer.planner.types import ShardingPlan
 from infer.version import __version__
@@ -78,6 +79,10 @@ def export(
     Unsharded models and table-wise, column-wise and replicated shards (row-wise: ``ConfigError``); a dense
     part is a second program in the same package.
 
+    A dense part that records the pooled layout it was trained on (``infer.from_torchrec``) is checked against
+    the spec (``ConfigError`` naming the table and what differs: order, pooling, dim, columns) and the layout is
+    written to the manifest (``dense.expects``).
+
     An existing artifact at ``out_dir`` is replaced; any other non-empty folder is left alone
     and ``ArtifactError`` is raised.
     """
@@ -87,6 +92,7 @@ def export(
     if not isinstance(model, EmbserveModel):
         raise ConfigError(f"export takes the model returned by infer.quantize(), got {type(model).__name__}")
     out_dir = output_folder(out_dir)
+    dense_expects = checked_layout(model.spec, model.dense_arch if model.has_dense else None)
     started = time.monotonic()
     try:
         scripted = torch.jit.script(model)
@@ -126,6 +132,7 @@ def export(
             kernels=tuple(kernels_of(model, plan)),
             onnx=onnx_entry,
             pt2=pt2_entry,
+            dense_expects=dense_expects,
         )
         (staging / MANIFEST_FILE).write_text(manifest.to_json(), encoding="utf-8")
     logger.debug("exported %s in %.1fs", out_dir, time.monotonic() - started)

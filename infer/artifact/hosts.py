@@ -20,6 +20,7 @@ import torch
 from infer.artifact.export import output_folder, staged
 from infer.artifact.kernels import check_kernel, check_routing, kernels_from_tbes, model_tbes
 from infer.artifact.manifest import MANIFEST_FILE, PLAN_FILE, FileEntry, Manifest
+from infer.dense_layout import checked_layout
 from infer.errors import ArtifactError, ArtifactErrorKind, ConfigError
 from infer.planner.types import ShardingPlan
 from infer.version import __version__
@@ -51,6 +52,7 @@ def export_hosts(model: torch.nn.Module, out_dir: str | Path, plan: ShardingPlan
             "or plan for several hosts (Topology(world_size=H*G, local_world_size=G))"
         )
     out_dir = output_folder(out_dir)
+    dense_expects = checked_layout(model.spec, model.dense_arch if model.has_dense else None)
     started = time.monotonic()
     with staged(out_dir) as staging:
         files = []
@@ -86,6 +88,7 @@ def export_hosts(model: torch.nn.Module, out_dir: str | Path, plan: ShardingPlan
             kernels=tuple(kernels),
             host_parts=tuple(host_part_file(h) for h in range(hosts)),
             devices_per_host=local,
+            dense_expects=dense_expects,
         )
         (staging / MANIFEST_FILE).write_text(manifest.to_json(), encoding="utf-8")
     logger.debug("exported %s (%d hosts) in %.1fs", out_dir, hosts, time.monotonic() - started)

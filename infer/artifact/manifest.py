@@ -18,6 +18,7 @@ from infer.artifact.kernels import Kernel, expected_kernels
 from infer.artifact.schema import is_host_file, parse_document, validate
 from infer.artifact.verify import ChunkedFile, Chunks, PendingVerification, file_digests
 from infer.config import ModelSpec
+from infer.dense_layout import PooledLayout
 from infer.errors import ArtifactError, ArtifactErrorKind, ConfigError
 
 FORMAT_NAME = "embserve-artifact"
@@ -184,6 +185,8 @@ class Manifest:
     # a multi-host artifact (infer.artifact.hosts): one model file per host, hosts/<h>/model.pt; () otherwise
     host_parts: tuple[str, ...] = ()
     devices_per_host: int = 0
+    # the pooled layout the dense part was built against (infer.dense_layout), when it records one
+    dense_expects: PooledLayout | None = None
 
     @property
     def num_hosts(self) -> int:
@@ -224,7 +227,11 @@ class Manifest:
                 ),
             },
             "output": {"dtype": "float32", "shape": ["batch", spec.output_dim]},
-            "dense": {"present": self.has_dense, "num_dense_features": spec.num_dense_features},
+            "dense": {
+                "present": self.has_dense,
+                "num_dense_features": spec.num_dense_features,
+                **({"expects": self.dense_expects.to_dict()} if self.dense_expects is not None else {}),
+            },
             "devices": list(self.devices),
             "sharding": {"plan_file": self.plan_file, "world_size": self.world_size},
             "kernels": [k.to_dict() for k in self.kernels],
@@ -292,6 +299,7 @@ class Manifest:
             pt2=Pt2Entry.from_dict(data["pt2"]) if "pt2" in data else None,
             host_parts=tuple(data["hosts"]["parts"]) if "hosts" in data else (),
             devices_per_host=data["hosts"]["devices_per_host"] if "hosts" in data else 0,
+            dense_expects=PooledLayout.from_dict(dense["expects"]) if "expects" in dense else None,
         )
         manifest._check_consistency(data)
         return manifest
@@ -327,6 +335,12 @@ class Manifest:
             raise fail(f"output.shape must end with the output dim {spec.output_dim}")
         if self.has_dense and spec.num_dense_features < 1:
             raise fail("dense.present needs dense.num_dense_features >= 1")
+        if self.dense_expects is not None:
+            if not self.has_dense:
+                raise fail("dense.expects is set but dense.present is false")
+            problems = self.dense_expects.mismatches(spec)
+            if problems:
+                raise fail(f"dense.expects disagrees with 'features': {'; '.join(problems)}")
         names = {e.name for e in self.files}
         if self.model_file not in names:
             raise ArtifactError(

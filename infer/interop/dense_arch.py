@@ -11,6 +11,7 @@ import torch
 from torch import nn
 
 from infer.config import ModelSpec
+from infer.dense_layout import checked_layout
 from infer.errors import ConfigError
 
 logger = logging.getLogger(__name__)
@@ -20,7 +21,8 @@ _PROBE_BATCHES = (2, 3)
 
 
 def load_dense_arch(path: str | Path, spec: ModelSpec) -> nn.Module:
-    """Load the dense part at ``path`` and check it against ``spec`` (``num_dense_features``, ``output_dim``).
+    """Load the dense part at ``path`` and check it against ``spec``: the pooled layout it records (written by
+    ``infer.from_torchrec``: feature order, columns, pooling), then its call (``num_dense_features``, ``output_dim``).
 
     A TorchScript file is used as it is; a ``torch.export`` program (``.pt2``) is traced into TorchScript,
     since the artifact is a TorchScript archive. Raises ``ConfigError`` naming the file and the expected call.
@@ -37,6 +39,8 @@ def load_dense_arch(path: str | Path, spec: ModelSpec) -> nn.Module:
             "set num_dense_features in the spec to the width of the dense input"
         )
     module = _load(path, spec)
+    # the recorded layout first: a spec in another order calls fine and answers wrong
+    checked_layout(spec, module, f"dense arch {str(path)!r}")
     for batch in _PROBE_BATCHES:
         dense = torch.zeros(batch, spec.num_dense_features)
         pooled = torch.zeros(batch, spec.output_dim)

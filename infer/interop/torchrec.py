@@ -18,6 +18,7 @@ import torch
 from torch import nn
 
 from infer.config import DataType, ModelSpec, PoolingType, TableConfig
+from infer.dense_layout import PooledLayout, record_layout, recorded_layout
 from infer.errors import ConfigError, WeightsError
 from infer.weights import TORCHREC_TABLE_KEY, load_tensor_file, table_mismatch
 
@@ -55,6 +56,12 @@ class ImportedModel:
     weights: Mapping[str, torch.Tensor]
     dense_arch: nn.Module | None = None
     quantized_rows: Mapping[str, QuantizedRows] = field(default_factory=dict)
+
+    @property
+    def dense_layout(self) -> PooledLayout | None:
+        """The pooled layout the dense part reads (the model's feature order, columns and pooling), recorded on
+        ``dense_arch`` so that export refuses a spec that differs; None without a dense part."""
+        return recorded_layout(self.dense_arch)
 
     def quantize(
         self,
@@ -145,6 +152,8 @@ def from_torchrec(model: nn.Module, data_type: DataType | str | None = None) -> 
                 f"the DLRM reads its sparse features in the order {list(order)} but its EmbeddingBagCollection "
                 f"outputs {list(spec.feature_names)}; embserve keeps the collection's order"
             )
+        # the dense part reads the pooled columns in the model's order and pooling: record them with it
+        record_layout(dense_arch, PooledLayout.of_spec(spec))
         spec = spec.with_dense_arch(dense_arch, num_dense)
     logger.info(
         "imported %d tables from %s%s%s",
