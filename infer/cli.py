@@ -214,32 +214,30 @@ def cmd_spec(args: argparse.Namespace) -> int:
 def _export_plan(args: argparse.Namespace, spec: ModelSpec) -> ShardingPlan | None:
     """The plan to shard with: read from --plan, made for --world-size, or none (unsharded)."""
     from infer.planner.planner import EmbeddingPlanner
-    from infer.planner.types import ComputeDevice, ShardingPlan, Topology, load_constraints
+    from infer.planner.types import ShardingPlan, Topology, load_constraints, require_devices_here
     from infer.planner.utils import parse_bytes
 
-    if args.device == "cuda":
-        import torch
-
-        if not torch.cuda.is_available():
-            raise EmbserveError("--device cuda needs a CUDA device on this host; export with --device cpu")
     if args.plan:
         try:
             text = Path(args.plan).read_text()
         except OSError as err:
             raise EmbserveError(f"cannot read plan {args.plan!r}: {err.strerror}") from None
-        return ShardingPlan.from_json(text)
+        plan = ShardingPlan.from_json(text)
+        require_devices_here(plan.topology, f"the plan {args.plan!r}")
+        return plan
     hosts = max(1, args.hosts)
     if hosts > 1 and args.world_size:
         raise EmbserveError("give either --world-size (one host) or --hosts with --devices-per-host, not both")
     devices = args.devices_per_host * hosts if hosts > 1 else args.world_size
     if not devices:
         return None
-    topology = Topology(
+    topology = Topology.detect(
         devices,
-        ComputeDevice(args.device),
-        (parse_bytes(args.device_memory),) if args.device_memory else (),
+        args.device,
+        parse_bytes(args.device_memory) if args.device_memory else None,
         local_world_size=args.devices_per_host if hosts > 1 else 0,
     )
+    require_devices_here(topology, f"--device {args.device}")
     constraints = load_constraints(args.constraints, spec) if args.constraints else {}
     return EmbeddingPlanner(topology).plan(spec, constraints)
 
@@ -351,15 +349,16 @@ def cmd_plan(args: argparse.Namespace) -> int:
     from infer.demo import demo_spec
     from infer.planner.planner import EmbeddingPlanner
     from infer.planner.stats import format_stats, plot_plan
-    from infer.planner.types import ComputeDevice, Topology, load_constraints
+    from infer.planner.types import Topology, load_constraints
     from infer.planner.utils import parse_bytes
 
     spec = demo_spec() if args.spec == "demo" else ModelSpec.load(args.spec)
     spec = spec.with_data_types(args.dtype, _parse_table_dtypes(args.table_dtype))
-    topology = Topology(
+    # this host's devices and memory unless the flags say otherwise; the plan's stats say which
+    topology = Topology.detect(
         args.world_size,
-        ComputeDevice(args.compute_device),
-        (parse_bytes(args.device_memory),) if args.device_memory else (),
+        args.compute_device,
+        parse_bytes(args.device_memory) if args.device_memory else None,
         host_memory=parse_bytes(args.host_memory) if args.host_memory else 0,
     )
     constraints = load_constraints(args.constraints, spec) if args.constraints else {}
@@ -407,7 +406,9 @@ def build_parser() -> argparse.ArgumentParser:
     exp.add_argument("--hosts", type=int, default=0, help="shard over this many hosts (one part per host)")
     exp.add_argument("--devices-per-host", type=int, default=1, help="devices of each host, with --hosts")
     exp.add_argument("--device", choices=["cpu", "cuda"], default="cpu", help="device kind of the shards")
-    exp.add_argument("--device-memory", default=None, help="memory per device for planning, e.g. 16GB")
+    exp.add_argument(
+        "--device-memory", default=None, help="memory per device for planning, e.g. 16GB (default: this host's)"
+    )
     exp.add_argument("--constraints", default=None, help="planner constraints JSON")
     exp.add_argument("--plan", default=None, help="shard with this plan JSON (from embserve plan)")
     exp.add_argument(
@@ -445,9 +446,18 @@ def build_parser() -> argparse.ArgumentParser:
     plan = sub.add_parser("plan", help="plan table placement on the devices of one host")
     plan.add_argument("--spec", required=True, help="model spec JSON, or 'demo' for the built-in demo model")
     plan.add_argument("--world-size", type=int, required=True, help="number of devices")
-    plan.add_argument("--device-memory", default=None, help="memory per device, e.g. 80GB (default: per kind)")
+    plan.add_argument(
+        "--device-memory",
+        default=None,
+        help="memory per device, e.g. 80GB (default: this host's: each CUDA device's, or RAM / CPU devices)",
+    )
     plan.add_argument("--host-memory", default=None, help="host memory for UVM placements, e.g. 1TB")
-    plan.add_argument("--compute-device", choices=["cuda", "cpu"], default="cuda")
+    plan.add_argument(
+        "--compute-device",
+        choices=["cuda", "cpu"],
+        default=None,
+        help="default: cuda where this host has CUDA, else cpu",
+    )
     plan.add_argument("--batch-size", type=int, default=512)
     plan.add_argument("--constraints", default=None, help="JSON {table_name: {constraint: value}}")
     plan.add_argument("--dtype", default=None, help="data type for every table")

@@ -202,6 +202,7 @@ class EmbeddingPlanner:
                 "seconds": round(seconds, 4),
                 "partition_lower_bound": partition_lower_bound(result.proposal, reserved.world_size),
                 "usable_device_memory": list(reserved.device_memory),
+                **({"topology_source": self.topology.source} if self.topology.source else {}),
             },
         )
 

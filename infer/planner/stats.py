@@ -4,10 +4,13 @@ from __future__ import annotations
 
 from collections import Counter
 from pathlib import Path
+from typing import Any
 
 from infer.errors import ConfigError
 from infer.planner import constants as C
 from infer.planner.types import ShardingPlan, ShardingType
+
+_BAR_WIDTH = 0.8
 
 _SHORT = {
     ShardingType.TABLE_WISE: "TW",
@@ -43,6 +46,7 @@ def format_stats(plan: ShardingPlan) -> str:
     lines = [
         f"embserve plan: {len(plan.tables)} tables on {topo.world_size} {topo.compute_device.value} devices, "
         f"batch {plan.batch_size}, {'inference' if plan.is_inference else 'training'} estimates",
+        *([f"topology: {plan.planner['topology_source']}"] if plan.planner.get("topology_source") else []),
         "",
         f"{'device':>6} {'memory GB (used/usable/cap)':>28} {'use%':>6} {'host GB':>8} {'cost us':>9} "
         f"{'in MB':>8} {'out MB':>8}  shards",
@@ -75,7 +79,20 @@ def format_stats(plan: ShardingPlan) -> str:
 
 
 def plot_plan(plan: ShardingPlan, path: str | Path) -> Path:
-    """Bars per device: memory used against the cap, and estimated cost against the lower bound."""
+    """Bars per device: memory used against the cap, and estimated cost against the lower bound; saved as PNG."""
+    import matplotlib.pyplot as plt
+
+    fig = plan_figure(plan)
+    path = Path(path)
+    fig.savefig(path, dpi=100)
+    plt.close(fig)
+    return path
+
+
+def plan_figure(plan: ShardingPlan) -> Any:
+    """The figure ``plot_plan`` saves (a matplotlib ``Figure``, Agg backend): one bar per device, each device a
+    labelled tick (``cuda:0``, ``cpu:1``) and the x axis spanning the devices, so one device is not drawn on a
+    fractional axis."""
     try:
         import matplotlib
     except ImportError:
@@ -89,18 +106,20 @@ def plot_plan(plan: ShardingPlan, path: str | Path) -> Path:
     storage = plan.device_storage()
     costs = plan.device_costs()
     fig, (memory_ax, cost_ax) = plt.subplots(2, 1, figsize=(max(6.0, 0.35 * topo.world_size + 3), 6), sharex=True)
-    memory_ax.bar(devices, [topo.device_memory[d] / C.GB for d in devices], color="#dddddd", label="capacity")
-    memory_ax.bar(devices, [storage[d].device / C.GB for d in devices], color="#4c72b0", label="planned")
+    memory_ax.bar(
+        devices, [topo.device_memory[d] / C.GB for d in devices], _BAR_WIDTH, color="#dddddd", label="capacity"
+    )
+    memory_ax.bar(devices, [storage[d].device / C.GB for d in devices], _BAR_WIDTH, color="#4c72b0", label="planned")
     memory_ax.set_ylabel("device memory (GB)")
     memory_ax.legend(loc="upper right", fontsize=8)
-    cost_ax.bar(devices, [c * 1e6 for c in costs], color="#dd8452", label="estimated cost")
+    cost_ax.bar(devices, [c * 1e6 for c in costs], _BAR_WIDTH, color="#dd8452", label="estimated cost")
     cost_ax.axhline(plan.lower_bound * 1e6, color="black", linestyle="--", linewidth=1, label="lower bound")
     cost_ax.set_ylabel("cost per batch (us)")
     cost_ax.set_xlabel("device")
     cost_ax.legend(loc="upper right", fontsize=8)
+    # integer device ticks with their names; half a device of room either side of the outer bars
+    cost_ax.set_xticks(devices, [topo.device_name(d) for d in devices])
+    cost_ax.set_xlim(-0.5 - _BAR_WIDTH / 2, topo.world_size - 0.5 + _BAR_WIDTH / 2)
     fig.suptitle(f"{len(plan.tables)} tables on {topo.world_size} {topo.compute_device.value} devices")
     fig.tight_layout()
-    path = Path(path)
-    fig.savefig(path, dpi=100)
-    plt.close(fig)
-    return path
+    return fig

@@ -51,6 +51,9 @@ class Topology:
     ddr_bandwidth: float = 0.0
     host_to_device_bandwidth: float = 0.0
     intra_host_bandwidth: float = 0.0
+    # where the compute device and memory came from (flags, this host, a kind's default); not part of the JSON
+    # form: the planner copies it into the plan's stats
+    source: str = field(default="", compare=False)
 
     def __post_init__(self) -> None:
         if isinstance(self.world_size, bool) or not isinstance(self.world_size, int) or self.world_size < 1:
@@ -66,8 +69,8 @@ class Topology:
         cuda = device == ComputeDevice.CUDA
         memory = tuple(int(m) for m in self.device_memory)
         if not memory:
-            default = C.CUDA_DEVICE_MEMORY if cuda else C.CPU_HOST_MEMORY // self.world_size
-            memory = (default,) * self.world_size
+            memory, where = _default_device_memory(cuda, self.world_size)
+            object.__setattr__(self, "source", "; ".join(filter(None, (self.source, where))))
         elif len(memory) == 1:
             memory = memory * self.world_size
         if len(memory) != self.world_size or any(m < 0 for m in memory):
@@ -113,17 +116,42 @@ class Topology:
         return Topology.from_dict(data)
 
     @classmethod
-    def detect(cls, world_size: int | None = None) -> Topology:
-        """The current host: every CUDA device when present, else one CPU shard per core."""
+    def detect(
+        cls,
+        world_size: int | None = None,
+        compute_device: ComputeDevice | str | None = None,
+        device_memory: int | None = None,
+        host_memory: int = 0,
+        local_world_size: int = 0,
+    ) -> Topology:
+        """This host, unless told otherwise: CUDA when it has a CUDA device (each device's own memory), else CPU
+        (one shard per core; the host's RAM divided among them). ``source`` says where each number came from."""
         import torch
 
-        if torch.cuda.is_available():
-            count = torch.cuda.device_count()
-            memory = tuple(torch.cuda.get_device_properties(i).total_memory for i in range(count))
-            size = world_size or count
-            return cls(size, ComputeDevice.CUDA, (memory * size)[:size], host_memory=_host_memory_bytes())
-        size = world_size or (os.cpu_count() or 1)
-        return cls(size, ComputeDevice.CPU, (_host_memory_bytes() // size,) * size)
+        cuda_count = torch.cuda.device_count() if torch.cuda.is_available() else 0
+        if compute_device is None:
+            device = ComputeDevice.CUDA if cuda_count else ComputeDevice.CPU
+            told = f"{device.value} (this host {'has CUDA' if cuda_count else 'has no CUDA device'})"
+        else:
+            device = ComputeDevice(compute_device)
+            told = f"{device.value} (given)"
+        cuda = device == ComputeDevice.CUDA
+        size = world_size or (cuda_count if cuda and cuda_count else (os.cpu_count() or 1))
+        notes = [f"compute device {told}"]
+        memory: tuple[int, ...] = ()
+        if device_memory:
+            memory = (int(device_memory),) * size
+            notes.append(f"device memory {_gb(device_memory)} each (given)")
+        elif cuda and cuda_count:
+            measured = tuple(torch.cuda.get_device_properties(i).total_memory for i in range(cuda_count))
+            memory = (measured * size)[:size]
+            notes.append(f"device memory {', '.join(_gb(m) for m in memory)} (this host's CUDA devices)")
+        if cuda and not host_memory:
+            host_memory, where = host_ram_bytes()
+            notes.append(f"host memory {_gb(host_memory)} ({where})")
+        return cls(
+            size, device, memory, host_memory=host_memory, local_world_size=local_world_size, source="; ".join(notes)
+        )
 
     def to_dict(self) -> dict[str, Any]:
         return {
@@ -146,15 +174,59 @@ class Topology:
         return cls(**values)
 
 
-def _host_memory_bytes() -> int:
+def require_devices_here(topology: Topology, source: str) -> None:
+    """Building a model for ``topology`` needs its devices on this host: a CUDA topology on a host with fewer
+    CUDA devices is a ``PlanError(kind=INVALID_TOPOLOGY)`` naming the devices and the fix."""
+    if not topology.is_cuda:
+        return
+    import torch
+
+    available = torch.cuda.device_count() if torch.cuda.is_available() else 0
+    if available >= topology.local_world_size:
+        return
+    devices = list(dict.fromkeys(topology.device_name(rank) for rank in range(topology.world_size)))
+    here = f"{available} CUDA device(s)" if available else "no CUDA device"
+    raise PlanError(
+        f"{source} places tables on {devices}, but this host has {here}; re-plan for this host's CPU "
+        "(`embserve plan ... --compute-device cpu`, or `--device cpu`), or export on a host with those devices "
+        "(the CUDA artifact can then be loaded on CPU with `embserve run --device-map cuda:0=cpu,...`)",
+        PlanErrorKind.INVALID_TOPOLOGY,
+    )
+
+
+def host_ram_bytes() -> tuple[int, str]:
+    """This host's RAM and where the figure came from: MemTotal in /proc/meminfo, else os.sysconf, else the
+    CPU default (``constants.CPU_HOST_MEMORY``). Total, not available: a plan should not change with the load."""
     try:
         with open("/proc/meminfo") as handle:
             for line in handle:
                 if line.startswith("MemTotal:"):
-                    return int(line.split()[1]) * 1024
-    except OSError:
+                    return int(line.split()[1]) * 1024, "this host's RAM: MemTotal in /proc/meminfo"
+    except (OSError, ValueError, IndexError):
         pass
-    return C.CPU_HOST_MEMORY
+    try:
+        pages, page_size = os.sysconf("SC_PHYS_PAGES"), os.sysconf("SC_PAGE_SIZE")
+        if pages > 0 and page_size > 0:
+            return pages * page_size, "this host's RAM: os.sysconf"
+    except (OSError, ValueError, AttributeError):
+        pass
+    return C.CPU_HOST_MEMORY, f"assumed {_gb(C.CPU_HOST_MEMORY)}: this host's RAM could not be read"
+
+
+def _default_device_memory(cuda: bool, world_size: int) -> tuple[tuple[int, ...], str]:
+    """Memory per device when none is given: a CUDA device of the kind's size (the target host's GPUs are not
+    this host's: ``Topology.detect`` measures them), a CPU device its share of this host's RAM."""
+    if cuda:
+        return (C.CUDA_DEVICE_MEMORY,) * world_size, (
+            f"device memory {_gb(C.CUDA_DEVICE_MEMORY)} each (the default for cuda; give the real size)"
+        )
+    ram, where = host_ram_bytes()
+    share = ram // world_size
+    return (share,) * world_size, f"device memory {_gb(share)} each = {_gb(ram)} ({where}) / {world_size} CPU devices"
+
+
+def _gb(size: int) -> str:
+    return f"{size / C.GB:.2f} GB"
 
 
 @dataclass(frozen=True)

@@ -143,7 +143,7 @@ def test_stats_and_plot(tmp_path):
 
 def test_cli_plan_on_the_demo_spec(tmp_path, capsys):
     out, png = tmp_path / "plan.json", tmp_path / "plan.png"
-    args = ["plan", "--spec", "demo", "--world-size", "8", "--device-memory", "80GB"]
+    args = ["plan", "--spec", "demo", "--world-size", "8", "--device-memory", "80GB", "--compute-device", "cuda"]
     assert main([*args, "--out", str(out), "--plot", str(png)]) == 0
     printed = capsys.readouterr().out
     assert "cuda:7" in printed and "user_id" in printed and "lower bound" in printed
@@ -158,3 +158,92 @@ def test_cli_plan_on_the_demo_spec(tmp_path, capsys):
     constraints.write_text(json.dumps({"nosuch": {}}))
     assert main([*args, "--out", str(out), "--constraints", str(constraints)]) == 2
     assert "nosuch" in capsys.readouterr().err
+
+
+# --- issue 24: the host's devices and memory, a CUDA plan on a CPU host, the plot's axis ----------------------
+
+
+def _meminfo_total() -> int:
+    """MemTotal from /proc/meminfo, read here (the reference the planner's default must match)."""
+    for line in open("/proc/meminfo").read().splitlines():
+        key, value = line.split(":", 1)
+        if key == "MemTotal":
+            return int(value.split()[0]) * 1024
+    raise AssertionError("no MemTotal in /proc/meminfo")
+
+
+def _small_spec_file(tmp_path) -> str:
+    spec = ModelSpec((TableConfig("a", 100, 8, ("fa",)), TableConfig("b", 50, 8, ("fb",))))
+    (tmp_path / "spec.json").write_text(spec.to_json())
+    return str(tmp_path / "spec.json")
+
+
+def test_cli_plan_takes_the_device_and_memory_from_this_host(tmp_path, capsys):
+    import torch
+
+    out = tmp_path / "plan.json"
+    assert main(["plan", "--spec", _small_spec_file(tmp_path), "--world-size", "2", "--out", str(out)]) == 0
+    printed = capsys.readouterr().out
+    plan = ShardingPlan.from_json(out.read_text())
+    if torch.cuda.is_available():
+        assert plan.topology.compute_device == ComputeDevice.CUDA
+        assert plan.topology.device_memory[0] == torch.cuda.get_device_properties(0).total_memory
+    else:
+        assert plan.topology.compute_device == ComputeDevice.CPU and "cpu:1" in printed
+        assert plan.topology.device_memory == (_meminfo_total() // 2,) * 2
+        assert "this host has no CUDA device" in printed and "MemTotal in /proc/meminfo" in printed
+    assert plan.planner["topology_source"] in printed  # the stats say where the numbers came from
+    # told otherwise, the flags win and the stats say so
+    args = ["plan", "--spec", _small_spec_file(tmp_path), "--world-size", "2", "--out", str(out)]
+    assert main([*args, "--compute-device", "cpu", "--device-memory", "3GB"]) == 0
+    plan = ShardingPlan.from_json(out.read_text())
+    assert plan.topology.device_memory == (3 * 1024**3,) * 2
+    assert "compute device cpu (given)" in capsys.readouterr().out
+
+
+def test_a_cpu_topology_divides_this_hosts_ram_among_its_devices():
+    topology = Topology(4, ComputeDevice.CPU)
+    assert topology.device_memory == (_meminfo_total() // 4,) * 4
+    plan = plan_for_inference(spec_of(3, rows=1000), topology)
+    assert "/proc/meminfo" in plan.planner["topology_source"]
+    assert "/proc/meminfo" in format_stats(plan)
+
+
+def test_exporting_a_cuda_plan_on_a_host_without_cuda_is_a_typed_error(tmp_path, capsys):
+    import torch
+
+    from infer.weights import random_weights
+
+    if torch.cuda.is_available():
+        pytest.skip("this host has CUDA: the plan's devices exist")
+    spec_file = _small_spec_file(tmp_path)
+    torch.save(random_weights(ModelSpec.load(spec_file)), tmp_path / "w.pt")
+    plan = tmp_path / "plan.json"
+    args = ["plan", "--spec", spec_file, "--world-size", "2", "--compute-device", "cuda", "--device-memory", "1GB"]
+    assert main([*args, "--out", str(plan)]) == 0
+    capsys.readouterr()
+    export = ["export", "--spec", spec_file, "--weights", str(tmp_path / "w.pt"), "--out", str(tmp_path / "art")]
+    assert main([*export, "--plan", str(plan)]) == 2
+    message = capsys.readouterr().err
+    assert "plan.json" in message and "['cuda:0', 'cuda:1']" in message and "no CUDA device" in message
+    assert "--compute-device cpu" in message and "--device-map" in message
+    assert "Traceback" not in message and "AssertionError" not in message
+    assert not (tmp_path / "art").exists()
+
+
+@pytest.mark.parametrize("devices", [1, 3])
+def test_the_plot_has_one_labelled_tick_per_device_and_limits_around_the_bars(tmp_path, devices):
+    from infer.planner.stats import plan_figure
+
+    plan = plan_for_inference(spec_of(2, rows=1000), Topology(devices, ComputeDevice.CPU, (C.GB,)))
+    figure = plan_figure(plan)
+    axes = figure.axes
+    for ax in axes:
+        assert list(ax.get_xticks()) == list(range(devices))
+        low, high = ax.get_xlim()
+        bars = [(patch.get_x(), patch.get_x() + patch.get_width()) for patch in ax.patches]
+        assert bars and all(low < left and right < high for left, right in bars)
+        assert high - low <= devices + 1  # about one unit per device, not a fractional axis around one bar
+    labels = [label.get_text() for label in axes[-1].get_xticklabels()]
+    assert labels == [f"cpu:{d}" for d in range(devices)]
+    assert plot_plan(plan, tmp_path / "plan.png").read_bytes()[:4] == b"\x89PNG"
