@@ -224,6 +224,7 @@ async def create_server(artifact: str | Path | Runtime, config: ServerConfig = S
         workers=workers,
         max_merge_examples=config.max_merge_examples,
     )
+    metrics.in_flight.set_function(lambda: servicer.in_flight)
     interceptors = [BearerTokenInterceptor(config.auth_token)] if config.auth_token else []
     options = [
         ("grpc.max_receive_message_length", config.max_message_bytes),

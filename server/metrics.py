@@ -60,6 +60,9 @@ class ServerMetrics:
             registry=self.registry,
         )
         self.queue_depth = Gauge("embserve_queue_depth", "requests waiting to be batched", registry=self.registry)
+        self.in_flight = Gauge(
+            "embserve_in_flight", "gRPC model calls accepted and not yet answered", registry=self.registry
+        )
 
     def observe_batch(self, requests: int, examples: int) -> None:
         self.batch_requests.observe(requests)
