@@ -16,6 +16,7 @@ from infer.artifact.load import BACKENDS
 
 def cmd_serve(args: argparse.Namespace) -> int:
     import asyncio
+    import logging
     import os
     import signal
     import sys
@@ -67,7 +68,13 @@ def cmd_serve(args: argparse.Namespace) -> int:
         from infer.artifact.load import load
 
         artifact = load(args.artifact, backend=args.backend)
-    return asyncio.run(serve(artifact, config))
+    code = asyncio.run(serve(artifact, config))
+    # Everything is stopped and released: skip the interpreter's teardown of torch and its libraries
+    # (~0.45 s here, more on a loaded host), so that a stop with nothing in flight takes well under 1 s.
+    logging.shutdown()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(code)
 
 
 def cmd_query(args: argparse.Namespace) -> int:
