@@ -65,3 +65,41 @@ class PlanError(EmbserveError):
     def __init__(self, message: str, kind: PlanErrorKind) -> None:
         super().__init__(message)
         self.kind = kind
+
+
+class ServerErrorKind(enum.Enum):
+    """Why a server refused or failed a call: the gRPC status it answered (``RejectedRequestError`` is
+    INVALID_ARGUMENT)."""
+
+    NOT_FOUND = "NOT_FOUND"  # no such model or version: check the name (metadata lists them)
+    UNAVAILABLE = "UNAVAILABLE"  # warming up, shutting down or unreachable: retry, or try another replica
+    RESOURCE_EXHAUSTED = "RESOURCE_EXHAUSTED"  # the queue is full (or a message too big): back off and retry
+    FAILED_PRECONDITION = "FAILED_PRECONDITION"  # the model cannot do this (no dense part, a failed load)
+    DEADLINE_EXCEEDED = "DEADLINE_EXCEEDED"  # the call's timeout passed: raise it, or send smaller batches
+    UNAUTHENTICATED = "UNAUTHENTICATED"  # missing or wrong bearer token
+    PERMISSION_DENIED = "PERMISSION_DENIED"
+    CANCELLED = "CANCELLED"
+    UNIMPLEMENTED = "UNIMPLEMENTED"  # the server does not offer this call
+    INTERNAL = "INTERNAL"  # the server failed; its log has the request id the message names
+    UNKNOWN = "UNKNOWN"  # any other status
+
+
+class ServerError(EmbserveError):
+    """A server refused or failed a call; ``kind`` says why, ``status`` is the gRPC status name and
+    ``server_message`` the server's own words."""
+
+    def __init__(self, server_message: str, status: str) -> None:
+        super().__init__(f"{status}: {server_message}")
+        self.server_message = server_message
+        self.status = status
+        self.kind = ServerErrorKind.__members__.get(status, ServerErrorKind.UNKNOWN)
+
+
+class RejectedRequestError(RequestError):
+    """A server refused a request as malformed (INVALID_ARGUMENT): ``server_message`` names the feature
+    or tensor; ``status`` is the gRPC status name."""
+
+    def __init__(self, server_message: str, status: str = "INVALID_ARGUMENT") -> None:
+        super().__init__(f"{status}: {server_message}")
+        self.server_message = server_message
+        self.status = status

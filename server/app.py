@@ -2,8 +2,8 @@
 
 ``create_server`` builds a started server and returns it with its port (tests bind port 0);
 ``serve`` runs one until SIGTERM/SIGINT, then drains: health NOT_SERVING at once, calls still served for
-``drain_grace_s`` (so load balancers move away), then no new calls and every accepted one finished. Starting one in
-a subprocess (demo, tests, benchmarks) is ``server.launch``'s job.
+``drain_grace_s`` (so load balancers move away) or until traffic stopped for ``drain_quiet_s``, then no new calls
+and every accepted one finished. Starting one in a subprocess (demo, tests, benchmarks) is ``server.launch``'s job.
 """
 
 from __future__ import annotations
@@ -13,6 +13,7 @@ import logging
 import os
 import signal
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -31,6 +32,7 @@ from server.health import DrainingHealthServicer
 from server.metrics import ServerMetrics
 from server.oip import OpenInference
 from server.oip import add_to_server as add_open_inference
+from server.ports import Port, cannot_bind, probe
 from server.repository import is_repository, open_repository
 from server.service import SERVICE_NAME, InferenceServicer, add_to_server
 
@@ -40,6 +42,8 @@ logger = logging.getLogger(__name__)
 SERVING_LINE = "embserve: serving on port"
 # Stopping waits until no call arrived for this long (each refused with UNAVAILABLE), then closes the port.
 _QUIET_S = 0.1
+# how often the grace looks again while a call is in flight
+_POLL_S = 0.01
 
 
 @dataclass(frozen=True)
@@ -55,11 +59,12 @@ class ServerConfig:
     threads: int = 0  # example ranges a CPU kernel splits a batch into; 0 -> cores // (workers x CPU kernels)
     max_message_bytes: int = 64 * 1024 * 1024
     metrics_port: int | None = None  # None: no /metrics endpoint; 0: any free port
-    metrics_host: str = "0.0.0.0"
+    metrics_host: str | None = None  # None: the gRPC host
     tls_cert: str | None = None
     tls_key: str | None = None
     auth_token: str | None = None
     drain_grace_s: float = 5.0  # after SIGTERM: NOT_SERVING but still serving, for load balancers to notice
+    drain_quiet_s: float = 0.25  # ... ended early once no call arrived for this long and none is in flight
     drain_seconds: float = 30.0  # then: at most this long for accepted calls to finish
     warmup_batches: int = 3
     # Open Inference Protocol (server/oip.py, server/oip_http.py)
@@ -82,15 +87,37 @@ class RunningServer:
     oip: OpenInference | None = None
     http_port: int | None = None
 
-    async def drain(self, grace_s: float, timeout_s: float) -> None:
-        """NOT_SERVING now; keep serving for ``grace_s``; then stop (``stop``)."""
+    async def drain(self, grace_s: float, timeout_s: float, quiet_s: float = 0.0) -> None:
+        """NOT_SERVING now; keep serving for ``grace_s``, or until no call arrived for ``quiet_s`` and
+        none is in flight (traffic moved away, or there was none); then stop (``stop``)."""
         await self.health.enter_graceful_shutdown()
         if self.oip is not None:
             self.oip.is_ready = False  # the Open Inference Protocol's readiness says the same
         if grace_s > 0 and not self.stopped.is_set():
-            logger.info("draining: NOT_SERVING, still serving for %.1f s", grace_s)
-            await asyncio.sleep(grace_s)
+            logger.info("draining: NOT_SERVING, still serving for up to %.1f s (until %.2f s quiet)", grace_s, quiet_s)
+            ended = await self._grace(grace_s, quiet_s)
+            logger.info("draining: %s", ended)
         await self.stop(timeout_s)
+
+    def _last_arrival(self) -> float:
+        http = self.oip.http if self.oip is not None else None
+        return max(self.servicer.last_arrival, http.last_arrival if http is not None else 0.0)
+
+    def _idle(self) -> bool:
+        http = self.oip.http if self.oip is not None else None
+        return self.servicer.in_flight == 0 and (http is None or http.in_flight == 0)
+
+    async def _grace(self, grace_s: float, quiet_s: float) -> str:
+        """Wait out the grace; returns why it ended. Health checks are no traffic: they do not extend it."""
+        deadline = time.monotonic() + grace_s
+        while True:
+            now = time.monotonic()
+            if now >= deadline:
+                return f"the grace of {grace_s:.1f} s is over"
+            quiet = now - self._last_arrival()
+            if quiet >= quiet_s and self._idle():
+                return f"no call for {quiet:.2f} s and none in flight: grace ended early"
+            await asyncio.sleep(min(deadline - now, max(quiet_s - quiet, _POLL_S)))
 
     async def stop(self, timeout_s: float | None = None) -> None:
         """Report NOT_SERVING, refuse new calls, let every accepted call finish (at most ``timeout_s``
@@ -142,8 +169,40 @@ async def _warm_up(servicer: InferenceServicer, batches: int) -> None:
             await servicer.predictions.run_now(features, dense)
 
 
+def _ports(config: ServerConfig) -> list[Port]:
+    ports = [Port("gRPC", config.host, config.port, "--port")]
+    if config.http_port is not None:
+        ports.append(Port("HTTP", config.http_host or config.host, config.http_port, "--http-port"))
+    if config.metrics_port is not None:
+        ports.append(Port("metrics", config.metrics_host or config.host, config.metrics_port, "--metrics-port"))
+    return ports
+
+
+def _check_ports(config: ServerConfig) -> None:
+    ports = _ports(config)
+    for index, port in enumerate(ports):
+        for other in ports[:index]:
+            if port.port and port.port == other.port:
+                raise ConfigError(f"{other.flag} and {port.flag} are both {port.port}; give each its own port")
+        probe(port)
+
+
+def _bind(add_port: Callable[[], int], config: ServerConfig) -> int:
+    """grpc's add_*_port, with a failure named: ``in_use`` when something listens there."""
+    grpc_port = _ports(config)[0]
+    try:
+        port = add_port()
+    except RuntimeError:  # grpc raises "Failed to bind to address ..." (older versions return 0)
+        port = 0
+    if port == 0:
+        probe(grpc_port)  # raises "gRPC port P is in use" when that is why
+        raise cannot_bind(grpc_port, "grpc could not bind it (GRPC_VERBOSITY=debug says why)")
+    return port
+
+
 async def create_server(artifact: str | Path | Runtime, config: ServerConfig = ServerConfig()) -> RunningServer:
     """Load (or take) a runtime, start a server on ``config.host:config.port`` and warm it up."""
+    _check_ports(config)  # before loading: a port in use is refused at once, whatever the model's size
     metrics = ServerMetrics()
     repository = None
     if isinstance(artifact, Runtime):
@@ -165,10 +224,12 @@ async def create_server(artifact: str | Path | Runtime, config: ServerConfig = S
         workers=workers,
         max_merge_examples=config.max_merge_examples,
     )
+    metrics.in_flight.set_function(lambda: servicer.in_flight)
     interceptors = [BearerTokenInterceptor(config.auth_token)] if config.auth_token else []
     options = [
         ("grpc.max_receive_message_length", config.max_message_bytes),
         ("grpc.max_send_message_length", config.max_message_bytes),
+        ("grpc.so_reuseport", 0),  # grpc's default (1) lets a second server share a port that serves
     ]
     server = grpc.aio.server(interceptors=interceptors, options=options)
     add_to_server(servicer, server)
@@ -187,18 +248,16 @@ async def create_server(artifact: str | Path | Runtime, config: ServerConfig = S
         credentials = grpc.ssl_server_credentials(
             [(Path(config.tls_key).read_bytes(), Path(config.tls_cert).read_bytes())]
         )
-        port = server.add_secure_port(address, credentials)
+        port = _bind(lambda: server.add_secure_port(address, credentials), config)
     else:
-        port = server.add_insecure_port(address)
-    if port == 0:
-        raise OSError(f"cannot bind {address}")
+        port = _bind(lambda: server.add_insecure_port(address), config)
     await server.start()
     servicer.start()
     oip.start()
     running = RunningServer(server, port, servicer, health, metrics, oip=oip)
     try:
         if config.metrics_port is not None:
-            running.metrics_port = metrics.serve_http(config.metrics_port, config.metrics_host)
+            running.metrics_port = metrics.serve_http(config.metrics_port, config.metrics_host or config.host)
         if config.http_port is not None:
             running.http_port = await oip.serve_http(config.http_host or config.host, config.http_port, config)
         logger.info("warming up on port %d (%d batches)", port, config.warmup_batches)
@@ -248,8 +307,10 @@ async def serve_until(stop: asyncio.Event, artifact: str | Path | Runtime, confi
     print(f"{SERVING_LINE} {running.port}", flush=True)
     await stop.wait()
     logger.info(
-        "draining (grace %.1f s, then up to %.0f s for accepted calls)", config.drain_grace_s, config.drain_seconds
+        "draining (grace up to %.1f s, then up to %.0f s for accepted calls)",
+        config.drain_grace_s,
+        config.drain_seconds,
     )
-    await running.drain(config.drain_grace_s, config.drain_seconds)
+    await running.drain(config.drain_grace_s, config.drain_seconds, config.drain_quiet_s)
     logger.info("stopped")
     return 0

@@ -2,6 +2,8 @@
 
 Requests go in the packed form (little-endian arrays), the fast path of the protocol. With
 ``protocol="oip"`` the same calls go over the Open Inference Protocol (``server.oip_client``).
+A call the server refuses raises an ``EmbserveError``: ``RejectedRequestError`` (a ``RequestError``) for
+INVALID_ARGUMENT, ``ServerError`` with its ``kind`` for any other status (``server_error``).
 """
 
 from __future__ import annotations
@@ -12,10 +14,48 @@ from typing import Any
 import grpc
 import torch
 
+from infer.errors import EmbserveError, RejectedRequestError, ServerError
 from infer.features import SparseFeatures
 from server import codec
 from server.proto import inference_pb2 as pb
 from server.proto import inference_pb2_grpc as pb_grpc
+
+
+class RpcServerError(ServerError, grpc.RpcError):
+    """A ``ServerError`` that is a ``grpc.RpcError`` too (``code()``, ``details()``), so code written
+    against raw gRPC errors keeps working."""
+
+    def __init__(self, server_message: str, code: grpc.StatusCode) -> None:
+        super().__init__(server_message, code.name)
+        self._code = code
+
+    def code(self) -> grpc.StatusCode:
+        return self._code
+
+    def details(self) -> str:
+        return self.server_message
+
+
+class RpcRejectedRequestError(RejectedRequestError, grpc.RpcError):
+    """A ``RejectedRequestError`` (INVALID_ARGUMENT) that is a ``grpc.RpcError`` too."""
+
+    def __init__(self, server_message: str) -> None:
+        super().__init__(server_message, grpc.StatusCode.INVALID_ARGUMENT.name)
+
+    def code(self) -> grpc.StatusCode:
+        return grpc.StatusCode.INVALID_ARGUMENT
+
+    def details(self) -> str:
+        return self.server_message
+
+
+def server_error(err: grpc.RpcError) -> EmbserveError:
+    """The ``EmbserveError`` of a failed call, keeping its gRPC status and the server's message."""
+    code = err.code() if callable(getattr(err, "code", None)) else grpc.StatusCode.UNKNOWN  # type: ignore[attr-defined]
+    message = err.details() if callable(getattr(err, "details", None)) else None  # type: ignore[attr-defined]
+    if code == grpc.StatusCode.INVALID_ARGUMENT:
+        return RpcRejectedRequestError(message or str(err))
+    return RpcServerError(message or str(err), code)
 
 
 class EmbserveClient:
@@ -67,7 +107,10 @@ class EmbserveClient:
         self._channel.close()
 
     def _call(self, method: Any, request: Any) -> Any:
-        return method(request, timeout=self.timeout, metadata=self._metadata)
+        try:
+            return method(request, timeout=self.timeout, metadata=self._metadata)
+        except grpc.RpcError as err:
+            raise server_error(err) from err
 
     @staticmethod
     def _features(

@@ -2,12 +2,30 @@
 
 from __future__ import annotations
 
-from wsgiref.simple_server import WSGIServer
+import socket
+import threading
+from socketserver import ThreadingMixIn
+from typing import Any
+from wsgiref.simple_server import WSGIRequestHandler, WSGIServer, make_server
 
-from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, start_http_server
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, make_wsgi_app
+
+from server.ports import Port, bind_error
 
 LATENCY_BUCKETS = (0.0005, 0.001, 0.002, 0.005, 0.01, 0.02, 0.05, 0.1, 0.2, 0.5, 1.0, 2.0, 5.0)
 BATCH_BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 1024, 2048, 4096, 8192)
+# how often the /metrics thread looks for a stop: prometheus_client's own server polls every 0.5 s,
+# which alone made a stop take half a second
+_STOP_POLL_S = 0.02
+
+
+class _ThreadingWSGIServer(ThreadingMixIn, WSGIServer):
+    daemon_threads = True
+
+
+class _QuietHandler(WSGIRequestHandler):
+    def log_message(self, format: str, *args: Any) -> None:  # scrapes are not worth a log line each
+        pass
 
 
 class ServerMetrics:
@@ -42,18 +60,37 @@ class ServerMetrics:
             registry=self.registry,
         )
         self.queue_depth = Gauge("embserve_queue_depth", "requests waiting to be batched", registry=self.registry)
+        self.in_flight = Gauge(
+            "embserve_in_flight", "gRPC model calls accepted and not yet answered", registry=self.registry
+        )
 
     def observe_batch(self, requests: int, examples: int) -> None:
         self.batch_requests.observe(requests)
         self.batch_examples.observe(examples)
 
     def serve_http(self, port: int, host: str = "0.0.0.0") -> int:
-        """Expose ``/metrics`` on ``port`` (0 picks a free one); returns the port."""
-        self._http, _thread = start_http_server(port, addr=host, registry=self.registry)
-        return int(self._http.server_port)
+        """Expose ``/metrics`` on ``host:port`` (0 picks a free one); returns the port. A port in use is a
+        ``ConfigError`` naming it."""
+
+        class Server(_ThreadingWSGIServer):
+            pass
+
+        try:
+            family, _, _, _, address = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE)[
+                0
+            ]
+            Server.address_family = family
+            http = make_server(str(address[0]), port, make_wsgi_app(self.registry), Server, handler_class=_QuietHandler)
+        except OSError as err:
+            raise bind_error(Port("metrics", host, port, "--metrics-port"), err) from None
+        threading.Thread(
+            target=http.serve_forever, kwargs={"poll_interval": _STOP_POLL_S}, name="embserve-metrics", daemon=True
+        ).start()
+        self._http = http
+        return int(http.server_port)
 
     def close(self) -> None:
-        """Stop the ``/metrics`` endpoint, if one runs (blocks up to its 0.5 s poll interval)."""
+        """Stop the ``/metrics`` endpoint, if one runs."""
         http, self._http = self._http, None
         if http is not None:
             http.shutdown()

@@ -162,6 +162,10 @@ class ModelSet(Protocol):
         """version -> why it failed to load (reported in the model's metadata)."""
         ...
 
+    def index(self, ready_only: bool) -> list[dict[str, str]]:
+        """The repository extension's index: name, version, state (READY/UNAVAILABLE) and reason."""
+        ...
+
     async def load(self, name: str) -> None: ...
 
     async def unload(self, name: str) -> None: ...
@@ -199,6 +203,9 @@ class SingleModel:
 
     def failures(self, name: str) -> dict[str, str]:
         return {}
+
+    def index(self, ready_only: bool) -> list[dict[str, str]]:
+        return [{"name": self.model.name, "version": self.VERSION, "state": "READY", "reason": ""}]
 
     async def load(self, name: str) -> None:
         self.find(name, "")  # already loaded: loading it again is a no-op, as in Triton
@@ -288,6 +295,9 @@ class OpenInference:
         if failures:
             metadata["properties"]["failed_versions"] = json.dumps(failures, sort_keys=True)
         return metadata
+
+    def repository_index(self, ready_only: bool) -> list[dict[str, str]]:
+        return self.models.index(ready_only)
 
     def model_ready(self, name: str, version: str) -> bool:
         return self.is_ready and self.models.ready(name, version)
@@ -411,6 +421,14 @@ class OpenInferenceServicer(pb_grpc.GRPCInferenceServiceServicer):
             response.outputs.add(name=output.name, datatype=output.datatype, shape=output.shape)
             response.raw_output_contents.append(output.raw())
         return response
+
+    async def RepositoryIndex(self, request: pb.RepositoryIndexRequest, context: Any) -> pb.RepositoryIndexResponse:
+        async def work() -> pb.RepositoryIndexResponse:
+            _decodable(request)
+            index = self.oip.repository_index(request.ready)
+            return pb.RepositoryIndexResponse(models=[pb.RepositoryIndexResponse.ModelIndex(**m) for m in index])
+
+        return await self._handle("RepositoryIndex", context, work())
 
     async def RepositoryModelLoad(
         self, request: pb.RepositoryModelLoadRequest, context: Any

@@ -30,6 +30,7 @@ import grpc
 from infer.errors import EmbserveError, RequestError
 from server import oip_codec as oc
 from server.oip import OpenInference
+from server.ports import Port, bind_error
 from server.service import REJECTIONS, _Failure, bounded, rejection
 
 logger = logging.getLogger(__name__)
@@ -244,9 +245,18 @@ class RestServer:
         self._in_flight = 0
         self._idle = asyncio.Event()
         self._idle.set()
+        self.last_arrival = 0.0  # time.monotonic() of the latest request (a drain's grace waits for quiet)
+
+    @property
+    def in_flight(self) -> int:
+        return self._in_flight
 
     async def start(self, host: str, port: int) -> int:
-        self._server = await asyncio.start_server(self._connection, host, port, ssl=self._ssl, limit=_MAX_LINE)
+        """Listen on ``host:port`` (0: any free port); a port in use is a ``ConfigError`` naming it."""
+        try:
+            self._server = await asyncio.start_server(self._connection, host, port, ssl=self._ssl, limit=_MAX_LINE)
+        except OSError as err:
+            raise bind_error(Port("HTTP", host, port, "--http-port"), err) from None
         bound = int(self._server.sockets[0].getsockname()[1])
         logger.info("Open Inference Protocol REST on port %d", bound)
         return bound
@@ -280,6 +290,7 @@ class RestServer:
                     return
                 self._in_flight += 1
                 self._idle.clear()
+                self.last_arrival = time.monotonic()
                 try:
                     response = await self._respond(request)
                 finally:
@@ -343,6 +354,8 @@ class RestServer:
                 return "REST ModelReady", _done(HttpResponse(HTTPStatus.OK if ready else HTTPStatus.BAD_REQUEST))
             if method == "POST" and action == "/infer":
                 return "REST ModelInfer", self._infer(name, version, request)
+        if method == "POST" and path == "/v2/repository/index":
+            return "REST RepositoryIndex", self._index(request.body)
         match = _REPOSITORY_PATH.match(path)
         if match is not None and method == "POST":
             name = unquote(match["name"])
@@ -355,6 +368,16 @@ class RestServer:
 
     async def _model_metadata(self, name: str, version: str) -> HttpResponse:
         return _json_response(self.oip.model_metadata(name, version))
+
+    async def _index(self, body: bytes) -> HttpResponse:
+        """Triton's ``POST /v2/repository/index``: an optional body ``{"ready": true}``; a JSON list back."""
+        try:
+            options = json.loads(body) if body.strip() else {}
+        except (ValueError, UnicodeDecodeError) as err:
+            raise RequestError(f"the repository index request is not valid JSON: {err}") from None
+        if not isinstance(options, dict) or not isinstance(options.get("ready", False), bool):
+            raise RequestError('the repository index request must be a JSON object like {"ready": true}')
+        return _json_response(self.oip.repository_index(options.get("ready", False)))
 
     async def _repository(self, work: Any) -> HttpResponse:
         await work

@@ -266,18 +266,44 @@ class Repository:
             await self._sync(name, explicit=True)
 
     async def unload(self, name: str) -> None:
+        """Retire every version of ``name`` (calls on them finish first). embserve.v1's default model moves
+        to the first other loaded model; the last model loaded cannot be unloaded."""
         async with self._lock:
             versions = self._versions_of(name)
-            if self._v1_model == name:
+            others = [m for m in sorted(self._models) if m != name]
+            if not others:
                 raise _Failure(
                     grpc.StatusCode.FAILED_PRECONDITION,
-                    f"model {name!r} backs the embserve.v1 service; it cannot be unloaded (load a new version)",
-                    "in_use",
+                    f"model {name!r} is the only model this server serves; load another model before unloading it",
+                    "last_model",
                 )
             del self._models[name]
+            if self._v1_model == name:
+                self._v1_model = others[0]
+                self._point_v1(others[0])
+                logger.info("embserve.v1 now serves model %s by default (%s was unloaded)", others[0], name)
             for entry in versions.values():
                 self._retire(entry)
             logger.info("unloaded model %s (versions %s)", name, sorted(versions, key=int))
+
+    def index(self, ready_only: bool) -> list[dict[str, str]]:
+        """The repository extension's index: each loaded version READY; with ``ready_only`` False also each
+        version that failed to load and each model folder with nothing loaded (UNAVAILABLE, with why)."""
+        entries = []
+        for name in sorted(set(self.model_names()) | set(self._models)):
+            loaded = self._models.get(name, {})
+            entries += [_index_entry(name, version, "READY", "") for version in sorted(loaded, key=int)]
+            if ready_only:
+                continue
+            failed = sorted((int(v), why) for (m, v), (_, why) in self._failed.items() if m == name and v not in loaded)
+            entries += [_index_entry(name, str(v), "UNAVAILABLE", self._for_client(why)) for v, why in failed]
+            if not loaded and not failed:
+                entries.append(_index_entry(name, "", "UNAVAILABLE", "not loaded (load it with RepositoryModelLoad)"))
+        return entries
+
+    def _for_client(self, message: str) -> str:
+        """A message as a client sees it: paths inside the repository, not the server's file system."""
+        return message.replace(f"{self.root}{os.sep}", "")
 
     # ---------------------------------------------------------------------------------- loading
     def model_names(self) -> list[str]:
@@ -376,8 +402,7 @@ class Repository:
             self._retire(entry)
             logger.info("model %s version %s retired (policy %s)", name, version, self.policy)
         if explicit and errors:
-            # the caller sees paths inside the repository, not the server's file system
-            message = f"model {name!r}: " + "; ".join(errors).replace(f"{self.root}{os.sep}", "")
+            message = self._for_client(f"model {name!r}: " + "; ".join(errors))
             raise _Failure(grpc.StatusCode.FAILED_PRECONDITION, message, "load_failed")
 
     async def _load_version(self, name: str, version: str) -> _Loaded:
@@ -489,6 +514,10 @@ class Repository:
                 for entry in versions.values():
                     self._retire(entry)
         await self.retired()
+
+
+def _index_entry(name: str, version: str, state: str, reason: str) -> dict[str, str]:
+    return {"name": name, "version": version, "state": state, "reason": reason}
 
 
 def _load_in_background(folder: Path) -> Any:

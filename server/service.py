@@ -124,6 +124,11 @@ class InferenceServicer(pb_grpc.InferenceServiceServicer):
         self.last_arrival = time.monotonic()
         self._internal_errors: Counter[str] = Counter()
 
+    @property
+    def in_flight(self) -> int:
+        """Lookup, Predict and Open Inference Protocol gRPC calls being answered now."""
+        return self._in_flight
+
     async def drained(self) -> None:
         """Return once no Lookup or Predict call is in flight."""
         while self._in_flight:

@@ -65,6 +65,11 @@ class GRPCInferenceServiceStub:
                 request_serializer=inference_dot_open__inference__grpc__pb2.ModelInferRequest.SerializeToString,
                 response_deserializer=inference_dot_open__inference__grpc__pb2.ModelInferResponse.FromString,
                 _registered_method=True)
+        self.RepositoryIndex = channel.unary_unary(
+                '/inference.GRPCInferenceService/RepositoryIndex',
+                request_serializer=inference_dot_open__inference__grpc__pb2.RepositoryIndexRequest.SerializeToString,
+                response_deserializer=inference_dot_open__inference__grpc__pb2.RepositoryIndexResponse.FromString,
+                _registered_method=True)
         self.RepositoryModelLoad = channel.unary_unary(
                 '/inference.GRPCInferenceService/RepositoryModelLoad',
                 request_serializer=inference_dot_open__inference__grpc__pb2.RepositoryModelLoadRequest.SerializeToString,
@@ -123,6 +128,13 @@ class GRPCInferenceServiceServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def RepositoryIndex(self, request, context):
+        """Repository extension: the models of the server's repository, each version with its state.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
     def RepositoryModelLoad(self, request, context):
         """Repository extension: load (or reload) a model from the server's repository.
         """
@@ -169,6 +181,11 @@ def add_GRPCInferenceServiceServicer_to_server(servicer, server):
                     servicer.ModelInfer,
                     request_deserializer=inference_dot_open__inference__grpc__pb2.ModelInferRequest.FromString,
                     response_serializer=inference_dot_open__inference__grpc__pb2.ModelInferResponse.SerializeToString,
+            ),
+            'RepositoryIndex': grpc.unary_unary_rpc_method_handler(
+                    servicer.RepositoryIndex,
+                    request_deserializer=inference_dot_open__inference__grpc__pb2.RepositoryIndexRequest.FromString,
+                    response_serializer=inference_dot_open__inference__grpc__pb2.RepositoryIndexResponse.SerializeToString,
             ),
             'RepositoryModelLoad': grpc.unary_unary_rpc_method_handler(
                     servicer.RepositoryModelLoad,
@@ -344,6 +361,33 @@ class GRPCInferenceService:
             '/inference.GRPCInferenceService/ModelInfer',
             inference_dot_open__inference__grpc__pb2.ModelInferRequest.SerializeToString,
             inference_dot_open__inference__grpc__pb2.ModelInferResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def RepositoryIndex(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/inference.GRPCInferenceService/RepositoryIndex',
+            inference_dot_open__inference__grpc__pb2.RepositoryIndexRequest.SerializeToString,
+            inference_dot_open__inference__grpc__pb2.RepositoryIndexResponse.FromString,
             options,
             channel_credentials,
             insecure,

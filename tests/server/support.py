@@ -131,7 +131,7 @@ class GatedModule:
 
 
 def local_config(**overrides: Any) -> ServerConfig:
-    settings: dict[str, Any] = {"host": "127.0.0.1", "port": 0, "metrics_host": "127.0.0.1", "warmup_batches": 1}
+    settings: dict[str, Any] = {"host": "127.0.0.1", "port": 0, "warmup_batches": 1}  # metrics follow the host
     settings.update(overrides)
     return ServerConfig(**settings)
 
@@ -160,6 +160,17 @@ def wait_until(condition: Callable[[], bool], timeout: float = 10.0, what: str =
         if time.monotonic() > deadline:
             raise AssertionError(f"timed out after {timeout} s waiting for {what}")
         time.sleep(0.005)
+
+
+def warm_up_port(caplog: pytest.LogCaptureFixture, timeout: float = 60.0) -> int:
+    """The port of a server started on port 0, read from its "warming up on port N" log line (create_server
+    returns only once warm-up is done; a port picked in advance could be taken by then)."""
+
+    def lines() -> list[str]:
+        return [r.getMessage() for r in caplog.records if r.getMessage().startswith("warming up on port ")]
+
+    wait_until(lambda: bool(lines()), timeout, what="the server's 'warming up on port' log line")
+    return int(lines()[-1].split()[4])
 
 
 def manifest_json(artifact: Path) -> dict[str, Any]:

@@ -26,7 +26,7 @@ from server import codec
 from server.proto import inference_pb2 as pb
 from server.proto import inference_pb2_grpc as pb_grpc
 from tests.conftest import random_batch
-from tests.server.support import CALL_TIMEOUT, LineReader, free_port, lookup_request, rpc_error
+from tests.server.support import CALL_TIMEOUT, LineReader, lookup_request, rpc_error, wait_until
 from tests.support.artifacts import copy_artifact, edit_manifest
 
 REPO = Path(__file__).resolve().parents[2]
@@ -121,12 +121,12 @@ def test_mixed_fuzz_keeps_the_server_alive_and_right(dense_server, dense_runtime
     )
 
 
-def _serve(artifact: Path, tmp_path: Path, *options: str) -> tuple[subprocess.Popen[str], LineReader, int]:
-    port = free_port()
-    command = [sys.executable, "-m", "infer.cli", "serve", str(artifact), "--host", "127.0.0.1", "--port", str(port)]
+def _serve(artifact: Path, tmp_path: Path, *options: str) -> tuple[subprocess.Popen[str], LineReader]:
+    """``embserve serve`` on a port of its own choosing (port 0); its serving line names the port."""
+    command = [sys.executable, "-m", "infer.cli", "serve", str(artifact), "--host", "127.0.0.1", "--port", "0"]
     stderr = (tmp_path / "stderr.txt").open("w")
     process = subprocess.Popen([*command, *options], cwd=REPO, stdout=subprocess.PIPE, stderr=stderr, text=True)
-    return process, LineReader(process.stdout), port
+    return process, LineReader(process.stdout)
 
 
 def _kill(process: subprocess.Popen[str]) -> None:
@@ -171,11 +171,11 @@ def test_sigterm_under_load_loses_nothing(sparse_artifact, sparse_runtime, spec,
     batches = [random_batch(spec, batch_size=1 + i % 4, weighted=i % 2 == 0, seed=700 + i) for i in range(16)]
     expected = [sparse_runtime.lookup(b) for b in batches]
     for round_index in range(5):
-        process, stdout, port = _serve(
+        process, stdout = _serve(
             sparse_artifact, tmp_path, "--drain-grace-s", "1.0", "--max-delay-us", "2000", "--workers", "2"
         )
         try:
-            stdout.wait_for("serving on port", timeout=60)
+            port = int(stdout.wait_for("serving on port", timeout=60).split()[-1])
             channel = grpc.insecure_channel(f"127.0.0.1:{port}")
             stub = pb_grpc.InferenceServiceStub(channel)
             stub.GetModelMetadata(pb.GetModelMetadataRequest(), timeout=CALL_TIMEOUT)
@@ -186,7 +186,7 @@ def test_sigterm_under_load_loses_nothing(sparse_artifact, sparse_runtime, spec,
             ]
             for thread in threads:
                 thread.start()
-            time.sleep(0.5)
+            wait_until(lambda load=load: load.outcomes["OK"] >= 32, timeout=60, what="the clients' first answers")
             watch = health_pb2_grpc.HealthStub(channel).Watch(health_pb2.HealthCheckRequest(service=""), timeout=30)
             assert next(watch).status == SERVING
             process.send_signal(signal.SIGTERM)
@@ -205,7 +205,7 @@ def test_sigterm_under_load_loses_nothing(sparse_artifact, sparse_runtime, spec,
 
 def test_sigterm_while_starting_exits_cleanly(sparse_artifact, tmp_path):
     """The signal arrives once the server logged that it loads and warms up: exit code 0, no traceback."""
-    process, _, port = _serve(sparse_artifact, tmp_path)
+    process, _ = _serve(sparse_artifact, tmp_path)
     try:
         deadline = time.monotonic() + 60
         while "warming up" not in (tmp_path / "stderr.txt").read_text() and time.monotonic() < deadline:
@@ -217,35 +217,44 @@ def test_sigterm_while_starting_exits_cleanly(sparse_artifact, tmp_path):
         _kill(process)
 
 
-def test_a_stop_during_warm_up_ends_start_up_and_frees_the_port(loop_thread, gated, spec):
-    """serve_until with the warm-up held inside the model: stopping returns 0 and the port is free again."""
+def test_a_stop_during_warm_up_ends_start_up_and_frees_the_port(loop_thread, gated, spec, caplog):
+    """serve_until with the warm-up held inside the model: stopping returns 0 and the port is free again.
+
+    Every wait is for an observed event (the log line with the port, the forward at the gate, the result);
+    the port is the server's own pick (port 0), not one guessed free beforehand."""
     import asyncio
     import socket
 
     from server.app import serve_until
-    from tests.server.support import local_config
+    from tests.server.support import local_config, warm_up_port
 
     runtime, gate = gated
-    port = free_port()
     gate.hold()
 
     async def stop_event() -> asyncio.Event:
         return asyncio.Event()
 
     stop = loop_thread.run(stop_event())
-    result = loop_thread.submit(serve_until(stop, runtime, local_config(port=port, warmup_batches=1)))
-    gate.wait_entered()  # warm-up is inside the model
+    with caplog.at_level(logging.INFO, logger="server.app"):
+        result = loop_thread.submit(serve_until(stop, runtime, local_config(port=0, warmup_batches=1)))
+        gate.wait_entered(timeout=60)  # warm-up is inside the model
+        port = warm_up_port(caplog)
     channel = grpc.insecure_channel(f"127.0.0.1:{port}")
     error = rpc_error(
-        lambda: pb_grpc.InferenceServiceStub(channel).Lookup(lookup_request(random_batch(spec, 1)), timeout=5)
+        lambda: pb_grpc.InferenceServiceStub(channel).Lookup(
+            lookup_request(random_batch(spec, 1)), timeout=3 * CALL_TIMEOUT
+        )
     )
     assert error.code() == grpc.StatusCode.UNAVAILABLE and "warming up" in error.details()
     channel.close()
     loop_thread.loop.call_soon_threadsafe(stop.set)
     gate.release()
-    assert result.result(30) == 0
+    assert result.result(60) == 0
     with socket.socket() as probe:
+        # SO_REUSEADDR, as a server binds: a closed connection's TIME_WAIT does not count, a listener does
+        probe.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
         probe.bind(("127.0.0.1", port))  # released
+        probe.listen(1)
 
 
 @pytest.mark.parametrize(
@@ -261,7 +270,7 @@ def test_a_stop_during_warm_up_ends_start_up_and_frees_the_port(loop_thread, gat
 def test_serve_refuses_a_bad_manifest_before_binding(sparse_artifact, tmp_path, edit):
     artifact = copy_artifact(sparse_artifact, tmp_path)
     edit_manifest(artifact, edit)
-    process, _, port = _serve(artifact, tmp_path)
+    process, _ = _serve(artifact, tmp_path)
     try:
         assert process.wait(timeout=60) == 2
         stderr = (tmp_path / "stderr.txt").read_text()

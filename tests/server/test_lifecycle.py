@@ -2,11 +2,13 @@
 
 from __future__ import annotations
 
+import logging
 import os
 import signal
 import subprocess
 import sys
 import time
+import urllib.request
 from pathlib import Path
 
 import grpc
@@ -23,11 +25,11 @@ from tests.conftest import random_batch
 from tests.server.support import (
     CALL_TIMEOUT,
     LineReader,
-    free_port,
     local_config,
     lookup_request,
     rpc_error,
     wait_until,
+    warm_up_port,
 )
 
 SERVING = health_pb2.HealthCheckResponse.SERVING
@@ -43,12 +45,13 @@ def test_serving_once_create_server_returns(dense_server):
     assert error.code() == grpc.StatusCode.NOT_FOUND
 
 
-def test_not_serving_until_warm_up_completes(loop_thread, gated, dense_runtime, spec):
+def test_not_serving_until_warm_up_completes(loop_thread, gated, dense_runtime, spec, caplog):
     runtime, gate = gated
-    port = free_port()  # a fixed port: the server answers health checks before create_server returns
     gate.hold()
-    starting = loop_thread.submit(create_server(runtime, local_config(port=port, warmup_batches=1)))
-    gate.wait_entered()  # warm-up is inside the model
+    with caplog.at_level(logging.INFO, logger="server.app"):
+        starting = loop_thread.submit(create_server(runtime, local_config(port=0, warmup_batches=1)))
+        gate.wait_entered(timeout=60)  # warm-up is inside the model
+        port = warm_up_port(caplog)  # the server answers health checks before create_server returns
     channel = grpc.insecure_channel(f"127.0.0.1:{port}")
     health = health_pb2_grpc.HealthStub(channel)
     try:
@@ -129,17 +132,68 @@ def test_reflection_lists_the_service(dense_server):
     assert response.file_descriptor_response.file_descriptor_proto  # the .proto, for grpcurl and friends
 
 
-@pytest.mark.slow
-def test_sigterm_loses_no_request_in_flight(sparse_artifact, sparse_runtime, spec, tmp_path):
-    port = free_port()
+def test_the_grace_lasts_while_calls_are_in_flight_and_serves_calls_that_arrive(
+    loop_thread, start_server, gated, dense_runtime, spec
+):
+    """Draining with a long grace: NOT_SERVING at once, a call arriving during the grace is still served, and
+    the grace ends (long before its 60 s) once nothing is in flight, not while a call is."""
+    runtime, gate = gated
+    served = start_server(runtime, workers=2, max_delay_us=0)
+    channel = served.channel()
+    stub = pb_grpc.InferenceServiceStub(channel)
+    watch = health_pb2_grpc.HealthStub(channel).Watch(
+        health_pb2.HealthCheckRequest(service=""), timeout=3 * CALL_TIMEOUT
+    )
+    assert next(watch).status == SERVING
+    first, second = (random_batch(spec, batch_size=3 + i, seed=820 + i) for i in range(2))
+    gate.hold()
+    held = stub.Lookup.future(lookup_request(first), timeout=3 * CALL_TIMEOUT)
+    gate.wait_entered()
+    draining = loop_thread.submit(served.running.drain(60.0, 3 * CALL_TIMEOUT, 0.0))
+    assert next(watch).status == NOT_SERVING
+    late = stub.Lookup.future(lookup_request(second), timeout=3 * CALL_TIMEOUT)  # arrives during the grace
+    wait_until(lambda: served.running.servicer.in_flight == 2, what="the late call to be accepted")
+    assert not draining.done()  # a call in flight holds the grace open
+    gate.release()
+    assert torch.equal(codec.decode_embeddings(held.result()), dense_runtime.lookup(first))
+    assert torch.equal(codec.decode_embeddings(late.result()), dense_runtime.lookup(second))
+    draining.result(3 * CALL_TIMEOUT)  # a bound on a hang: the grace would last 60 s
+    assert served.running.stopped.is_set()
+
+
+def test_sigterm_with_nothing_in_flight_ends_the_grace_early(sparse_artifact, tmp_path):
+    """`--drain-grace-s 60` with no traffic: the grace ends once nothing arrived for --drain-quiet-s, the
+    ports close and the process exits 0 (it used to wait the whole grace)."""
     stderr = (tmp_path / "stderr.txt").open("w")
     command = [sys.executable, "-m", "infer.cli", "serve", str(sparse_artifact), "--host", "127.0.0.1"]
-    command += ["--port", str(port), "--max-delay-us", "500000", "--drain-seconds", "20"]
+    command += ["--port", "0", "--http-port", "0", "--metrics-port", "0", "--drain-grace-s", "60"]
+    process = subprocess.Popen(command, cwd=REPO, stdout=subprocess.PIPE, stderr=stderr, text=True)
+    try:
+        LineReader(process.stdout).wait_for("serving on port", timeout=60)
+        process.send_signal(signal.SIGTERM)
+        assert process.wait(timeout=30) == 0  # a bound on a hang, half the grace
+        log = (tmp_path / "stderr.txt").read_text()
+        assert "none in flight: grace ended early" in log and "Traceback" not in log, log
+    finally:
+        if process.poll() is None:
+            os.kill(process.pid, signal.SIGKILL)
+            process.wait(10)
+        if process.stdout is not None:
+            process.stdout.close()
+        stderr.close()
+
+
+@pytest.mark.slow
+def test_sigterm_loses_no_request_in_flight(sparse_artifact, sparse_runtime, spec, tmp_path):
+    stderr = (tmp_path / "stderr.txt").open("w")
+    command = [sys.executable, "-m", "infer.cli", "serve", str(sparse_artifact), "--host", "127.0.0.1"]
+    command += ["--port", "0", "--max-delay-us", "2000000", "--drain-seconds", "20", "--metrics-port", "0"]
     process = subprocess.Popen(command, cwd=REPO, stdout=subprocess.PIPE, stderr=stderr, text=True)
     channel = None
     try:
         stdout = LineReader(process.stdout)
-        stdout.wait_for("serving on port", timeout=60)
+        port = int(stdout.wait_for("serving on port", timeout=60).split()[-1])
+        metrics_port = int((tmp_path / "stderr.txt").read_text().split("metrics on port ")[1].split()[0])
         channel = grpc.insecure_channel(f"127.0.0.1:{port}")
         stub = pb_grpc.InferenceServiceStub(channel)
         stub.GetModelMetadata(pb.GetModelMetadataRequest(), timeout=CALL_TIMEOUT)  # connected
@@ -150,7 +204,8 @@ def test_sigterm_loses_no_request_in_flight(sparse_artifact, sparse_runtime, spe
 
         batches = [random_batch(spec, batch_size=2 + i, weighted=i % 2 == 0, seed=900 + i) for i in range(8)]
         futures = [stub.Lookup.future(lookup_request(b), timeout=3 * CALL_TIMEOUT) for b in batches]
-        time.sleep(0.2)  # well inside the 500 ms batching window: every request is waiting in the server
+        # observed, not assumed: all 8 are in the server (its 2 s batching window holds them there)
+        wait_until(lambda: _in_flight(metrics_port) == len(batches), what="8 requests in the server")
         assert not any(f.done() for f in futures)
         signalled = time.monotonic()
         process.send_signal(signal.SIGTERM)
@@ -169,6 +224,14 @@ def test_sigterm_loses_no_request_in_flight(sparse_artifact, sparse_runtime, spe
         if process.stdout is not None:
             process.stdout.close()
         stderr.close()
+
+
+def _in_flight(metrics_port: int) -> float:
+    with urllib.request.urlopen(f"http://127.0.0.1:{metrics_port}/metrics", timeout=CALL_TIMEOUT) as response:
+        for line in response.read().decode().splitlines():
+            if line.startswith("embserve_in_flight "):
+                return float(line.split()[1])
+    raise AssertionError("no embserve_in_flight in /metrics")
 
 
 def test_a_server_that_fails_to_warm_up_releases_its_port(tmp_path):

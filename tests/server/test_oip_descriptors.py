@@ -55,6 +55,7 @@ def test_the_service_and_its_methods_match_tritonclient():
         "ServerMetadata",
         "ModelMetadata",
         "ModelInfer",
+        "RepositoryIndex",
         "RepositoryModelLoad",
         "RepositoryModelUnload",
     ]
@@ -69,7 +70,7 @@ def test_the_service_and_its_methods_match_tritonclient():
 def test_every_message_and_field_matches_tritonclient():
     our_messages = _messages(ours.DESCRIPTOR)
     their_messages = _messages(triton.DESCRIPTOR)
-    assert len(our_messages) == 23  # 19 top-level, 4 nested
+    assert len(our_messages) == 26  # 21 top-level, 5 nested
     for name, message in our_messages.items():
         assert name in their_messages, f"tritonclient has no message {name}"
         theirs = their_messages[name]

@@ -6,7 +6,9 @@ loaded in-process from the same version folders.
 
 from __future__ import annotations
 
+import json
 import shutil
+import urllib.request
 from pathlib import Path
 from typing import Any
 
@@ -182,15 +184,102 @@ def test_models_unload_and_load_on_demand(tmp_path, start_server, versions, spec
         c.load_model("other")
         assert c.is_model_ready("other")
         with pytest.raises(InferenceServerException) as caught:
-            c.unload_model(MODEL)  # the model embserve.v1 serves
-        assert "embserve.v1" in caught.value.message()
-        with pytest.raises(InferenceServerException) as caught:
             c.load_model("no_such_model")
         assert caught.value.status() == "404"
         (root / "empty").mkdir()
         with pytest.raises(InferenceServerException) as caught:
             c.load_model("empty")
         assert "model 'empty' has no version" in caught.value.message()
+
+
+def _index(c: Any, protocol: str) -> list[tuple[str, str, str, str]]:
+    """The repository index as tritonclient returns it, as sorted (name, version, state, reason) rows."""
+    if protocol == "grpc":
+        rows = c.get_model_repository_index(as_json=True).get("models", [])
+    else:
+        rows = c.get_model_repository_index()  # tritonclient.http sends no body: every model
+    return sorted((r["name"], r.get("version", ""), r.get("state", ""), r.get("reason", "")) for r in rows)
+
+
+@pytest.mark.parametrize("protocol", ["grpc", "http"])
+def test_the_repository_index_lists_every_model_version_and_its_state(
+    tmp_path, start_server, versions, runtimes, spec, protocol
+):
+    """Triton's get_model_repository_index: loaded versions READY, a broken version and an unloaded model
+    UNAVAILABLE with the reason; a load of a served model succeeds and changes nothing."""
+    layout = {MODEL: {"1": versions["1"], "2": versions["broken"]}, "other": {"1": versions["2"]}}
+    root = make_repository(tmp_path / "repo", layout)
+    (root / "empty").mkdir()
+    served = start_server(root, http_port=0)
+    address = served.address if protocol == "grpc" else f"127.0.0.1:{served.running.http_port}"
+    with client(protocol, address) as c:
+        rows = _index(c, protocol)
+        assert [r[:3] for r in rows] == [
+            (MODEL, "1", "READY"),
+            (MODEL, "2", "UNAVAILABLE"),  # broken: the server fell back to version 1
+            ("empty", "", "UNAVAILABLE"),
+            ("other", "1", "READY"),
+        ]
+        assert "ctr/2/model.pt fails its sha256 check" in rows[1][3] and str(tmp_path) not in rows[1][3]
+        assert rows[0][3] == rows[3][3] == "" and "not loaded" in rows[2][3]
+
+        c.load_model("other")  # already served: a reload with nothing new is a no-op that succeeds
+        batch = random_batch(spec, batch_size=3, seed=46)
+        result = c.infer("other", triton_inputs(protocol, batch), outputs=requested(protocol, "embeddings"))
+        assert torch.equal(torch.from_numpy(np.array(result.as_numpy("embeddings"))), runtimes["2"].lookup(batch))
+
+        c.unload_model("other")
+        rows = _index(c, protocol)
+        assert ("other", "", "UNAVAILABLE") in [r[:3] for r in rows]
+        assert [r[:3] for r in rows if r[2] == "READY"] == [(MODEL, "1", "READY")]
+    if protocol == "grpc":
+        import tritonclient.grpc as triton_grpc
+
+        with triton_grpc.InferenceServerClient(served.address) as c:
+            request = triton_grpc.service_pb2.RepositoryIndexRequest(ready=True)
+            only_ready = c._client_stub.RepositoryIndex(request, timeout=CALL_TIMEOUT)
+        assert [(m.name, m.version, m.state) for m in only_ready.models] == [(MODEL, "1", "READY")]
+    else:
+        request = urllib.request.Request(f"http://{address}/v2/repository/index", data=b'{"ready": true}')
+        with urllib.request.urlopen(request, timeout=CALL_TIMEOUT) as response:
+            assert json.loads(response.read()) == [{"name": MODEL, "version": "1", "state": "READY", "reason": ""}]
+
+
+def test_unloading_embserve_v1s_model_moves_v1_to_the_next_model(tmp_path, start_server, versions, runtimes, spec):
+    """The default model of embserve.v1 (the first by name) may be unloaded: v1 then serves the next model;
+    the last model cannot be unloaded (FAILED_PRECONDITION, saying why)."""
+    root = make_repository(tmp_path / "repo", {MODEL: {"1": versions["1"]}, "other": {"1": versions["2"]}})
+    served = start_server(root)
+    batch = random_batch(spec, batch_size=4, seed=47)
+    with EmbserveClient(served.address, timeout=CALL_TIMEOUT) as v1:
+        assert torch.equal(v1.lookup(batch), runtimes["1"].lookup(batch))  # MODEL sorts first
+        with client("grpc", served.address) as c:
+            c.unload_model(MODEL)
+            assert torch.equal(v1.lookup(batch), runtimes["2"].lookup(batch))  # now "other"
+            with pytest.raises(InferenceServerException) as caught:
+                c.unload_model("other")
+            assert "StatusCode.FAILED_PRECONDITION" in str(caught.value.status())
+            assert "only model" in caught.value.message()
+            c.load_model(MODEL)
+            assert c.is_model_ready(MODEL)
+        assert torch.equal(v1.lookup(batch), runtimes["2"].lookup(batch))  # v1 stays where it moved
+    loop = served.loop
+    loop.run(served.running.oip.repository.retired())
+
+
+def test_the_index_of_one_artifact_and_a_load_of_it(start_server, dense_artifact, dense_runtime, spec):
+    served = start_server(dense_artifact, http_port=0)
+    batch = random_batch(spec, batch_size=2, seed=48)
+    for protocol, address in (("grpc", served.address), ("http", f"127.0.0.1:{served.running.http_port}")):
+        with client(protocol, address) as c:
+            assert _index(c, protocol) == [("dense", "1", "READY", "")]
+            c.load_model("dense")  # Triton: a load of a loaded model reloads it; one artifact: a no-op
+            result = c.infer("dense", triton_inputs(protocol, batch), outputs=requested(protocol, "embeddings"))
+            got = torch.from_numpy(np.array(result.as_numpy("embeddings")))
+            assert torch.equal(got, dense_runtime.lookup(batch))
+            with pytest.raises(InferenceServerException) as caught:
+                c.unload_model("dense")
+            assert "serves one artifact" in caught.value.message()
 
 
 def test_memory_for_a_new_version_is_checked_before_loading(tmp_path, loop_thread, versions, monkeypatch):
