@@ -233,3 +233,11 @@ def test_pt2_without_its_dense_program_is_a_model_error(embserve_run, dense_pt2_
         refused.message or ""
     )
     assert answered.output is not None and answered.output.shape == (2, dense_pt2_artifact.spec.output_dim)
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_threads_share_predict(backend, cpp_build, dense_pt2_artifact):
+    """Four threads on one model alternate lookups and predicts; each equals the single-thread answer."""
+    result = run(cpp_build / "embserve_thread_test", dense_pt2_artifact.path, 4, 40, backend)
+    assert result.returncode == 0, result.stdout + result.stderr
+    assert result.stdout.startswith("ok 4 threads") and "predicts match a single-thread predict" in result.stdout
