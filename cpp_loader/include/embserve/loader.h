@@ -112,7 +112,8 @@ class Model {
 
   // Pooled embeddings [batch, output_dim] float32, columns per feature in feature_names() order.
   // values: 1-D int32/int64 ids; lengths: 1-D int32/int64, num_features * batch bag lengths,
-  // feature-major; weights: optional 1-D float32, one per id. Throws RequestError on bad input.
+  // feature-major; weights: optional 1-D float32, one per id (std::nullopt or an undefined tensor: every id weighs
+  // 1). Throws RequestError on bad input.
   // Safe to call from several threads on one Model (Pt2: at most `runners` program runs at once; more wait).
   at::Tensor lookup(const at::Tensor& values, const at::Tensor& lengths,
                     const std::optional<at::Tensor>& weights = std::nullopt) const;
