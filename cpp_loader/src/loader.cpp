@@ -928,6 +928,8 @@ Model Model::load(const std::string& artifact_dir, const LoadOptions& options) {
     model.output_dim_ = std::max(model.output_dim_, info.column_end);
     model.features_.push_back(std::move(info));
   }
+  if (data["dense"]["present"].get<bool>())
+    model.num_dense_features_ = data["dense"]["num_dense_features"].get<int64_t>();  // >= 1 (check_manifest)
   const auto libraries = data["fbgemm"]["libraries"].get<std::vector<std::string>>();
   const auto build_dir = data["fbgemm"]["build_dir"].get<std::string>();
   const auto devices = data["devices"].get<std::vector<std::string>>();
@@ -964,10 +966,16 @@ Model Model::load(const std::string& artifact_dir, const LoadOptions& options) {
     // one range per core unless told otherwise; each range runs on its own runner (model instance)
     const auto cores = static_cast<int>(std::max(1u, std::thread::hardware_concurrency()));
     model.pt2_threads_ = options.kernel_threads < 0 ? cores : std::max(1, options.kernel_threads);
+    model.program_path_ = pt2_path.string();
+    const auto runners = static_cast<size_t>(std::max(model.pt2_threads_, 2));
     try {
       model.pt2_ = std::make_shared<torch::inductor::AOTIModelPackageLoader>(
-          pt2_path.string(), "model", /*run_single_threaded=*/false,
-          /*num_runners=*/static_cast<size_t>(std::max(model.pt2_threads_, 2)));
+          pt2_path.string(), "model", /*run_single_threaded=*/false, /*num_runners=*/runners);
+      // the dense part, a second program of the same package: (dense_features, pooled) -> scores
+      if (pt2.contains("dense_program") && !pt2["dense_program"].is_null())
+        model.pt2_dense_ = std::make_shared<torch::inductor::AOTIModelPackageLoader>(
+            pt2_path.string(), pt2["dense_program"].get<std::string>(), /*run_single_threaded=*/false,
+            /*num_runners=*/runners);
     } catch (const std::exception& err) {
       throw ModelError(pt2_path.string() + " cannot be loaded by AOTInductor: " + cause_of(err) +
                        " (are the fbgemm libraries in the manifest's fbgemm.libraries the ones it was compiled with?)");
@@ -977,6 +985,7 @@ Model Model::load(const std::string& artifact_dir, const LoadOptions& options) {
   }
 
   fs::path model_path = folder / model_file;
+  model.program_path_ = model_path.string();
   try {
     model.module_ = std::make_shared<torch::jit::Module>(torch::jit::load(model_path.string()));
     model.module_->eval();
@@ -1013,6 +1022,53 @@ std::vector<std::string> Model::feature_names() const {
 // The request rules. Every sentence below is worded exactly as in infer/request_rules.py (Python, TorchScript
 // and the server use that module); tests/support/bad_requests.py holds all entry points to the same fragments.
 namespace {
+// The call contract's rules (request_rules IDS_DTYPE, LENGTHS_DTYPE, WEIGHTS_DTYPE, DENSE_DTYPE, NO_DENSE_PART).
+constexpr const char* kIdsDtype = "values must be a 1-D int64 or int32 tensor of ids";
+constexpr const char* kLengthsDtype = "lengths must be a 1-D int32 (or int64) tensor";
+constexpr const char* kWeightsDtype = "weights must be a 1-D float32 tensor with one weight per id";
+constexpr const char* kDenseDtype = "dense_features must be float32 [batch, num_dense_features]";
+constexpr const char* kNoDensePart = "this model has no dense part; use lookup, not predict";
+
+// A dtype as request_rules.dtype_name writes it: float32, int64, ...
+std::string dtype_name(at::ScalarType type) {
+  switch (type) {
+    case at::kFloat: return "float32";
+    case at::kDouble: return "float64";
+    case at::kHalf: return "float16";
+    case at::kBFloat16: return "bfloat16";
+    case at::kLong: return "int64";
+    case at::kInt: return "int32";
+    case at::kShort: return "int16";
+    case at::kChar: return "int8";
+    case at::kByte: return "uint8";
+    case at::kBool: return "bool";
+    default: return std::string("dtype ") + c10::toString(type);
+  }
+}
+
+// A shape as Python prints a list: [2, 3]
+std::string shape_text(const at::Tensor& tensor) {
+  std::string text = "[";
+  for (int64_t d = 0; d < tensor.dim(); ++d) text += (d ? ", " : "") + std::to_string(tensor.size(d));
+  return text + "]";
+}
+
+// request_rules.dtype_error: the rule the tensor breaks, then what it was.
+std::string dtype_error(const char* rule, const at::Tensor& tensor) {
+  return std::string(rule) + ", got " +
+         (tensor.defined() ? dtype_name(tensor.scalar_type()) + " " + shape_text(tensor) : "an undefined tensor");
+}
+
+// The contract for one tensor: defined, `dims`-D, one of the accepted dtypes, on the CPU.
+void check_tensor(const char* name, const char* rule, const at::Tensor& tensor, int64_t dims,
+                  std::initializer_list<at::ScalarType> accepted) {
+  if (!tensor.defined() || tensor.dim() != dims ||
+      std::find(accepted.begin(), accepted.end(), tensor.scalar_type()) == accepted.end())
+    throw RequestError(dtype_error(rule, tensor));
+  if (!tensor.device().is_cpu())
+    throw RequestError(std::string(name) + " must be a CPU tensor, got one on " + tensor.device().str());
+}
+
 std::string to_string_wide(__int128 value) {
   if (value >= INT64_MIN && value <= INT64_MAX) return std::to_string(static_cast<int64_t>(value));
   std::string digits;
@@ -1071,14 +1127,8 @@ void check_ids(const at::Tensor& values, const std::vector<FeatureInfo>& feature
 
 void Model::validate(const at::Tensor& values, const at::Tensor& lengths,
                      const std::optional<at::Tensor>& weights) const {
-  if (!values.defined() || values.dim() != 1 ||
-      (values.scalar_type() != at::kLong && values.scalar_type() != at::kInt))
-    throw RequestError("values must be a 1-D int64 or int32 tensor of ids");
-  if (!lengths.defined() || lengths.dim() != 1 ||
-      (lengths.scalar_type() != at::kInt && lengths.scalar_type() != at::kLong))
-    throw RequestError("lengths must be a 1-D int32 (or int64) tensor");
-  if (!values.device().is_cpu() || !lengths.device().is_cpu())
-    throw RequestError("values and lengths must be CPU tensors");
+  check_tensor("values", kIdsDtype, values, 1, {at::kLong, at::kInt});
+  check_tensor("lengths", kLengthsDtype, lengths, 1, {at::kInt, at::kLong});
   const int64_t num_features = static_cast<int64_t>(features_.size());
   if (lengths.numel() % num_features != 0)
     throw RequestError("lengths has " + std::to_string(lengths.numel()) + " entries, not a multiple of the " +
@@ -1092,8 +1142,7 @@ void Model::validate(const at::Tensor& values, const at::Tensor& lengths,
     check_lengths<int64_t>(lengths_c, features_, batch, values.numel(), per_feature);
   if (weights.has_value() && weights->defined()) {
     const auto& w = *weights;
-    if (w.dim() != 1 || w.scalar_type() != at::kFloat || !w.device().is_cpu())
-      throw RequestError("weights must be a 1-D float32 tensor with one weight per id");
+    check_tensor("weights", kWeightsDtype, w, 1, {at::kFloat});
     if (w.numel() != values.numel())
       throw RequestError("weights has " + std::to_string(w.numel()) + " entries but there are " +
                          std::to_string(values.numel()) + " ids; give one weight per id");
@@ -1229,6 +1278,67 @@ at::Tensor Model::lookup_pt2(const at::Tensor& values, const at::Tensor& lengths
     state->finished.wait(lock, [&] { return state->done == state->chunks; });
     if (state->error) std::rethrow_exception(state->error);
     return at::cat(state->pooled, 0);
+  } catch (const Error&) {
+    throw;
+  } catch (const std::exception& err) {
+    rethrow_script_error(err);
+  }
+}
+
+namespace {
+// request_rules.scores_of: predict returns float32 [batch] on every backend; a dense part's [batch, 1] is squeezed
+// and another floating dtype cast, anything else is a broken model (export probes the dense part with the same rule).
+at::Tensor scores_of(const at::Tensor& out, int64_t batch, const std::string& program) {
+  at::Tensor scores = out.dim() == 2 && out.size(1) == 1 ? out.squeeze(1) : out;
+  if (scores.dim() != 1 || scores.size(0) != batch || !at::isFloatingType(scores.scalar_type()))
+    throw ModelError(program + ": the dense part returned " + dtype_name(out.scalar_type()) + " " + shape_text(out) +
+                     " for a batch of " + std::to_string(batch) + "; predict returns float32 scores [batch], so the " +
+                     "dense part must return floating-point [B] or [B, 1] (squeeze or slice its output to one score " +
+                     "per example) and the model be exported again");
+  return scores.to(at::kFloat).contiguous();
+}
+}  // namespace
+
+// In the scripted model's order: the dtype of a 2-D tensor, then its shape (request_rules.dense_shape).
+void Model::validate_dense(const at::Tensor& dense_features, int64_t batch) const {
+  if (dense_features.defined() && dense_features.dim() == 2)
+    check_tensor("dense_features", kDenseDtype, dense_features, 2, {at::kFloat});
+  if (!dense_features.defined() || dense_features.dim() != 2 || dense_features.size(0) != batch ||
+      dense_features.size(1) != num_dense_features_)
+    throw RequestError("dense_features must have shape [" + std::to_string(batch) + ", " +
+                       std::to_string(num_dense_features_) + "], got " +
+                       (dense_features.defined() ? shape_text(dense_features) : "an undefined tensor"));
+}
+
+at::Tensor Model::predict(const at::Tensor& dense_features, const at::Tensor& values, const at::Tensor& lengths,
+                          const std::optional<at::Tensor>& weights) const {
+  if (!has_dense()) throw RequestError(kNoDensePart);
+  if (backend_ == Backend::Pt2 && !pt2_dense_)
+    throw ModelError(program_path_ + " holds the lookups only: the manifest's pt2.dense_program is not set (export " +
+                     "could not compile the dense part with torch.export); predict with the TorchScript backend, " +
+                     "or re-export with a dense part torch.export can trace");
+  validate(values, lengths, weights);
+  const int64_t batch = lengths.numel() / static_cast<int64_t>(features_.size());
+  validate_dense(dense_features, batch);
+  try {
+    if (backend_ == Backend::Pt2) {
+      // the dense program was exported for batch >= 1; an empty batch has no scores to compute
+      if (batch == 0) return at::empty({0}, at::TensorOptions().dtype(at::kFloat));
+      at::Tensor pooled = lookup_pt2(values, lengths, weights);
+      c10::InferenceMode guard;
+      std::vector<at::Tensor> outputs = pt2_dense_->run({dense_features.contiguous(), pooled});
+      if (outputs.size() != 1)
+        throw ModelError(program_path_ + ": the dense program returned " + std::to_string(outputs.size()) +
+                         " outputs, not 1");
+      return scores_of(outputs[0], batch, program_path_);
+    }
+    c10::InferenceMode guard;
+    std::vector<c10::IValue> inputs{dense_features, values, lengths};
+    if (weights.has_value() && weights->defined())
+      inputs.emplace_back(*weights);
+    else
+      inputs.emplace_back(c10::IValue());
+    return scores_of(module_->get_method("predict")(std::move(inputs)).toTensor(), batch, program_path_);
   } catch (const Error&) {
     throw;
   } catch (const std::exception& err) {

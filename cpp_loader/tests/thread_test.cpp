@@ -2,6 +2,8 @@
 // reference computed first. Usage: embserve_thread_test ARTIFACT [THREADS] [ITERATIONS] [torchscript|pt2]
 // With pt2 the threads share a Pt2-backend model and the reference comes from the TorchScript backend loaded
 // in the same process.
+// A model with a dense part also runs predict on every other call, against a single-thread predict of the same
+// model (same backend) computed first.
 // Prints "ok ..." and exits 0 on success; exits 1 naming the first mismatch otherwise.
 #include <embserve/loader.h>
 
@@ -30,7 +32,7 @@ int main(int argc, char** argv) {
     const int64_t num_features = static_cast<int64_t>(features.size());
     torch::manual_seed(0);
     struct Req {
-      at::Tensor values, lengths, weights;
+      at::Tensor values, lengths, weights, dense;
     };
     std::vector<Req> requests;
     for (int r = 0; r < 16; ++r) {
@@ -43,14 +45,21 @@ int main(int argc, char** argv) {
       }
       at::Tensor values = torch::cat(ids);
       if (r % 2) values = values.to(torch::kInt32);
-      requests.push_back({values, lengths, r % 3 == 0 ? torch::rand({values.numel()}) : at::Tensor()});
+      at::Tensor dense = model.has_dense() ? torch::randn({batch, model.num_dense_features()}) : at::Tensor();
+      requests.push_back({values, lengths, r % 3 == 0 ? torch::rand({values.numel()}) : at::Tensor(), dense});
     }
     auto call_on = [&](const embserve::Model& on, const Req& q) {
       return on.lookup(q.values, q.lengths, q.weights.defined() ? std::optional<at::Tensor>(q.weights) : std::nullopt);
     };
     auto call = [&](const Req& q) { return call_on(model, q); };
-    std::vector<at::Tensor> reference;
+    auto predict = [&](const Req& q) {
+      return model.predict(q.dense, q.values, q.lengths,
+                           q.weights.defined() ? std::optional<at::Tensor>(q.weights) : std::nullopt);
+    };
+    std::vector<at::Tensor> reference, reference_scores;
     for (const auto& q : requests) reference.push_back(call_on(reference_model, q));
+    if (model.has_dense())
+      for (const auto& q : requests) reference_scores.push_back(predict(q));
 
     std::atomic<int> mismatches{0};
     std::atomic<int> failures{0};
@@ -60,7 +69,11 @@ int main(int argc, char** argv) {
         try {
           for (int i = 0; i < iterations; ++i) {
             size_t k = static_cast<size_t>(i + t * 5) % requests.size();
-            if (!torch::equal(call(requests[k]), reference[k])) ++mismatches;
+            if (model.has_dense() && i % 2 == 1) {
+              if (!torch::equal(predict(requests[k]), reference_scores[k])) ++mismatches;
+            } else if (!torch::equal(call(requests[k]), reference[k])) {
+              ++mismatches;
+            }
           }
         } catch (const std::exception& err) {
           std::cerr << "thread " << t << ": " << err.what() << "\n";
@@ -74,7 +87,8 @@ int main(int argc, char** argv) {
       return 1;
     }
     std::cout << "ok " << num_threads << " threads x " << iterations << " lookups match the reference"
-              << (pt2 ? " (pt2 backend vs torchscript)" : "") << "\n";
+              << (pt2 ? " (pt2 backend vs torchscript)" : "")
+              << (model.has_dense() ? "; predicts match a single-thread predict" : "") << "\n";
     return 0;
   } catch (const std::exception& err) {
     std::cerr << "error: " << err.what() << "\n";

@@ -1,17 +1,20 @@
 // embserve_run ARTIFACT [--requests FILE --out FILE]... [--bench N] [--library-dir DIR]... [--threads N]
 //              [--kernel-threads N] [--backend torchscript|pt2]
 //
-// Runs the lookups in FILE (written by infer.cpp_io.write_requests) and writes one result per request
-// to --out (read by infer.cpp_io.read_responses). A request that fails validation is reported on
+// Runs the requests in FILE (written by infer.cpp_io.write_requests) and writes one result per request
+// to --out (read by infer.cpp_io.read_responses). The method follows from each request: one that carries
+// dense_features (request file version 2) is a predict, answered with the scores [batch] float32; one without
+// is a lookup, answered with the pooled embeddings [batch, output_dim] float32. A request that fails validation is reported on
 // stderr and as an error record, and the run goes on. --bench N times N lookups (cycling through the
-// requests) after a warm-up and prints one JSON line with per-call latency and lookups (ids) per second.
+// requests) after a warm-up and prints one JSON line with per-call latency and lookups (ids) per second
+// (predict requests are timed as predicts).
 // Exit status: 0 when every request succeeded, 1 when any failed (or the artifact or request file is bad),
 // 2 on a usage error. Every error is one line on stderr ("embserve_run: ..."), never a backtrace.
 // --threads sets torch's intra-op threads; --kernel-threads how many example ranges each CPU kernel may split
 // a batch into (LoadOptions::kernel_threads; default cores / CPU kernels, as Python's load).
 // --backend picks the model file that runs: model.pt (torchscript, the default) or model.pt2 (pt2, an AOTInductor
 // package; the artifact must be exported with `embserve export --pt2`).
-// File format: see infer/cpp_io.py.
+// File format: see infer/artifact/cpp_io.py (request files EMBSRQ01 and EMBSRQ02, response files EMBSRS01).
 #include <embserve/loader.h>
 
 #include <torch/torch.h>
@@ -29,10 +32,13 @@
 
 namespace {
 
-constexpr char kRequestMagic[8] = {'E', 'M', 'B', 'S', 'R', 'Q', '0', '1'};
+// Version 1: values, lengths, weights per request; version 2 adds dense_features (absent: a lookup).
+constexpr char kRequestMagicV1[8] = {'E', 'M', 'B', 'S', 'R', 'Q', '0', '1'};
+constexpr char kRequestMagicV2[8] = {'E', 'M', 'B', 'S', 'R', 'Q', '0', '2'};
 constexpr char kResponseMagic[8] = {'E', 'M', 'B', 'S', 'R', 'S', '0', '1'};
 constexpr int kMaxDims = 8;
-// The smallest request record: values and lengths each a dtype code and ndim 0, weights absent.
+// The smallest request record: values and lengths each a dtype code and ndim 0, weights absent (version 2:
+// dense_features absent too).
 constexpr uint64_t kMinRequestBytes = 5;
 // Messages echoed on stderr and into the response file are cut to this many bytes.
 constexpr size_t kMaxMessageBytes = 1024;
@@ -40,7 +46,14 @@ constexpr size_t kMaxMessageBytes = 1024;
 struct Request {
   at::Tensor values, lengths;
   std::optional<at::Tensor> weights;
+  std::optional<at::Tensor> dense_features;  // present: a predict request
 };
+
+// A request's answer: the scores of a predict request, else the pooled lookups.
+at::Tensor answer(const embserve::Model& model, const Request& r) {
+  if (r.dense_features) return model.predict(*r.dense_features, r.values, r.lengths, r.weights);
+  return model.lookup(r.values, r.lengths, r.weights);
+}
 
 // A malformed request file: the message names the problem, main prefixes the file's path.
 class FileError : public std::runtime_error {
@@ -139,8 +152,11 @@ std::vector<Request> read_requests(const std::string& path) {
   in.seekg(0);
   if (size > 0 && !in.read(data.data(), size)) throw FileError("cannot be read");
   Reader reader(std::move(data));
-  if (reader.left() < 8 || std::memcmp(reader.take(8), kRequestMagic, 8) != 0)
-    throw FileError("is not an embserve request file (magic EMBSRQ01)");
+  if (reader.left() < 8) throw FileError("is not an embserve request file (magic EMBSRQ01 or EMBSRQ02)");
+  const char* magic = reader.take(8);
+  const bool has_dense = std::memcmp(magic, kRequestMagicV2, 8) == 0;
+  if (!has_dense && std::memcmp(magic, kRequestMagicV1, 8) != 0)
+    throw FileError("is not an embserve request file (magic EMBSRQ01 or EMBSRQ02)");
   auto count = reader.pod<uint32_t>("the request count");
   if (count > reader.left() / kMinRequestBytes)
     throw FileError("says it holds " + std::to_string(count) + " requests but " + std::to_string(reader.left()) +
@@ -156,6 +172,7 @@ std::vector<Request> read_requests(const std::string& path) {
     request.values = *values;
     request.lengths = *lengths;
     request.weights = read_tensor(reader, where + " weights");
+    if (has_dense) request.dense_features = read_tensor(reader, where + " dense_features");
     requests.push_back(std::move(request));
   }
   if (reader.left() != 0)
@@ -222,7 +239,7 @@ bool run_file(const embserve::Model& model, const std::string& requests_path, co
     const auto& r = requests[i];
     at::Tensor result;
     try {
-      result = model.lookup(r.values, r.lengths, r.weights);
+      result = answer(model, r);
     } catch (const std::exception& err) {
       ok = false;
       const std::string message = one_line(err);
@@ -292,7 +309,10 @@ int run(int argc, char** argv) {
   if (requests_paths.empty()) {
     std::cout << "loaded " << artifact << " (" << (model.backend() == embserve::Backend::Pt2 ? "pt2" : "torchscript")
               << "): " << model.features().size() << " features, output_dim "
-              << model.output_dim() << "; fbgemm libraries:";
+              << model.output_dim()
+              << (model.has_dense() ? ", dense part of " + std::to_string(model.num_dense_features()) + " inputs"
+                                    : std::string(", no dense part"))
+              << "; fbgemm libraries:";
     for (const auto& library : model.libraries()) std::cout << " " << library;
     std::cout << "\n";
     return 0;
@@ -313,7 +333,7 @@ int run(int argc, char** argv) {
       long warmup = std::min<long>(bench, 100);
       for (long i = 0; i < warmup; ++i) {
         const auto& r = requests[static_cast<size_t>(i) % requests.size()];
-        model.lookup(r.values, r.lengths, r.weights);
+        answer(model, r);
       }
       std::vector<double> latencies;
       latencies.reserve(static_cast<size_t>(bench));
@@ -322,7 +342,7 @@ int run(int argc, char** argv) {
       for (long i = 0; i < bench; ++i) {
         const auto& r = requests[static_cast<size_t>(i) % requests.size()];
         auto t0 = std::chrono::steady_clock::now();
-        model.lookup(r.values, r.lengths, r.weights);
+        answer(model, r);
         auto t1 = std::chrono::steady_clock::now();
         latencies.push_back(std::chrono::duration<double, std::micro>(t1 - t0).count());
         ids += r.values.numel();

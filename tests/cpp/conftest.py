@@ -5,9 +5,14 @@ from __future__ import annotations
 import shutil
 import subprocess
 import sys
+from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import pytest
+import torch
+
+from infer.config import ModelSpec
 
 ROOT = Path(__file__).resolve().parents[2]
 CPP = ROOT / "cpp_loader"
@@ -136,3 +141,48 @@ def corpus_pt2_artifact(tmp_path_factory: pytest.TempPathFactory) -> Path:
     print("compiling model.pt2 for the bad-request corpus's model (about a minute)", flush=True)
     model = quantize(CORPUS_SPEC, random_weights(CORPUS_SPEC, seed=0))
     return export(model, tmp_path_factory.mktemp("pt2") / "corpus", pt2=True)
+
+
+class ColumnScores(torch.nn.Module):
+    """A DLRM-like dense part: one logit per example as a column, ``[B, 1]`` (TorchRec's DLRM returns that)."""
+
+    def __init__(self, num_dense: int, pooled_dim: int) -> None:
+        super().__init__()
+        self.linear = torch.nn.Linear(num_dense + pooled_dim, 1)
+
+    def forward(self, dense_features: torch.Tensor, pooled: torch.Tensor) -> torch.Tensor:
+        return self.linear(torch.cat([dense_features, pooled], dim=1))
+
+
+DENSE_INPUTS = 3
+
+
+@dataclass(frozen=True)
+class DenseArtifact:
+    """An exported model with a dense part, and the quantized model it was exported from (for the reference)."""
+
+    spec: ModelSpec
+    model: Any
+    path: Path
+
+
+@pytest.fixture(scope="session")
+def dense_pt2_artifact(tmp_path_factory: pytest.TempPathFactory) -> DenseArtifact:
+    """An INT8 SUM table read by two features and an FP16 MEAN table, a dense part returning ``[B, 1]``;
+    model.pt and model.pt2 (its lookup and dense programs)."""
+    from infer.artifact.export import export
+    from infer.config import DataType, PoolingType, TableConfig
+    from infer.quant.quantize import quantize
+    from infer.weights import random_weights
+
+    spec = ModelSpec(
+        (
+            TableConfig("t_sum", 50, 8, ("f_sum", "f_shared")),
+            TableConfig("t_mean", 30, 16, ("f_mean",), PoolingType.MEAN, DataType.FP16),
+        )
+    )
+    torch.manual_seed(11)
+    spec = spec.with_dense_arch(ColumnScores(DENSE_INPUTS, spec.output_dim).eval(), DENSE_INPUTS)
+    model = quantize(spec, random_weights(spec, seed=13))
+    print("compiling model.pt2 with a dense program (about two minutes)", flush=True)
+    return DenseArtifact(spec, model, export(model, tmp_path_factory.mktemp("pt2") / "dense", pt2=True))

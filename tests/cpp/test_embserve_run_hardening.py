@@ -64,7 +64,7 @@ IMPOSSIBLE = {
     "ndim 200": (request_file(1, struct.pack("<BB", 2, 200) + b"\x01" * 1600, LENGTHS, b"\x00"), "200 dimensions"),
     "truncated data": (request_file(1, tensor_record(2, [4], _ids(3)), b""), "needs 32 bytes of data"),
     "truncated sizes": (request_file(1, struct.pack("<BB", 2, 3) + b"\x01" * 10), "truncated at byte"),
-    "bad magic": (b"EMBSRQ02" + b"\x00" * 4, "not an embserve request file"),
+    "bad magic": (b"EMBSRQ99" + b"\x00" * 4, "not an embserve request file"),  # 01 and 02 are the versions
     "empty file": (b"", "not an embserve request file"),
     "count larger than the file": (
         request_file(1 << 31, tensor_record(2, [1], _ids(1)), LENGTHS),

@@ -2,6 +2,11 @@
 //
 //   auto model = embserve::Model::load("artifacts/quickstart");
 //   at::Tensor pooled = model.lookup(values, lengths);      // [batch, output_dim] float32
+//   at::Tensor scores = model.predict(dense, values, lengths);  // [batch] float32 (models with a dense part)
+//
+// The call contract (as every Python entry point): values int64 or int32, lengths int32 or int64, weights float32
+// or absent, dense_features float32; a documented dtype is cast at the boundary to what the backend runs, any
+// other is refused with a RequestError naming the tensor, its dtype and shape, and the accepted dtypes.
 //
 // Every failure is an exception deriving from embserve::Error (itself a std::runtime_error).
 // Two backends run the same lookups, bit-identical: the TorchScript model.pt (default) and the AOTInductor
@@ -54,7 +59,7 @@ class ModelError : public Error {
  public:
   using Error::Error;
 };
-// A lookup request is invalid; the message names the feature and the bad value.
+// A lookup or predict request is invalid; the message names the tensor or feature and the bad value.
 class RequestError : public Error {
  public:
   using Error::Error;
@@ -107,10 +112,19 @@ class Model {
 
   // Pooled embeddings [batch, output_dim] float32, columns per feature in feature_names() order.
   // values: 1-D int32/int64 ids; lengths: 1-D int32/int64, num_features * batch bag lengths,
-  // feature-major; weights: optional 1-D float32, one per id. Throws RequestError on bad input.
+  // feature-major; weights: optional 1-D float32, one per id (std::nullopt or an undefined tensor: every id weighs
+  // 1). Throws RequestError on bad input.
   // Safe to call from several threads on one Model (Pt2: at most `runners` program runs at once; more wait).
   at::Tensor lookup(const at::Tensor& values, const at::Tensor& lengths,
                     const std::optional<at::Tensor>& weights = std::nullopt) const;
+
+  // Scores [batch] float32 of the model's dense part on dense_features [batch, num_dense_features()] float32 and
+  // the pooled lookups of (values, lengths, weights), taken as lookup takes them. TorchScript runs model.pt's
+  // `predict`; Pt2 runs the package's lookup program, then its dense program (the manifest's pt2.dense_program).
+  // A dense part's [batch, 1] result is squeezed to [batch]. Throws RequestError for a model without a dense part
+  // or a bad request; ModelError when model.pt2 carries no dense program or the dense part returns another shape.
+  at::Tensor predict(const at::Tensor& dense_features, const at::Tensor& values, const at::Tensor& lengths,
+                     const std::optional<at::Tensor>& weights = std::nullopt) const;
 
   // Check a request without running it (lookup does this itself). Throws RequestError.
   void validate(const at::Tensor& values, const at::Tensor& lengths,
@@ -119,6 +133,9 @@ class Model {
   const std::vector<FeatureInfo>& features() const { return features_; }
   std::vector<std::string> feature_names() const;
   int64_t output_dim() const { return output_dim_; }
+  // Whether the artifact has a dense part (manifest dense.present), and how many dense features predict takes.
+  bool has_dense() const { return num_dense_features_ > 0; }
+  int64_t num_dense_features() const { return num_dense_features_; }
   int world_size() const { return world_size_; }
   const std::string& path() const { return path_; }
   Backend backend() const { return backend_; }
@@ -130,15 +147,19 @@ class Model {
   std::string path_;
   std::vector<FeatureInfo> features_;
   int64_t output_dim_ = 0;
+  int64_t num_dense_features_ = 0;  // 0: no dense part
   int world_size_ = 1;
   std::vector<std::string> libraries_;
   Backend backend_ = Backend::TorchScript;
   std::shared_ptr<torch::jit::Module> module_;
   std::shared_ptr<torch::inductor::AOTIModelPackageLoader> pt2_;
+  std::shared_ptr<torch::inductor::AOTIModelPackageLoader> pt2_dense_;  // the package's dense program, or null
+  std::string program_path_;  // the file that runs: model.pt or model.pt2
   int pt2_threads_ = 1;  // example ranges a Pt2 lookup may split a batch into
 
   at::Tensor lookup_pt2(const at::Tensor& values, const at::Tensor& lengths,
                         const std::optional<at::Tensor>& weights) const;
+  void validate_dense(const at::Tensor& dense_features, int64_t batch) const;
 };
 
 }  // namespace embserve
