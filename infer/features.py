@@ -81,8 +81,6 @@ class SparseFeatures:
             values_parts.append(values)
             lengths_parts.append(lengths)
         id_dtype = torch.int64 if any(v.dtype == torch.int64 for v in values_parts) else torch.int32
-        # int64 lengths stay int64: a cast to int32 would wrap a huge length into a plausible one
-        length_dtype = torch.int64 if any(n.dtype == torch.int64 for n in lengths_parts) else torch.int32
         weight_tensor = None
         if weights is not None:
             missing = [k for k in keys if k not in weights]
@@ -105,7 +103,7 @@ class SparseFeatures:
         return cls(
             keys,
             torch.cat([v.to(id_dtype) for v in values_parts]),
-            torch.cat([n.to(length_dtype) for n in lengths_parts]),
+            narrow_lengths(torch.cat([n.to(torch.int64) for n in lengths_parts])),
             weight_tensor,
         )
 
@@ -130,12 +128,13 @@ class SparseFeatures:
         weights: torch.Tensor | None = None,
     ) -> SparseFeatures:
         """Wrap tensors already in the feature-major jagged layout (nothing is copied)."""
-        return cls(tuple(keys), values, lengths, weights)
+        return cls(tuple(keys), values, narrow_lengths(lengths), weights)
 
     @classmethod
     def from_kjt(cls, kjt: Any) -> SparseFeatures:
         """Wrap a TorchRec ``KeyedJaggedTensor`` (same feature-major layout: keys, values, lengths, optional
-        weights); nothing is copied. Variable-batch (VBE) KJTs are refused."""
+        weights); lengths become int32 (``narrow_lengths``), nothing else is copied. Variable-batch (VBE) KJTs are
+        refused."""
         if getattr(kjt, "variable_stride_per_key", lambda: False)():
             raise RequestError(
                 "a variable-batch (VBE) KeyedJaggedTensor has a different batch size per feature; "
@@ -145,7 +144,7 @@ class SparseFeatures:
             keys, values, lengths, weights = kjt.keys(), kjt.values(), kjt.lengths(), kjt.weights_or_none()
         except AttributeError:
             raise RequestError(f"expected a torchrec KeyedJaggedTensor, got {type(kjt).__name__}") from None
-        return cls(tuple(keys), values, lengths, weights)
+        return cls(tuple(keys), values, narrow_lengths(lengths), weights)
 
     def to_kjt(self) -> Any:
         """This batch as a TorchRec ``KeyedJaggedTensor`` (needs the ``embserve[torchrec]`` extra)."""
@@ -348,6 +347,19 @@ def _feature_weights(key: str, weights: Any, lengths: torch.Tensor) -> torch.Ten
                 )
             flat.append(float(w))
     return torch.tensor(flat, dtype=torch.float32)
+
+
+_INT32 = torch.iinfo(torch.int32)
+
+
+def narrow_lengths(lengths: torch.Tensor) -> torch.Tensor:
+    """int64 lengths as int32 when every one fits; otherwise as they are (validation then names the bad length):
+    a cast would wrap a huge length around into a plausible one."""
+    if lengths.dtype != torch.int64:
+        return lengths
+    if lengths.numel() and (int(lengths.min()) < _INT32.min or int(lengths.max()) > _INT32.max):
+        return lengths
+    return lengths.to(torch.int32)
 
 
 def check_tensor(name: str, tensor: Any, feature: str | None = None) -> None:

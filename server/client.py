@@ -12,7 +12,7 @@ from typing import Any
 import grpc
 import torch
 
-from infer.features import SparseFeatures
+from infer.features import SparseFeatures, check_tensor
 from server import codec
 from server.proto import inference_pb2 as pb
 from server.proto import inference_pb2_grpc as pb_grpc
@@ -101,6 +101,7 @@ class EmbserveClient:
         weights: Mapping[str, Sequence[Sequence[float]]] | None = None,
     ) -> torch.Tensor:
         """Scores ``[batch]`` of the model's dense part."""
+        check_tensor("dense_features", dense_features)  # the call contract: float32, never a silent cast
         if self._oip is not None:
             return self._oip.predict(self._call, self._features(features, weights), dense_features)
         request = pb.PredictRequest(

@@ -112,7 +112,7 @@ def test_from_dict_tensor_pairs(id_dtype):
     }
     batch = SparseFeatures.from_dict(bags)
     assert batch.values.dtype == id_dtype
-    assert batch.lengths.dtype == torch.int64  # one feature's lengths are int64: never narrowed (no wrap-around)
+    assert batch.lengths.dtype == torch.int32
     assert batch.validate(SPEC).to_dict() == good_bags()
 
 
@@ -545,3 +545,16 @@ def test_weights_must_be_shaped_like_the_bags():
     assert info.value.feature == "a"
     with pytest.raises(RequestError, match="non-numeric weight"):
         SparseFeatures.from_dict({"a": [[1, 2]]}, weights={"a": [[1.0, "x"]]})
+
+
+def test_int64_lengths_past_int32_are_never_wrapped_around():
+    """2**32 + 1 cast to int32 is 1, a plausible length: the batch keeps int64 and validation names the length."""
+    bags = {
+        "user": (torch.tensor([1]), torch.tensor([2**32 + 1, 0], dtype=torch.int64)),
+        "user_hist": tensors([0, 0], []),
+        "item": tensors([1, 0], [5]),
+    }
+    batch = SparseFeatures.from_dict(bags)
+    assert batch.lengths.dtype == torch.int64
+    with pytest.raises(RequestError, match="feature 'user': bag 0 has length 4294967297 but the batch has only 2 ids"):
+        batch.validate(SPEC)

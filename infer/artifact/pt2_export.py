@@ -13,6 +13,7 @@ Compiling takes about a minute on CPU (a C++ build), so it is logged before and 
 
 from __future__ import annotations
 
+import copy
 import logging
 import time
 from pathlib import Path
@@ -131,6 +132,7 @@ def traceable_dense_arch(dense_arch: torch.nn.Module, example: tuple[torch.Tenso
     """``dense_arch`` as torch.export can trace it: a TorchScript module (``--dense-arch dense.pt``, or a
     ``torch.export`` file traced to TorchScript on load) is converted back to a graph module by torch's
     TorchScript converter (``torch._export.converter.TS2EPConverter``); any other module as it is."""
+    dense_arch = copy.deepcopy(dense_arch).eval()  # served in eval mode; the model's own part stays as it is
     if not isinstance(dense_arch, torch.jit.ScriptModule):
         return dense_arch
     from torch._export.converter import TS2EPConverter
@@ -157,7 +159,7 @@ def export_dense(model: Any, device: str) -> torch.export.ExportedProgram:
         dense_arch = traceable_dense_arch(model.dense_arch, example)
         with torch.no_grad(), fx_config.patch(backed_size_oblivious=True):  # type: ignore[attr-defined]
             return torch.export.export(
-                DenseProgram(dense_arch).eval(), example, dynamic_shapes=({0: batch}, {0: batch}), strict=False
+                DenseProgram(dense_arch), example, dynamic_shapes=({0: batch}, {0: batch}), strict=False
             )
     except Exception as err:  # noqa: BLE001 - the converter and torch.export raise many error types
         first_line = str(err).strip().splitlines()[0] if str(err).strip() else type(err).__name__

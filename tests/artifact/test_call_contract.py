@@ -192,3 +192,18 @@ def test_embserve_run_on_a_dense_part_returning_scores(tmp_path, capsys):
     path = export(quantize(spec, random_weights(spec, seed=1)), tmp_path / "art")
     assert main(["run", str(Path(path)), "--batch-size", "3", "--iterations", "1"]) == 0
     assert "predict: scores [3]" in capsys.readouterr().out
+
+
+def test_the_onnx_graph_itself_returns_one_score_per_example(exported):
+    """model.onnx in a bare onnxruntime session (any ONNX host, no embserve): scores [B] float32."""
+    import numpy as np
+    import onnxruntime
+
+    path, reference = exported
+    batch = batch_of(reference.spec, Combo(torch.int64, torch.int32, False))
+    dense = dense_of()
+    session = onnxruntime.InferenceSession(str(path / "model.onnx"), providers=["CPUExecutionProvider"])
+    feeds = {"values": batch.values.numpy(), "lengths": batch.lengths.numpy(), "dense_features": dense.numpy()}
+    (scores,) = session.run(["scores"], feeds)
+    assert scores.shape == (batch.batch_size,) and scores.dtype == np.float32
+    assert_matches(torch.from_numpy(scores), reference.scores(batch, dense))
