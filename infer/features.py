@@ -23,9 +23,6 @@ if TYPE_CHECKING:
 # One feature's bags: a list of id lists, or a pair of 1-D tensors (values, lengths).
 FeatureBags = Sequence[Sequence[int]] | tuple[torch.Tensor, torch.Tensor]
 
-_ID_DTYPES = (torch.int32, torch.int64)
-_LENGTH_DTYPES = (torch.int32, torch.int64)
-
 
 @dataclass(frozen=True)
 class SparseFeatures:
@@ -38,21 +35,10 @@ class SparseFeatures:
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "keys", tuple(self.keys))
-        for name in ("values", "lengths"):
-            tensor = getattr(self, name)
-            if not isinstance(tensor, torch.Tensor):
-                raise RequestError(f"{name} must be a torch.Tensor, got {type(tensor).__name__}")
-            if tensor.dim() != 1:
-                raise RequestError(f"{name} must be 1-D, got shape {list(tensor.shape)}")
-        if self.values.dtype not in _ID_DTYPES:
-            raise RequestError(f"ids (values) must be int64 or int32, got {self.values.dtype}")
-        if self.lengths.dtype not in _LENGTH_DTYPES:
-            raise RequestError(f"lengths must be int32 (or int64), got {self.lengths.dtype}")
+        check_tensor("values", self.values)
+        check_tensor("lengths", self.lengths)
         if self.weights is not None:
-            if not isinstance(self.weights, torch.Tensor) or self.weights.dim() != 1:
-                raise RequestError(rules.WEIGHTS_DTYPE)
-            if self.weights.dtype != torch.float32:
-                raise RequestError(f"weights must be float32, got {self.weights.dtype}")
+            check_tensor("weights", self.weights)
             if self.weights.numel() != self.values.numel():
                 raise RequestError(
                     rules.weights_count(self.weights.numel(), self.values.numel())
@@ -117,7 +103,7 @@ class SparseFeatures:
         return cls(
             keys,
             torch.cat([v.to(id_dtype) for v in values_parts]),
-            torch.cat(lengths_parts).to(torch.int32),
+            narrow_lengths(torch.cat([n.to(torch.int64) for n in lengths_parts])),
             weight_tensor,
         )
 
@@ -142,12 +128,13 @@ class SparseFeatures:
         weights: torch.Tensor | None = None,
     ) -> SparseFeatures:
         """Wrap tensors already in the feature-major jagged layout (nothing is copied)."""
-        return cls(tuple(keys), values, lengths, weights)
+        return cls(tuple(keys), values, narrow_lengths(lengths), weights)
 
     @classmethod
     def from_kjt(cls, kjt: Any) -> SparseFeatures:
         """Wrap a TorchRec ``KeyedJaggedTensor`` (same feature-major layout: keys, values, lengths, optional
-        weights); lengths become int32, nothing else is copied. Variable-batch (VBE) KJTs are refused."""
+        weights); lengths become int32 (``narrow_lengths``), nothing else is copied. Variable-batch (VBE) KJTs are
+        refused."""
         if getattr(kjt, "variable_stride_per_key", lambda: False)():
             raise RequestError(
                 "a variable-batch (VBE) KeyedJaggedTensor has a different batch size per feature; "
@@ -157,7 +144,7 @@ class SparseFeatures:
             keys, values, lengths, weights = kjt.keys(), kjt.values(), kjt.lengths(), kjt.weights_or_none()
         except AttributeError:
             raise RequestError(f"expected a torchrec KeyedJaggedTensor, got {type(kjt).__name__}") from None
-        return cls(tuple(keys), values, lengths.to(torch.int32), weights)
+        return cls(tuple(keys), values, narrow_lengths(lengths), weights)
 
     def to_kjt(self) -> Any:
         """This batch as a TorchRec ``KeyedJaggedTensor`` (needs the ``embserve[torchrec]`` extra)."""
@@ -302,15 +289,9 @@ class SparseFeatures:
 def _feature_tensors(key: str, bags: Any) -> tuple[torch.Tensor, torch.Tensor]:
     if isinstance(bags, tuple) and len(bags) == 2 and all(isinstance(t, torch.Tensor) for t in bags):
         values, lengths = bags
-        if values.dim() != 1 or lengths.dim() != 1:
-            raise RequestError(f"feature '{rules.clip(key)}': values and lengths must be 1-D tensors", feature=key)
-        if values.dtype not in _ID_DTYPES:
-            raise RequestError(
-                f"feature '{rules.clip(key)}': ids must be int64 or int32, got {values.dtype}", feature=key
-            )
-        if lengths.dtype not in _LENGTH_DTYPES:
-            raise RequestError(f"feature '{rules.clip(key)}': lengths must be int32, got {lengths.dtype}", feature=key)
-        return values, lengths.to(torch.int32)
+        check_tensor("values", values, key)
+        check_tensor("lengths", lengths, key)
+        return values, lengths
     if isinstance(bags, (str, bytes)) or not isinstance(bags, Sequence):
         raise RequestError(
             f"feature '{rules.clip(key)}': expected a list of bags (lists of int ids), got {type(bags).__name__}",
@@ -341,9 +322,8 @@ def _feature_tensors(key: str, bags: Any) -> tuple[torch.Tensor, torch.Tensor]:
 def _feature_weights(key: str, weights: Any, lengths: torch.Tensor) -> torch.Tensor:
     """One feature's weights as float32: a 1-D tensor, or lists shaped exactly like its bags."""
     if isinstance(weights, torch.Tensor):
-        if weights.dim() != 1 or not weights.is_floating_point():
-            raise RequestError(f"feature '{rules.clip(key)}': weights must be a 1-D float tensor", feature=key)
-        return weights.to(torch.float32)
+        check_tensor("weights", weights, key)
+        return weights
     if isinstance(weights, (str, bytes)) or not isinstance(weights, Sequence):
         raise RequestError(f"feature '{rules.clip(key)}': weights must be a list of bags of floats", feature=key)
     bag_lengths = lengths.tolist()
@@ -369,11 +349,37 @@ def _feature_weights(key: str, weights: Any, lengths: torch.Tensor) -> torch.Ten
     return torch.tensor(flat, dtype=torch.float32)
 
 
+_INT32 = torch.iinfo(torch.int32)
+
+
+def narrow_lengths(lengths: torch.Tensor) -> torch.Tensor:
+    """int64 lengths as int32 when every one fits; otherwise as they are (validation then names the bad length):
+    a cast would wrap a huge length around into a plausible one."""
+    if lengths.dtype != torch.int64:
+        return lengths
+    if lengths.numel() and (int(lengths.min()) < _INT32.min or int(lengths.max()) > _INT32.max):
+        return lengths
+    return lengths.to(torch.int32)
+
+
+def check_tensor(name: str, tensor: Any, feature: str | None = None) -> None:
+    """``RequestError`` in the call contract's words (``request_rules.tensor_error``) unless ``tensor`` is a 1-D
+    tensor of a dtype ``name`` accepts (``dense_features``: 2-D); ``feature`` names the feature it belongs to."""
+    dims = 2 if name == rules.CONTRACT_TENSORS[3] else 1
+    if not isinstance(tensor, torch.Tensor):
+        error: str | None = rules.dtype_error(name, type(tensor).__name__)
+    else:
+        error = rules.tensor_error(name, tensor, dims)
+    if error is not None:
+        prefix = f"feature '{rules.clip(feature)}': " if feature is not None else ""
+        raise RequestError(prefix + error, feature=feature)
+
+
 def check_dense_features(dense_features: Any, batch: int, num_dense: int) -> torch.Tensor:
     """``dense_features`` as a backend takes it: a float32 ``[batch, num_dense]`` tensor, else ``RequestError``."""
+    if isinstance(dense_features, torch.Tensor) and dense_features.dim() == 2:
+        check_tensor("dense_features", dense_features)
     if not isinstance(dense_features, torch.Tensor) or tuple(dense_features.shape) != (batch, num_dense):
         shape = list(dense_features.shape) if isinstance(dense_features, torch.Tensor) else type(dense_features)
         raise RequestError(rules.dense_shape(batch, num_dense, str(shape)))
-    if dense_features.dtype != torch.float32:
-        raise RequestError(rules.DENSE_DTYPE)
     return dense_features.contiguous()

@@ -6,17 +6,105 @@ the same sentences, and ``tests/support/bad_requests.py`` holds every entry poin
 functions are plain and typed so TorchScript compiles them into the exported model.
 """
 
+from typing import List, Optional
+
+import torch
 from torch import Tensor
 
 # Every request error raised inside a scripted model starts with this, so hosts can tell a bad
 # request from a broken model (Python: ``Runtime``; C++: ``embserve::RequestError``).
 REQUEST_ERROR_PREFIX = "embserve.RequestError: "
 
-IDS_DTYPE = "values must be a 1-D int64 or int32 tensor of ids"
-LENGTHS_DTYPE = "lengths must be a 1-D int32 (or int64) tensor"
-WEIGHTS_DTYPE = "weights must be a 1-D float32 tensor with one weight per id"
-DENSE_DTYPE = "dense_features must be float32"
 NO_DENSE_PART = "this model has no dense part; use lookup, not predict"
+
+# ------------------------------------------------------------------------------------------ the call contract
+# Every entry point (the scripted model's forward/predict, the Python runtimes on TorchScript, pt2 and
+# onnxruntime, embserve.v1 and the Open Inference Protocol) takes these tensors, and only these dtypes:
+#   values          int64 or int32   [num_ids]
+#   lengths         int32 or int64   [num_features * batch], feature-major
+#   weights         float32          [num_ids], or absent (every id weighs 1)
+#   dense_features  float32          [batch, num_dense_features] (predict only)
+# A documented dtype is cast at the boundary to what the backend runs (model.pt2: int64 ids and lengths,
+# ones for absent weights); any other dtype is refused with ``dtype_error``'s message, never reinterpreted.
+# ``predict`` returns float32 scores [batch] everywhere (a dense part returning [batch, 1] is squeezed).
+CONTRACT_TENSORS = ("values", "lengths", "weights", "dense_features")
+
+
+def accepts_dtype(tensor: str, dtype: torch.dtype) -> bool:
+    """Whether ``tensor`` (one of ``CONTRACT_TENSORS``) may have ``dtype``."""
+    if tensor == "values" or tensor == "lengths":
+        return dtype == torch.int64 or dtype == torch.int32
+    return dtype == torch.float32
+
+
+def dtype_rule(tensor: str) -> str:
+    """The rule ``tensor`` breaks when its dtype or rank is wrong (literals: TorchScript compiles this)."""
+    if tensor == "values":
+        return "values must be a 1-D int64 or int32 tensor of ids"
+    if tensor == "lengths":
+        return "lengths must be a 1-D int32 (or int64) tensor"
+    if tensor == "weights":
+        return "weights must be a 1-D float32 tensor with one weight per id"
+    return "dense_features must be float32 [batch, num_dense_features]"
+
+
+IDS_DTYPE = dtype_rule("values")
+LENGTHS_DTYPE = dtype_rule("lengths")
+WEIGHTS_DTYPE = dtype_rule("weights")
+DENSE_DTYPE = dtype_rule("dense_features")
+
+
+def dtype_name(dtype: torch.dtype) -> str:
+    """``float32``, ``int64``, ... (TorchScript prints a dtype as a number, Python as ``torch.float32``)."""
+    names: List[str] = ["float32", "float64", "float16", "bfloat16", "int64", "int32", "int16", "int8", "uint8", "bool"]
+    dtypes: List[torch.dtype] = [
+        torch.float32,
+        torch.float64,
+        torch.float16,
+        torch.bfloat16,
+        torch.int64,
+        torch.int32,
+        torch.int16,
+        torch.int8,
+        torch.uint8,
+        torch.bool,
+    ]
+    for i in range(len(dtypes)):
+        if dtype == dtypes[i]:
+            return names[i]
+    return "dtype " + str(dtype)
+
+
+def dtype_error(tensor: str, got: str) -> str:
+    """The one wording of a refused input: the tensor, the rule it breaks and what it was (``got``: its dtype
+    and shape, or a protocol's datatype)."""
+    return dtype_rule(tensor) + ", got " + got
+
+
+def tensor_error(tensor: str, value: Tensor, dims: int) -> Optional[str]:
+    """``dtype_error`` for ``value`` as input ``tensor`` when its dtype or rank breaks the contract, else None."""
+    if value.dim() == dims and accepts_dtype(tensor, value.dtype):
+        return None
+    return dtype_error(tensor, dtype_name(value.dtype) + " " + str(list(value.shape)))
+
+
+def scores_error(got: str, batch: int) -> str:
+    """A dense part whose output is not scores: ``predict`` returns float32 ``[batch]`` on every backend."""
+    return (
+        f"the dense part returned {got} for a batch of {batch}; predict returns float32 scores [batch], so the "
+        + "dense part must return floating-point [B] or [B, 1] (squeeze or slice its output to one score per example)"
+    )
+
+
+def scores_of(out: Tensor, batch: int) -> Tensor:
+    """The dense part's output as ``predict`` returns it: float32 ``[batch]`` (``[batch, 1]`` squeezed, another
+    floating dtype cast); any other shape or dtype raises ``ValueError(scores_error(...))``: a broken model, not
+    a bad request. Export probes every dense part with it, and every backend applies it."""
+    if out.dim() == 2 and out.size(1) == 1:
+        out = out.squeeze(1)
+    if out.dim() != 1 or out.size(0) != batch or not out.is_floating_point():
+        raise ValueError(scores_error(dtype_name(out.dtype) + " " + str(list(out.shape)), batch))
+    return out.to(torch.float32)
 
 
 # Echoed client input (a name, a value) is cut to this many characters, and a whole message to MAX_MESSAGE_CHARS:

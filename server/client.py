@@ -15,7 +15,7 @@ import grpc
 import torch
 
 from infer.errors import EmbserveError, RejectedRequestError, ServerError
-from infer.features import SparseFeatures
+from infer.features import SparseFeatures, check_tensor
 from server import codec
 from server.proto import inference_pb2 as pb
 from server.proto import inference_pb2_grpc as pb_grpc
@@ -144,6 +144,7 @@ class EmbserveClient:
         weights: Mapping[str, Sequence[Sequence[float]]] | None = None,
     ) -> torch.Tensor:
         """Scores ``[batch]`` of the model's dense part."""
+        check_tensor("dense_features", dense_features)  # the call contract: float32, never a silent cast
         if self._oip is not None:
             return self._oip.predict(self._call, self._features(features, weights), dense_features)
         request = pb.PredictRequest(

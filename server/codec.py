@@ -122,12 +122,25 @@ def encode_packed(features: SparseFeatures) -> pb.SparseFeatures:
     id_type = pb.ID_TYPE_INT32 if values.dtype == torch.int32 else pb.ID_TYPE_INT64
     packed = pb.PackedFeatures(
         feature_order=list(features.keys),
-        lengths=features.lengths.to(torch.int32).contiguous().numpy().tobytes(),
+        lengths=_int32_lengths(features.lengths).contiguous().numpy().tobytes(),
         ids=values.contiguous().numpy().tobytes(),
         id_type=id_type,
         weights=features.weights.contiguous().numpy().tobytes() if features.weights is not None else b"",
     )
     return pb.SparseFeatures(packed=packed)
+
+
+def _int32_lengths(lengths: torch.Tensor) -> torch.Tensor:
+    """Lengths as the packed form carries them (int32); an int64 length beyond int32 is refused, not wrapped
+    around into a plausible one."""
+    if lengths.dtype == torch.int64 and lengths.numel():
+        low, high = (int(x) for x in torch.aminmax(lengths))
+        if low < _INT32_MIN or high > _INT32_MAX:
+            raise RequestError(
+                rules.dtype_error("lengths", f"int64 values in [{low}, {high}]")
+                + "; the packed form carries int32 lengths and no bag is that long"
+            )
+    return lengths.to(torch.int32)
 
 
 def encode_typed(features: SparseFeatures) -> pb.SparseFeatures:

@@ -35,6 +35,7 @@ from infer.artifact.hosts import HostPart, load_host_part
 from infer.artifact.manifest import Manifest
 from infer.artifact.runtime import Runtime
 from infer.errors import ArtifactError, EmbserveError, RequestError
+from infer.features import check_dense_features
 from infer.shard.hosts import finish_partial
 from server.app import SERVING_LINE, ServerConfig, create_server
 from server.service import SERVICE_NAME, _Failure
@@ -171,18 +172,20 @@ class DistributedModel:
 
     def predict(
         self, dense: torch.Tensor, values: torch.Tensor, lengths: torch.Tensor, weights: torch.Tensor | None = None
-    ) -> Any:
+    ) -> torch.Tensor:
+        return self.lookup_and_predict(dense, values, lengths, weights)[1]
+
+    def lookup_and_predict(
+        self, dense: torch.Tensor, values: torch.Tensor, lengths: torch.Tensor, weights: torch.Tensor | None = None
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """Pooled embeddings and scores float32 ``[batch]`` (the call contract) of one forward."""
         module = self.part.module
         if not module.has_dense:
             raise RequestError(rules.NO_DENSE_PART)
         batch = lengths.numel() // len(self.spec.features)
-        width = self.spec.num_dense_features
-        if dense.dim() != 2 or dense.size(0) != batch or dense.size(1) != width:
-            raise RequestError(rules.dense_shape(batch, width, str(list(dense.shape))))
-        if dense.dtype != torch.float32:
-            raise RequestError(rules.DENSE_DTYPE)
+        dense = check_dense_features(dense, batch, self.spec.num_dense_features)
         pooled = self(values, lengths, weights)
-        return module.dense_arch(dense.to(pooled.device), pooled)
+        return pooled, rules.scores_of(module.dense_arch(dense.to(pooled.device), pooled), batch)
 
     # ----------------------------------------------------------------- collectives
     def _unavailable(self) -> _Failure:

@@ -76,11 +76,10 @@ class ServedModel:
     ) -> torch.Tensor:
         """Embeddings and scores of one forward, as columns ``[embeddings..., score]`` (the batcher splits rows)."""
         assert dense is not None
-        module = self.runtime.module
         with torch.inference_mode():
-            pooled = module(values, lengths, weights)
-            scores = module.dense_arch(dense.to(pooled.device), pooled)
-            return torch.cat([pooled.cpu(), scores.reshape(pooled.shape[0], 1).to(pooled.dtype).cpu()], dim=1)
+            pooled, scores = self.runtime.module.lookup_and_predict(dense, values, lengths, weights)
+        scores = self.runtime.scores(scores.cpu(), pooled.shape[0])  # float32 [batch], every backend
+        return torch.cat([pooled.cpu(), scores.unsqueeze(1)], dim=1)
 
     async def infer(self, decoded: oc.Decoded) -> tuple[torch.Tensor | None, torch.Tensor | None]:
         """(embeddings, scores) of a validated request, through the shared batchers."""
@@ -343,10 +342,7 @@ def grpc_inputs(request: pb.ModelInferRequest) -> list[oc.InputTensor]:
         if field is None:
             if tensor.datatype in oc.DATATYPES:
                 raise RequestError(f"input {tensor.name!r}: {tensor.datatype} data travel raw (raw_input_contents)")
-            raise RequestError(
-                f"input {tensor.name!r}: datatype {tensor.datatype!r} is not supported; use one of "
-                f"{sorted(oc.DATATYPES)}"
-            )
+            raise oc.refused_datatype(tensor.name, tensor.datatype)
         values = getattr(tensor.contents, field)
         tensors.append(oc.tensor_from_values(tensor.name, tensor.datatype, tensor.shape, values))
     return tensors

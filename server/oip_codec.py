@@ -1,6 +1,6 @@
 """Open Inference Protocol tensors <-> embserve batches: the tensor contract, shared by gRPC and REST.
 
-Inputs, per feature ``f``: ``f__values`` (INT64/INT32 [N]), ``f__lengths`` (INT32 [B]) or ``f__offsets``
+Inputs, per feature ``f``: ``f__values`` (INT64/INT32 [N]), ``f__lengths`` (INT32/INT64 [B]) or ``f__offsets``
 (INT32/INT64 [B+1]), optional ``f__weights`` (FP32 [N]); and ``dense_features`` (FP32 [B, num_dense]) for
 models with a dense part. Outputs: ``embeddings`` (FP32 [B, output_dim], FP16 with ``output_fp16``)
 and ``scores`` (FP32 [B]). Every batch ends in ``SparseFeatures.validate``; the checks that only
@@ -45,13 +45,30 @@ EMBEDDINGS = "embeddings"
 SCORES = "scores"
 FP16_PARAMETER = "output_fp16"
 
+# the call contract's tensor behind each input role (offsets take the dtypes of lengths)
+_CONTRACT_TENSOR = {VALUES: "values", LENGTHS: "lengths", OFFSETS: "lengths", WEIGHTS: "weights", DENSE: DENSE}
 _ALLOWED = {
-    VALUES: ("INT64", "INT32"),
-    LENGTHS: ("INT32", "INT64"),
-    OFFSETS: ("INT32", "INT64"),
-    WEIGHTS: ("FP32",),
-    DENSE: ("FP32",),
+    role: tuple(name for name, dtype in DATATYPES.items() if rules.accepts_dtype(tensor, dtype))
+    for role, tensor in _CONTRACT_TENSOR.items()
 }
+
+
+def refused_datatype(name: str, datatype: str) -> RequestError:
+    """An input whose datatype the call contract refuses, in its words (``request_rules.dtype_error``) and the
+    protocol's datatypes."""
+    try:
+        feature, role = _split_name(name)
+    except RequestError:
+        return RequestError(
+            f"input {rules.clip(name)!r}: datatype {rules.clip(datatype)!r} is not supported; "
+            f"use one of {sorted(DATATYPES)}"
+        )
+    allowed = _ALLOWED[role]
+    return RequestError(
+        f"input {rules.clip(name)!r}: {rules.dtype_error(_CONTRACT_TENSOR[role], rules.clip(datatype))} "
+        f"(send {' or '.join(allowed)})",
+        feature=None if role == DENSE else feature,
+    )
 
 
 class Mode(enum.Enum):
@@ -102,7 +119,7 @@ class OutputTensor:
 # ------------------------------------------------------------------------------------------ tensors
 def _checked_shape(name: str, datatype: str, shape: Iterable[int]) -> tuple[tuple[int, ...], int]:
     if datatype not in DATATYPES:
-        raise RequestError(f"input {name!r}: datatype {datatype!r} is not supported; use one of {sorted(DATATYPES)}")
+        raise refused_datatype(name, datatype)
     dims = tuple(shape)
     if dims and min(dims) < 0:
         raise RequestError(f"input {name!r}: shape {list(dims)} has a negative dimension")
@@ -127,13 +144,29 @@ def tensor_from_raw(name: str, datatype: str, shape: Iterable[int], raw: bytes |
 def tensor_from_values(name: str, datatype: str, shape: Iterable[int], values: Sequence[Any]) -> InputTensor:
     """An input whose data came as numbers (gRPC typed contents, REST JSON ``data``), row-major."""
     dims, count = _checked_shape(name, datatype, shape)
+    dtype = DATATYPES[datatype]
     try:
-        data = torch.tensor(values, dtype=DATATYPES[datatype]).reshape(-1)
+        # inferred first: torch.tensor([1.5], dtype=torch.int32) would truncate to 1, a silently different id
+        data = torch.tensor(values).reshape(-1) if len(values) else torch.empty(0, dtype=dtype)
     except (TypeError, ValueError, RuntimeError, OverflowError):
         raise RequestError(f"input {name!r}: its data are not {datatype} numbers") from None
+    if data.dtype == torch.bool or (data.is_floating_point() and not dtype.is_floating_point):
+        raise RequestError(f"input {name!r}: its data are not {datatype} numbers (got {rules.dtype_name(data.dtype)})")
+    try:
+        data = data.to(dtype) if data.dtype == dtype or dtype.is_floating_point else _exact_integers(data, dtype)
+    except ValueError:
+        raise RequestError(f"input {name!r}: its data do not fit in {datatype}") from None
     if data.numel() != count:
         raise RequestError(f"input {name!r}: {data.numel()} elements for shape {list(dims)} (expected {count})")
     return InputTensor(name, datatype, dims, data)
+
+
+def _exact_integers(data: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """Integers as ``dtype``; ``ValueError`` when one does not fit (a cast would wrap it around)."""
+    info = torch.iinfo(dtype)
+    if data.numel() and (int(data.min()) < info.min or int(data.max()) > info.max):
+        raise ValueError(dtype)
+    return data.to(dtype)
 
 
 # ------------------------------------------------------------------------------------------ inputs
@@ -188,12 +221,8 @@ def decode_inputs(inputs: Sequence[InputTensor], spec: ModelSpec) -> tuple[Spars
     dense_input: InputTensor | None = None
     for tensor in inputs:
         feature, role = _split_name(tensor.name)
-        allowed = _ALLOWED[role]
-        if tensor.datatype not in allowed:
-            raise RequestError(
-                f"input {tensor.name!r} has datatype {tensor.datatype}; expected {' or '.join(allowed)}",
-                feature=None if role == DENSE else feature,
-            )
+        if tensor.datatype not in _ALLOWED[role]:
+            raise refused_datatype(tensor.name, tensor.datatype)
         if role == DENSE:
             if dense_input is not None:
                 raise RequestError(f"input {DENSE!r} appears twice")

@@ -180,7 +180,8 @@ def _make_runners(runtime: Any) -> tuple[Callable[..., torch.Tensor], Callable[.
 
     def run_predict(values: Any, lengths: Any, weights: Any, dense: Any) -> torch.Tensor:
         with torch.inference_mode():
-            return module.predict(dense, values, lengths, weights).cpu()
+            scores = module.predict(dense, values, lengths, weights).cpu()
+        return runtime.scores(scores, lengths.numel() // len(runtime.spec.features))  # float32 [batch]
 
     return run_lookup, run_predict
 

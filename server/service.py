@@ -161,7 +161,8 @@ class InferenceServicer(pb_grpc.InferenceServiceServicer):
         self, values: torch.Tensor, lengths: torch.Tensor, weights: torch.Tensor | None, dense: torch.Tensor | None
     ) -> torch.Tensor:
         with torch.inference_mode():
-            return self.runtime.module.predict(dense, values, lengths, weights).cpu()
+            scores = self.runtime.module.predict(dense, values, lengths, weights).cpu()
+        return self.runtime.scores(scores, lengths.numel() // len(self.runtime.spec.features))  # float32 [batch]
 
     def start(self) -> None:
         self.lookups.start()

@@ -377,7 +377,9 @@ def test_from_tensors_bad_id_dtype(dtype):
     lengths = torch.tensor([1, 1, 1], dtype=torch.int32)
     with pytest.raises(RequestError) as info:
         SparseFeatures.from_tensors(SPEC.feature_names, values, lengths)
-    assert str(dtype) in str(info.value)
+    assert f"values must be a 1-D int64 or int32 tensor of ids, got {str(dtype).removeprefix('torch.')} [3]" in str(
+        info.value
+    )
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float64, torch.bool])
@@ -386,7 +388,9 @@ def test_from_tensors_bad_lengths_dtype(dtype):
     lengths = torch.tensor([1, 1, 1]).to(dtype)
     with pytest.raises(RequestError) as info:
         SparseFeatures.from_tensors(SPEC.feature_names, values, lengths)
-    assert str(dtype) in str(info.value)
+    assert f"lengths must be a 1-D int32 (or int64) tensor, got {str(dtype).removeprefix('torch.')} [3]" in str(
+        info.value
+    )
 
 
 @pytest.mark.parametrize("dtype", [torch.float64, torch.float16, torch.int64])
@@ -396,7 +400,8 @@ def test_from_tensors_bad_weights_dtype(dtype):
     weights = torch.ones(3, dtype=dtype)
     with pytest.raises(RequestError) as info:
         SparseFeatures.from_tensors(SPEC.feature_names, values, lengths, weights)
-    assert str(dtype) in str(info.value)
+    got = str(dtype).removeprefix("torch.")
+    assert f"weights must be a 1-D float32 tensor with one weight per id, got {got} [3]" in str(info.value)
 
 
 def test_from_tensors_not_1d():
@@ -540,3 +545,16 @@ def test_weights_must_be_shaped_like_the_bags():
     assert info.value.feature == "a"
     with pytest.raises(RequestError, match="non-numeric weight"):
         SparseFeatures.from_dict({"a": [[1, 2]]}, weights={"a": [[1.0, "x"]]})
+
+
+def test_int64_lengths_past_int32_are_never_wrapped_around():
+    """2**32 + 1 cast to int32 is 1, a plausible length: the batch keeps int64 and validation names the length."""
+    bags = {
+        "user": (torch.tensor([1]), torch.tensor([2**32 + 1, 0], dtype=torch.int64)),
+        "user_hist": tensors([0, 0], []),
+        "item": tensors([1, 0], [5]),
+    }
+    batch = SparseFeatures.from_dict(bags)
+    assert batch.lengths.dtype == torch.int64
+    with pytest.raises(RequestError, match="feature 'user': bag 0 has length 4294967297 but the batch has only 2 ids"):
+        batch.validate(SPEC)

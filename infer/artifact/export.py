@@ -15,9 +15,11 @@ import time
 from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
+from typing import Any
 
 import torch
 
+from infer import request_rules as rules
 from infer.artifact.kernels import kernels_of
 from infer.artifact.manifest import MANIFEST_FILE, MODEL_FILE, PLAN_FILE, FileEntry, Manifest, OnnxEntry, Pt2Entry
 from infer.dense_layout import checked_layout
@@ -93,6 +95,8 @@ def export(
         raise ConfigError(f"export takes the model returned by infer.quantize(), got {type(model).__name__}")
     out_dir = output_folder(out_dir)
     dense_expects = checked_layout(model.spec, model.dense_arch if model.has_dense else None)
+    if model.has_dense:
+        check_dense_part(model)
     started = time.monotonic()
     try:
         scripted = torch.jit.script(model)
@@ -137,6 +141,38 @@ def export(
         (staging / MANIFEST_FILE).write_text(manifest.to_json(), encoding="utf-8")
     logger.debug("exported %s in %.1fs", out_dir, time.monotonic() - started)
     return out_dir
+
+
+# Two batch sizes: a dense part specialised to one batch size fails the second probe.
+PROBE_BATCHES = (2, 3)
+
+
+def check_dense_part(model: Any) -> None:
+    """Call the model's dense part on probe batches of zeros; ``ConfigError`` unless it returns what ``predict``
+    returns on every backend: float32 scores ``[batch]`` (``[batch, 1]`` is squeezed, see ``rules.scores_of``)."""
+    spec = model.spec
+    dense_arch = model.dense_arch
+    assert isinstance(dense_arch, torch.nn.Module)
+    device = next((t.device for t in (*dense_arch.parameters(), *dense_arch.buffers())), torch.device("cpu"))
+    expected = f"(dense_features [B, {spec.num_dense_features}], pooled [B, {spec.output_dim}])"
+    for batch in PROBE_BATCHES:
+        dense = torch.zeros(batch, spec.num_dense_features, device=device)
+        pooled = torch.zeros(batch, spec.output_dim, device=device)
+        try:
+            with torch.no_grad():
+                out = dense_arch(dense, pooled)
+        except Exception as err:  # noqa: BLE001 - a wrong signature fails in many ways
+            lines = [line.strip() for line in str(err).splitlines() if line.strip()]
+            raise ConfigError(
+                f"the dense part cannot be called as {expected}: {lines[-1] if lines else type(err).__name__}; "
+                "check num_dense_features in the spec and the module's input sizes"
+            ) from None
+        if not isinstance(out, torch.Tensor):
+            raise ConfigError(rules.scores_error(type(out).__name__, batch))
+        try:
+            rules.scores_of(out, batch)
+        except ValueError as err:
+            raise ConfigError(str(err)) from None
 
 
 def _export_onnx(model: torch.nn.Module, folder: Path, plan: ShardingPlan | None, pooling: str | None) -> OnnxEntry:

@@ -36,6 +36,7 @@ from typing import Any
 import numpy as np
 import torch
 
+from infer import request_rules as rules
 from infer.config import DataType, ModelSpec, PoolingType, TableConfig
 from infer.errors import ArtifactError, ArtifactErrorKind, ConfigError
 from infer.quant.rowwise import SCALE_BIAS_BYTES, row_data_bytes
@@ -414,12 +415,24 @@ def build_embedding_graph(
 
 
 # ---------------------------------------------------------------------------------------------- dense part
+class _Scores(torch.nn.Module):
+    """A dense part whose output follows the call contract (``rules.scores_of``: ``[B, 1]`` squeezed)."""
+
+    def __init__(self, dense_arch: torch.nn.Module) -> None:
+        super().__init__()
+        self.dense_arch = dense_arch
+
+    def forward(self, dense_features: torch.Tensor, pooled: torch.Tensor) -> torch.Tensor:
+        return rules.scores_of(self.dense_arch(dense_features, pooled), pooled.shape[0])
+
+
 def export_dense(dense_arch: torch.nn.Module, num_dense: int, output_dim: int, path: Path) -> Any:
     """``dense.onnx`` (inputs ``dense_features``, ``pooled``; output ``scores``) by torch.onnx's TorchScript-based
     exporter (dynamo=False: the dynamo exporter needs onnxscript, which the extra does not carry)."""
     onnx = _require_onnx()
     example = (torch.zeros(2, num_dense), torch.zeros(2, output_dim))
-    module = copy.deepcopy(dense_arch).cpu().eval()  # the model itself stays where it is
+    # the model itself stays where it is; scores leave the graph float32 [B], as every backend's predict
+    module = _Scores(copy.deepcopy(dense_arch).cpu().eval())
     try:
         with warnings.catch_warnings():
             # torch 2.13 warns that this exporter is the legacy one; it is the one that needs no onnxscript

@@ -63,14 +63,25 @@ class OnnxModule:
         lengths: torch.Tensor,
         weights: torch.Tensor | None = None,
     ) -> torch.Tensor:
-        """Scores of the dense part ``[batch]`` (validated first)."""
+        """Scores of the dense part float32 ``[batch]`` (validated first)."""
+        return self.lookup_and_predict(dense_features, values, lengths, weights)[1]
+
+    def lookup_and_predict(
+        self,
+        dense_features: torch.Tensor,
+        values: torch.Tensor,
+        lengths: torch.Tensor,
+        weights: torch.Tensor | None = None,
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """Pooled embeddings ``[batch, output_dim]`` and scores ``[batch]`` of one graph run."""
         if not self.has_dense:
             raise RequestError(rules.NO_DENSE_PART)
         feeds = self._feeds(values, lengths, weights)
         batch = feeds["lengths"].size // len(self.spec.features)
         dense = check_dense_features(dense_features, batch, self.spec.num_dense_features)
         feeds["dense_features"] = dense.cpu().numpy()
-        return torch.from_numpy(np.asarray(self.session.run(["scores"], feeds)[0]))
+        pooled, scores = self.session.run(["embeddings", "scores"], feeds)
+        return torch.from_numpy(pooled), rules.scores_of(torch.from_numpy(np.asarray(scores)), batch)
 
 
 def load_onnx(folder: Path, manifest: Manifest, intra_op_threads: int | None = None) -> Runtime:

@@ -4,14 +4,16 @@ default model name ("model") is what the Python and C++ loaders run.
 
 A model with a dense part gets a second program in the same package, "dense":
 ``(dense_features float32[B, num_dense_features], pooled float32[B, output_dim]) -> scores float32[B]``, so
-``predict`` runs the lookups, then the dense part, without duplicating the tables. A dense part torch.export
-cannot trace (e.g. a TorchScript file) leaves the package with the lookups only, and says so.
+``predict`` runs the lookups, then the dense part, without duplicating the tables. A TorchScript dense part
+(``--dense-arch dense.pt``) is converted for torch.export first; a dense part that still cannot be traced is a
+``ConfigError`` before anything is compiled (never a package that silently lacks it).
 
 Compiling takes about a minute on CPU (a C++ build), so it is logged before and timed after.
 """
 
 from __future__ import annotations
 
+import copy
 import logging
 import time
 from pathlib import Path
@@ -19,6 +21,7 @@ from typing import Any
 
 import torch
 
+from infer import request_rules as rules
 from infer.artifact.manifest import PT2_FILE, Pt2Entry
 from infer.errors import ConfigError
 
@@ -85,10 +88,11 @@ def export_pt2(model: Any, folder: Path) -> Pt2Entry:
 
     load_fbgemm()  # the bounds-check and lookup operators, and their fake kernels
     device = program_device(model)
-    program = lookup_program(model).eval()
     started = time.monotonic()
-    exported = export_program(program, len(model.spec.features), device)
+    # the dense part first: one that cannot be exported is refused before the lookups are traced
     dense = export_dense(model, device) if getattr(model, "has_dense", False) else None
+    program = lookup_program(model).eval()
+    exported = export_program(program, len(model.spec.features), device)
     logger.info("compiling %s with AOTInductor (about a minute)...", PT2_FILE)
     compile_started = time.monotonic()
     path = folder / PT2_FILE
@@ -113,19 +117,36 @@ def export_pt2(model: Any, folder: Path) -> Pt2Entry:
 
 
 class DenseProgram(torch.nn.Module):
-    """The model's dense part alone: ``(dense_features, pooled) -> scores``."""
+    """The model's dense part alone: ``(dense_features, pooled) -> scores`` float32 ``[B]`` (``rules.scores_of``:
+    a ``[B, 1]`` output squeezed, as every backend's ``predict``)."""
 
     def __init__(self, dense_arch: torch.nn.Module) -> None:
         super().__init__()
         self.dense_arch = dense_arch
 
     def forward(self, dense_features: torch.Tensor, pooled: torch.Tensor) -> torch.Tensor:
-        scores: torch.Tensor = self.dense_arch(dense_features, pooled)
-        return scores
+        return rules.scores_of(self.dense_arch(dense_features, pooled), pooled.shape[0])
 
 
-def export_dense(model: Any, device: str) -> torch.export.ExportedProgram | None:
-    """``torch.export`` of the model's dense part with a dynamic batch, or None (logged) when it cannot be traced."""
+def traceable_dense_arch(dense_arch: torch.nn.Module, example: tuple[torch.Tensor, torch.Tensor]) -> torch.nn.Module:
+    """``dense_arch`` as torch.export can trace it: a TorchScript module (``--dense-arch dense.pt``, or a
+    ``torch.export`` file traced to TorchScript on load) is converted back to a graph module by torch's
+    TorchScript converter (``torch._export.converter.TS2EPConverter``); any other module as it is."""
+    dense_arch = copy.deepcopy(dense_arch).eval()  # served in eval mode; the model's own part stays as it is
+    if not isinstance(dense_arch, torch.jit.ScriptModule):
+        return dense_arch
+    from torch._export.converter import TS2EPConverter
+
+    with torch.no_grad():
+        converted = TS2EPConverter(dense_arch, example).convert()
+    logger.info("dense part: TorchScript converted for torch.export")
+    module: torch.nn.Module = converted.module()
+    return module
+
+
+def export_dense(model: Any, device: str) -> torch.export.ExportedProgram:
+    """``torch.export`` of the model's dense part with a dynamic batch; ``ConfigError`` when it cannot be traced
+    (before anything is compiled): model.pt2 holds the dense part whenever the model has one, or is not written."""
     import torch.fx.experimental._config as fx_config
 
     spec = model.spec
@@ -135,19 +156,18 @@ def export_dense(model: Any, device: str) -> torch.export.ExportedProgram | None
         torch.zeros(2, spec.output_dim, device=device),
     )
     try:
+        dense_arch = traceable_dense_arch(model.dense_arch, example)
         with torch.no_grad(), fx_config.patch(backed_size_oblivious=True):  # type: ignore[attr-defined]
             return torch.export.export(
-                DenseProgram(model.dense_arch).eval(), example, dynamic_shapes=({0: batch}, {0: batch}), strict=False
+                DenseProgram(dense_arch), example, dynamic_shapes=({0: batch}, {0: batch}), strict=False
             )
-    except Exception as err:  # noqa: BLE001 - torch.export raises many error types
+    except Exception as err:  # noqa: BLE001 - the converter and torch.export raise many error types
         first_line = str(err).strip().splitlines()[0] if str(err).strip() else type(err).__name__
-        logger.warning(
-            "%s holds the lookups only: the dense part cannot be exported with torch.export (%s); "
-            "predict with the torchscript backend",
-            PT2_FILE,
-            first_line[:200],
-        )
-        return None
+        raise ConfigError(
+            f"the dense part ({type(model.dense_arch).__name__}) cannot be exported with torch.export for "
+            f"{PT2_FILE}: {first_line[:300]}. Make it traceable by torch.export (or give it as a torch.export "
+            "program), or export without --pt2 (model.pt and model.onnx serve predict)"
+        ) from None
 
 
 def _compile_programs(programs: dict[str, torch.export.ExportedProgram], path: Path) -> None:

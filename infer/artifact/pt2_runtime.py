@@ -2,8 +2,9 @@
 
 ``Pt2Module`` stands where the scripted model stands: ``module(values, lengths, weights)`` validates the
 request with the shared rules (``SparseFeatures.validate``, the ``request_rules`` wording) and raises
-``RequestError`` before the compiled program sees it, then calls the program with int64 ids and lengths and
-all-ones weights when the request has none (bit-identical to an unweighted lookup). fbgemm's FATAL bounds
+``RequestError`` before the compiled program sees it, then calls the program at the call contract's boundary
+(``program``): int64 ids and lengths, all-ones weights when the request has none (bit-identical to an
+unweighted lookup). fbgemm's FATAL bounds
 check inside the program stays as the last line.
 
 Calling the package from Python holds the GIL for the whole call (``AOTIModelPackageLoader.boxed_run`` does
@@ -25,7 +26,7 @@ from infer.artifact.manifest import PT2_INPUTS, Manifest
 from infer.artifact.runtime import Runtime
 from infer.config import ModelSpec
 from infer.errors import ArtifactError, ArtifactErrorKind, RequestError
-from infer.features import SparseFeatures, check_dense_features
+from infer.features import SparseFeatures, check_dense_features, check_tensor
 
 logger = logging.getLogger(__name__)
 
@@ -47,14 +48,21 @@ class Pt2Module:
     def forward(self, values: torch.Tensor, lengths: torch.Tensor, weights: torch.Tensor | None = None) -> torch.Tensor:
         """Pooled embeddings ``[batch, output_dim]`` fp32 (validated first)."""
         features = SparseFeatures.from_tensors(self.spec.feature_names, values, lengths, weights).validate(self.spec)
-        ids = features.values.to(torch.int64).contiguous()
-        bag_lengths = features.lengths.to(torch.int64).contiguous()
-        id_weights = features.weights.contiguous() if features.weights is not None else torch.ones(ids.numel())
-        return self.program(ids, bag_lengths, id_weights)
+        return self.program(features.values, features.lengths, features.weights)
 
-    def program(self, values: torch.Tensor, lengths: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
-        """The lookup program alone, no checks: int64 ids and lengths, float32 weights (what a C++ host calls)."""
-        result: torch.Tensor = self.lookup.boxed_run([values, lengths, weights])[0]
+    def program(self, values: torch.Tensor, lengths: torch.Tensor, weights: torch.Tensor | None = None) -> torch.Tensor:
+        """The lookup program without the request's value checks (ids, lengths: fbgemm's bounds check inside the
+        program is the only one), at the call contract's boundary: the program was compiled for int64 ids and
+        lengths and float32 weights and reads any other dtype's bytes as those (AOTInductor checks input dtypes
+        only under AOTI_RUNTIME_CHECK_INPUTS=1), so documented dtypes are cast here, absent weights become ones
+        (bit-identical to an unweighted lookup), and any other dtype is a ``RequestError``."""
+        for name, tensor in (("values", values), ("lengths", lengths), ("weights", weights)):
+            if tensor is not None:
+                check_tensor(name, tensor)
+        ids = values.to(torch.int64).contiguous()
+        bag_lengths = lengths.to(torch.int64).contiguous()
+        id_weights = weights.contiguous() if weights is not None else torch.ones(ids.numel(), device=ids.device)
+        result: torch.Tensor = self.lookup.boxed_run([ids, bag_lengths, id_weights])[0]
         return result
 
     __call__ = forward
@@ -66,14 +74,24 @@ class Pt2Module:
         lengths: torch.Tensor,
         weights: torch.Tensor | None = None,
     ) -> torch.Tensor:
-        """Scores of the dense part ``[batch]`` (validated first): the lookup program, then the dense program."""
+        """Scores of the dense part float32 ``[batch]`` (validated first): the lookup program, then the dense one."""
+        return self.lookup_and_predict(dense_features, values, lengths, weights)[1]
+
+    def lookup_and_predict(
+        self,
+        dense_features: torch.Tensor,
+        values: torch.Tensor,
+        lengths: torch.Tensor,
+        weights: torch.Tensor | None = None,
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """Pooled embeddings ``[batch, output_dim]`` and scores ``[batch]`` of one lookup."""
         if not self.has_dense:
             raise RequestError(rules.NO_DENSE_PART)
         pooled = self.forward(values, lengths, weights)
         batch = pooled.shape[0]
         dense = check_dense_features(dense_features, batch, self.spec.num_dense_features)
         scores: torch.Tensor = self.dense.boxed_run([dense, pooled])[0]
-        return scores
+        return pooled, rules.scores_of(scores, batch)
 
 
 def load_program(package: Path, name: str) -> Any:

@@ -13,8 +13,8 @@ import torch
 from infer import request_rules as rules
 from infer.artifact.kernels import kernel_holders
 from infer.artifact.manifest import Manifest
-from infer.errors import ConfigError, RequestError
-from infer.features import SparseFeatures
+from infer.errors import ArtifactError, ArtifactErrorKind, ConfigError, RequestError
+from infer.features import SparseFeatures, check_dense_features
 from infer.request_rules import REQUEST_ERROR_PREFIX
 
 _SCRIPT_REQUEST_ERROR = re.compile(re.escape(REQUEST_ERROR_PREFIX) + "(.*)")
@@ -80,19 +80,25 @@ class Runtime:
             return self._call(self.module.forward, features.values, features.lengths, features.weights).cpu()
 
     def predict(self, batch: SparseFeatures | Mapping[str, Any], dense_features: torch.Tensor) -> torch.Tensor:
-        """Scores of the dense part for ``dense_features [batch, num_dense_features]`` and ``batch``."""
+        """Scores float32 ``[batch]`` of the dense part for ``dense_features`` float32 ``[batch, num_dense_features]``
+        and ``batch`` (every backend: the call contract, ``infer.request_rules``)."""
         if not self.has_dense:
             raise RequestError(rules.NO_DENSE_PART)
         features = self._features(batch)
-        if not isinstance(dense_features, torch.Tensor) or dense_features.dtype != torch.float32:
-            raise RequestError("dense_features must be a float32 tensor [batch, num_dense_features]")
-        expected = (features.batch_size, self.spec.num_dense_features)
-        if tuple(dense_features.shape) != expected:
-            raise RequestError(f"dense_features has shape {list(dense_features.shape)}; expected {list(expected)}")
+        dense = check_dense_features(dense_features, features.batch_size, self.spec.num_dense_features)
         with torch.inference_mode():
-            return self._call(
-                self.module.predict, dense_features, features.values, features.lengths, features.weights
-            ).cpu()
+            scores = self._call(self.module.predict, dense, features.values, features.lengths, features.weights)
+        return self.scores(scores.cpu(), features.batch_size)
+
+    def scores(self, out: torch.Tensor, batch: int) -> torch.Tensor:
+        """``out`` of a backend's predict as the call contract returns it: float32 ``[batch]`` (an artifact
+        exported before the contract may still give ``[batch, 1]``); anything else is the model's fault."""
+        try:
+            return rules.scores_of(out, batch)
+        except ValueError as err:
+            raise ArtifactError(
+                f"{self.path}: {err}; re-export the artifact", path=str(self.path), kind=ArtifactErrorKind.MODEL
+            ) from None
 
     @staticmethod
     def _call(method: Any, *args: Any) -> torch.Tensor:

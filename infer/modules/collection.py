@@ -60,10 +60,12 @@ class ValidatingCollection(nn.Module):
         The common case costs two reductions: one over lengths, one over ids. Per-feature work
         happens only when an id lies outside the smallest table's range.
         """
-        if values.dim() != 1 or (values.dtype != torch.int64 and values.dtype != torch.int32):
-            raise ValueError(self._request_error(rules.IDS_DTYPE))
-        if lengths.dim() != 1 or (lengths.dtype != torch.int32 and lengths.dtype != torch.int64):
-            raise ValueError(self._request_error(rules.LENGTHS_DTYPE))
+        refused_values = rules.tensor_error("values", values, 1)
+        if refused_values is not None:
+            raise ValueError(self._request_error(refused_values))
+        refused_lengths = rules.tensor_error("lengths", lengths, 1)
+        if refused_lengths is not None:
+            raise ValueError(self._request_error(refused_lengths))
         num_features = self.num_features
         if lengths.numel() % num_features != 0:
             raise ValueError(self._request_error(rules.uneven_batch(lengths.numel(), num_features)))
@@ -96,8 +98,9 @@ class ValidatingCollection(nn.Module):
         if total != values.numel():
             raise ValueError(self._request_error(rules.lengths_sum(total, values.numel())))
         if weights is not None:
-            if weights.dim() != 1 or weights.dtype != torch.float32:
-                raise ValueError(self._request_error(rules.WEIGHTS_DTYPE))
+            refused_weights = rules.tensor_error("weights", weights, 1)
+            if refused_weights is not None:
+                raise ValueError(self._request_error(refused_weights))
             if weights.numel() != values.numel():
                 raise ValueError(self._request_error(rules.weights_count(weights.numel(), values.numel())))
         if self.checks_ids_in_validate:
@@ -203,9 +206,27 @@ class EmbserveModel(nn.Module):
     def predict(
         self, dense_features: Tensor, values: Tensor, lengths: Tensor, weights: Optional[Tensor] = None
     ) -> Tensor:
+        """Scores float32 ``[batch]`` of the dense part on the pooled lookups (the call contract's one shape)."""
+        return self.lookup_and_predict(dense_features, values, lengths, weights)[1]
+
+    @torch.jit.export
+    def lookup_and_predict(
+        self, dense_features: Tensor, values: Tensor, lengths: Tensor, weights: Optional[Tensor] = None
+    ) -> Tuple[Tensor, Tensor]:
+        """Pooled embeddings ``[batch, output_dim]`` and scores ``[batch]`` of one forward."""
         if not self.has_dense:
             raise RuntimeError(self.request_error_prefix + rules.NO_DENSE_PART)
         pooled = self.embeddings(values, lengths, weights)
+        return pooled, self.score(dense_features, pooled)
+
+    @torch.jit.export
+    def score(self, dense_features: Tensor, pooled: Tensor) -> Tensor:
+        """The dense part on already pooled embeddings (``dense_features`` checked first): float32 ``[batch]``."""
+        if not self.has_dense:
+            raise RuntimeError(self.request_error_prefix + rules.NO_DENSE_PART)
+        refused = rules.tensor_error("dense_features", dense_features, 2)
+        if refused is not None and dense_features.dim() == 2:
+            raise ValueError(self.request_error_prefix + refused)
         if (
             dense_features.dim() != 2
             or dense_features.size(0) != pooled.size(0)
@@ -215,6 +236,4 @@ class EmbserveModel(nn.Module):
                 self.request_error_prefix
                 + rules.dense_shape(pooled.size(0), self.num_dense_features, str(list(dense_features.shape)))
             )
-        if dense_features.dtype != torch.float32:
-            raise ValueError(self.request_error_prefix + rules.DENSE_DTYPE)
-        return self.dense_arch(dense_features.to(pooled.device), pooled)
+        return rules.scores_of(self.dense_arch(dense_features.to(pooled.device), pooled), pooled.size(0))

@@ -304,7 +304,7 @@ def test_export_replaces_an_artifact_but_not_other_folders(tmp_path):
 def test_unscriptable_dense_arch_is_a_config_error(tmp_path):
     class Unscriptable(torch.nn.Module):
         def forward(self, dense_features, pooled):
-            return {"x": dense_features}.get("x") if isinstance(pooled, torch.Tensor) else None
+            return {"x": dense_features.sum(dim=1)}.get("x") if isinstance(pooled, torch.Tensor) else None
 
     spec = ModelSpec((TableConfig("t", 10, 4, ("f",)),), 2, Unscriptable())
     with pytest.raises(ConfigError, match="script"):

@@ -260,7 +260,7 @@ def test_dense_features_are_checked(artifact):
     if not scripted.has_dense:
         return
     batch = random_batch(spec, 3, seed=1)
-    with pytest.raises(RequestError, match=r"expected \[3, 4\]"):  # the Runtime's check, as with TorchScript
+    with pytest.raises(RequestError, match=r"dense_features must have shape \[3, 4\], got \[2, 4\]"):  # Runtime
         onnx_runtime.predict(batch, torch.zeros(2, NUM_DENSE))
     with pytest.raises(RequestError, match=r"dense_features must have shape \[3, 4\], got \[2, 4\]"):
         onnx_runtime.module.predict(torch.zeros(2, NUM_DENSE), batch.values, batch.lengths)

@@ -115,6 +115,10 @@ class GatedModule:
         self._wait()
         return self.module.predict(*args)
 
+    def lookup_and_predict(self, *args: Any) -> tuple[torch.Tensor, torch.Tensor]:
+        self._wait()
+        return self.module.lookup_and_predict(*args)
+
     def __getattr__(self, name: str) -> Any:  # the model's attributes (embeddings, ...) as they are
         return getattr(self.module, name)
 

@@ -235,7 +235,7 @@ def test_unknown_model_and_version_are_not_found(triton, spec):
     [
         ("unknown_tensor", "unknown input tensor 'f_int8__idz'"),
         ("missing_feature", "missing feature(s) ['f_fp32']"),
-        ("wrong_dtype", "input 'f_int4__lengths' has datatype FP32"),
+        ("wrong_dtype", "input 'f_int4__lengths': lengths must be a 1-D int32 (or int64) tensor, got FP32"),
         ("scores_without_dense", "output 'scores' needs the input 'dense_features'"),
         ("dense_shape", "dense_features must have shape [3, 5], got [3, 4]"),
         ("shifted_ids", "feature 'f_int8': lengths sum to"),
