@@ -138,6 +138,33 @@ int64_t table_bytes(const schema::Document& table, int64_t alignment) {
   return round_up(rows * row_bytes, 128);  // rows < 2^31, row bytes < 2^14: no overflow
 }
 
+// dense.expects (the pooled layout the dense part was trained on, infer.dense_layout) must be exactly the layout
+// 'features' gives: the same features, tables, pooling and columns, in the same order (as Python's
+// PooledLayout.mismatches); else the dense part would read wrong columns. Names the first entry that differs.
+template <typename Fail>
+void check_dense_expects(const schema::Document& dense, const schema::Document& features, const Fail& fail) {
+  if (!dense["present"].get<bool>()) fail("dense.expects is set but dense.present is false");
+  const auto& expects = dense["expects"]["features"];
+  auto describe = [](const schema::Document& f) {
+    return "feature '" + f["name"].get<std::string>() + "' (table '" + f["table"].get<std::string>() + "', pooled " +
+           f["pooling"].get<std::string>() + ", columns " + f["column_start"].dump() + ":" + f["column_end"].dump() +
+           ")";
+  };
+  const std::string problem = "dense.expects disagrees with 'features': ";
+  const std::string fix = "; the dense part was trained on another pooled layout: re-export with the spec it was "
+                          "trained with (infer.from_torchrec)";
+  for (size_t i = 0; i < std::max(expects.size(), features.size()); ++i) {
+    const std::string where = "dense.expects.features[" + std::to_string(i) + "]";
+    if (i >= expects.size()) fail(problem + "'features' goes on with " + describe(features[i]) + ", " + where +
+                                  " is missing" + fix);
+    if (i >= features.size()) fail(problem + where + " is " + describe(expects[i]) + ", 'features' ends before it" +
+                                   fix);
+    for (const char* key : {"name", "table", "pooling", "column_start", "column_end"})
+      if (expects[i][key] != features[i][key])
+        fail(problem + where + " is " + describe(expects[i]) + ", 'features' has " + describe(features[i]) + fix);
+  }
+}
+
 // The rules that tie the manifest's parts together (as infer.artifact.manifest.Manifest.from_dict).
 // Runs after schema::validate, so every key exists with its type.
 void check_manifest(const schema::Document& data, const std::string& document) {
@@ -191,6 +218,7 @@ void check_manifest(const schema::Document& data, const std::string& document) {
   const bool has_dense = dense["present"].get<bool>();
   if (has_dense && dense["num_dense_features"].get<int64_t>() < 1)
     fail("dense.present is true but dense.num_dense_features is 0; a dense part needs at least one input");
+  if (dense.contains("expects")) check_dense_expects(dense, features, fail);
   // a listed file without a checksum is a ChecksumError, as in Python
   const auto& files = data["files"];
   auto needs_checksum = [&](const schema::Document& name) {

@@ -24,7 +24,7 @@ from infer.modules.sharded import (
     ShardedEmbeddingBagCollection,
 )
 from infer.modules.tbe import make_tbe
-from infer.planner.types import Shard, ShardingPlan, ShardingType
+from infer.planner.types import Shard, ShardingPlan, ShardingType, require_devices_here
 from infer.quant.rowwise import CPU_ROW_ALIGNMENT, column_byte_range, column_slice_aligned, table_bytes
 
 logger = logging.getLogger(__name__)
@@ -231,7 +231,10 @@ def shard_model(
     device_map: Mapping[str, str] | None = None,
     output_device: str | None = None,
 ) -> EmbserveModel:
-    """The sharded twin of ``model`` (from ``infer.quantize``): one TBE per device of ``plan``."""
+    """The sharded twin of ``model`` (from ``infer.quantize``): one TBE per device of ``plan``.
+
+    A CUDA plan on a host without its devices is a ``PlanError(kind=INVALID_TOPOLOGY)`` naming them and the fix,
+    unless ``device_map`` moves them (e.g. ``{"cuda:0": "cpu"}``)."""
     spec = model.spec
     source = model.embeddings
     if not isinstance(source, QuantizedEmbeddingBagCollection):
@@ -241,6 +244,8 @@ def shard_model(
         )
     check_plan(spec, plan)
     devices = plan_devices(plan, device_map)
+    if devices == plan_devices(plan):  # the plan's own devices must be here (a device map names where instead)
+        require_devices_here(plan.topology, "the plan given to shard_model")
     source_weights = dict(zip([t.name for t in spec.tables], source.table_weights()))
     features = spec.features
     shards: list[DeviceShards] = []

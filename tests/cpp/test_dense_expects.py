@@ -4,6 +4,7 @@ loader: a manifest that carries it is accepted, and a malformed one is a Manifes
 from __future__ import annotations
 
 import json
+import shutil
 import subprocess
 from collections.abc import Callable
 from pathlib import Path
@@ -78,3 +79,52 @@ def test_cpp_accepts_dense_expects_and_rejects_a_malformed_one(cpp_build, dense_
         with pytest.raises(ArtifactError) as info:
             Manifest.read(folder)
         assert info.value.kind == ArtifactErrorKind.MANIFEST
+
+
+def _swap_first_two(features: list[dict]) -> None:
+    """Two features' entries swap places, each keeping its columns: the dense part's order differs."""
+    features[0], features[1] = features[1], features[0]
+
+
+def _other_pooling(features: list[dict]) -> None:
+    features[-1]["pooling"] = "mean" if features[-1]["pooling"] == "sum" else "sum"
+
+
+DISAGREEING: dict[str, Callable[[list[dict]], object]] = {
+    "order": _swap_first_two,
+    "pooling": _other_pooling,
+    "columns": lambda f: f[0].update(column_end=f[0]["column_end"] - 1),
+    "feature_name": lambda f: f[0].update(name="renamed"),
+    "table": lambda f: f[0].update(table=f[-1]["table"]),
+    "missing_feature": lambda f: f.pop(),
+    "extra_feature": lambda f: f.append(dict(f[-1], name="extra")),
+}
+
+
+def test_cpp_and_python_refuse_a_dense_expects_that_disagrees_with_features(cpp_build, dense_artifact, tmp_path):
+    """The cross-check of dense.expects against 'features' (the layout the dense part was trained on vs the one
+    the artifact serves) is the same in both loaders: each disagreement is a manifest error naming dense.expects
+    from both; the exported (agreeing) manifest is accepted by both, and so is a manifest without dense.expects."""
+    folders = [dense_artifact] + [_variant(dense_artifact, tmp_path, n, c) for n, c in DISAGREEING.items()]
+    without = tmp_path / "without_expects"
+    shutil.copytree(dense_artifact, without)
+    data = json.loads((without / "manifest.json").read_text())
+    del data["dense"]["expects"]
+    (without / "manifest.json").write_text(json.dumps(data))
+    not_present = tmp_path / "not_present"
+    shutil.copytree(dense_artifact, not_present)
+    data = json.loads((not_present / "manifest.json").read_text())
+    data["dense"]["present"] = False
+    (not_present / "manifest.json").write_text(json.dumps(data))
+    verdicts = _check(cpp_build, [*folders, without, not_present])
+    assert verdicts[0] == "ok" and verdicts[-2] == "ok", (verdicts[0], verdicts[-2])
+    Manifest.read(dense_artifact)
+    Manifest.read(without)
+    for folder, line in zip([*folders[1:], not_present], [*verdicts[1:-2], verdicts[-1]]):
+        assert line.startswith("ManifestError: ") and "dense.expects" in line, (folder.name, line)
+        with pytest.raises(ArtifactError) as info:
+            Manifest.read(folder)
+        assert info.value.kind == ArtifactErrorKind.MANIFEST and "dense.expects" in str(info.value), folder.name
+        if folder.name != "not_present":
+            assert "dense.expects disagrees with 'features'" in line, line
+            assert "dense.expects disagrees with 'features'" in str(info.value), str(info.value)

@@ -232,6 +232,24 @@ def test_plans_that_do_not_match_the_model_are_rejected(quantized):
         shard_model(model, bad_plan)
 
 
+def test_a_cuda_plan_on_a_host_without_its_devices_is_a_plan_error(quantized):
+    """shard_model of a CUDA plan on a host lacking its devices is the typed PlanError the CLI gives (naming the
+    devices and the fix), not torch's AssertionError; a device map to this host's CPU builds it, equal to the
+    unsharded model."""
+    spec, model = quantized
+    plan = make_plan(spec, 2, layout("table_wise", 2), compute_device=ComputeDevice.CUDA)
+    if torch.cuda.device_count() >= 2:
+        pytest.skip("this host has 2 CUDA devices")
+    with pytest.raises(PlanError) as info:
+        shard_model(model, plan)
+    assert info.value.kind == PlanErrorKind.INVALID_TOPOLOGY
+    assert "['cuda:0', 'cuda:1']" in str(info.value) and "--compute-device cpu" in str(info.value)
+    sharded = shard_model(model, plan, device_map={"cuda:0": "cpu", "cuda:1": "cpu"})
+    batch = random_batch(spec, 4)
+    with torch.no_grad():
+        assert torch.equal(sharded(batch.values, batch.lengths, None), model(batch.values, batch.lengths, None))
+
+
 def test_artifact_for_missing_cuda_devices_needs_a_device_map(quantized, tmp_path):
     """A manifest naming CUDA devices this host lacks fails clearly; a device map opts in."""
     import hashlib
