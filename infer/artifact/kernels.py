@@ -14,10 +14,12 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
+import torch
+
 from infer.artifact.kernel_attributes import attribute_error, check_attributes, kernel_attributes
 from infer.config import DataType, ModelSpec
 from infer.errors import ArtifactError, ArtifactErrorKind
-from infer.modules.sharded import device_buckets, row_buckets
+from infer.modules.sharded import DeviceShards, device_buckets, row_buckets
 from infer.planner.types import ShardingPlan
 from infer.quant.rowwise import CPU_ROW_ALIGNMENT, CUDA_ROW_ALIGNMENT, TABLE_ALIGNMENT, table_bytes
 from infer.shard.builder import SharedStorage, device_layouts, plan_devices, shared_cpu_storage
@@ -171,14 +173,42 @@ def check_routing(module: Any, spec: ModelSpec, plan: ShardingPlan, layouts: lis
             found = list(getattr(holder, name, []))
             if found != expected:
                 raise _fail(index, f"its routing {name} is {found[:8]}, the plan implies {expected[:8]}")
-        derived = {
-            "row_block_lo": [f[2] for f in layout.features if f[1] == 1],
-            "row_block_hi": [f[3] for f in layout.features if f[1] == 1],
-        }
-        for name, expected in derived.items():
-            if list(getattr(holder, name, [])) != expected:
-                raise _fail(index, f"its routing {name} disagrees with the plan")
+        _check_derived_routing(holder, layout, spec, index)
     _check_row_buckets(module.embeddings, holders, spec, layouts)
+
+
+# What DeviceShards derives from its routing (local columns, id limits, row blocks, copies): each steers a slice,
+# a copy or an id check, so each must be what the plan's routing gives (as the C++ loader's check_routing).
+DERIVED_ROUTING = (
+    "lf_local_col",
+    "lf_rows",
+    "lf_name",
+    "has_partials",
+    "row_block_entries",
+    "row_block_lo",
+    "row_block_hi",
+    "contiguous_input",
+    "min_rows",
+    "copy_src",
+    "copy_dst",
+    "copy_width",
+)
+
+
+def _check_derived_routing(holder: Any, layout: Any, spec: ModelSpec, index: int) -> None:
+    """The holder's derived routing equals a fresh ``DeviceShards`` built from the plan's routing (no kernel)."""
+    features = spec.features
+    reference = DeviceShards(
+        torch.nn.Module(),
+        "cpu",
+        [list(feature) for feature in layout.features],
+        [f.num_embeddings for f in features],
+        [f.name for f in features],
+    )
+    for name in DERIVED_ROUTING:
+        found = getattr(holder, name, None)
+        if (list(found) if isinstance(found, list) else found) != getattr(reference, name):
+            raise _fail(index, f"its routing {name} disagrees with the plan")
 
 
 def _check_row_buckets(collection: Any, holders: list[Any], spec: ModelSpec, layouts: list[Any]) -> None:
