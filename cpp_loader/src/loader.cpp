@@ -28,6 +28,7 @@
 #include <torch/script.h>
 #include <torch/version.h>
 
+#include "kernel_attributes_json.h"
 #include "schema.h"
 
 #ifndef EMBSERVE_FBGEMM_DIR
@@ -551,20 +552,6 @@ class KernelCheck {
     return value.toInt();
   }
 
-  void expect_empty(const std::string& name) const {
-    c10::IValue value = attr(name);
-    if (!value.isTensor() || value.toTensor().numel() != 0) fail(name + " must be empty (no index remapping, no cache)");
-  }
-
-  template <typename T>
-  void expect_values(const std::string& name, const at::Tensor& found, const std::vector<int64_t>& expected) const {
-    const T* data = found.data_ptr<T>();
-    for (size_t i = 0; i < expected.size(); ++i)
-      if (static_cast<int64_t>(data[i]) != expected[i])
-        fail(name + "[" + std::to_string(i) + "] is " + std::to_string(static_cast<int64_t>(data[i])) +
-             " but the manifest's kernel implies " + std::to_string(expected[i]));
-  }
-
   void expect_int(const std::string& name, int64_t expected) const {
     const int64_t found = integer(name);
     if (found != expected)
@@ -576,68 +563,168 @@ class KernelCheck {
   std::string where_;
 };
 
+// What a manifest kernel implies, as the rules of kernel_attributes.json name it (infer/artifact/kernel_attributes.py
+// implements the same rules).
+struct KernelFacts {
+  std::vector<int64_t> type_codes, rows, table_offsets;  // per feature (feature_table_map entry)
+  std::vector<int64_t> dim_offsets{0};                   // 0, then each feature's table dim summed
+  std::map<std::string, int64_t> max_dim;                // per data type, over the kernel's tables
+  int64_t weight_bytes = 0, alignment = 1;
+  bool on_cpu = true;
+  std::string device;
+};
+
+// The list of kernel attributes (infer/artifact/kernel_attributes.json, embedded at build time), parsed once.
+const json& kernel_attributes() {
+  static const json parsed = json::parse(kKernelAttributesJson);
+  return parsed;
+}
+
+// A length rule: how many entries a 1-D tensor attribute holds; nullopt for "empty" (no element, any shape).
+std::optional<int64_t> length_rule(const std::string& rule, const KernelFacts& k, const KernelCheck& check) {
+  const auto features = static_cast<int64_t>(k.type_codes.size());
+  if (rule == "features") return features;
+  if (rule == "features+1") return features + 1;
+  if (rule == "host_weight_bytes") return k.on_cpu ? k.weight_bytes : 0;
+  if (rule == "device_weight_bytes") return k.on_cpu ? 0 : k.weight_bytes;
+  if (rule == "one") return 1;
+  if (rule == "empty") return std::nullopt;
+  check.fail("kernel_attributes.json names the length rule '" + rule + "', which this loader does not implement");
+}
+
+// A value rule: the expected value (an array of one per entry for a tensor), or {"one_of": [...]} / {"at_least": n}.
+json value_rule(const std::string& rule, const json& arg, const KernelFacts& k, const KernelCheck& check) {
+  if (rule == "type_codes") return k.type_codes;
+  if (rule == "rows") return k.rows;
+  if (rule == "dim_offsets") return k.dim_offsets;
+  if (rule == "table_offsets") return k.table_offsets;
+  if (rule == "placement") return std::vector<int64_t>(k.type_codes.size(), k.on_cpu ? 3 : 0);  // HOST / DEVICE
+  if (rule == "zeros") return json{{"one_of", json::array({0})}};
+  if (rule == "host_weight_bytes") return k.on_cpu ? k.weight_bytes : 0;
+  if (rule == "row_alignment") return k.alignment;
+  if (rule == "total_dim") return k.dim_offsets.back();
+  if (rule == "max_dim") {
+    const auto found = k.max_dim.find(arg.get<std::string>());
+    return found == k.max_dim.end() ? 0 : found->second;
+  }
+  if (rule == "feature_count") return static_cast<int64_t>(k.type_codes.size());
+  if (rule == "device") return k.device;
+  if (rule == "constant") return arg;
+  if (rule == "one_of") return json{{"one_of", arg}};
+  if (rule == "positive") return json{{"at_least", 1}};
+  if (rule == "empty") return nullptr;
+  check.fail("kernel_attributes.json names the value rule '" + rule + "', which this loader does not implement");
+}
+
+bool accepts(const json& expected, const json& found) {
+  if (expected.is_object() && expected.contains("one_of"))
+    return std::find(expected["one_of"].begin(), expected["one_of"].end(), found) != expected["one_of"].end();
+  if (expected.is_object() && expected.contains("at_least"))
+    return found.is_number_integer() && found.get<int64_t>() >= expected["at_least"].get<int64_t>();
+  return found == expected;
+}
+
+std::string wanted(const json& expected) {
+  if (expected.is_object() && expected.contains("one_of")) return "must be one of " + expected["one_of"].dump();
+  if (expected.is_object() && expected.contains("at_least")) return "must be at least " + expected["at_least"].dump();
+  return "the manifest's kernel implies " + expected.dump();
+}
+
+// fbgemm's script objects are checked through their own methods (TensorQueue.size/top, AtomicCounter.get).
+c10::IValue call(const c10::IValue& value, const std::string& method, const std::string& name, const std::string& what,
+                 const KernelCheck& check) {
+  if (!value.isObject()) check.fail(name + " is not fbgemm's " + what + " (" + value.tagKind() + ")");
+  torch::jit::Object object(value.toObject());
+  if (!object.find_method(method).has_value()) check.fail(name + " is not fbgemm's " + what);
+  return object.run_method(method);
+}
+
+// One entry of the list against the module `check` looks at.
+void check_listed(const KernelCheck& check, const json& attribute, const KernelFacts& k) {
+  const auto name = attribute["name"].get<std::string>();
+  const auto kind = attribute["kind"].get<std::string>();
+  const json arg = attribute.contains("arg") ? attribute["arg"] : json();
+  const json expected = attribute.contains("value") ? value_rule(attribute["value"], arg, k, check) : json();
+  auto expect = [&](const json& found, const json& want, const std::string& label) {
+    if (!accepts(want, found)) check.fail(label + " is " + found.dump() + " but " + wanted(want));
+  };
+  if (kind == "tensor") {
+    static const std::map<std::string, at::ScalarType> dtypes = {
+        {"uint8", at::kByte}, {"int32", at::kInt}, {"int64", at::kLong}};
+    const auto length = length_rule(attribute["length"].get<std::string>(), k, check);
+    const at::Tensor found = check.tensor(name, dtypes.at(attribute["dtype"].get<std::string>()), length);
+    if (!length.has_value()) {
+      std::ostringstream shape;
+      shape << found.sizes();
+      if (found.numel() != 0) check.fail(name + " must be empty, it has shape " + shape.str());
+      return;
+    }
+    if (expected.is_null()) return;
+    const at::Tensor values = found.to(at::kLong);  // dtype and shape checked first: values are read only after
+    const int64_t* data = values.data_ptr<int64_t>();
+    for (int64_t i = 0; i < *length; ++i)
+      expect(json(data[i]), expected.is_array() ? expected[static_cast<size_t>(i)] : expected,
+             name + "[" + std::to_string(i) + "]");
+    return;
+  }
+  const c10::IValue value = check.attr(name);
+  if (kind == "int") {
+    if (!value.isInt()) check.fail(name + " is not an int (" + value.tagKind() + ")");
+    expect(json(value.toInt()), expected, name);
+  } else if (kind == "bool") {
+    if (!value.isBool()) check.fail(name + " is not a bool (" + value.tagKind() + ")");
+    expect(json(value.toBool()), expected, name);
+  } else if (kind == "str") {
+    if (!value.isString()) check.fail(name + " is not a str (" + value.tagKind() + ")");
+    expect(json(value.toStringRef()), expected, name);
+  } else if (kind == "tensor_queue") {  // its pop() of an empty queue is the initial tensor the kernel reads
+    const c10::IValue size = call(value, "size", name, "TensorQueue", check);
+    const c10::IValue top = call(value, "top", name, "TensorQueue", check);
+    if (!size.isInt() || size.toInt() != 0 || !top.isTensor() || top.toTensor().numel() != 0)
+      check.fail(name + " must be an empty queue of empty tensors (no cache)");
+  } else if (kind == "counter") {
+    const c10::IValue count = call(value, "get", name, "AtomicCounter", check);
+    if (!count.isInt()) check.fail(name + " is not fbgemm's AtomicCounter");
+    expect(json(count.toInt()), expected, name);
+  } else {
+    check.fail("kernel_attributes.json names the kind '" + kind + "', which this loader does not implement");
+  }
+}
+
 void check_kernel(const torch::jit::Module& tbe, const schema::Document& kernel, const std::string& where) {
   KernelCheck check(tbe, where);
   const auto& tables = kernel["tables"];
   const auto ftm = kernel["feature_table_map"].get<std::vector<size_t>>();
-  const auto num_features = static_cast<int64_t>(ftm.size());
-  const int64_t alignment = kernel["row_alignment"].get<int64_t>();
-  const bool on_cpu = kernel["device"].get<std::string>() == "cpu";
+  KernelFacts facts;
+  facts.alignment = kernel["row_alignment"].get<int64_t>();
+  facts.device = kernel["device"].get<std::string>();
+  facts.on_cpu = facts.device == "cpu";
 
   std::vector<int64_t> table_offsets, table_sizes;
-  std::map<int, int64_t> max_dim;  // per data type code, as the kernel's max_*_D
-  int64_t total_bytes = 0;
   for (const auto& table : tables) {
     const auto type = table["data_type"].get<std::string>();
-    const int64_t dim = table["dim"].get<int64_t>();
-    table_offsets.push_back(total_bytes);
-    table_sizes.push_back(table_bytes(table, alignment));
-    total_bytes += table_sizes.back();
-    max_dim[data_type_code(type)] = std::max(max_dim[data_type_code(type)], dim);
+    table_offsets.push_back(facts.weight_bytes);
+    table_sizes.push_back(table_bytes(table, facts.alignment));
+    facts.weight_bytes += table_sizes.back();
+    facts.max_dim[type] = std::max(facts.max_dim[type], table["dim"].get<int64_t>());
   }
   if (kernel.contains("shared_storage")) {  // CPU replicas: the kernels point into one shared buffer
     table_offsets = kernel["shared_storage"]["table_offsets"].get<std::vector<int64_t>>();
-    total_bytes = kernel["shared_storage"]["bytes"].get<int64_t>();
+    facts.weight_bytes = kernel["shared_storage"]["bytes"].get<int64_t>();
     if (table_offsets.size() != tables.size()) check.fail("shared_storage lists an offset per table");
     for (size_t t = 0; t < tables.size(); ++t)
-      if (table_offsets[t] % 128 != 0 || table_offsets[t] + table_sizes[t] > total_bytes)
+      if (table_offsets[t] % 128 != 0 || table_offsets[t] + table_sizes[t] > facts.weight_bytes)
         check.fail("table " + std::to_string(t) + " at byte " + std::to_string(table_offsets[t]) +
-                   " does not fit the " + std::to_string(total_bytes) + "-byte weight buffer");
+                   " does not fit the " + std::to_string(facts.weight_bytes) + "-byte weight buffer");
   }
-  std::vector<int64_t> types, rows, d_offsets{0}, offsets;
   for (size_t table : ftm) {
     const auto& spec = tables[table];
-    types.push_back(data_type_code(spec["data_type"].get<std::string>()));
-    rows.push_back(spec["rows"].get<int64_t>());
-    d_offsets.push_back(d_offsets.back() + spec["dim"].get<int64_t>());
-    offsets.push_back(table_offsets[table]);
+    facts.type_codes.push_back(data_type_code(spec["data_type"].get<std::string>()));
+    facts.rows.push_back(spec["rows"].get<int64_t>());
+    facts.dim_offsets.push_back(facts.dim_offsets.back() + spec["dim"].get<int64_t>());
+    facts.table_offsets.push_back(table_offsets[table]);
   }
-  // dtypes and shapes first: a flipped byte may have changed a shape, and values are read only after
-  check.expect_values<uint8_t>("weights_tys", check.tensor("weights_tys", at::kByte, num_features), types);
-  check.expect_values<int64_t>("rows_per_table", check.tensor("rows_per_table", at::kLong, num_features), rows);
-  check.expect_values<int32_t>("D_offsets", check.tensor("D_offsets", at::kInt, num_features + 1), d_offsets);
-  check.expect_values<int64_t>("weights_offsets", check.tensor("weights_offsets", at::kLong, num_features), offsets);
-  const int64_t placement = on_cpu ? 3 : 0;  // EmbeddingLocation.HOST / DEVICE
-  check.expect_values<int32_t>("weights_placements", check.tensor("weights_placements", at::kInt, num_features),
-                               std::vector<int64_t>(ftm.size(), placement));
-  check.tensor(on_cpu ? "weights_host" : "weights_dev", at::kByte, total_bytes);
-  check.expect_empty(on_cpu ? "weights_dev" : "weights_host");
-  check.expect_empty("weights_uvm");
-  check.expect_empty("lxu_cache_weights");
-  check.expect_empty("index_remappings_array");
-  check.expect_empty("index_remappings_array_offsets");
-  check.expect_empty("index_remapping_hash_table");
-  check.expect_empty("index_remapping_hash_table_offsets");
-  check.expect_int("bounds_check_mode_int", 0);  // BoundsCheckMode.FATAL: bad ids raise, never read past a table
-  check.expect_int("pooling_mode", 0);           // PoolingMode.SUM
-  check.expect_int("output_dtype", 0);           // SparseType.FP32
-  check.expect_int("row_alignment", alignment);
-  check.expect_int("total_D", d_offsets.back());
-  check.expect_int("max_float32_D", max_dim[0]);
-  check.expect_int("max_float16_D", max_dim[1]);
-  check.expect_int("max_int8_D", max_dim[2]);
-  check.expect_int("max_int4_D", max_dim[3]);
-  check.expect_int("max_int2_D", max_dim[4]);
+  for (const auto& attribute : kernel_attributes()["tbe"]) check_listed(check, attribute, facts);
 }
 
 torch::jit::Module child(const torch::jit::Module& parent, const std::string& name, const std::string& where) {
@@ -651,14 +738,14 @@ torch::jit::Module child(const torch::jit::Module& parent, const std::string& na
 // (infer.modules.tbe.KernelRunner); its attributes steer slicing of the request, so they are checked too.
 void check_kernel_holder(torch::jit::Module& holder, const schema::Document& kernel, const std::string& where,
                          int threads) {
-  if (!holder.hasattr("kernel_features")) return;  // exported before batch-parallel kernels: one call
+  const auto& listed = kernel_attributes()["holder"];
+  if (!holder.hasattr(listed["present_if"].get<std::string>())) return;  // exported before batch-parallel kernels
   KernelCheck check(holder, where);
-  check.expect_int("kernel_features", static_cast<int64_t>(kernel["feature_table_map"].size()));
-  const c10::IValue device = check.attr("kernel_device");
-  if (!device.isString() || device.toStringRef() != kernel["device"].get<std::string>())
-    check.fail("kernel_device is not the manifest's '" + kernel["device"].get<std::string>() + "'");
-  if (check.integer("min_ids_per_chunk") < 1) check.fail("min_ids_per_chunk must be at least 1");
-  if (check.integer("threads") < 1) check.fail("threads must be at least 1");
+  KernelFacts facts;
+  facts.device = kernel["device"].get<std::string>();
+  facts.on_cpu = facts.device == "cpu";
+  facts.type_codes.assign(kernel["feature_table_map"].size(), 0);  // the holder's rules need the feature count only
+  for (const auto& attribute : listed["attributes"]) check_listed(check, attribute, facts);
   if (threads > 0) holder.setattr("threads", c10::IValue(static_cast<int64_t>(threads)));
 }
 

@@ -18,7 +18,7 @@ from pathlib import Path
 import torch
 
 from infer.artifact.export import output_folder, staged
-from infer.artifact.kernels import check_kernel, check_routing, kernels_from_tbes, model_tbes
+from infer.artifact.kernels import check_kernel, check_routing, kernel_holders, kernels_from_tbes, model_tbes
 from infer.artifact.manifest import MANIFEST_FILE, PLAN_FILE, FileEntry, Manifest
 from infer.dense_layout import checked_layout
 from infer.errors import ArtifactError, ArtifactErrorKind, ConfigError
@@ -175,13 +175,14 @@ def load_host_part(
         ) from None
     module.eval()
     expected = [k for k in manifest.kernels if host_of_rank(plan, k.rank) == host]
-    tbes = model_tbes(module)
-    if len(tbes) != len(expected):
+    holders = kernel_holders(module)
+    if len(holders) != len(expected):
         raise ArtifactError(
-            f"{part_path} has {len(tbes)} kernels, {MANIFEST_FILE} lists {len(expected)} for host {host}", kind=MODEL
+            f"{part_path} has {len(holders)} kernels, {MANIFEST_FILE} lists {len(expected)} for host {host}",
+            kind=MODEL,
         )
-    for index, (tbe, kernel) in enumerate(zip(tbes, expected)):
-        check_kernel(tbe, kernel, index)
+    for index, (holder, kernel) in enumerate(zip(holders, expected)):
+        check_kernel(holder, kernel, index)
     check_routing(module, manifest.spec, plan, host_layouts(manifest.spec, plan, host))
     if mapping:
         _remap_shard_devices(module, mapping)
@@ -192,5 +193,5 @@ def load_host_part(
     if threads and torch.get_num_threads() != threads:
         logger.info("intra-op threads %d -> %d", torch.get_num_threads(), threads)
         torch.set_num_threads(threads)
-    logger.info("host %d: loaded %s (%d kernels)", host, part_path, len(tbes))
+    logger.info("host %d: loaded %s (%d kernels)", host, part_path, len(holders))
     return HostPart(folder, manifest, plan, host, module)

@@ -16,16 +16,13 @@ from typing import Any
 
 import torch
 
+from infer.artifact.kernel_attributes import attribute_error, check_attributes, kernel_attributes
 from infer.config import DataType, ModelSpec
 from infer.errors import ArtifactError, ArtifactErrorKind
-from infer.modules.sharded import device_buckets, row_buckets
+from infer.modules.sharded import DeviceShards, device_buckets, row_buckets
 from infer.planner.types import ShardingPlan
 from infer.quant.rowwise import CPU_ROW_ALIGNMENT, CUDA_ROW_ALIGNMENT, TABLE_ALIGNMENT, table_bytes
 from infer.shard.builder import SharedStorage, device_layouts, plan_devices, shared_cpu_storage
-
-# fbgemm's SparseType codes in a TBE's weights_tys, and its FATAL bounds-check mode.
-WEIGHT_TYPE_CODES = {DataType.FP32: 0, DataType.FP16: 1, DataType.INT8: 2, DataType.INT4: 3, DataType.INT2: 4}
-BOUNDS_CHECK_FATAL = 0
 
 
 @dataclass(frozen=True)
@@ -176,14 +173,42 @@ def check_routing(module: Any, spec: ModelSpec, plan: ShardingPlan, layouts: lis
             found = list(getattr(holder, name, []))
             if found != expected:
                 raise _fail(index, f"its routing {name} is {found[:8]}, the plan implies {expected[:8]}")
-        derived = {
-            "row_block_lo": [f[2] for f in layout.features if f[1] == 1],
-            "row_block_hi": [f[3] for f in layout.features if f[1] == 1],
-        }
-        for name, expected in derived.items():
-            if list(getattr(holder, name, [])) != expected:
-                raise _fail(index, f"its routing {name} disagrees with the plan")
+        _check_derived_routing(holder, layout, spec, index)
     _check_row_buckets(module.embeddings, holders, spec, layouts)
+
+
+# What DeviceShards derives from its routing (local columns, id limits, row blocks, copies): each steers a slice,
+# a copy or an id check, so each must be what the plan's routing gives (as the C++ loader's check_routing).
+DERIVED_ROUTING = (
+    "lf_local_col",
+    "lf_rows",
+    "lf_name",
+    "has_partials",
+    "row_block_entries",
+    "row_block_lo",
+    "row_block_hi",
+    "contiguous_input",
+    "min_rows",
+    "copy_src",
+    "copy_dst",
+    "copy_width",
+)
+
+
+def _check_derived_routing(holder: Any, layout: Any, spec: ModelSpec, index: int) -> None:
+    """The holder's derived routing equals a fresh ``DeviceShards`` built from the plan's routing (no kernel)."""
+    features = spec.features
+    reference = DeviceShards(
+        torch.nn.Module(),
+        "cpu",
+        [list(feature) for feature in layout.features],
+        [f.num_embeddings for f in features],
+        [f.name for f in features],
+    )
+    for name in DERIVED_ROUTING:
+        found = getattr(holder, name, None)
+        if (list(found) if isinstance(found, list) else found) != getattr(reference, name):
+            raise _fail(index, f"its routing {name} disagrees with the plan")
 
 
 def _check_row_buckets(collection: Any, holders: list[Any], spec: ModelSpec, layouts: list[Any]) -> None:
@@ -218,25 +243,12 @@ def _check_row_buckets(collection: Any, holders: list[Any], spec: ModelSpec, lay
 
 
 def _fail(index: int, what: str) -> ArtifactError:
-    return ArtifactError(
-        f"the model's kernel {index} does not match the manifest: {what}; the model file is corrupted, re-export it",
-        kind=ArtifactErrorKind.MODEL,
-    )
+    return attribute_error(f"the model's kernel {index}", what)
 
 
-def _tensor(tbe: Any, name: str, dtype: torch.dtype, numel: int, index: int) -> torch.Tensor:
-    value = getattr(tbe, name, None)
-    if not isinstance(value, torch.Tensor):
-        raise _fail(index, f"{name} is missing")
-    if value.dtype != dtype or value.dim() != 1 or value.numel() != numel:
-        raise _fail(index, f"{name} is {value.dtype} {list(value.shape)}, expected {dtype} [{numel}]")
-    return value
-
-
-def check_kernel(tbe: Any, kernel: Kernel, index: int) -> None:
-    """Raise ``ArtifactError(kind=MODEL)`` unless ``tbe``'s metadata and weight storage are exactly ``kernel``'s."""
-    tables = [kernel.tables[t] for t in kernel.feature_table_map]
-    count = len(tables)
+def check_kernel(holder: Any, kernel: Kernel, index: int) -> None:
+    """Raise ``ArtifactError(kind=MODEL)`` unless the kernel ``holder`` runs (``holder.tbe``) and the holder's own
+    slicing attributes are exactly what ``kernel`` implies: every attribute of ``kernel_attributes.json``."""
     starts, total = kernel.table_offsets()
     for t, (start, table) in enumerate(zip(starts, kernel.tables)):
         if (
@@ -244,23 +256,7 @@ def check_kernel(tbe: Any, kernel: Kernel, index: int) -> None:
             or start + table_bytes(table.rows, table.dim, table.data_type, kernel.row_alignment) > total
         ):
             raise _fail(index, f"table {t} at byte {start} does not fit the {total}-byte weight buffer")
-    expected = {
-        "weights_tys": (torch.uint8, [WEIGHT_TYPE_CODES[t.data_type] for t in tables]),
-        "rows_per_table": (torch.int64, [t.rows for t in tables]),
-        "D_offsets": (torch.int32, [sum(t.dim for t in tables[:i]) for i in range(count + 1)]),
-        "weights_offsets": (torch.int64, [starts[t] for t in kernel.feature_table_map]),
-    }
-    for name, (dtype, values) in expected.items():
-        found = _tensor(tbe, name, dtype, len(values), index).tolist()
-        if found != values:
-            raise _fail(index, f"{name} is {found[:8]}..., expected {values[:8]}...")
-    storage = [getattr(tbe, name, None) for name in ("weights_host", "weights_dev", "weights_uvm")]
-    stored = sum(t.numel() * t.element_size() for t in storage if isinstance(t, torch.Tensor))
-    if stored != total:
-        raise _fail(index, f"its weights hold {stored} bytes, the manifest's kernel says {total}")
-    if int(getattr(tbe, "bounds_check_mode_int", -1)) != BOUNDS_CHECK_FATAL:
-        raise _fail(index, "its bounds check is not FATAL")
-    for name in ("index_remappings_array", "index_remapping_hash_table"):
-        remap = getattr(tbe, name, None)
-        if not isinstance(remap, torch.Tensor) or remap.numel() != 0:
-            raise _fail(index, f"{name} is not empty (embserve exports no pruning)")
+    listed = kernel_attributes()
+    check_attributes(holder.tbe, listed.tbe, kernel, f"the model's kernel {index}")
+    if hasattr(holder, listed.holder_present_if):  # absent: exported before batch-parallel kernels (one call)
+        check_attributes(holder, listed.holder, kernel, f"the model's kernel {index} (its runner)")

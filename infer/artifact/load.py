@@ -11,7 +11,7 @@ from pathlib import Path
 import torch
 
 from infer.artifact.fbgemm_libs import load_fbgemm
-from infer.artifact.kernels import check_kernel, check_routing, expected_kernels, model_tbes
+from infer.artifact.kernels import check_kernel, check_routing, expected_kernels, kernel_holders
 from infer.artifact.manifest import MANIFEST_FILE, Manifest
 from infer.artifact.runtime import Runtime
 from infer.artifact.schema import parse_document, schema, validate
@@ -162,16 +162,15 @@ def verify_plan(folder: Path, manifest: Manifest) -> ShardingPlan:
 def _check_kernels(module: torch.jit.ScriptModule, manifest: Manifest, plan: ShardingPlan | None) -> None:
     """Every TBE of the loaded model holds exactly what the manifest's kernels say, and every device routes
     its features as the plan says, before any lookup."""
-    try:
-        tbes = model_tbes(module)
-    except AttributeError:
-        raise ArtifactError("the model has no embedding kernels where embserve puts them", kind=MODEL) from None
-    if len(tbes) != len(manifest.kernels):
+    holders = kernel_holders(module)
+    if not all(hasattr(holder, "tbe") for holder in holders):
+        raise ArtifactError("the model has no embedding kernels where embserve puts them", kind=MODEL)
+    if len(holders) != len(manifest.kernels):
         raise ArtifactError(
-            f"the model has {len(tbes)} kernels, {MANIFEST_FILE} lists {len(manifest.kernels)}", kind=MODEL
+            f"the model has {len(holders)} kernels, {MANIFEST_FILE} lists {len(manifest.kernels)}", kind=MODEL
         )
-    for index, (tbe, kernel) in enumerate(zip(tbes, manifest.kernels)):
-        check_kernel(tbe, kernel, index)
+    for index, (holder, kernel) in enumerate(zip(holders, manifest.kernels)):
+        check_kernel(holder, kernel, index)
     if plan is not None:
         check_routing(module, manifest.spec, plan)
 

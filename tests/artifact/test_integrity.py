@@ -18,6 +18,7 @@ import pytest
 import torch
 
 from infer.artifact.export import export
+from infer.artifact.kernels import DERIVED_ROUTING
 from infer.artifact.load import load
 from infer.errors import ArtifactError, ArtifactErrorKind
 from infer.planner.types import ShardingType
@@ -79,7 +80,7 @@ def test_a_weaker_bounds_check_is_a_model_error(artifacts, tmp_path):
     module.embeddings.tbe.bounds_check_mode_int = 3  # NONE: bad ids would read outside the table
     module.save(str(copy / "model.pt"))
     rehash(copy, "model.pt")
-    with pytest.raises(ArtifactError, match="bounds check") as info:
+    with pytest.raises(ArtifactError, match="bounds_check_mode_int is 3") as info:
         load(copy)
     assert info.value.kind == ArtifactErrorKind.MODEL
 
@@ -151,15 +152,19 @@ def test_byte_flips_in_small_tensors_never_crash_the_process(artifacts, tmp_path
     assert any(line.startswith("ArtifactError") for line in outcomes)
 
 
-@pytest.mark.parametrize("attribute", ["lf_lo", "lf_out_col", "row_block_hi"])
+@pytest.mark.parametrize("attribute", ["lf_lo", "lf_out_col", "row_block_hi", *DERIVED_ROUTING])
 def test_changed_routing_is_a_model_error(artifacts, tmp_path, attribute):
-    """A device's routing (row blocks, output columns) comes from the plan; a changed one is refused at load."""
+    """A device's routing (row blocks, output columns, and the columns, id limits and copies derived from them)
+    comes from the plan; a changed one is refused at load."""
     copy = copy_artifact(artifacts["sharded"], tmp_path)
     module = torch.jit.load(str(copy / "model.pt"))
     shard = getattr(module.embeddings.shards, "0")
-    values = list(getattr(shard, attribute))
-    values[-1] += 3
-    setattr(shard, attribute, values)
+    value = getattr(shard, attribute)
+    if isinstance(value, list):
+        value = list(value) + ["x" if value and isinstance(value[0], str) else 3]  # one entry more
+    else:
+        value = not value if isinstance(value, bool) else value + 3
+    setattr(shard, attribute, value)
     module.save(str(copy / "model.pt"))
     rehash(copy, "model.pt")
     with pytest.raises(ArtifactError, match=attribute) as info:
