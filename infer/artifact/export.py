@@ -40,7 +40,7 @@ from infer.artifact.mapped import (
     strip_weights,
     write_weight_files,
 )
-from infer.artifact.verify import WEIGHTS_CHUNK_BYTES
+from infer.artifact import verify
 from infer.dense_layout import checked_layout
 from infer.errors import ArtifactError, ConfigError
 from infer.planner.types import ShardingPlan
@@ -179,7 +179,7 @@ def export(
 def _write_weights(folder: Path, tbes: list[Any], embedded: list[Kernel], placed: list[Kernel]) -> list[FileEntry]:
     """Write the mapped kernels' weight files and return their entries (chunked for parallel verification)."""
     names = write_weight_files(folder, tbes, embedded, placed)
-    return [FileEntry.of(folder, name, WEIGHTS_CHUNK_BYTES) for name in names]
+    return [FileEntry.of(folder, name, verify.WEIGHTS_CHUNK_BYTES) for name in names]
 
 
 # Two batch sizes: a dense part specialised to one batch size fails the second probe.
