@@ -20,6 +20,7 @@ from typing import Any
 import torch
 
 from infer import request_rules as rules
+from infer.artifact import verify
 from infer.artifact.kernels import Kernel, kernels_of, model_tbes
 from infer.artifact.manifest import (
     FORMAT_VERSION,
@@ -40,7 +41,6 @@ from infer.artifact.mapped import (
     strip_weights,
     write_weight_files,
 )
-from infer.artifact import verify
 from infer.dense_layout import checked_layout
 from infer.errors import ArtifactError, ConfigError
 from infer.planner.types import ShardingPlan

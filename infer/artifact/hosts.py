@@ -17,6 +17,7 @@ from pathlib import Path
 
 import torch
 
+from infer.artifact import verify
 from infer.artifact.export import output_folder, staged
 from infer.artifact.kernels import check_kernel, check_routing, kernels_from_tbes, model_tbes
 from infer.artifact.manifest import (
@@ -35,7 +36,6 @@ from infer.artifact.mapped import (
     strip_weights,
     write_weight_files,
 )
-from infer.artifact import verify
 from infer.artifact.verify import FULL
 from infer.dense_layout import checked_layout
 from infer.errors import ArtifactError, ArtifactErrorKind, ConfigError
