@@ -7,6 +7,11 @@ machine noise hits all of them alike.
 
     python bench/lookup.py                 # W128 and W64 at full size
     python bench/lookup.py --rows 100000   # smaller tables, for a quick look
+    python bench/lookup.py --mapped-only   # mapped weights vs copied into RAM only (random INT8 bytes, no fp32)
+
+``exported_mapped``: the same model exported with ``weights="mapped"`` and loaded (its weight file mapped
+read-only, every page read once first so that the weights are resident), against ``exported_model`` (the
+embedded artifact, its weights copied into the process by ``torch.jit.load``).
 """
 
 from __future__ import annotations
@@ -29,7 +34,7 @@ import torch  # noqa: E402
 import torch.nn.functional as F  # noqa: E402
 
 from infer.artifact.export import export
-from infer.artifact.kernels import kernel_holders
+from infer.artifact.kernels import kernel_holders, model_tbes
 from infer.artifact.load import load
 from infer.config import DataType, ModelSpec, TableConfig
 from infer.planner.planner import plan_for_inference
@@ -236,6 +241,72 @@ def run_sharded(
     return rows
 
 
+def load_mapped_resident(model: torch.nn.Module, folder: str) -> torch.jit.ScriptModule:
+    """``model`` exported mapped into ``folder`` and loaded, every page of its weights read once (resident)."""
+    runtime = load(export(model, folder, weights="mapped"), verify="none")
+    for tbe in model_tbes(runtime.module):
+        tbe.weights_host[::4096].sum()  # a byte of every page: no int64 copy of the table
+    runtime.set_threads(runtime.thread_budget())
+    return runtime.module
+
+
+def random_int8_model(spec: ModelSpec) -> torch.nn.Module:
+    """An INT8 model of ``spec`` with random bytes for rows and a fixed scale/bias (no fp32 tables to quantize)."""
+    from infer.modules.collection import EmbserveModel, QuantizedEmbeddingBagCollection
+
+    collection = QuantizedEmbeddingBagCollection(spec)
+    generator = torch.Generator().manual_seed(0)
+    with torch.no_grad():
+        for data, scale_bias in collection.table_weights():
+            for first in range(0, data.shape[0], 1 << 18):
+                data[first : first + (1 << 18)].random_(0, 256, generator=generator)
+            if scale_bias is not None:
+                scale_bias.copy_(
+                    torch.tensor([0.01, -1.25], dtype=torch.float16).view(torch.uint8).expand_as(scale_bias)
+                )
+    return EmbserveModel(spec, collection)
+
+
+def run_mapped_only(w: Workload, rounds: int, index_count: int) -> list[dict[str, object]]:
+    """``exported_model`` (weights copied into RAM) against ``exported_mapped`` (weights mapped, resident)."""
+    spec = ModelSpec(
+        tuple(TableConfig(f"t{i}", w.rows, w.dim, (f"f{i}",), data_type=DataType.INT8) for i in range(w.num_tables))
+    )
+    model = random_int8_model(spec)
+    sets = make_index_sets(w, index_count, seed=1)
+    rows: list[dict[str, object]] = []
+    with tempfile.TemporaryDirectory() as tmp:
+        runtime = load(export(model, f"{tmp}/embedded"), verify="none")
+        copied = runtime.module
+        mapped = load_mapped_resident(model, f"{tmp}/mapped")
+        del model
+        cases: dict[str, Callable[[int], object]] = {
+            "exported_model": lambda i: copied(sets[i][0], sets[i][1], None),
+            "exported_mapped": lambda i: mapped(sets[i][0], sets[i][1], None),
+        }
+        with torch.inference_mode():
+            check = torch.equal(cases["exported_model"](0), cases["exported_mapped"](0))  # type: ignore[arg-type]
+            seconds = measure(cases, index_count, rounds, {})
+    lookups = w.num_tables * w.batch_size * w.ids_per_bag
+    for name, secs in seconds.items():
+        rows.append(
+            {
+                "bench": "lookup",
+                "workload": w.name,
+                "case": name,
+                "rows": w.rows,
+                "ms_per_call": round(1e3 * secs, 3),
+                "mlookups_per_s": round(lookups / secs / 1e6, 2),
+                "ratio_to_exported": round(seconds["exported_model"] / secs, 3),
+                "outputs_equal": check,
+                "kernel_threads": runtime.threads,
+                "host_load_1m": round(os.getloadavg()[0], 2),
+            }
+        )
+        print(json.dumps(rows[-1]), flush=True)
+    return rows
+
+
 def run_workload(w: Workload, rounds: int, index_count: int, sharded: bool) -> list[dict[str, object]]:
     spec = ModelSpec(
         tuple(TableConfig(f"t{i}", w.rows, w.dim, (f"f{i}",), data_type=DataType.INT8) for i in range(w.num_tables))
@@ -246,6 +317,8 @@ def run_workload(w: Workload, rounds: int, index_count: int, sharded: bool) -> l
     with tempfile.TemporaryDirectory() as tmp:
         runtime = load(export(model, f"{tmp}/artifact"))
     exported = runtime.module
+    mapped_folder = tempfile.TemporaryDirectory()  # the mapped weights' file lives as long as this run
+    mapped = load_mapped_resident(model, f"{mapped_folder.name}/artifact")
     tbe = direct_tbe(spec, model)
     fp32_tables = [weights[t.name] for t in spec.tables]
     gather_table = tbe.split_embedding_weights(split_scale_shifts=False)[0][0]  # [rows, D+4] bytes of table 0
@@ -287,8 +360,13 @@ def run_workload(w: Workload, rounds: int, index_count: int, sharded: bool) -> l
     def run_gather(i: int) -> object:
         return torch.index_select(gather_table, 0, sets[i][0], out=gather_out)
 
+    def run_mapped(i: int) -> object:
+        values, lengths, _ = sets[i]
+        return mapped(values, lengths, None)
+
     cases = {
         "exported_model": run_exported,
+        "exported_mapped": run_mapped,
         "exported_single_call": run_single_call,
         "direct_tbe": run_tbe,
         "fp32_embedding_bag": run_fp32,
@@ -299,6 +377,7 @@ def run_workload(w: Workload, rounds: int, index_count: int, sharded: bool) -> l
         cases["torchrec_qebc"] = lambda i: torchrec(sets[i][0], sets[i][1])
     with torch.inference_mode():
         check = torch.equal(run_exported(0), run_tbe(0)) and torch.equal(run_single_call(0), run_tbe(0))
+        check = check and torch.equal(run_mapped(0), run_tbe(0))
         if torchrec is not None:
             check = check and torch.equal(cases["torchrec_qebc"](0), run_tbe(0))  # type: ignore[arg-type]
         seconds = measure(cases, index_count, rounds, {})
@@ -330,6 +409,7 @@ def run_workload(w: Workload, rounds: int, index_count: int, sharded: bool) -> l
             }
         )
         print(json.dumps(rows[-1]), flush=True)
+    mapped_folder.cleanup()  # unlinked; the mapping keeps its pages until the module goes
     rows.append(run_batch1(w, exported, holders, runtime.threads, torchrec, rounds * 20))
     if sharded:
         del tbe, gather_table, gather_out
@@ -390,9 +470,13 @@ def main() -> int:
     parser.add_argument("--index-sets", type=int, default=8, help="distinct id batches cycled through")
     parser.add_argument("--workload", choices=["W128", "W64"], action="append", help="run only these workloads")
     parser.add_argument("--no-sharded", action="store_true", help="skip the sharded cases")
+    parser.add_argument("--mapped-only", action="store_true", help="only exported_model vs exported_mapped")
     args = parser.parse_args()
     for w in workloads(args.rows):
         if args.workload and w.name not in args.workload:
+            continue
+        if args.mapped_only:
+            run_mapped_only(w, args.rounds * max(1, 2048 // w.batch_size), args.index_sets)
             continue
         # smaller batches are quicker calls: give them as many rounds as it takes for the same wall time
         rounds = args.rounds * max(1, 2048 // w.batch_size)

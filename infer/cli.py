@@ -125,12 +125,20 @@ def cmd_export(args: argparse.Namespace) -> int:
         if plan.topology.world_size > plan.topology.local_world_size:
             from infer.artifact.hosts import export_hosts
 
-            out = export_hosts(model, args.out, plan)
+            out = export_hosts(model, args.out, plan, weights=args.weights_format)
             hosts = plan.topology.world_size // plan.topology.local_world_size
             print(f"exported {out} ({hosts} hosts x {plan.topology.local_world_size} devices)")
             return 0
         model = shard_model(model, plan)
-    out = export(model, args.out, plan=plan, onnx=args.onnx, onnx_pooling=args.onnx_pooling, pt2=args.pt2)
+    out = export(
+        model,
+        args.out,
+        plan=plan,
+        onnx=args.onnx,
+        onnx_pooling=args.onnx_pooling,
+        pt2=args.pt2,
+        weights=args.weights_format,
+    )
     dense = "with its dense part" if spec.dense_arch is not None else "lookups only"
     print(
         f"exported {out}"
@@ -314,13 +322,15 @@ def cmd_run(args: argparse.Namespace) -> int:
 
     started = time.monotonic()
     device_map = dict(item.split("=", 1) for item in args.device_map.split(",")) if args.device_map else None
-    runtime = load(args.artifact, device_map=device_map, threads=args.threads or None, backend=args.backend)
-    threads = f"; each CPU kernel splits a batch over up to {runtime.threads} threads" if runtime.threads > 1 else ""
-    print(
-        f"loaded {args.artifact} (checksums verified, {runtime.backend}) in {time.monotonic() - started:.2f}s{threads}"
+    runtime = load(
+        args.artifact, device_map=device_map, threads=args.threads or None, backend=args.backend, verify=args.verify
     )
+    checked = "checksums verified" if args.verify == "full" else "sizes checked, checksums not verified"
+    threads = f"; each CPU kernel splits a batch over up to {runtime.threads} threads" if runtime.threads > 1 else ""
+    print(f"loaded {args.artifact} ({checked}, {runtime.backend}) in {time.monotonic() - started:.2f}s{threads}")
     libraries = f" ({runtime.library_seconds:.2f}s of it importing fbgemm)" if runtime.library_seconds >= 0.01 else ""
-    print(f"load rate: {_gb_rate(runtime.load_bytes, runtime.load_seconds)}, checksums included{libraries}")
+    included = "checksums included" if args.verify == "full" else "no checksums"
+    print(f"load rate: {_gb_rate(runtime.load_bytes, runtime.load_seconds)}, {included}{libraries}")
     batch = SparseFeatures.random(runtime.spec, batch_size=args.batch_size, ids_per_bag=args.ids_per_bag, seed=1)
     pooled = runtime.lookup(batch)
     times = []
@@ -429,6 +439,13 @@ def build_parser() -> argparse.ArgumentParser:
         help="also write model.pt2 (torch.export + AOTInductor; compiling takes about a minute)",
     )
     exp.add_argument("--onnx-pooling", default=None, help="ONNX pooling design: padded (default), prefix_sum, scatter")
+    exp.add_argument(
+        "--weights-format",
+        choices=("embedded", "mapped"),
+        default="embedded",
+        help="mapped: each CPU weight buffer in a page-aligned file beside model.pt, mapped read-only at load "
+        "(the Python loader; the C++ loader reads embedded only, for now)",
+    )
     exp.set_defaults(func=cmd_export)
 
     spc = sub.add_parser("spec", help="write a starting spec.json from a TorchRec checkpoint")
@@ -484,6 +501,12 @@ def build_parser() -> argparse.ArgumentParser:
         choices=BACKENDS,
         default="torchscript",
         help="model.pt, model.onnx or model.pt2",
+    )
+    run.add_argument(
+        "--verify",
+        choices=("full", "none"),
+        default="full",
+        help="checksums at load: full (every file's sha256, chunks in parallel) or none (sizes only)",
     )
     run.set_defaults(func=cmd_run)
     return parser

@@ -73,6 +73,7 @@ class ServerConfig:
     http_host: str | None = None  # None: the gRPC host
     poll_s: float | None = None  # a repository: look for new versions this often (None: only on load calls)
     version_policy: str = "latest:1"  # a repository: "latest:N" or "versions:1,3"
+    verify: str = "full"  # checksums at load: "full" (every file's sha256) or "none" (sizes only)
 
 
 @dataclass
@@ -211,7 +212,7 @@ async def create_server(artifact: str | Path | Runtime, config: ServerConfig = S
         repository = await open_repository(artifact, config, metrics)
         runtime = repository.default_runtime()
     else:
-        runtime = load(artifact)
+        runtime = load(artifact, verify=config.verify)
     workers = _workers(runtime, config.workers)
     _set_intra_op_threads(runtime, workers, config.intra_op_threads)
     runtime.set_threads(config.threads or runtime.thread_budget(workers))

@@ -50,6 +50,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
         http_host=args.http_host,
         poll_s=args.poll_s,
         version_policy=args.version_policy,
+        verify=args.verify,
         **({"max_merge_examples": args.max_merge_examples} if args.max_merge_examples else {}),
     )
     from server.distributed import GroupConfig, is_multi_host, serve_distributed
@@ -67,7 +68,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
     if args.backend != "torchscript":
         from infer.artifact.load import load
 
-        artifact = load(args.artifact, backend=args.backend)
+        artifact = load(args.artifact, backend=args.backend, verify=args.verify)
     code = asyncio.run(serve(artifact, config))
     # Everything is stopped and released: skip the interpreter's teardown of torch and its libraries
     # (~0.45 s here, more on a loaded host), so that a stop with nothing in flight takes well under 1 s.
@@ -263,6 +264,12 @@ def add_subcommands(subcommands: Any) -> None:
     srv.add_argument("--model-name", default=None, help="OIP model name of an artifact (default: its folder name)")
     srv.add_argument("--poll-s", type=float, default=None, help="a repository: look for new versions this often")
     srv.add_argument("--version-policy", default="latest:1", help="a repository: 'latest:N' or 'versions:1,3'")
+    srv.add_argument(
+        "--verify",
+        choices=("full", "none"),
+        default="full",
+        help="checksums at load: full (every file's sha256, chunks in parallel) or none (sizes only)",
+    )
     srv.set_defaults(func=cmd_serve)
 
     qry = subcommands.add_parser("query", help="query a server: metadata and one lookup")

@@ -334,7 +334,7 @@ def serve_distributed(artifact: str | Path, config: ServerConfig, group: GroupCo
     """``embserve serve`` of a multi-host artifact on this rank: load this host's part, join the group; rank 0
     serves gRPC until SIGTERM (then stops every rank), the others follow rank 0. Returns the exit code."""
     rank, world_size = _group_env()
-    part = load_host_part(artifact, rank)
+    part = load_host_part(artifact, rank, verify=config.verify)
     device = join_group(part, rank, world_size, group.collective_timeout_s)
     if rank != 0:
         print(f"{JOINED_LINE} {rank}", flush=True)

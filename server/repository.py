@@ -84,6 +84,7 @@ class BatchSettings:
     warmup_batches: int = 3
     threads: int = 0  # threads each CPU kernel splits a batch over; 0: the runtime's budget for ``workers``
     max_merge_examples: int = MAX_MERGE_EXAMPLES  # requests merge into one forward up to this many examples
+    verify: str = "full"  # checksums at each version's load (infer.load's verify)
 
 
 def is_repository(path: Any) -> bool:
@@ -420,7 +421,9 @@ class Repository:
         # a thread of its own: its lowered priority must not stay with a pool thread that serves later
         loader = ThreadPoolExecutor(max_workers=1, thread_name_prefix="embserve-load")
         try:
-            runtime = await asyncio.get_running_loop().run_in_executor(loader, _load_in_background, folder)
+            runtime = await asyncio.get_running_loop().run_in_executor(
+                loader, _load_in_background, folder, self.settings.verify
+            )
         finally:
             loader.shutdown(wait=False)
         settings = self.settings
@@ -521,7 +524,7 @@ def _index_entry(name: str, version: str, state: str, reason: str) -> dict[str, 
     return {"name": name, "version": version, "state": state, "reason": reason}
 
 
-def _load_in_background(folder: Path) -> Any:
+def _load_in_background(folder: Path, verify: str = "full") -> Any:
     """``load`` at the lowest CPU priority (this thread only, on Linux): the versions serving meanwhile
     keep the cores they need, and the new version takes longer to arrive instead."""
     try:
@@ -529,7 +532,7 @@ def _load_in_background(folder: Path) -> Any:
     except (AttributeError, OSError):  # not Linux, or not allowed: load at normal priority
         pass
     try:
-        return load(folder)
+        return load(folder, verify=verify)
     finally:
         try:
             os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), 0)
@@ -573,6 +576,7 @@ async def open_repository(path: str | Path, config: Any, metrics: ServerMetrics)
         warmup_batches=config.warmup_batches,
         threads=config.threads,
         max_merge_examples=getattr(config, "max_merge_examples", MAX_MERGE_EXAMPLES),
+        verify=getattr(config, "verify", "full"),
     )
     repository = Repository(path, settings, metrics, VersionPolicy.parse(config.version_policy))
     await repository.load_all()

@@ -20,8 +20,27 @@ from typing import Any
 import torch
 
 from infer import request_rules as rules
-from infer.artifact.kernels import kernels_of
-from infer.artifact.manifest import MANIFEST_FILE, MODEL_FILE, PLAN_FILE, FileEntry, Manifest, OnnxEntry, Pt2Entry
+from infer.artifact import verify
+from infer.artifact.kernels import Kernel, kernels_of, model_tbes
+from infer.artifact.manifest import (
+    FORMAT_VERSION,
+    MANIFEST_FILE,
+    MAPPED_FORMAT_VERSION,
+    MODEL_FILE,
+    PLAN_FILE,
+    FileEntry,
+    Manifest,
+    OnnxEntry,
+    Pt2Entry,
+)
+from infer.artifact.mapped import (
+    EMBEDDED,
+    MAPPED,
+    check_weights_format,
+    place_weights,
+    strip_weights,
+    write_weight_files,
+)
 from infer.dense_layout import checked_layout
 from infer.errors import ArtifactError, ConfigError
 from infer.planner.types import ShardingPlan
@@ -68,6 +87,7 @@ def export(
     onnx: bool = False,
     onnx_pooling: str | None = None,
     pt2: bool = False,
+    weights: str = EMBEDDED,
 ) -> Path:
     """Script ``model`` (from ``infer.quantize``, or ``infer.shard_model`` with its ``plan``)
     and write the artifact to ``out_dir``; a plan is stored beside the model as ``plan.json``.
@@ -85,6 +105,11 @@ def export(
     the spec (``ConfigError`` naming the table and what differs: order, pooling, dim, columns) and the layout is
     written to the manifest (``dense.expects``).
 
+    ``weights="mapped"`` writes each CPU weight buffer to a plain file beside ``model.pt`` (``weights-<n>.bin``,
+    tables page-aligned in the kernel's row layout), which the loader maps read-only; ``model.pt`` then keeps
+    structure only (manifest ``format_version`` 3, which the C++ loader does not read yet). ``"embedded"`` (the
+    default for now) keeps every weight inside ``model.pt`` (``format_version`` 2).
+
     An existing artifact at ``out_dir`` is replaced; any other non-empty folder is left alone
     and ``ArtifactError`` is raised.
     """
@@ -93,6 +118,7 @@ def export(
 
     if not isinstance(model, EmbserveModel):
         raise ConfigError(f"export takes the model returned by infer.quantize(), got {type(model).__name__}")
+    check_weights_format(weights)
     out_dir = output_folder(out_dir)
     dense_expects = checked_layout(model.spec, model.dense_arch if model.has_dense else None)
     if model.has_dense:
@@ -102,9 +128,15 @@ def export(
         scripted = torch.jit.script(model)
     except Exception as err:  # noqa: BLE001 - TorchScript reports many error types
         raise ConfigError(f"the model (or its dense_arch) cannot be scripted with torch.jit.script: {err}") from None
+    kernels = kernels_of(model, plan)
     with staged(out_dir) as staging:
+        weight_files: list[FileEntry] = []
+        if weights == MAPPED:
+            embedded, kernels = kernels, place_weights(kernels)
+            weight_files = _write_weights(staging, model_tbes(model), embedded, kernels)
+            strip_weights(model_tbes(scripted), kernels)
         scripted.save(str(staging / MODEL_FILE))
-        files = [FileEntry.of(staging, MODEL_FILE)]
+        files = [FileEntry.of(staging, MODEL_FILE), *weight_files]
         if plan is not None:
             (staging / PLAN_FILE).write_text(plan.to_json(), encoding="utf-8")
             files.append(FileEntry.of(staging, PLAN_FILE))
@@ -133,14 +165,21 @@ def export(
             files=tuple(files),
             plan_file=PLAN_FILE if plan is not None else None,
             world_size=plan.topology.world_size if plan is not None else 1,
-            kernels=tuple(kernels_of(model, plan)),
+            kernels=tuple(kernels),
             onnx=onnx_entry,
             pt2=pt2_entry,
             dense_expects=dense_expects,
+            format_version=MAPPED_FORMAT_VERSION if weights == MAPPED else FORMAT_VERSION,
         )
         (staging / MANIFEST_FILE).write_text(manifest.to_json(), encoding="utf-8")
     logger.debug("exported %s in %.1fs", out_dir, time.monotonic() - started)
     return out_dir
+
+
+def _write_weights(folder: Path, tbes: list[Any], embedded: list[Kernel], placed: list[Kernel]) -> list[FileEntry]:
+    """Write the mapped kernels' weight files and return their entries (chunked for parallel verification)."""
+    names = write_weight_files(folder, tbes, embedded, placed)
+    return [FileEntry.of(folder, name, verify.WEIGHTS_CHUNK_BYTES) for name in names]
 
 
 # Two batch sizes: a dense part specialised to one batch size fails the second probe.

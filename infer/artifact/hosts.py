@@ -17,9 +17,26 @@ from pathlib import Path
 
 import torch
 
+from infer.artifact import verify
 from infer.artifact.export import output_folder, staged
 from infer.artifact.kernels import check_kernel, check_routing, kernel_holders, kernels_from_tbes, model_tbes
-from infer.artifact.manifest import MANIFEST_FILE, PLAN_FILE, FileEntry, Manifest
+from infer.artifact.manifest import (
+    FORMAT_VERSION,
+    MANIFEST_FILE,
+    MAPPED_FORMAT_VERSION,
+    PLAN_FILE,
+    FileEntry,
+    Manifest,
+)
+from infer.artifact.mapped import (
+    EMBEDDED,
+    MAPPED,
+    check_weights_format,
+    place_weights,
+    strip_weights,
+    write_weight_files,
+)
+from infer.artifact.verify import FULL
 from infer.dense_layout import checked_layout
 from infer.errors import ArtifactError, ArtifactErrorKind, ConfigError
 from infer.planner.types import ShardingPlan
@@ -35,10 +52,11 @@ def host_part_file(host: int) -> str:
     return f"hosts/{host}/{HOST_MODEL_FILE}"
 
 
-def export_hosts(model: torch.nn.Module, out_dir: str | Path, plan: ShardingPlan) -> Path:
+def export_hosts(model: torch.nn.Module, out_dir: str | Path, plan: ShardingPlan, weights: str = EMBEDDED) -> Path:
     """Shard ``model`` (from ``infer.quantize``) by ``plan`` (a topology of several hosts: ``world_size`` =
     hosts x ``local_world_size``) and write a multi-host artifact to ``out_dir``: ``manifest.json``,
-    ``plan.json`` and ``hosts/<h>/model.pt`` per host. Replaces an existing artifact like ``export``."""
+    ``plan.json`` and ``hosts/<h>/model.pt`` per host (``weights="mapped"``: and its CPU weight buffers in
+    ``hosts/<h>/weights-<n>.bin``, as ``export``). Replaces an existing artifact like ``export``."""
     from infer.artifact.fbgemm_libs import REQUIRED_LIBRARIES, fbgemm_library_dir, fbgemm_version
     from infer.modules.collection import EmbserveModel
     from infer.shard.hosts import host_layouts, local_device, num_hosts, shard_host
@@ -51,6 +69,7 @@ def export_hosts(model: torch.nn.Module, out_dir: str | Path, plan: ShardingPlan
             f"the plan's topology is one host ({plan.topology.world_size} devices); export it with infer.export, "
             "or plan for several hosts (Topology(world_size=H*G, local_world_size=G))"
         )
+    check_weights_format(weights)
     out_dir = output_folder(out_dir)
     dense_expects = checked_layout(model.spec, model.dense_arch if model.has_dense else None)
     started = time.monotonic()
@@ -64,10 +83,18 @@ def export_hosts(model: torch.nn.Module, out_dir: str | Path, plan: ShardingPlan
             except Exception as err:  # noqa: BLE001 - TorchScript reports many error types
                 raise ConfigError(f"host {host}'s part cannot be scripted with torch.jit.script: {err}") from None
             (staging / "hosts" / str(host)).mkdir(parents=True)
+            ranks = [layout.rank for layout in host_layouts(model.spec, plan, host)]
+            host_kernels = kernels_from_tbes(ranks, model_tbes(part))
+            weight_files = []
+            if weights == MAPPED:
+                embedded, host_kernels = host_kernels, place_weights(host_kernels, f"hosts/{host}/")
+                names = write_weight_files(staging, model_tbes(part), embedded, host_kernels)
+                weight_files = [FileEntry.of(staging, name, verify.WEIGHTS_CHUNK_BYTES) for name in names]
+                strip_weights(model_tbes(scripted), host_kernels)
             scripted.save(str(staging / host_part_file(host)))
             files.append(FileEntry.of(staging, host_part_file(host)))
-            ranks = [layout.rank for layout in host_layouts(model.spec, plan, host)]
-            kernels.extend(kernels_from_tbes(ranks, model_tbes(part)))
+            files.extend(weight_files)
+            kernels.extend(host_kernels)
             del part, scripted
         (staging / PLAN_FILE).write_text(plan.to_json(), encoding="utf-8")
         files.append(FileEntry.of(staging, PLAN_FILE))
@@ -89,6 +116,7 @@ def export_hosts(model: torch.nn.Module, out_dir: str | Path, plan: ShardingPlan
             host_parts=tuple(host_part_file(h) for h in range(hosts)),
             devices_per_host=local,
             dense_expects=dense_expects,
+            format_version=MAPPED_FORMAT_VERSION if weights == MAPPED else FORMAT_VERSION,
         )
         (staging / MANIFEST_FILE).write_text(manifest.to_json(), encoding="utf-8")
     logger.debug("exported %s (%d hosts) in %.1fs", out_dir, hosts, time.monotonic() - started)
@@ -132,14 +160,15 @@ def load_host_part(
     host: int,
     device_map: Mapping[str, str] | None = None,
     intra_op_threads: int | None = None,
+    verify: str = FULL,
 ) -> HostPart:
     """Verify the manifest, the plan and host ``host``'s part (sizes, sha256, kernels) and load that part only.
 
     Threads as ``infer.load``: a part of N CPU devices runs one kernel per core itself, so unless
     ``intra_op_threads`` says otherwise torch's intra-op pool is set (process-wide) to cores // N;
-    ``intra_op_threads=0`` leaves it alone."""
+    ``intra_op_threads=0`` leaves it alone. ``verify`` as ``infer.load``'s."""
     from infer.artifact.fbgemm_libs import load_fbgemm
-    from infer.artifact.load import _map_location, _remap_shard_devices, verify_plan
+    from infer.artifact.load import _map_location, _remap_shard_devices, attach_mapped_weights, verify_plan
     from infer.shard.hosts import host_layouts, host_of_rank, num_hosts
 
     folder = Path(artifact_dir)
@@ -155,7 +184,7 @@ def load_host_part(
     hosts = manifest.num_hosts
     if not 0 <= host < hosts:
         raise ArtifactError(f"host {host} is outside the artifact's {hosts} hosts (0..{hosts - 1})", kind=MODEL)
-    manifest.verify_files(folder, only=manifest.host_files(host))
+    manifest.verify_files(folder, only=manifest.host_files(host), verify=verify)
     plan = verify_plan(folder, manifest)
     if num_hosts(plan) != hosts or plan.topology.local_world_size != manifest.devices_per_host:
         raise ArtifactError(
@@ -175,6 +204,7 @@ def load_host_part(
         ) from None
     module.eval()
     expected = [k for k in manifest.kernels if host_of_rank(plan, k.rank) == host]
+    attach_mapped_weights(folder, module, manifest, expected)
     holders = kernel_holders(module)
     if len(holders) != len(expected):
         raise ArtifactError(

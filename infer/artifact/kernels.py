@@ -23,6 +23,7 @@ from infer.modules.sharded import DeviceShards, device_buckets, row_buckets
 from infer.planner.types import ShardingPlan
 from infer.quant.rowwise import CPU_ROW_ALIGNMENT, CUDA_ROW_ALIGNMENT, TABLE_ALIGNMENT, table_bytes
 from infer.shard.builder import SharedStorage, device_layouts, plan_devices, shared_cpu_storage
+from infer.storage.layout import WeightsFile
 
 
 @dataclass(frozen=True)
@@ -42,10 +43,13 @@ class Kernel:
     tables: tuple[KernelTable, ...]
     feature_table_map: tuple[int, ...]
     shared: SharedStorage | None = None  # its tables' places in the weight buffer all CPU kernels share
+    # a mapped artifact's CPU kernel: the file its weight buffer lies in (``shared`` then says the buffer's size
+    # and its tables' page-aligned places in it; infer.artifact.mapped)
+    weights: WeightsFile | None = None
 
-    def layout(self) -> tuple[int, tuple[KernelTable, ...], tuple[int, ...], SharedStorage | None]:
+    def layout(self) -> tuple[int, tuple[KernelTable, ...], tuple[int, ...], SharedStorage | None, WeightsFile | None]:
         """What must agree between the manifest and the plan (the device name may be remapped)."""
-        return self.row_alignment, self.tables, self.feature_table_map, self.shared
+        return self.row_alignment, self.tables, self.feature_table_map, self.shared, self.weights
 
     def to_dict(self) -> dict[str, Any]:
         data: dict[str, Any] = {
@@ -55,7 +59,14 @@ class Kernel:
             "tables": [{"rows": t.rows, "dim": t.dim, "data_type": t.data_type.value} for t in self.tables],
             "feature_table_map": list(self.feature_table_map),
         }
-        if self.shared is not None:
+        if self.weights is not None and self.shared is not None:
+            data["weights"] = {
+                "file": self.weights.file,
+                "offset": self.weights.offset,
+                "bytes": self.shared.total_bytes,
+                "table_offsets": list(self.shared.table_offsets),
+            }
+        elif self.shared is not None:
             data["shared_storage"] = {
                 "bytes": self.shared.total_bytes,
                 "table_offsets": list(self.shared.table_offsets),
@@ -65,7 +76,8 @@ class Kernel:
     @classmethod
     def from_dict(cls, data: Mapping[str, Any]) -> Kernel:
         tables = tuple(KernelTable(t["rows"], t["dim"], DataType(t["data_type"])) for t in data["tables"])
-        shared = data.get("shared_storage")
+        shared = data.get("weights", data.get("shared_storage"))
+        mapped = data.get("weights")
         return cls(
             data["rank"],
             data["device"],
@@ -73,6 +85,7 @@ class Kernel:
             tables,
             tuple(data["feature_table_map"]),
             SharedStorage(shared["bytes"], tuple(shared["table_offsets"])) if shared is not None else None,
+            WeightsFile(mapped["file"], mapped["offset"]) if mapped is not None else None,
         )
 
     def table_offsets(self) -> tuple[list[int], int]:

@@ -11,10 +11,12 @@ from pathlib import Path
 import torch
 
 from infer.artifact.fbgemm_libs import load_fbgemm
-from infer.artifact.kernels import check_kernel, check_routing, expected_kernels, kernel_holders
+from infer.artifact.kernels import Kernel, check_kernel, check_routing, expected_kernels, kernel_holders, model_tbes
 from infer.artifact.manifest import MANIFEST_FILE, Manifest
+from infer.artifact.mapped import attach_weights
 from infer.artifact.runtime import Runtime
 from infer.artifact.schema import parse_document, schema, validate
+from infer.artifact.verify import FULL, check_verify_mode
 from infer.errors import ArtifactError, ArtifactErrorKind, ConfigError, EmbserveError
 from infer.planner.types import ShardingPlan
 from infer.shard.builder import check_plan
@@ -31,6 +33,7 @@ def load(
     intra_op_threads: int | None = None,
     threads: int | None = None,
     backend: str = "torchscript",
+    verify: str = FULL,
 ) -> Runtime:
     """Verify and load an artifact; returns a ``Runtime`` with ``lookup`` and ``predict``.
 
@@ -50,9 +53,16 @@ def load(
 
     ``threads``: how many example ranges each CPU kernel may split a batch into, run in parallel on the
     same weights (bit-identical output); default the host's budget, cores // CPU kernels.
+
+    ``verify="full"`` (the default) checks every file's sha256 before the model is returned (the chunks of
+    large files hashed in parallel); ``verify="none"`` checks paths and sizes only, for an artifact already
+    verified (by ``embserve inspect --verify``, or an earlier load). A mapped artifact's weight files
+    (``export(..., weights="mapped")``) are mapped read-only, never copied: processes loading the same
+    artifact share one copy of its weights in the page cache.
     """
     if backend not in BACKENDS:
         raise ConfigError(f"unknown backend {backend!r}; choose one of {list(BACKENDS)}")
+    check_verify_mode(verify)
     started = time.perf_counter()
     folder = Path(artifact_dir)
     if not folder.is_dir():
@@ -69,7 +79,7 @@ def load(
         load_fbgemm()
         library_seconds = time.perf_counter() - libraries_started
     # small files are checked now; the chunks of large ones are hashed meanwhile, in parallel with the load
-    verification = manifest.start_verify(folder, overlap=backend in ("torchscript", "pt2"))
+    verification = manifest.start_verify(folder, overlap=backend in ("torchscript", "pt2"), verify=verify)
     plan = verify_plan(folder, manifest) if manifest.plan_file is not None else None
     if backend == "onnxruntime":
         if device_map:
@@ -108,7 +118,10 @@ def load(
         raise ArtifactError(
             f"{model_path} cannot be loaded by TorchScript: {first_line}", path=str(model_path), kind=MODEL
         ) from None
-    verification.wait()  # a chunk that fails drops the loaded module with the error
+    try:
+        attach_mapped_weights(folder, module, manifest)
+    finally:
+        verification.wait()  # a chunk that fails drops the loaded module with the error
     module.eval()
     _check_kernels(module, manifest, plan)
     if mapping:
@@ -117,6 +130,23 @@ def load(
     runtime = Runtime(folder, manifest, module)
     runtime.set_threads(threads if threads is not None else runtime.thread_budget())
     return _timed(runtime, started, library_seconds)
+
+
+def attach_mapped_weights(
+    folder: Path, module: torch.jit.ScriptModule, manifest: Manifest, kernels: Sequence[Kernel] | None = None
+) -> None:
+    """Hand every mapped kernel of a loaded model (of a mapped artifact) its buffer's view of its weight file;
+    ``kernels``: the model's kernels in the manifest (default all; one host's for a host part)."""
+    if not manifest.mapped:
+        return
+    kernels = manifest.kernels if kernels is None else kernels
+    try:
+        tbes = model_tbes(module)
+    except AttributeError:
+        raise ArtifactError("the model has no embedding kernels where embserve puts them", kind=MODEL) from None
+    if len(tbes) != len(kernels):
+        raise ArtifactError(f"the model has {len(tbes)} kernels, {MANIFEST_FILE} lists {len(kernels)}", kind=MODEL)
+    attach_weights(folder, tbes, kernels, {e.name: e.bytes for e in manifest.files})
 
 
 def _timed(runtime: Runtime, started: float, library_seconds: float = 0.0) -> Runtime:
@@ -150,7 +180,7 @@ def verify_plan(folder: Path, manifest: Manifest) -> ShardingPlan:
             f"sharding.world_size {manifest.world_size}",
             path=str(path),
         )
-    expected = [k.layout() for k in expected_kernels(manifest.spec, plan, manifest.devices)]
+    expected = [k.layout() for k in manifest.laid_out(expected_kernels(manifest.spec, plan, manifest.devices), plan)]
     if [k.layout() for k in manifest.kernels] != expected:
         raise ArtifactError(
             f"{MANIFEST_FILE}: 'kernels' disagrees with {manifest.plan_file} (the shards each device holds)",

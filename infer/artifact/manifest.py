@@ -16,13 +16,17 @@ from typing import Any
 
 from infer.artifact.kernels import Kernel, expected_kernels
 from infer.artifact.schema import is_host_file, parse_document, validate
-from infer.artifact.verify import ChunkedFile, Chunks, PendingVerification, file_digests
+from infer.artifact.verify import FULL, NONE, ChunkedFile, Chunks, PendingVerification, check_verify_mode, file_digests
 from infer.config import ModelSpec
 from infer.dense_layout import PooledLayout
 from infer.errors import ArtifactError, ArtifactErrorKind, ConfigError
+from infer.planner.types import ShardingPlan
+from infer.storage.layout import PAGE_BYTES
 
 FORMAT_NAME = "embserve-artifact"
-FORMAT_VERSION = 2  # 2: the manifest lists the model's kernels
+FORMAT_VERSION = 2  # 2: the manifest lists the model's kernels; every weight inside model.pt (both loaders read it)
+MAPPED_FORMAT_VERSION = 3  # 3: each CPU kernel's weights in a file of their own, mapped (the Python loader reads it)
+READABLE_FORMAT_VERSIONS = (FORMAT_VERSION, MAPPED_FORMAT_VERSION)
 MANIFEST_FILE = "manifest.json"
 MODEL_FILE = "model.pt"
 PLAN_FILE = "plan.json"
@@ -47,9 +51,9 @@ class FileEntry:
     chunks: Chunks | None = None  # per-chunk sha256 of a large file (infer.artifact.verify), verified in parallel
 
     @classmethod
-    def of(cls, folder: Path, name: str) -> FileEntry:
+    def of(cls, folder: Path, name: str, chunk_bytes: int | None = None) -> FileEntry:
         path = folder / name
-        whole, chunks = file_digests(path)
+        whole, chunks = file_digests(path, chunk_bytes)
         return cls(name, path.stat().st_size, whole, chunks)
 
     def to_dict(self) -> dict[str, Any]:
@@ -192,6 +196,11 @@ class Manifest:
     def num_hosts(self) -> int:
         return max(1, len(self.host_parts))
 
+    @property
+    def mapped(self) -> bool:
+        """Its CPU kernels' weights lie in weight files beside ``model.pt`` (``infer.artifact.mapped``)."""
+        return self.format_version == MAPPED_FORMAT_VERSION
+
     def file(self, name: str) -> FileEntry:
         for entry in self.files:
             if entry.name == name:
@@ -268,10 +277,10 @@ class Manifest:
                 f"{MANIFEST_FILE} is not an embserve manifest (format={format_name!r})", path=MANIFEST_FILE
             )
         version = data.get("format_version")
-        if version != FORMAT_VERSION:
+        if version not in READABLE_FORMAT_VERSIONS:
             raise ArtifactError(
-                f"{MANIFEST_FILE} has format_version {str(version)[:32]}; this embserve reads version "
-                f"{FORMAT_VERSION}. Re-export the model with this embserve version",
+                f"{MANIFEST_FILE} has format_version {str(version)[:32]}; this embserve reads versions "
+                f"{list(READABLE_FORMAT_VERSIONS)}. Re-export the model with this embserve version",
                 path=MANIFEST_FILE,
             )
         validate(data, "manifest", MANIFEST_FILE)
@@ -366,11 +375,59 @@ class Manifest:
             )
         if self.host_parts:
             self._check_hosts(data, names)
+        self._check_weight_files(data)
         if self.plan_file is None:
             devices = (self.kernels[0].device,) if self.kernels else self.devices
-            expected = [k.layout() for k in expected_kernels(spec, None, devices)]
+            expected = [k.layout() for k in self.laid_out(expected_kernels(spec, None, devices), None)]
             if [k.layout() for k in self.kernels] != expected:
                 raise fail("'kernels' disagrees with 'tables' (an unsharded model has one kernel holding every table)")
+
+    def _check_weight_files(self, data: Mapping[str, Any]) -> None:
+        """Version 3 keeps every CPU kernel's weights in a listed file, inside it; version 2 none."""
+        sizes = {e.name: e.bytes for e in self.files}
+        for index, (kernel, raw) in enumerate(zip(self.kernels, data["kernels"])):
+            where = f"{MANIFEST_FILE}: kernels[{index}]"
+            if "weights" in raw and "shared_storage" in raw:
+                raise ArtifactError(f"{where} has both 'weights' and 'shared_storage'", path=MANIFEST_FILE)
+            if not self.mapped:
+                if kernel.weights is not None:
+                    raise ArtifactError(
+                        f"{where}.weights needs format_version {MAPPED_FORMAT_VERSION} (this manifest says "
+                        f"{self.format_version}); the manifest is corrupted",
+                        path=MANIFEST_FILE,
+                    )
+                continue
+            if (kernel.weights is None) != (kernel.device != "cpu"):
+                raise ArtifactError(
+                    f"{where}: format_version {MAPPED_FORMAT_VERSION} keeps each CPU kernel's weights (and only "
+                    "theirs) in a weight file ('weights'); the manifest is corrupted",
+                    path=MANIFEST_FILE,
+                )
+            if kernel.weights is None or kernel.shared is None:
+                continue
+            name, first, size = kernel.weights.file, kernel.weights.offset, kernel.shared.total_bytes
+            if name not in sizes:
+                raise ArtifactError(f"{MANIFEST_FILE} has no checksum for {name}", path=name, kind=CHECKSUM)
+            if first % PAGE_BYTES or first + size > sizes[name]:
+                raise ArtifactError(
+                    f"{where}.weights: bytes {first}..{first + size} do not lie page-aligned inside {name} "
+                    f"({sizes[name]} bytes); the manifest is corrupted",
+                    path=MANIFEST_FILE,
+                )
+
+    def laid_out(self, kernels: list[Kernel], plan: ShardingPlan | None) -> list[Kernel]:
+        """The kernels a model of this manifest's format holds: ``kernels`` (``expected_kernels``) with, in a
+        mapped artifact, every CPU weight buffer page-aligned in its weight file."""
+        if not self.mapped:
+            return kernels
+        from infer.artifact.mapped import place_host_weights, place_weights
+
+        if not self.host_parts:
+            return place_weights(kernels)
+        from infer.shard.hosts import host_of_rank
+
+        assert plan is not None
+        return place_host_weights(kernels, lambda rank: host_of_rank(plan, rank), self.num_hosts)
 
     def _check_hosts(self, data: Mapping[str, Any], names: set[str]) -> None:
         count = data["hosts"]["count"]
@@ -414,17 +471,21 @@ class Manifest:
             raise ArtifactError(f"{path} is {size} bytes, over the {MAX_MANIFEST_BYTES}-byte cap", path=str(path))
         return cls.from_dict(parse_document(path.read_bytes(), str(path)))
 
-    def verify_files(self, folder: Path, only: tuple[str, ...] | None = None) -> None:
+    def verify_files(self, folder: Path, only: tuple[str, ...] | None = None, verify: str = FULL) -> None:
         """Check every listed file's (or the ``only`` ones') size and sha256; raise ``ArtifactError`` naming the
-        first bad one (and, for a file with chunk digests, the bad byte range)."""
-        self.start_verify(folder, only).wait()
+        first bad one (and, for a file with chunk digests, the bad byte range). ``verify="none"``: sizes only."""
+        self.start_verify(folder, only, verify=verify).wait()
 
     def start_verify(
-        self, folder: Path, only: tuple[str, ...] | None = None, overlap: bool = False
+        self, folder: Path, only: tuple[str, ...] | None = None, overlap: bool = False, verify: str = FULL
     ) -> PendingVerification:
         """Check paths and sizes and the sha256 of every file without chunk digests now; return the chunk
-        hashing of the others, whose ``wait()`` raises like ``verify_files``. ``overlap=True``: start it in a
-        child process now, so that the caller's own work (``torch.jit.load``) runs meanwhile."""
+        hashing of the others, whose ``wait()`` raises like ``verify_files``. ``overlap=True``: start it now, so
+        that the caller's own work runs meanwhile: in this process's threads for a mapped artifact (its
+        ``model.pt`` is small), else in a child process (``torch.jit.load`` holds the GIL while it unpacks the
+        weights). ``verify="none"`` checks paths and sizes only (a file of the wrong size is still refused
+        before anything maps it)."""
+        check_verify_mode(verify)
         if self.model_file not in {e.name for e in self.files}:
             raise ArtifactError(
                 f"{MANIFEST_FILE} has no checksum for {self.model_file}", path=self.model_file, kind=CHECKSUM
@@ -459,6 +520,8 @@ class Manifest:
                     )
                 chunked.append(ChunkedFile(path, size, entry.chunks))
                 continue
+            if verify == NONE:
+                continue
             digest = sha256_file(path)
             if digest != entry.sha256:
                 raise ArtifactError(
@@ -466,4 +529,6 @@ class Manifest:
                     path=str(path),
                     kind=CHECKSUM,
                 )
-        return PendingVerification(chunked, overlap)
+        if verify == NONE:
+            return PendingVerification([], overlap=False)
+        return PendingVerification(chunked, overlap, in_threads=self.mapped)

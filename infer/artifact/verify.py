@@ -1,11 +1,15 @@
 """Checksums of an artifact's large files in chunks: written at export, hashed in parallel at load.
 
 A file of ``CHUNKED_MIN_BYTES`` or more carries, beside its whole-file sha256 (which the C++ loader checks),
-the sha256 of every ``CHUNK_BYTES`` slice. ``torch.jit.load`` holds the GIL for its whole run (measured: a
-spinning Python thread got ~0.2 % of its idle rate during it), so threads of this process cannot hash while it
-reads; a child interpreter (``python -I -S``, stdlib only, a few tens of ms to start) hashes the chunks on its
-own threads instead, and the load overlaps it. Where no child can be started (an embedded interpreter) the
-chunks are hashed by a thread pool here, after the load.
+the sha256 of every ``CHUNK_BYTES`` slice (``WEIGHTS_CHUNK_BYTES`` for a mapped artifact's weight files).
+
+A mapped artifact's ``model.pt`` is small, so its chunks are hashed by a thread pool of this process, started
+before the model loads (hashlib releases the GIL on large buffers; it reads a read-only mapping, no copy). In an
+embedded artifact ``torch.jit.load`` holds the GIL for its whole run (measured: a spinning Python thread got
+~0.2 % of its idle rate during it), so threads of this process cannot hash while it reads; a child interpreter
+(``python -I -S``, stdlib only, a few tens of ms to start) hashes the chunks on its own threads instead, and the
+load overlaps it. Where no child can be started (an embedded interpreter) the chunks are hashed by a thread pool
+here, after the load.
 """
 
 from __future__ import annotations
@@ -19,7 +23,7 @@ import subprocess
 import sys
 import weakref
 from collections.abc import Mapping, Sequence
-from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import Future, ThreadPoolExecutor, wait
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -30,9 +34,13 @@ logger = logging.getLogger(__name__)
 
 CHECKSUM = ArtifactErrorKind.CHECKSUM
 CHUNK_BYTES = 32 << 20  # 63 chunks for a 2.1 GB file: enough to keep every core busy to the end
+WEIGHTS_CHUNK_BYTES = 8 << 20  # a weight file's chunks (bench/load.py: 8 MiB hashes as fast as 32 MiB)
 CHUNKED_MIN_BYTES = 64 << 20  # smaller files hash in well under 0.1 s on one core
 SUBPROCESS_MIN_BYTES = 256 << 20  # below this a child interpreter costs more than it overlaps
 USE_SUBPROCESS = True  # False: hash in this process's threads (bench/load.py compares the designs)
+FULL = "full"  # every file's sha256 (chunks in parallel) before the model is ready
+NONE = "none"  # paths and sizes only: for a trusted, already verified artifact
+VERIFY_MODES = (FULL, NONE)
 
 # The child's whole program: argv = chunk_bytes workers path...; stdout = JSON [[digest, ...] per path].
 _HASHER_SOURCE = r"""
@@ -78,6 +86,14 @@ class Chunks:
         return start, min(size, start + self.bytes) - 1
 
 
+def check_verify_mode(verify: str) -> str:
+    if verify not in VERIFY_MODES:
+        from infer.errors import ConfigError
+
+        raise ConfigError(f"unknown verify mode {verify!r}; choose one of {list(VERIFY_MODES)}")
+    return verify
+
+
 def default_workers() -> int:
     try:
         return max(1, len(os.sched_getaffinity(0)))
@@ -104,13 +120,13 @@ def chunk_digests(path: Path, chunk_bytes: int, pool: ThreadPoolExecutor) -> lis
             view.release()
 
 
-def file_digests(path: Path) -> tuple[str, Chunks | None]:
-    """Whole-file sha256 and, for a file of ``CHUNKED_MIN_BYTES`` or more, its chunk digests (hashed by a pool
-    while this thread hashes the whole file)."""
+def file_digests(path: Path, chunk_bytes: int | None = None) -> tuple[str, Chunks | None]:
+    """Whole-file sha256 and, for a file of ``CHUNKED_MIN_BYTES`` or more, its digests of ``chunk_bytes``
+    (default ``CHUNK_BYTES``) chunks (hashed by a pool while this thread hashes the whole file)."""
     size = path.stat().st_size
     if size < CHUNKED_MIN_BYTES:
         return _sha256_mapped(path), None
-    chunk_bytes = CHUNK_BYTES
+    chunk_bytes = chunk_bytes or CHUNK_BYTES
     with ThreadPoolExecutor(default_workers()) as pool, ThreadPoolExecutor(1) as whole_file:
         whole = whole_file.submit(_sha256_mapped, path)
         chunks = chunk_digests(path, chunk_bytes, pool)
@@ -139,14 +155,19 @@ class ChunkedFile:
 
 
 class PendingVerification:
-    """Chunk hashing under way (in a child process, or not started yet); ``wait`` finishes it and raises
-    ``ArtifactError(kind=CHECKSUM)`` naming the file and byte range of the first chunk that does not match."""
+    """Chunk hashing under way (in this process's threads, in a child process, or not started yet); ``wait``
+    finishes it and raises ``ArtifactError(kind=CHECKSUM)`` naming the file and byte range of the first chunk
+    that does not match."""
 
-    def __init__(self, files: Sequence[ChunkedFile], overlap: bool) -> None:
+    def __init__(self, files: Sequence[ChunkedFile], overlap: bool, in_threads: bool = False) -> None:
+        """``overlap``: start hashing now, in this process's threads (``in_threads``) or a child process."""
         self.files = tuple(files)
         self.bytes = sum(f.size for f in self.files)
         self._child: subprocess.Popen[str] | None = None
-        if overlap and USE_SUBPROCESS and self.bytes >= SUBPROCESS_MIN_BYTES:
+        self._threads: _ThreadHashing | None = None
+        if overlap and in_threads and self.files:
+            self._threads = _ThreadHashing(self.files)
+        elif overlap and USE_SUBPROCESS and self.bytes >= SUBPROCESS_MIN_BYTES:
             self._child = _start_child(self.files)
         if self._child is not None:  # a load that fails before ``wait`` leaves no hasher running
             self._stop = weakref.finalize(self, _stop_child, self._child)
@@ -156,6 +177,8 @@ class PendingVerification:
         if self._child is not None:
             self._stop.detach()
         self._child = None
+        if self._threads is not None:
+            found, self._threads = self._threads.result(), None
         if found is None:
             found = self._hash_here()
         for file, digests in zip(self.files, found):
@@ -164,6 +187,40 @@ class PendingVerification:
     def _hash_here(self) -> list[list[str]]:
         with ThreadPoolExecutor(default_workers()) as pool:
             return [chunk_digests(f.path, f.chunks.bytes, pool) for f in self.files]
+
+
+class _ThreadHashing:
+    """Every chunk of ``files`` submitted to a thread pool now, each hashed from a read-only mapping of its file;
+    ``result`` waits for the digests and releases the mappings."""
+
+    def __init__(self, files: Sequence[ChunkedFile]) -> None:
+        pool = ThreadPoolExecutor(default_workers(), thread_name_prefix="embserve-sha256")
+        self._mappings: list[mmap.mmap] = []
+        self._futures: list[list[Future[str]]] = []
+        for file in files:
+            if file.size == 0:
+                self._futures.append([])
+                continue
+            with file.path.open("rb") as handle:
+                mapped = mmap.mmap(handle.fileno(), 0, access=mmap.ACCESS_READ)
+            self._mappings.append(mapped)
+            step = file.chunks.bytes
+            self._futures.append(
+                [pool.submit(_sha256_range, mapped, start, step) for start in range(0, file.size, step)]
+            )
+        pool.shutdown(wait=False)  # its threads end when the queued chunks are hashed
+
+    def result(self) -> list[list[str]]:
+        wait([future for futures in self._futures for future in futures])  # all done before the mappings close
+        for mapped in self._mappings:
+            mapped.close()
+        self._mappings = []
+        return [[future.result() for future in futures] for futures in self._futures]
+
+
+def _sha256_range(mapped: mmap.mmap, start: int, size: int) -> str:
+    with memoryview(mapped) as view:
+        return hashlib.sha256(view[start : start + size]).hexdigest()
 
 
 def _start_child(files: Sequence[ChunkedFile]) -> subprocess.Popen[str] | None:
