@@ -377,3 +377,12 @@ def test_predicts_between_bad_ones(embserve_run, dense, tmp_path):
     assert_answered(responses, 4, expected_scores(dense, second, dense_second))
     assert "request 5 (from byte" in (responses.file_error.message or "")
     assert "dense_features needs 8388608 bytes of data" in (responses.file_error.message or "")
+
+
+def test_bench_needs_a_file_whose_every_request_can_be_read(embserve_run, corpus, tmp_path):
+    bad, message = FRAMED["values absent"]
+    (tmp_path / "r.bin").write_bytes(request_file(request_bytes(*GOOD_BEFORE), bad))
+    result = run(embserve_run, corpus[1], "--requests", tmp_path / "r.bin", "--bench", 5)
+    assert result.returncode == 2 and result.stdout == ""
+    prefix = f"embserve_run: {tmp_path / 'r.bin'}: --bench needs a file whose every request can be read"
+    assert result.stderr.splitlines() == [f"{prefix}: request 1: {message}"]
