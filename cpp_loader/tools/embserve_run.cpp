@@ -98,6 +98,24 @@ class FramingError : public std::runtime_error {
   using std::runtime_error::runtime_error;
 };
 
+// One line, bounded: newlines and control bytes blanked, cut at kMaxMessageBytes (not inside a UTF-8 char).
+std::string bounded(std::string text) {
+  for (char& c : text)
+    if (static_cast<unsigned char>(c) < 0x20) c = ' ';
+  if (text.size() > kMaxMessageBytes) {
+    size_t cut = kMaxMessageBytes;
+    while (cut > 0 && (static_cast<unsigned char>(text[cut]) & 0xC0) == 0x80) --cut;
+    text = text.substr(0, cut) + "...(" + std::to_string(text.size()) + " bytes)";
+  }
+  return text;
+}
+
+// An exception's message as one bounded line, without c10's backtrace.
+std::string one_line(const std::exception& err) {
+  if (const auto* c10_error = dynamic_cast<const c10::Error*>(&err)) return bounded(c10_error->what_without_backtrace());
+  return bounded(err.what());
+}
+
 // The whole request file in memory, read with every size checked against the bytes left.
 class Reader {
  public:
@@ -183,15 +201,35 @@ std::string refusal_of(const TensorRecord& record, const std::string& name, bool
   return std::string();
 }
 
-at::Tensor to_tensor(const TensorRecord& record) {
-  at::Tensor tensor = torch::empty(record.shape, torch::TensorOptions().dtype(record.type));
+// A located record that cannot become a tensor: the request is refused, the reader goes on after it.
+class UnusableRecord : public std::runtime_error {
+ public:
+  using std::runtime_error::runtime_error;
+};
+
+std::string shape_text(const std::vector<int64_t>& shape) {
+  std::string text = "[";
+  for (size_t i = 0; i < shape.size(); ++i) text += (i ? ", " : "") + std::to_string(shape[i]);
+  return text + "]";
+}
+
+// The record's tensor. Its data is inside the file, but a shape that holds no element may still have strides past
+// int64 ([0, 2^62, 4]), which torch refuses: that is the request's refusal, not the run's end.
+at::Tensor to_tensor(const TensorRecord& record, const std::string& name) {
+  at::Tensor tensor;
+  try {
+    tensor = torch::empty(record.shape, torch::TensorOptions().dtype(record.type));
+  } catch (const std::exception& err) {
+    throw UnusableRecord(name + " has shape " + shape_text(record.shape) + ", which torch cannot hold (" +
+                         one_line(err) + ")");
+  }
   if (record.bytes > 0) std::memcpy(tensor.data_ptr(), record.data, static_cast<size_t>(record.bytes));
   return tensor;
 }
 
-std::optional<at::Tensor> to_optional_tensor(const TensorRecord& record) {
+std::optional<at::Tensor> to_optional_tensor(const TensorRecord& record, const std::string& name) {
   if (!record.present) return std::nullopt;
-  return to_tensor(record);
+  return to_tensor(record, name);
 }
 
 // One request: its records located first (FramingError propagates), then refused or made into tensors.
@@ -208,8 +246,12 @@ ReadRequest read_request(Reader& in, bool has_dense) {
     read.refusal = refusal_of(*record, name, required);
     if (!read.refusal.empty()) return read;
   }
-  read.request = Request{to_tensor(values), to_tensor(lengths), to_optional_tensor(weights),
-                         to_optional_tensor(dense)};
+  try {
+    read.request = Request{to_tensor(values, "values"), to_tensor(lengths, "lengths"),
+                           to_optional_tensor(weights, "weights"), to_optional_tensor(dense, "dense_features")};
+  } catch (const UnusableRecord& err) {
+    read.refusal = err.what();
+  }
   return read;
 }
 
@@ -260,8 +302,7 @@ RequestFile read_request_file(const std::string& path) {
     return file;
   }
   file.header_ok = true;
-  file.declared = declared;
-  file.requests.reserve(declared);
+  file.declared = declared;  // not reserved: the count passes at 5 bytes a request, a ReadRequest is far larger
   for (uint32_t i = 0; i < declared; ++i) {
     const uint64_t start = reader->offset();
     try {
@@ -292,24 +333,6 @@ void write_tensor(std::ostream& out, const at::Tensor& input) {
 void write_string(std::ostream& out, const std::string& text) {
   write_pod<uint32_t>(out, static_cast<uint32_t>(text.size()));
   out.write(text.data(), static_cast<std::streamsize>(text.size()));
-}
-
-// One line, bounded: newlines and control bytes blanked, cut at kMaxMessageBytes (not inside a UTF-8 char).
-std::string bounded(std::string text) {
-  for (char& c : text)
-    if (static_cast<unsigned char>(c) < 0x20) c = ' ';
-  if (text.size() > kMaxMessageBytes) {
-    size_t cut = kMaxMessageBytes;
-    while (cut > 0 && (static_cast<unsigned char>(text[cut]) & 0xC0) == 0x80) --cut;
-    text = text.substr(0, cut) + "...(" + std::to_string(text.size()) + " bytes)";
-  }
-  return text;
-}
-
-// An exception's message as one bounded line, without c10's backtrace.
-std::string one_line(const std::exception& err) {
-  if (const auto* c10_error = dynamic_cast<const c10::Error*>(&err)) return bounded(c10_error->what_without_backtrace());
-  return bounded(err.what());
 }
 
 std::string error_kind(const std::exception& err) {

@@ -22,7 +22,7 @@ from infer.errors import FileFormatError, RequestError
 from infer.features import SparseFeatures
 from infer.quant.quantize import dequantized_weights
 from infer.reference import FloatEmbeddingBagCollection
-from tests.cpp.conftest import DENSE_INPUTS, ColumnScores, DenseArtifact
+from tests.cpp.conftest import DENSE_INPUTS, DenseArtifact
 from tests.cpp.support import BACKTRACE_MARKERS, run, tensor_record
 from tests.support.bad_requests import BAD_REQUESTS, CORPUS_SPEC, BadRequest
 
@@ -46,26 +46,6 @@ def corpus(tmp_path_factory: pytest.TempPathFactory):  # type: ignore[no-untyped
 
     model = quantize(CORPUS_SPEC, random_weights(CORPUS_SPEC, seed=25))
     return model, export(model, tmp_path_factory.mktemp("every") / "corpus")
-
-
-@pytest.fixture(scope="module")
-def dense(tmp_path_factory: pytest.TempPathFactory) -> DenseArtifact:
-    """An INT8 SUM table and an FP16 MEAN table under a dense part returning ``[B, 1]`` (model.pt only)."""
-    from infer.artifact.export import export
-    from infer.config import DataType, ModelSpec, PoolingType, TableConfig
-    from infer.quant.quantize import quantize
-    from infer.weights import random_weights
-
-    spec = ModelSpec(
-        (
-            TableConfig("t_sum", 50, 8, ("f_sum",)),
-            TableConfig("t_mean", 30, 16, ("f_mean",), PoolingType.MEAN, DataType.FP16),
-        )
-    )
-    torch.manual_seed(25)
-    spec = spec.with_dense_arch(ColumnScores(DENSE_INPUTS, spec.output_dim).eval(), DENSE_INPUTS)
-    model = quantize(spec, random_weights(spec, seed=26))
-    return DenseArtifact(spec, model, export(model, tmp_path_factory.mktemp("every") / "dense"))
 
 
 def record(tensor: torch.Tensor | None) -> bytes:
@@ -142,6 +122,10 @@ FRAMED = {
     "nine dimensions": (
         tensor_record(2, [4] + [1] * 8, struct.pack("<4q", 1, 2, 3, 4)) + LENGTHS + b"\x00",
         "values has 9 dimensions, over the limit of 8",
+    ),
+    "a shape torch cannot hold": (  # no element, but its strides pass int64
+        tensor_record(2, [0, 1 << 62, 4]) + LENGTHS + b"\x00",
+        "values has shape [0, 4611686018427387904, 4], which torch cannot hold (Stride calculation overflowed)",
     ),
     "weights of nine dimensions": (
         record(GOOD_BEFORE[0]) + LENGTHS + tensor_record(3, [1] * 9, struct.pack("<f", 1.0)),
@@ -331,7 +315,7 @@ def expected_scores(artifact: DenseArtifact, request: Request, dense_features: t
     return python
 
 
-def test_predicts_between_bad_ones(embserve_run, dense, tmp_path):
+def test_predicts_between_bad_ones(embserve_run, dense_artifact, tmp_path):
     """A version 2 file: a predict, a predict with the wrong dense shape (RequestError), a lookup, a predict whose
     dense record has 9 dimensions (FileFormatError, skipped), a predict; then the same with a lost frame."""
     generator = torch.Generator().manual_seed(25)
@@ -348,6 +332,7 @@ def test_predicts_between_bad_ones(embserve_run, dense, tmp_path):
         request_bytes(*second) + record(dense_second),
         magic=b"EMBSRQ02",
     )
+    dense = dense_artifact
     result, responses = run_file(embserve_run, dense.path, data, tmp_path)
     assert result.returncode == 1, result.stderr
     assert responses.file_error is None and len(responses.records) == 5

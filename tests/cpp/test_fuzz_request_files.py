@@ -17,11 +17,13 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
+import pytest
 import torch
 
 from infer.artifact.cpp_io import Response, read_response_file, write_requests
 from infer.artifact.load import load
 from infer.artifact.runtime import Runtime
+from infer.config import ModelSpec
 from infer.errors import EmbserveError
 from infer.features import SparseFeatures
 from tests.conftest import mixed_spec, random_batch
@@ -34,17 +36,20 @@ MAX_DIMS = 8
 MIN_REQUEST_BYTES = 5  # values and lengths a dtype code and ndim 0 each, weights absent
 ITEMSIZE = {1: 4, 2: 8, 3: 4}
 NUMPY = {1: "<i4", 2: "<i8", 3: "<f4"}
+DTYPES = {1: torch.int32, 2: torch.int64, 3: torch.float32}
 INTERESTING_I64 = [0, 1, -1, 2, 7, 1 << 31, (1 << 31) - 1, 1 << 32, 1 << 40, 1 << 62, (1 << 63) - 1, -(1 << 63)]
 
 
-def _good_file(path: Path) -> bytes:
-    spec = mixed_spec()
-    requests = []
+def _good_file(path: Path, spec: ModelSpec) -> bytes:
+    """Three requests; for a model with a dense part a version 2 file: predicts around a lookup."""
+    requests, dense = [], []
     shapes = [(2, False, torch.int64), (1, True, torch.int32), (3, False, torch.int64)]
+    generator = torch.Generator().manual_seed(SEED)
     for seed, (batch, weighted, dtype) in enumerate(shapes):
         b = random_batch(spec, batch_size=batch, weighted=weighted, seed=seed, id_dtype=dtype)
         requests.append((b.values, b.lengths, b.weights))
-    write_requests(path, requests)
+        dense.append(None if seed == 1 else torch.randn(batch, spec.num_dense_features, generator=generator))
+    write_requests(path, requests, dense if spec.dense_arch is not None else None)
     return path.read_bytes()
 
 
@@ -59,7 +64,7 @@ class Walk:
     how many bytes follow the last request."""
 
     declared: int
-    requests: list[tuple[torch.Tensor, torch.Tensor, torch.Tensor | None] | None]
+    requests: list[tuple[torch.Tensor, torch.Tensor, torch.Tensor | None, torch.Tensor | None] | None]
     lost: bool
     trailing: int
 
@@ -88,6 +93,11 @@ def _record(data: bytes, at: int) -> tuple[torch.Tensor | None, bool, int]:
         raise _Lost
     if ndim > MAX_DIMS:  # framed, so the walk goes on, but no request
         return None, False, at + size_bytes
+    if count == 0:  # numpy refuses shapes like [2**62, 0]; torch holds them unless their strides overflow
+        try:
+            return torch.empty(shape, dtype=DTYPES[code]), True, at
+        except RuntimeError:  # e.g. [0, 2**62, 4]: framed (no data), but no tensor
+            return None, False, at
     array = np.frombuffer(data, dtype=NUMPY[code], count=count, offset=at).reshape(shape)
     return torch.from_numpy(array.astype(array.dtype.newbyteorder("="))), True, at + size_bytes
 
@@ -107,12 +117,11 @@ def _walk(data: bytes) -> Walk | None:
                 tensors.append((tensor, usable))
         except _Lost:
             return Walk(declared, requests, True, 0)
-        (values, ok_values), (lengths, ok_lengths), (weights, ok_weights) = tensors[:3]
-        usable = ok_values and ok_lengths and ok_weights and all(ok for _, ok in tensors[3:])
-        if values is None or lengths is None or not usable:
+        values, lengths, weights, dense = [tensor for tensor, _ in tensors] + [None] * (4 - len(tensors))
+        if values is None or lengths is None or not all(usable for _, usable in tensors):
             requests.append(None)
         else:
-            requests.append((values, lengths, weights))
+            requests.append((values, lengths, weights, dense))
     return Walk(declared, requests, False, len(data) - at)
 
 
@@ -140,15 +149,18 @@ def _check_file(path: Path, runtime: Runtime, lines: list[str], seen: Counter[st
 
 
 def _check_answer(runtime: Runtime, request, answer: Response, where: str) -> None:  # type: ignore[no-untyped-def]
-    """A located request: Python's lookup of the same tensors answers it the same (a result bit for bit, or an
-    error, in which case the C++ record is a RequestError)."""
+    """A located request: Python's lookup (or predict) of the same tensors answers it the same (a result bit for
+    bit, or an error, in which case the C++ record is a RequestError)."""
+    values, lengths, weights, dense = request
     try:
-        expected = runtime.lookup(SparseFeatures(runtime.feature_names, *request))
+        batch = SparseFeatures(runtime.feature_names, values, lengths, weights)
+        expected = runtime.lookup(batch) if dense is None else runtime.predict(batch, dense).reshape(-1)
     except EmbserveError as err:
         assert answer.error_type == "RequestError", (where, answer, str(err))
         return
     assert answer.output is not None, (where, answer)
-    assert torch.equal(answer.output, expected), where
+    # bit for bit; a mutated float may be NaN, which both sides carry through
+    torch.testing.assert_close(answer.output, expected, rtol=0, atol=0, equal_nan=True, msg=where)
 
 
 def _mutate(data: bytes, rng: random.Random) -> bytes:
@@ -171,9 +183,14 @@ def _mutate(data: bytes, rng: random.Random) -> bytes:
     return bytes(out)
 
 
-def test_fuzzed_request_files_never_crash(embserve_run, unsharded_artifact, tmp_path):
+@pytest.mark.parametrize("kind", ["lookups", "predicts"])
+def test_fuzzed_request_files_never_crash(kind, embserve_run, unsharded_artifact, dense_artifact, tmp_path):
+    """lookups: version 1 files for mixed_spec; predicts: version 2 files (dense records) for a dense model."""
     rng = random.Random(SEED)
-    good = _good_file(tmp_path / "good.bin")
+    spec, artifact = (
+        (mixed_spec(), unsharded_artifact) if kind == "lookups" else (dense_artifact.spec, dense_artifact.path)
+    )
+    good = _good_file(tmp_path / "good.bin", spec)
     paths = []
     for i in range(MUTANTS):
         path = tmp_path / f"m{i:03d}.bin"
@@ -183,12 +200,12 @@ def test_fuzzed_request_files_never_crash(embserve_run, unsharded_artifact, tmp_
     def one(chunk: list[Path]):  # type: ignore[no-untyped-def]
         # one process runs a chunk of files (--requests/--out pairs), so the model loads once per chunk
         args = [a for path in chunk for a in ("--requests", path, "--out", path.with_suffix(".out"))]
-        return chunk, run(embserve_run, unsharded_artifact, *args, timeout=120)
+        return chunk, run(embserve_run, artifact, *args, timeout=120)
 
     chunks = [paths[i : i + PER_PROCESS] for i in range(0, MUTANTS, PER_PROCESS)]
     with ThreadPoolExecutor(max_workers=2) as pool:
         results = list(pool.map(one, chunks))
-    runtime = load(unsharded_artifact)
+    runtime = load(artifact)
     seen: Counter[str] = Counter()
     for chunk, result in results:
         assert result.returncode in (0, 1, 2), (result.returncode, result.stderr[-1500:])
