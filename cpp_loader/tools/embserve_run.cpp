@@ -283,6 +283,9 @@ RequestFile read_request_file(const std::string& path) {
   } catch (const FileError& err) {
     file.problem = err.what();
     return file;
+  } catch (const std::bad_alloc&) {
+    file.problem = "is too large to be read into memory";
+    return file;
   }
   const char* magic = reader->take(8);
   const bool has_dense = std::memcmp(magic, kRequestMagicV2, 8) == 0;

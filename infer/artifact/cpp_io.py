@@ -21,14 +21,17 @@ A tiny little-endian binary format, so neither side needs the other's serializer
   unknown dtype code, a size that is negative, overflows or points past the end of the file) nothing after it
   can be located, so the requests before it are answered and the closing record (``FileFormatError``) names the
   request and byte; after ``--fail-fast`` stopped, the closing record is ``NotRun``. A closing ``3`` after every
-  record says the file has bytes after its last request. ``read_responses`` gives one ``Response`` per declared
+  record says the file has bytes after its last request. (A request file has no per-request length, so a size
+  that is wrong but still inside the file moves every later record: what follows reads as other requests, mostly
+  refused, or as a lost frame.) ``read_responses`` gives one ``Response`` per declared
   request, the closing error standing for each request without a record; ``read_response_file`` keeps the parts;
 - response file, version 1 (older ``embserve_run``): magic ``EMBSRS01``, ``u32 count``, then ``count`` records as
   above and no closing record. Both versions are read.
 
 Error kinds (``Response.error_type``): the C++ loader's ``RequestError`` (the call contract refused the request),
 ``ModelError``, ``LibraryError``, ``ChecksumError``, ``ManifestError``; ``FileFormatError`` (the request's records
-are framed but unusable, e.g. ``values`` absent or more than 8 dimensions, or the closing record's file problem);
+are framed but unusable: ``values`` or ``lengths`` absent, more than 8 dimensions, a shape torch cannot hold such as
+``[0, 2**62, 4]``; or the closing record's file problem);
 ``NotRun`` (``--fail-fast``); ``OutOfMemory``, ``TorchError``, ``Error``. ``Response.error`` is the matching
 ``infer.errors`` exception.
 
