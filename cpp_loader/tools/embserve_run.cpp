@@ -1,20 +1,26 @@
-// embserve_run ARTIFACT [--requests FILE --out FILE]... [--bench N] [--library-dir DIR]... [--threads N]
+// embserve_run ARTIFACT [--requests FILE --out FILE]... [--fail-fast] [--bench N] [--library-dir DIR]... [--threads N]
 //              [--kernel-threads N] [--backend torchscript|pt2]
 //
-// Runs the requests in FILE (written by infer.cpp_io.write_requests) and writes one result per request
-// to --out (read by infer.cpp_io.read_responses). The method follows from each request: one that carries
-// dense_features (request file version 2) is a predict, answered with the scores [batch] float32; one without
-// is a lookup, answered with the pooled embeddings [batch, output_dim] float32. A request that fails validation is reported on
-// stderr and as an error record, and the run goes on. --bench N times N lookups (cycling through the
-// requests) after a warm-up and prints one JSON line with per-call latency and lookups (ids) per second
-// (predict requests are timed as predicts).
-// Exit status: 0 when every request succeeded, 1 when any failed (or the artifact or request file is bad),
-// 2 on a usage error. Every error is one line on stderr ("embserve_run: ..."), never a backtrace.
+// Runs the requests in FILE (written by infer.cpp_io.write_requests) and writes one record per request to --out
+// (read by infer.cpp_io.read_responses). The method follows from each request: one that carries dense_features
+// (request file version 2) is a predict, answered with the scores [batch] float32; one without is a lookup,
+// answered with the pooled embeddings [batch, output_dim] float32. Every request of a file is answered: a bad one
+// (refused by the call contract, or framed but unusable, e.g. values absent) gets a typed error record and a line on
+// stderr, and the run goes on. Where a record's frame cannot be found (an unknown dtype, a size that is negative,
+// overflows or points past the end of the file), nothing after it can be located: the requests before it are
+// answered, and the response file's closing record names the request and byte where the framing broke.
+// --fail-fast stops the run at the first request that fails (its error record is the file's last).
+// --bench N times N lookups (cycling through the requests) after a warm-up and prints one JSON line with per-call
+// latency and lookups (ids) per second (predict requests are timed as predicts).
+// Exit status (also in --help): 0 every request of every file succeeded; 1 some request failed or a request file
+// is broken after its header (see the response file), or the artifact cannot be loaded; 2 a usage error, a request
+// file that cannot be read at all (cannot be opened, not a request file, an impossible count) or an --out that
+// cannot be written. Every error is one line on stderr ("embserve_run: ..."), never a backtrace.
 // --threads sets torch's intra-op threads; --kernel-threads how many example ranges each CPU kernel may split
 // a batch into (LoadOptions::kernel_threads; default cores / CPU kernels, as Python's load).
 // --backend picks the model file that runs: model.pt (torchscript, the default) or model.pt2 (pt2, an AOTInductor
 // package; the artifact must be exported with `embserve export --pt2`).
-// File format: see infer/artifact/cpp_io.py (request files EMBSRQ01 and EMBSRQ02, response files EMBSRS01).
+// File format: see infer/artifact/cpp_io.py (request files EMBSRQ01 and EMBSRQ02, response files EMBSRS02).
 #include <embserve/loader.h>
 
 #include <torch/torch.h>
@@ -28,6 +34,7 @@
 #include <optional>
 #include <stdexcept>
 #include <string>
+#include <tuple>
 #include <vector>
 
 namespace {
@@ -35,18 +42,41 @@ namespace {
 // Version 1: values, lengths, weights per request; version 2 adds dense_features (absent: a lookup).
 constexpr char kRequestMagicV1[8] = {'E', 'M', 'B', 'S', 'R', 'Q', '0', '1'};
 constexpr char kRequestMagicV2[8] = {'E', 'M', 'B', 'S', 'R', 'Q', '0', '2'};
-constexpr char kResponseMagic[8] = {'E', 'M', 'B', 'S', 'R', 'S', '0', '1'};
+// Version 2: the request count, the records of the requests read, then a closing record (cpp_io.py).
+constexpr char kResponseMagic[8] = {'E', 'M', 'B', 'S', 'R', 'S', '0', '2'};
+constexpr uint8_t kResult = 0, kError = 1, kEndWhole = 2, kEndWithError = 3;
 constexpr int kMaxDims = 8;
 // The smallest request record: values and lengths each a dtype code and ndim 0, weights absent (version 2:
 // dense_features absent too).
 constexpr uint64_t kMinRequestBytes = 5;
 // Messages echoed on stderr and into the response file are cut to this many bytes.
 constexpr size_t kMaxMessageBytes = 1024;
+// The kind of every error found in a request file's bytes (Python: infer.errors.FileFormatError).
+const std::string kFileFormatError = "FileFormatError";
+// The kind of the requests --fail-fast leaves unrun.
+const std::string kNotRun = "NotRun";
+
+// What each exit status means; main returns the worst one met.
+enum Status : int { kAllOk = 0, kSomeFailed = 1, kCannotRun = 2 };
 
 struct Request {
   at::Tensor values, lengths;
   std::optional<at::Tensor> weights;
   std::optional<at::Tensor> dense_features;  // present: a predict request
+};
+
+// A request as read from its file: the tensors, or why a well-framed request cannot run (refusal set).
+struct ReadRequest {
+  Request request;
+  std::string refusal;
+};
+
+// A request file as far as it could be read.
+struct RequestFile {
+  uint32_t declared = 0;              // the count in its header (0: the header cannot be read)
+  std::vector<ReadRequest> requests;  // every request read, in order: all `declared` unless the framing broke
+  std::string problem;                // the file's own problem (header, framing, trailing bytes); empty: none
+  bool header_ok = false;             // false: nothing could be read (exit status 2)
 };
 
 // A request's answer: the scores of a predict request, else the pooled lookups.
@@ -55,11 +85,36 @@ at::Tensor answer(const embserve::Model& model, const Request& r) {
   return model.lookup(r.values, r.lengths, r.weights);
 }
 
-// A malformed request file: the message names the problem, main prefixes the file's path.
+// The file cannot be read at all: it cannot be opened, is not a request file, or its header is impossible.
 class FileError : public std::runtime_error {
  public:
   using std::runtime_error::runtime_error;
 };
+
+// A record whose frame cannot be found (an unknown dtype, a size that is negative, overflows or points past
+// the end, a truncated header): nothing after it can be located.
+class FramingError : public std::runtime_error {
+ public:
+  using std::runtime_error::runtime_error;
+};
+
+// One line, bounded: newlines and control bytes blanked, cut at kMaxMessageBytes (not inside a UTF-8 char).
+std::string bounded(std::string text) {
+  for (char& c : text)
+    if (static_cast<unsigned char>(c) < 0x20) c = ' ';
+  if (text.size() > kMaxMessageBytes) {
+    size_t cut = kMaxMessageBytes;
+    while (cut > 0 && (static_cast<unsigned char>(text[cut]) & 0xC0) == 0x80) --cut;
+    text = text.substr(0, cut) + "...(" + std::to_string(text.size()) + " bytes)";
+  }
+  return text;
+}
+
+// An exception's message as one bounded line, without c10's backtrace.
+std::string one_line(const std::exception& err) {
+  if (const auto* c10_error = dynamic_cast<const c10::Error*>(&err)) return bounded(c10_error->what_without_backtrace());
+  return bounded(err.what());
+}
 
 // The whole request file in memory, read with every size checked against the bytes left.
 class Reader {
@@ -71,13 +126,14 @@ class Reader {
   template <typename T>
   T pod(const char* what) {
     if (left() < sizeof(T))
-      throw FileError("truncated at byte " + std::to_string(at_) + " (reading " + what + ")");
+      throw FramingError("the file ends at byte " + std::to_string(data_.size()) + " inside " + what);
     T value{};
     std::memcpy(&value, data_.data() + at_, sizeof(T));
     at_ += sizeof(T);
     return value;
   }
 
+  // The next `bytes` bytes; callers check them against left() first.
   const char* take(uint64_t bytes) {
     const char* start = data_.data() + at_;
     at_ += bytes;
@@ -94,39 +150,178 @@ void write_pod(std::ostream& out, T value) {
   out.write(reinterpret_cast<const char*>(&value), sizeof(T));
 }
 
-std::optional<at::Tensor> read_tensor(Reader& in, const std::string& where) {
-  auto code = in.pod<uint8_t>("a dtype code");
-  if (code == 0) return std::nullopt;
-  at::ScalarType type;
+// One tensor record located in the file: its dtype, shape and data, not yet copied.
+struct TensorRecord {
+  bool present = false;
+  at::ScalarType type = at::kFloat;
+  std::vector<int64_t> shape;
+  const char* data = nullptr;
+  uint64_t bytes = 0;
+};
+
+// Locates one tensor record, every size checked before it is used; FramingError when its frame cannot be found.
+TensorRecord read_record(Reader& in, const std::string& name) {
+  TensorRecord record;
+  const auto code = in.pod<uint8_t>(("the dtype code of " + name).c_str());
+  if (code == 0) return record;
   uint64_t itemsize = 0;
   switch (code) {
-    case 1: type = at::kInt; itemsize = 4; break;
-    case 2: type = at::kLong; itemsize = 8; break;
-    case 3: type = at::kFloat; itemsize = 4; break;
-    default: throw FileError(where + " has unknown dtype code " + std::to_string(code) + " (known: 0-3)");
+    case 1: record.type = at::kInt; itemsize = 4; break;
+    case 2: record.type = at::kLong; itemsize = 8; break;
+    case 3: record.type = at::kFloat; itemsize = 4; break;
+    default: throw FramingError(name + " has unknown dtype code " + std::to_string(code) + " (known: 0-3)");
   }
-  auto ndim = in.pod<uint8_t>("a dimension count");
-  if (ndim > kMaxDims)
-    throw FileError(where + " has " + std::to_string(ndim) + " dimensions, over the limit of " +
-                    std::to_string(kMaxDims));
-  std::vector<int64_t> shape;
+  const auto ndim = in.pod<uint8_t>(("the dimension count of " + name).c_str());
   uint64_t count = 1;
   for (int i = 0; i < ndim; ++i) {
-    auto size = in.pod<int64_t>("a dimension size");
-    if (size < 0) throw FileError(where + " has negative size " + std::to_string(size) + " in dimension " + std::to_string(i));
+    const auto size = in.pod<int64_t>(("the sizes of " + name).c_str());
+    if (size < 0)
+      throw FramingError(name + " has negative size " + std::to_string(size) + " in dimension " + std::to_string(i));
     if (__builtin_mul_overflow(count, static_cast<uint64_t>(size), &count))
-      throw FileError(where + " has more elements than fit in 64 bits");
-    shape.push_back(size);
+      throw FramingError(name + " has more elements than fit in 64 bits");
+    record.shape.push_back(size);
   }
-  uint64_t bytes = 0;
-  if (__builtin_mul_overflow(count, itemsize, &bytes))
-    throw FileError(where + " has " + std::to_string(count) + " elements, more bytes than fit in 64 bits");
-  if (bytes > in.left())
-    throw FileError(where + " needs " + std::to_string(bytes) + " bytes of data but only " +
-                    std::to_string(in.left()) + " are left in the file; the file is truncated or corrupted");
-  at::Tensor tensor = torch::empty(shape, torch::TensorOptions().dtype(type));
-  if (bytes > 0) std::memcpy(tensor.data_ptr(), in.take(bytes), static_cast<size_t>(bytes));
+  if (__builtin_mul_overflow(count, itemsize, &record.bytes))
+    throw FramingError(name + " has " + std::to_string(count) + " elements, more bytes than fit in 64 bits");
+  if (record.bytes > in.left())
+    throw FramingError(name + " needs " + std::to_string(record.bytes) + " bytes of data but only " +
+                       std::to_string(in.left()) + " are left in the file");
+  record.present = true;
+  record.data = in.take(record.bytes);
+  return record;
+}
+
+// Why a located record cannot become a tensor of a request (empty: it can).
+std::string refusal_of(const TensorRecord& record, const std::string& name, bool required) {
+  if (!record.present)
+    return required ? name + " is absent; every request needs values and lengths" : std::string();
+  if (record.shape.size() > static_cast<size_t>(kMaxDims))
+    return name + " has " + std::to_string(record.shape.size()) + " dimensions, over the limit of " +
+           std::to_string(kMaxDims);
+  return std::string();
+}
+
+// A located record that cannot become a tensor: the request is refused, the reader goes on after it.
+class UnusableRecord : public std::runtime_error {
+ public:
+  using std::runtime_error::runtime_error;
+};
+
+std::string shape_text(const std::vector<int64_t>& shape) {
+  std::string text = "[";
+  for (size_t i = 0; i < shape.size(); ++i) text += (i ? ", " : "") + std::to_string(shape[i]);
+  return text + "]";
+}
+
+// The record's tensor. Its data is inside the file, but a shape that holds no element may still have strides past
+// int64 ([0, 2^62, 4]), which torch refuses: that is the request's refusal, not the run's end.
+at::Tensor to_tensor(const TensorRecord& record, const std::string& name) {
+  at::Tensor tensor;
+  try {
+    tensor = torch::empty(record.shape, torch::TensorOptions().dtype(record.type));
+  } catch (const std::exception& err) {
+    throw UnusableRecord(name + " has shape " + shape_text(record.shape) + ", which torch cannot hold (" +
+                         one_line(err) + ")");
+  }
+  if (record.bytes > 0) std::memcpy(tensor.data_ptr(), record.data, static_cast<size_t>(record.bytes));
   return tensor;
+}
+
+std::optional<at::Tensor> to_optional_tensor(const TensorRecord& record, const std::string& name) {
+  if (!record.present) return std::nullopt;
+  return to_tensor(record, name);
+}
+
+// One request: its records located first (FramingError propagates), then refused or made into tensors.
+ReadRequest read_request(Reader& in, bool has_dense) {
+  const TensorRecord values = read_record(in, "values");
+  const TensorRecord lengths = read_record(in, "lengths");
+  const TensorRecord weights = read_record(in, "weights");
+  const TensorRecord dense = has_dense ? read_record(in, "dense_features") : TensorRecord{};
+  ReadRequest read;
+  for (const auto& [record, name, required] : {std::tuple{&values, "values", true},
+                                               std::tuple{&lengths, "lengths", true},
+                                               std::tuple{&weights, "weights", false},
+                                               std::tuple{&dense, "dense_features", false}}) {
+    read.refusal = refusal_of(*record, name, required);
+    if (!read.refusal.empty()) return read;
+  }
+  try {
+    read.request = Request{to_tensor(values, "values"), to_tensor(lengths, "lengths"),
+                           to_optional_tensor(weights, "weights"), to_optional_tensor(dense, "dense_features")};
+  } catch (const UnusableRecord& err) {
+    read.refusal = err.what();
+  }
+  return read;
+}
+
+std::vector<char> read_whole_file(const std::string& path) {
+  std::ifstream in(path, std::ios::binary | std::ios::ate);
+  if (!in) throw FileError("cannot be opened");
+  const std::streamoff size = in.tellg();
+  if (size < 0) throw FileError("cannot be read");
+  std::vector<char> data(static_cast<size_t>(size));
+  in.seekg(0);
+  if (size > 0 && !in.read(data.data(), size)) throw FileError("cannot be read");
+  return data;
+}
+
+// "requests 3-9 of 10 are not answered", "request 9 of 10 is not answered".
+std::string are_not(uint64_t first, uint64_t count, const std::string& what) {
+  const std::string of = " of " + std::to_string(count);
+  if (first + 1 == count) return "request " + std::to_string(first) + of + " is not " + what;
+  return "requests " + std::to_string(first) + "-" + std::to_string(count - 1) + of + " are not " + what;
+}
+
+// Every request that can be located; never throws for the file's contents (the problem is recorded instead).
+RequestFile read_request_file(const std::string& path) {
+  RequestFile file;
+  std::optional<Reader> reader;
+  try {
+    reader.emplace(read_whole_file(path));
+    if (reader->left() < 8) throw FileError("is not an embserve request file (magic EMBSRQ01 or EMBSRQ02)");
+  } catch (const FileError& err) {
+    file.problem = err.what();
+    return file;
+  } catch (const std::bad_alloc&) {
+    file.problem = "is too large to be read into memory";
+    return file;
+  }
+  const char* magic = reader->take(8);
+  const bool has_dense = std::memcmp(magic, kRequestMagicV2, 8) == 0;
+  if (!has_dense && std::memcmp(magic, kRequestMagicV1, 8) != 0) {
+    file.problem = "is not an embserve request file (magic EMBSRQ01 or EMBSRQ02)";
+    return file;
+  }
+  if (reader->left() < 4) {
+    file.problem = "ends inside its header (the request count); the file is truncated";
+    return file;
+  }
+  const auto declared = reader->pod<uint32_t>("the request count");
+  if (declared > reader->left() / kMinRequestBytes) {
+    file.problem = "says it holds " + std::to_string(declared) + " requests but " + std::to_string(reader->left()) +
+                   " bytes hold at most " + std::to_string(reader->left() / kMinRequestBytes) +
+                   "; the file is corrupted";
+    return file;
+  }
+  file.header_ok = true;
+  file.declared = declared;  // not reserved: the count passes at 5 bytes a request, a ReadRequest is far larger
+  for (uint32_t i = 0; i < declared; ++i) {
+    const uint64_t start = reader->offset();
+    try {
+      file.requests.push_back(read_request(*reader, has_dense));
+    } catch (const FramingError& err) {
+      file.problem = "request " + std::to_string(i) + " (from byte " + std::to_string(start) +
+                     ") cannot be read: " + err.what() + "; nothing after it can be located, so " +
+                     are_not(i, declared, "answered") +
+                     " (the file is truncated or corrupted: write it again with infer.artifact.cpp_io.write_requests)";
+      return file;
+    }
+  }
+  if (reader->left() != 0)
+    file.problem = "has " + std::to_string(reader->left()) + " bytes after its " + std::to_string(declared) +
+                   " requests (all answered); the file is corrupted or its count is wrong";
+  return file;
 }
 
 void write_tensor(std::ostream& out, const at::Tensor& input) {
@@ -143,61 +338,6 @@ void write_string(std::ostream& out, const std::string& text) {
   out.write(text.data(), static_cast<std::streamsize>(text.size()));
 }
 
-std::vector<Request> read_requests(const std::string& path) {
-  std::ifstream in(path, std::ios::binary | std::ios::ate);
-  if (!in) throw FileError("cannot be opened");
-  const std::streamoff size = in.tellg();
-  if (size < 0) throw FileError("cannot be read");
-  std::vector<char> data(static_cast<size_t>(size));
-  in.seekg(0);
-  if (size > 0 && !in.read(data.data(), size)) throw FileError("cannot be read");
-  Reader reader(std::move(data));
-  if (reader.left() < 8) throw FileError("is not an embserve request file (magic EMBSRQ01 or EMBSRQ02)");
-  const char* magic = reader.take(8);
-  const bool has_dense = std::memcmp(magic, kRequestMagicV2, 8) == 0;
-  if (!has_dense && std::memcmp(magic, kRequestMagicV1, 8) != 0)
-    throw FileError("is not an embserve request file (magic EMBSRQ01 or EMBSRQ02)");
-  auto count = reader.pod<uint32_t>("the request count");
-  if (count > reader.left() / kMinRequestBytes)
-    throw FileError("says it holds " + std::to_string(count) + " requests but " + std::to_string(reader.left()) +
-                    " bytes hold at most " + std::to_string(reader.left() / kMinRequestBytes));
-  std::vector<Request> requests;
-  requests.reserve(count);
-  for (uint32_t i = 0; i < count; ++i) {
-    const std::string where = "request " + std::to_string(i);
-    Request request;
-    auto values = read_tensor(reader, where + " values");
-    auto lengths = read_tensor(reader, where + " lengths");
-    if (!values || !lengths) throw FileError(where + " lacks values or lengths");
-    request.values = *values;
-    request.lengths = *lengths;
-    request.weights = read_tensor(reader, where + " weights");
-    if (has_dense) request.dense_features = read_tensor(reader, where + " dense_features");
-    requests.push_back(std::move(request));
-  }
-  if (reader.left() != 0)
-    throw FileError("has " + std::to_string(reader.left()) + " bytes after its " + std::to_string(count) +
-                    " requests; the file is corrupted");
-  return requests;
-}
-
-// One line, bounded: an exception's message without c10's backtrace, newlines and control bytes blanked.
-std::string one_line(const std::exception& err) {
-  std::string text;
-  if (const auto* c10_error = dynamic_cast<const c10::Error*>(&err))
-    text = c10_error->what_without_backtrace();
-  else
-    text = err.what();
-  for (char& c : text)
-    if (static_cast<unsigned char>(c) < 0x20) c = ' ';
-  if (text.size() > kMaxMessageBytes) {
-    size_t cut = kMaxMessageBytes;
-    while (cut > 0 && (static_cast<unsigned char>(text[cut]) & 0xC0) == 0x80) --cut;  // not inside a UTF-8 char
-    text = text.substr(0, cut) + "...(" + std::to_string(text.size()) + " bytes)";
-  }
-  return text;
-}
-
 std::string error_kind(const std::exception& err) {
   if (dynamic_cast<const embserve::RequestError*>(&err)) return "RequestError";
   if (dynamic_cast<const embserve::ModelError*>(&err)) return "ModelError";
@@ -210,60 +350,163 @@ std::string error_kind(const std::exception& err) {
   return "Error";
 }
 
+constexpr const char* kUsage =
+    "usage: embserve_run ARTIFACT [--requests FILE --out FILE]... [--fail-fast] [--library-dir DIR]... [--threads N]\n"
+    "                    [--kernel-threads N] [--backend torchscript|pt2]\n"
+    "       embserve_run ARTIFACT --requests FILE [--out FILE] --bench N [--library-dir DIR]... [--threads N]\n"
+    "                    [--kernel-threads N] [--backend torchscript|pt2]\n";
+
+constexpr const char* kHelp =
+    "Every request of a file is answered in --out: a result, or a typed error record for a bad one (the run goes\n"
+    "on; --fail-fast stops at the first failure). Where a file's framing breaks, the requests before it are\n"
+    "answered and the file's closing record says where (infer.artifact.cpp_io.read_response_file).\n"
+    "exit status: 0 every request succeeded\n"
+    "             1 some request failed, a request file is broken after its header, or the artifact cannot be loaded\n"
+    "             2 usage error, a request file that cannot be read at all, or an --out that cannot be written\n";
+
 int usage() {
-  std::cerr << "usage: embserve_run ARTIFACT [--requests FILE --out FILE]... [--library-dir DIR]... [--threads N]\n"
-               "                    [--kernel-threads N] [--backend torchscript|pt2]\n"
-               "       embserve_run ARTIFACT --requests FILE [--out FILE] --bench N [--library-dir DIR]... [--threads N]\n"
-               "                    [--kernel-threads N] [--backend torchscript|pt2]\n";
-  return 2;
+  std::cerr << kUsage;
+  return kCannotRun;
 }
 
-// Run one request file, writing its responses to out_path; false when the file or any request failed.
-bool run_file(const embserve::Model& model, const std::string& requests_path, const std::string& out_path) {
-  std::vector<Request> requests;
-  try {
-    requests = read_requests(requests_path);
-  } catch (const std::exception& err) {
-    std::cerr << "embserve_run: " << requests_path << ": " << one_line(err) << "\n";
-    return false;
+// The response file's writer (version 2): the request count, one record per request read, a closing record.
+class ResponseWriter {
+ public:
+  ResponseWriter(const std::string& path, uint32_t declared) : out_(path, std::ios::binary) {
+    out_.write(kResponseMagic, 8);
+    write_pod<uint32_t>(out_, declared);
   }
-  std::ofstream out(out_path, std::ios::binary);
-  if (!out) {
+  bool good() const { return static_cast<bool>(out_); }
+  void result(const at::Tensor& output) {
+    write_pod<uint8_t>(out_, kResult);
+    write_tensor(out_, output);
+  }
+  void error(const std::string& kind, const std::string& message) {
+    write_pod<uint8_t>(out_, kError);
+    write_string(out_, kind);
+    write_string(out_, message);
+  }
+  // Every request was read and run (none left out), whatever their records say.
+  void end() { write_pod<uint8_t>(out_, kEndWhole); }
+  // The file's own problem, or why the records stop before the request count.
+  void end_with_error(const std::string& kind, const std::string& message) {
+    write_pod<uint8_t>(out_, kEndWithError);
+    write_string(out_, kind);
+    write_string(out_, message);
+  }
+  bool close() {
+    out_.close();
+    return !out_.fail();
+  }
+
+ private:
+  std::ofstream out_;
+};
+
+// Runs one request file, writing its responses to out_path; stops at the first failure under --fail-fast.
+Status run_file(const embserve::Model& model, const std::string& requests_path, const std::string& out_path,
+                bool fail_fast) {
+  const RequestFile file = read_request_file(requests_path);
+  ResponseWriter out(out_path, file.declared);
+  if (!out.good()) {
     std::cerr << "embserve_run: " << out_path << ": cannot be written\n";
-    return false;
+    return kCannotRun;
   }
-  out.write(kResponseMagic, 8);
-  write_pod<uint32_t>(out, static_cast<uint32_t>(requests.size()));
-  bool ok = true;
-  for (size_t i = 0; i < requests.size(); ++i) {
-    const auto& r = requests[i];
-    at::Tensor result;
-    try {
-      result = answer(model, r);
-    } catch (const std::exception& err) {
-      ok = false;
-      const std::string message = one_line(err);
-      std::cerr << "embserve_run: " << requests_path << ": request " << i << ": " << error_kind(err) << ": " << message
-                << "\n";
-      write_pod<uint8_t>(out, 1);
-      write_string(out, error_kind(err));
-      write_string(out, message);
-      continue;
+  Status status = file.header_ok ? kAllOk : kCannotRun;
+  std::string closing_kind = kFileFormatError, closing = file.problem;
+  for (size_t i = 0; i < file.requests.size(); ++i) {
+    const ReadRequest& read = file.requests[i];
+    std::string kind = kFileFormatError, message = read.refusal;
+    if (message.empty()) {
+      try {
+        out.result(answer(model, read.request));
+        continue;
+      } catch (const std::exception& err) {
+        kind = error_kind(err);
+        message = one_line(err);
+      }
     }
-    write_pod<uint8_t>(out, 0);
-    write_tensor(out, result);
+    message = bounded(message);
+    std::cerr << "embserve_run: " << requests_path << ": request " << i << ": " << kind << ": " << message << "\n";
+    out.error(kind, message);
+    status = std::max(status, kSomeFailed);
+    if (fail_fast) {
+      if (i + 1 < file.declared) {
+        closing_kind = kNotRun;
+        closing = "stopped after request " + std::to_string(i) + " failed (--fail-fast): " +
+                  are_not(i + 1, file.declared, "run");
+      }
+      break;
+    }
   }
-  if (!out) {
+  if (closing.empty()) {
+    out.end();
+  } else {
+    closing = bounded(closing);
+    std::cerr << "embserve_run: " << requests_path << ": " << closing_kind << ": " << closing << "\n";
+    out.end_with_error(closing_kind, closing);
+    status = std::max(status, kSomeFailed);
+  }
+  if (!out.close()) {
     std::cerr << "embserve_run: " << out_path << ": writing failed\n";
-    return false;
+    return kCannotRun;
   }
-  return ok;
+  return status;
+}
+
+// --bench: times `calls` answers cycling through the requests of one file whose every request can be read.
+Status bench(const embserve::Model& model, const std::string& requests_path, long calls) {
+  const RequestFile file = read_request_file(requests_path);
+  std::string problem = file.problem;
+  for (size_t i = 0; problem.empty() && i < file.requests.size(); ++i)
+    if (!file.requests[i].refusal.empty()) problem = "request " + std::to_string(i) + ": " + file.requests[i].refusal;
+  if (!problem.empty()) {
+    std::cerr << "embserve_run: " << requests_path << ": --bench needs a file whose every request can be read: "
+              << bounded(problem) << "\n";
+    return kCannotRun;
+  }
+  if (file.requests.empty()) return static_cast<Status>(usage());
+  const auto& requests = file.requests;
+  try {
+    long warmup = std::min<long>(calls, 100);
+    for (long i = 0; i < warmup; ++i) answer(model, requests[static_cast<size_t>(i) % requests.size()].request);
+    std::vector<double> latencies;
+    latencies.reserve(static_cast<size_t>(calls));
+    int64_t ids = 0, bags = 0;
+    auto started = std::chrono::steady_clock::now();
+    for (long i = 0; i < calls; ++i) {
+      const auto& r = requests[static_cast<size_t>(i) % requests.size()].request;
+      auto t0 = std::chrono::steady_clock::now();
+      answer(model, r);
+      auto t1 = std::chrono::steady_clock::now();
+      latencies.push_back(std::chrono::duration<double, std::micro>(t1 - t0).count());
+      ids += r.values.numel();
+      bags += r.lengths.numel();
+    }
+    double total_s = std::chrono::duration<double>(std::chrono::steady_clock::now() - started).count();
+    std::vector<double> sorted = latencies;
+    std::sort(sorted.begin(), sorted.end());
+    double mean = 0;
+    for (double v : latencies) mean += v;
+    mean /= static_cast<double>(latencies.size());
+    auto pct = [&](double q) { return sorted[std::min(sorted.size() - 1, static_cast<size_t>(q * sorted.size()))]; };
+    std::cout << "{\"bench\": \"embserve_run\", \"backend\": \""
+              << (model.backend() == embserve::Backend::Pt2 ? "pt2" : "torchscript") << "\", \"calls\": " << calls
+              << ", \"mean_us\": " << mean << ", \"p50_us\": " << pct(0.5) << ", \"p99_us\": " << pct(0.99)
+              << ", \"calls_per_s\": " << calls / total_s << ", \"lookups_per_s\": " << ids / total_s
+              << ", \"bags_per_s\": " << bags / total_s << "}" << std::endl;
+  } catch (const std::exception& err) {
+    std::cerr << "embserve_run: bench failed: " << error_kind(err) << ": " << one_line(err) << "\n";
+    return kSomeFailed;
+  }
+  return kAllOk;
 }
 
 int run(int argc, char** argv) {
   std::string artifact;
   std::vector<std::string> requests_paths, out_paths;
-  long bench = 0;
+  long bench_calls = 0;
+  bool fail_fast = false;
   embserve::LoadOptions options;
   for (int i = 1; i < argc; ++i) {
     std::string arg = argv[i];
@@ -274,7 +517,8 @@ int run(int argc, char** argv) {
     try {
       if (arg == "--requests") requests_paths.push_back(next());
       else if (arg == "--out") out_paths.push_back(next());
-      else if (arg == "--bench") bench = std::stol(next());
+      else if (arg == "--fail-fast") fail_fast = true;
+      else if (arg == "--bench") bench_calls = std::stol(next());
       else if (arg == "--library-dir") options.library_dirs.push_back(next());
       else if (arg == "--threads") options.intra_op_threads = std::stoi(next());
       else if (arg == "--kernel-threads") options.kernel_threads = std::stoi(next());
@@ -284,7 +528,10 @@ int run(int argc, char** argv) {
         else if (backend == "pt2") options.backend = embserve::Backend::Pt2;
         else throw std::invalid_argument("unknown backend '" + backend + "' (torchscript or pt2)");
       }
-      else if (arg == "-h" || arg == "--help") return usage(), 0;
+      else if (arg == "-h" || arg == "--help") {
+        std::cout << kUsage << kHelp;
+        return kAllOk;
+      }
       else if (!arg.empty() && arg[0] == '-') return usage();
       else if (artifact.empty()) artifact = arg;
       else return usage();
@@ -294,16 +541,17 @@ int run(int argc, char** argv) {
     }
   }
   // --requests/--out pairs run in order (one process, one load); --bench times the one --requests file.
-  if (artifact.empty() || (bench > 0 ? requests_paths.size() != 1 || out_paths.size() > 1
-                                     : requests_paths.size() != out_paths.size()))
+  if (artifact.empty() || (bench_calls > 0 ? requests_paths.size() != 1 || out_paths.size() > 1
+                                           : requests_paths.size() != out_paths.size()))
     return usage();
 
   std::optional<embserve::Model> loaded;
   try {
     loaded.emplace(embserve::Model::load(artifact, options));
   } catch (const std::exception& err) {
+    // Status 1, as before status 2 existed: callers and tests of the loader's refusals rely on it.
     std::cerr << "embserve_run: " << error_kind(err) << ": " << one_line(err) << "\n";
-    return 1;
+    return kSomeFailed;
   }
   const embserve::Model& model = *loaded;
   if (requests_paths.empty()) {
@@ -315,59 +563,15 @@ int run(int argc, char** argv) {
               << "; fbgemm libraries:";
     for (const auto& library : model.libraries()) std::cout << " " << library;
     std::cout << "\n";
-    return 0;
+    return kAllOk;
   }
-  bool all_ok = true;
-  for (size_t i = 0; i < out_paths.size(); ++i) all_ok = run_file(model, requests_paths[i], out_paths[i]) && all_ok;
-
-  if (bench > 0) {
-    std::vector<Request> requests;
-    try {
-      requests = read_requests(requests_paths[0]);
-    } catch (const std::exception& err) {
-      std::cerr << "embserve_run: " << requests_paths[0] << ": " << one_line(err) << "\n";
-      return 1;
-    }
-    if (requests.empty()) return usage();
-    try {
-      long warmup = std::min<long>(bench, 100);
-      for (long i = 0; i < warmup; ++i) {
-        const auto& r = requests[static_cast<size_t>(i) % requests.size()];
-        answer(model, r);
-      }
-      std::vector<double> latencies;
-      latencies.reserve(static_cast<size_t>(bench));
-      int64_t ids = 0, bags = 0;
-      auto started = std::chrono::steady_clock::now();
-      for (long i = 0; i < bench; ++i) {
-        const auto& r = requests[static_cast<size_t>(i) % requests.size()];
-        auto t0 = std::chrono::steady_clock::now();
-        answer(model, r);
-        auto t1 = std::chrono::steady_clock::now();
-        latencies.push_back(std::chrono::duration<double, std::micro>(t1 - t0).count());
-        ids += r.values.numel();
-        bags += r.lengths.numel();
-      }
-      double total_s = std::chrono::duration<double>(std::chrono::steady_clock::now() - started).count();
-      std::vector<double> sorted = latencies;
-      std::sort(sorted.begin(), sorted.end());
-      double mean = 0;
-      for (double v : latencies) mean += v;
-      mean /= static_cast<double>(latencies.size());
-      auto pct = [&](double q) { return sorted[std::min(sorted.size() - 1, static_cast<size_t>(q * sorted.size()))]; };
-      std::cout << "{\"bench\": \"embserve_run\", \"backend\": \""
-                << (model.backend() == embserve::Backend::Pt2 ? "pt2" : "torchscript") << "\", \"calls\": " << bench
-                << ", \"mean_us\": " << mean
-                << ", \"p50_us\": " << pct(0.5) << ", \"p99_us\": " << pct(0.99)
-                << ", \"calls_per_s\": " << bench / total_s << ", \"lookups_per_s\": " << ids / total_s
-                << ", \"bags_per_s\": " << bags / total_s << "}" << std::endl;
-    } catch (const std::exception& err) {
-      std::cerr << "embserve_run: bench failed: " << error_kind(err) << ": " << one_line(err) << "\n";
-      return 1;
-    }
+  Status status = kAllOk;
+  for (size_t i = 0; i < out_paths.size(); ++i) {
+    status = std::max(status, run_file(model, requests_paths[i], out_paths[i], fail_fast));
+    if (fail_fast && status != kAllOk) return status;
   }
-  // A failed request is answered with its error record, and the run says so in its status.
-  return all_ok ? 0 : 1;
+  if (bench_calls > 0) status = std::max(status, bench(model, requests_paths[0], bench_calls));
+  return status;
 }
 
 }  // namespace
@@ -381,5 +585,5 @@ int main(int argc, char** argv) {
   } catch (...) {
     std::cerr << "embserve_run: unknown error\n";
   }
-  return 1;
+  return kSomeFailed;
 }

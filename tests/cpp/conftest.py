@@ -186,3 +186,23 @@ def dense_pt2_artifact(tmp_path_factory: pytest.TempPathFactory) -> DenseArtifac
     model = quantize(spec, random_weights(spec, seed=13))
     print("compiling model.pt2 with a dense program (about two minutes)", flush=True)
     return DenseArtifact(spec, model, export(model, tmp_path_factory.mktemp("pt2") / "dense", pt2=True))
+
+
+@pytest.fixture(scope="session")
+def dense_artifact(tmp_path_factory: pytest.TempPathFactory) -> DenseArtifact:
+    """An INT8 SUM table and an FP16 MEAN table under a dense part returning ``[B, 1]``; model.pt only (no compile)."""
+    from infer.artifact.export import export
+    from infer.config import DataType, PoolingType, TableConfig
+    from infer.quant.quantize import quantize
+    from infer.weights import random_weights
+
+    spec = ModelSpec(
+        (
+            TableConfig("t_sum", 50, 8, ("f_sum",)),
+            TableConfig("t_mean", 30, 16, ("f_mean",), PoolingType.MEAN, DataType.FP16),
+        )
+    )
+    torch.manual_seed(25)
+    spec = spec.with_dense_arch(ColumnScores(DENSE_INPUTS, spec.output_dim).eval(), DENSE_INPUTS)
+    model = quantize(spec, random_weights(spec, seed=26))
+    return DenseArtifact(spec, model, export(model, tmp_path_factory.mktemp("cpp") / "dense"))

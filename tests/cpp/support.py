@@ -15,9 +15,9 @@ def run(binary: Path, *args: object, timeout: float = 300) -> subprocess.Complet
     )
 
 
-def assert_clean_failure(result: subprocess.CompletedProcess[str], *fragments: str) -> str:
-    """rc 1 (no signal), exactly one stderr line, no backtrace text, every fragment in that line."""
-    assert result.returncode == 1, (result.returncode, result.stderr[-2000:])
+def assert_clean_failure(result: subprocess.CompletedProcess[str], *fragments: str, status: int = 1) -> str:
+    """rc ``status`` (no signal), exactly one stderr line, no backtrace text, every fragment in that line."""
+    assert result.returncode == status, (result.returncode, result.stderr[-2000:])
     lines = result.stderr.splitlines()
     assert len(lines) == 1, result.stderr[-2000:]
     assert not any(marker in result.stderr for marker in BACKTRACE_MARKERS), result.stderr[-2000:]

@@ -1,7 +1,8 @@
 """embserve_run on hostile input: wrapping lengths, impossible sizes in request files, malformed files.
 
-Every case ends with status 1 and exactly one line on stderr naming the problem, never a signal or a
-c10 backtrace; requests that fail still get their error record and the good ones their result.
+Every case ends with status 1 (2 for a request file that cannot be read at all) and exactly one line on stderr
+naming the problem, never a signal or a c10 backtrace; requests that fail still get their error record and the
+good ones their result.
 """
 
 from __future__ import annotations
@@ -61,9 +62,12 @@ IMPOSSIBLE = {
         "more elements than fit in 64 bits",
     ),
     "bytes overflow": (request_file(1, tensor_record(2, [1 << 62]), LENGTHS, b"\x00"), "more bytes than fit"),
-    "ndim 200": (request_file(1, struct.pack("<BB", 2, 200) + b"\x01" * 1600, LENGTHS, b"\x00"), "200 dimensions"),
+    "ndim 200": (
+        request_file(1, tensor_record(2, [1] * 200, _ids(1)), LENGTHS, b"\x00"),
+        "values has 200 dimensions, over the limit of 8",
+    ),
     "truncated data": (request_file(1, tensor_record(2, [4], _ids(3)), b""), "needs 32 bytes of data"),
-    "truncated sizes": (request_file(1, struct.pack("<BB", 2, 3) + b"\x01" * 10), "truncated at byte"),
+    "truncated sizes": (request_file(1, struct.pack("<BB", 2, 3) + b"\x01" * 10), "the file ends at byte"),
     "bad magic": (b"EMBSRQ99" + b"\x00" * 4, "not an embserve request file"),  # 01 and 02 are the versions
     "empty file": (b"", "not an embserve request file"),
     "count larger than the file": (
@@ -71,9 +75,12 @@ IMPOSSIBLE = {
         "52 bytes hold at most 10",
     ),
     "unknown dtype": (request_file(1, tensor_record(9, [1], _ids(1)), LENGTHS, b"\x00"), "unknown dtype code 9"),
-    "no lengths": (request_file(1, tensor_record(2, [1], _ids(1)), b"\x00", b"\x00"), "lacks values or lengths"),
+    "no lengths": (request_file(1, tensor_record(2, [1], _ids(1)), b"\x00", b"\x00"), "lengths is absent"),
     "trailing bytes": (request_file(1, tensor_record(2, [1], _ids(1)), LENGTHS, b"\x00", b"junk"), "4 bytes after"),
 }
+
+
+UNREADABLE = {"bad magic", "empty file", "count larger than the file"}  # status 2: nothing in them can be read
 
 
 @pytest.mark.parametrize("case", sorted(IMPOSSIBLE))
@@ -82,7 +89,7 @@ def test_malformed_request_file_is_one_line(case, embserve_run, unsharded_artifa
     path = tmp_path / "r.bin"
     path.write_bytes(data)
     result = run(embserve_run, unsharded_artifact, "--requests", path, "--out", tmp_path / "o.bin")
-    assert_clean_failure(result, f"embserve_run: {path}: ", fragment)
+    assert_clean_failure(result, f"embserve_run: {path}: ", fragment, status=2 if case in UNREADABLE else 1)
 
 
 def test_kernel_errors_reach_the_user_as_one_line(embserve_run, unsharded_artifact, tmp_path):
@@ -100,7 +107,7 @@ def test_kernel_errors_reach_the_user_as_one_line(embserve_run, unsharded_artifa
 
 def test_missing_request_file_is_one_line(embserve_run, unsharded_artifact, tmp_path):
     result = run(embserve_run, unsharded_artifact, "--requests", tmp_path / "nope.bin", "--out", tmp_path / "o")
-    assert_clean_failure(result, "nope.bin: cannot be opened")
+    assert_clean_failure(result, "nope.bin: FileFormatError: cannot be opened", status=2)
 
 
 def test_missing_artifact_is_one_line(embserve_run, tmp_path: Path):
