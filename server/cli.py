@@ -16,7 +16,6 @@ from infer.artifact.load import BACKENDS
 
 def cmd_serve(args: argparse.Namespace) -> int:
     import asyncio
-    import logging
     import os
     import signal
     import sys
@@ -24,7 +23,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
     # Until the server's event loop takes the signals over, a SIGTERM while loading ends the process quietly.
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(0))
 
-    from server.app import ServerConfig, serve
+    from server.app import ServerConfig, exit_process, serve
     from server.auth import read_token_file
 
     config = ServerConfig(
@@ -68,13 +67,8 @@ def cmd_serve(args: argparse.Namespace) -> int:
         from infer.artifact.load import load
 
         artifact = load(args.artifact, backend=args.backend)
-    code = asyncio.run(serve(artifact, config))
-    # Everything is stopped and released: skip the interpreter's teardown of torch and its libraries
-    # (~0.45 s here, more on a loaded host), so that a stop with nothing in flight takes well under 1 s.
-    logging.shutdown()
-    sys.stdout.flush()
-    sys.stderr.flush()
-    os._exit(code)
+    # exits from the event loop once stopped; returns only when stopped during start-up
+    exit_process(asyncio.run(serve(artifact, config, exiting=True)))
 
 
 def cmd_query(args: argparse.Namespace) -> int:
