@@ -157,11 +157,12 @@ class Soak:
 
 
 def stop_rounds(artifact: Path, runtime, rounds: int, clients: int, options: tuple[str, ...]) -> int:  # type: ignore[no-untyped-def]
-    from tests.support.stop_race import race_stop
+    from tests.support.stop_race import cases, race_stop, start_server
 
+    pool = cases(runtime.spec, runtime.lookup)
     total_lost = 0
     for index in range(rounds):
-        result = race_stop(artifact, runtime, artifact.parent / f"round{index}.log", clients, options)
+        result = race_stop(start_server(artifact, artifact.parent / f"round{index}.log", *options), pool, clients)
         total_lost += result.lost + (result.exit_code != 0)
         print(
             json.dumps({"bench": "stop_race", "round": index + 1, "clients": clients, **result.summary()}), flush=True

@@ -222,7 +222,8 @@ def _ports(config: ServerConfig) -> list[Port]:
     return ports
 
 
-def _check_ports(config: ServerConfig) -> None:
+def check_ports(config: ServerConfig) -> None:
+    """Refuse a port in use (or one given to two roles) with a ``ConfigError`` naming it: done before loading."""
     ports = _ports(config)
     for index, port in enumerate(ports):
         for other in ports[:index]:
@@ -246,7 +247,7 @@ def _bind(add_port: Callable[[], int], config: ServerConfig) -> int:
 
 async def create_server(artifact: str | Path | Runtime, config: ServerConfig = ServerConfig()) -> RunningServer:
     """Load (or take) a runtime, start a server on ``config.host:config.port`` and warm it up."""
-    _check_ports(config)  # before loading: a port in use is refused at once, whatever the model's size
+    check_ports(config)  # before loading: a port in use is refused at once, whatever the model's size
     metrics = ServerMetrics()
     repository = None
     if isinstance(artifact, Runtime):

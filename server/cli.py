@@ -16,7 +16,6 @@ from infer.artifact.load import BACKENDS
 
 def cmd_serve(args: argparse.Namespace) -> int:
     import asyncio
-    import os
     import signal
     import sys
 
@@ -55,13 +54,8 @@ def cmd_serve(args: argparse.Namespace) -> int:
 
     if is_multi_host(args.artifact):
         group = GroupConfig(collective_timeout_s=args.collective_timeout_s, failure_grace_s=args.failure_grace_s)
-        code = serve_distributed(args.artifact, config, group)
-        if code != 0:
-            # a broken group's peers may never answer: do not wait in process-group teardown at exit
-            sys.stdout.flush()
-            sys.stderr.flush()
-            os._exit(code)
-        return code
+        # a broken group's peers may never answer: do not wait in process-group teardown at exit
+        exit_process(serve_distributed(args.artifact, config, group))
     artifact: Any = args.artifact
     if args.backend != "torchscript":
         from infer.artifact.load import load

@@ -8,38 +8,32 @@ from __future__ import annotations
 
 import pytest
 
-from tests.support.stop_race import PROTOCOLS, race_stop
+from tests.support.stop_race import PROTOCOLS, RoundResult, cases, race_stop, start_server
 
 CLIENTS = 16
 
 
-def _check(result, rounds_label: str) -> None:
+def check_round(result: RoundResult, label: str) -> None:
+    """0 calls CANCELLED, 0 lost, exit 0, and every protocol served before the stop (the race was real)."""
     summary = result.summary()
-    assert result.exit_code == 0, (rounds_label, summary, result.log[-3000:])
-    assert result.cancelled == 0 and result.lost == 0, (rounds_label, summary)
-    for protocol in PROTOCOLS:  # every protocol was served before the stop (the race is real)
-        assert result.outcomes[f"{protocol} OK"] > 0, (rounds_label, summary)
+    assert result.exit_code == 0, (label, summary, result.log[-3000:])
+    assert result.cancelled == 0 and result.lost == 0, (label, summary)
+    for protocol in PROTOCOLS:
+        assert result.outcomes[f"{protocol} OK"] > 0, (label, summary)
     assert "Traceback" not in result.log, result.log[-3000:]
 
 
 # grace 0: the refusals start while every client's call is being served; 0.3 s: after a grace under load
 @pytest.mark.parametrize("grace", ["0", "0.3"])
 def test_sigterm_under_16_clients_cancels_nothing_and_loses_nothing(sparse_artifact, sparse_runtime, tmp_path, grace):
-    result = race_stop(
-        sparse_artifact,
-        sparse_runtime,
-        tmp_path / "serve.log",
-        CLIENTS,
-        ("--drain-grace-s", grace, "--max-delay-us", "500"),
-    )
-    _check(result, f"grace {grace}")
+    server = start_server(sparse_artifact, tmp_path / "serve.log", "--drain-grace-s", grace, "--max-delay-us", "500")
+    check_round(race_stop(server, cases(sparse_runtime.spec, sparse_runtime.lookup), CLIENTS), f"grace {grace}")
 
 
 @pytest.mark.slow
 def test_sigterm_under_16_clients_over_ten_rounds(sparse_artifact, sparse_runtime, tmp_path):
+    pool = cases(sparse_runtime.spec, sparse_runtime.lookup)
     for index in range(10):
         grace = ("0", "0.2", "1")[index % 3]
-        result = race_stop(
-            sparse_artifact, sparse_runtime, tmp_path / f"serve{index}.log", CLIENTS, ("--drain-grace-s", grace)
-        )
-        _check(result, f"round {index + 1}, grace {grace}")
+        server = start_server(sparse_artifact, tmp_path / f"serve{index}.log", "--drain-grace-s", grace)
+        check_round(race_stop(server, pool, CLIENTS), f"round {index + 1}, grace {grace}")

@@ -23,7 +23,7 @@ from pathlib import Path
 import grpc
 import torch
 
-from infer.artifact.runtime import Runtime
+from infer.config import ModelSpec
 from infer.features import SparseFeatures
 from server import codec
 from server import oip_codec as oc
@@ -85,12 +85,21 @@ class Case:
     expected: torch.Tensor
 
 
-def cases(runtime: Runtime, count: int = 8) -> list[Case]:
-    """Small batches with their answers from the in-process runtime (the reference)."""
-    batches = [
-        SparseFeatures.random(runtime.spec, batch_size=1 + i, ids_per_bag=1 + i % 5, seed=i) for i in range(count)
-    ]
-    return [Case(b, runtime.lookup(b)) for b in batches]
+def cases(spec: ModelSpec, lookup: Callable[[SparseFeatures], torch.Tensor], count: int = 8) -> list[Case]:
+    """Small batches with their answers from ``lookup``, an in-process reference of the served model."""
+    batches = [SparseFeatures.random(spec, batch_size=1 + i, ids_per_bag=1 + i % 5, seed=i) for i in range(count)]
+    return [Case(b, lookup(b)) for b in batches]
+
+
+@dataclass(frozen=True)
+class Server:
+    """A started ``embserve serve`` process (rank 0 of a group) and what its clients need."""
+
+    process: subprocess.Popen[str]
+    port: int
+    http_port: int
+    model: str  # the OIP model name
+    log: Path  # its stderr
 
 
 class _Client:
@@ -177,8 +186,8 @@ def _rest_body(features: SparseFeatures) -> bytes:
     return json.dumps({"inputs": inputs, "outputs": outputs}).encode()
 
 
-def start_server(artifact: Path, log: Path, *options: str) -> tuple[subprocess.Popen[str], int, int]:
-    """``embserve serve`` with gRPC and REST on free loopback ports; (process, gRPC port, REST port) once it serves."""
+def start_server(artifact: Path, log: Path, *options: str) -> Server:
+    """``embserve serve`` with gRPC and REST on free loopback ports, once it serves."""
     command = [sys.executable, "-m", "infer.cli", "serve", str(artifact), "--host", "127.0.0.1", "--port", "0"]
     with log.open("w") as stderr:
         process = subprocess.Popen(
@@ -190,31 +199,28 @@ def start_server(artifact: Path, log: Path, *options: str) -> tuple[subprocess.P
         process.kill()
         process.wait()
         raise AssertionError(f"the server did not start (it printed {line!r}):\n{log.read_text()}")
-    # logged before the serving line is printed
-    http_port = int(log.read_text().split("Open Inference Protocol REST on port ")[1].split()[0])
-    return process, int(line.rsplit(" ", 1)[1]), http_port
+    return Server(process, int(line.rsplit(" ", 1)[1]), rest_port(log), artifact.name, log)
+
+
+def rest_port(log: Path) -> int:
+    """The REST port a server logged (before it printed its serving line)."""
+    return int(log.read_text().split("Open Inference Protocol REST on port ")[1].split()[0])
 
 
 def race_stop(
-    artifact: Path,
-    runtime: Runtime,
-    log: Path,
-    clients: int = 16,
-    options: tuple[str, ...] = (),
-    on_signal: Callable[[], None] | None = None,
+    server: Server, pool: list[Case], clients: int = 16, on_signal: Callable[[], None] | None = None
 ) -> RoundResult:
-    """One round: start a server, ``clients`` threads (protocols in turn) send until every one has had an
-    answer, SIGTERM, the threads keep sending until the process has exited (and one call after)."""
-    process, port, http_port = start_server(artifact, log, *options)
+    """One round: ``clients`` threads (protocols in turn) send until every one has had an answer, SIGTERM,
+    the threads keep sending until the process has exited (and one call after)."""
+    process = server.process
     result = RoundResult()
     lock = threading.Lock()
     answered = threading.Barrier(clients + 1)
     exited = threading.Event()
-    pool = cases(runtime)
 
     def client(index: int) -> None:
         protocol = PROTOCOLS[index % len(PROTOCOLS)]
-        connection = _Client(protocol, port, http_port, artifact.name)
+        connection = _Client(protocol, server.port, server.http_port, server.model)
         first = True
         try:
             while True:
@@ -251,5 +257,5 @@ def race_stop(
             process.wait()
         if process.stdout is not None:
             process.stdout.close()
-    result.log = log.read_text()
+    result.log = server.log.read_text()
     return result
