@@ -24,8 +24,7 @@ from server.distributed import JOINED_LINE
 from tests.conftest import random_batch
 from tests.distributed.conftest import NUM_DENSE, ROOT, free_port, group_env, host_plan
 from tests.server.support import LineReader
-from tests.server.test_stop_race import check_round
-from tests.support.stop_race import Server, cases, race_stop, rest_port
+from tests.support.stop_race import Server, cases, check_round, race_stop, rest_port
 
 TIMEOUT_S = 4.0  # --collective-timeout-s of these groups
 

@@ -8,19 +8,9 @@ from __future__ import annotations
 
 import pytest
 
-from tests.support.stop_race import PROTOCOLS, RoundResult, cases, race_stop, start_server
+from tests.support.stop_race import cases, check_round, race_stop, start_server
 
 CLIENTS = 16
-
-
-def check_round(result: RoundResult, label: str) -> None:
-    """0 calls CANCELLED, 0 lost, exit 0, and every protocol served before the stop (the race was real)."""
-    summary = result.summary()
-    assert result.exit_code == 0, (label, summary, result.log[-3000:])
-    assert result.cancelled == 0 and result.lost == 0, (label, summary)
-    for protocol in PROTOCOLS:
-        assert result.outcomes[f"{protocol} OK"] > 0, (label, summary)
-    assert "Traceback" not in result.log, result.log[-3000:]
 
 
 # grace 0: the refusals start while every client's call is being served; 0.3 s: after a grace under load

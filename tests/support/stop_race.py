@@ -4,7 +4,8 @@ infer) back to back, the server gets SIGTERM, and every thread keeps sending unt
 Every call's outcome is classified (``OUTCOMES``); an answer is compared with the in-process runtime on
 the same batch. What a stopping server may answer is ``OK`` or a refusal a retry policy retries
 (``UNAVAILABLE``, a refused connection, HTTP 503); everything else counts as ``lost``. Used by
-``tests/server/test_stop_race.py`` and ``bench/soak.py --stop-rounds``.
+``tests/server/test_stop_race.py``, ``tests/distributed/test_serving.py`` (rank 0 of a group) and
+``bench/soak.py --stop-rounds``.
 """
 
 from __future__ import annotations
@@ -259,3 +260,14 @@ def race_stop(
             process.stdout.close()
     result.log = server.log.read_text()
     return result
+
+
+def check_round(result: RoundResult, label: str) -> None:
+    """The acceptance of a round: 0 calls CANCELLED, 0 lost, exit 0, and every protocol served before the stop
+    (the race was real)."""
+    summary = result.summary()
+    assert result.exit_code == 0, (label, summary, result.log[-3000:])
+    assert result.cancelled == 0 and result.lost == 0, (label, summary)
+    for protocol in PROTOCOLS:
+        assert result.outcomes[f"{protocol} OK"] > 0, (label, summary)
+    assert "Traceback" not in result.log, result.log[-3000:]
