@@ -1,11 +1,11 @@
 """Clients racing a server's stop: N threads send (embserve.v1 Lookup, OIP ModelInfer over gRPC, OIP REST
 infer) back to back, the server gets SIGTERM, and every thread keeps sending until the process has exited.
 
-Every call's outcome is classified (``OUTCOMES``); an answer is compared with the in-process runtime on
-the same batch. What a stopping server may answer is ``OK`` or a refusal a retry policy retries
-(``UNAVAILABLE``, a refused connection, HTTP 503); everything else counts as ``lost``. Used by
-``tests/server/test_stop_race.py``, ``tests/distributed/test_serving.py`` (rank 0 of a group) and
-``bench/soak.py --stop-rounds``.
+Every call's outcome is classified (OK, a gRPC status, an HTTP status, connection refused or reset); an
+answer is compared with an in-process reference on the same batch. What a stopping server may answer is
+``OK`` or a refusal a retry policy retries (``UNAVAILABLE``, a refused connection, HTTP 503); everything
+else counts as ``lost``. Used by ``tests/server/test_stop_race.py``, ``tests/distributed/test_serving.py``
+(rank 0 of a group) and ``bench/soak.py --stop-rounds``.
 """
 
 from __future__ import annotations
