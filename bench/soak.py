@@ -9,7 +9,13 @@ come back INVALID_ARGUMENT. Anything else counts as an error. Each minute prints
 latency of the valid calls and the server's RSS; the summary line has the RSS drift between the first
 and the last minute, and the server's exit code after SIGTERM (not run in CI).
 
+``--stop-rounds R`` races the stop instead: per round a fresh server (gRPC and REST), C clients
+(embserve.v1, OIP gRPC, OIP REST in turn) sending until the process has exited after SIGTERM, and one
+JSON line of every call's outcome (OK, UNAVAILABLE, HTTP 503, connection refused, CANCELLED, ...), the
+calls lost (anything but OK or a retryable refusal) and the exit code (``tests/support/stop_race.py``).
+
     python bench/soak.py --minutes 10
+    python bench/soak.py --stop-rounds 5 --clients 16 -- --drain-grace-s 0.5
 """
 
 from __future__ import annotations
@@ -27,9 +33,10 @@ import time
 from collections import Counter
 from pathlib import Path
 
-# Run as ``python bench/soak.py``, this folder heads sys.path and would shadow the ``server`` package.
+# Run as ``python bench/soak.py``, this folder heads sys.path and would shadow the ``server`` package;
+# the repository root takes its place (``tests.support`` holds the stop race's clients).
 if sys.path and os.path.abspath(sys.path[0]) == os.path.dirname(os.path.abspath(__file__)):
-    del sys.path[0]
+    sys.path[0] = os.path.dirname(sys.path[0])
 
 import grpc
 import torch
@@ -149,16 +156,34 @@ class Soak:
         return calls, errors, latencies
 
 
+def stop_rounds(artifact: Path, runtime, rounds: int, clients: int, options: tuple[str, ...]) -> int:  # type: ignore[no-untyped-def]
+    from tests.support.stop_race import cases, race_stop, start_server
+
+    pool = cases(runtime.spec, runtime.lookup)
+    total_lost = 0
+    for index in range(rounds):
+        result = race_stop(start_server(artifact, artifact.parent / f"round{index}.log", *options), pool, clients)
+        total_lost += result.lost + (result.exit_code != 0)
+        print(
+            json.dumps({"bench": "stop_race", "round": index + 1, "clients": clients, **result.summary()}), flush=True
+        )
+    return 1 if total_lost else 0
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--minutes", type=float, default=10.0)
     parser.add_argument("--clients", type=int, default=8)
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--stop-rounds", type=int, default=0, help="race the stop this many rounds instead")
+    parser.add_argument("serve_options", nargs="*", help="--stop-rounds: more `embserve serve` options (after --)")
     args = parser.parse_args()
     with tempfile.TemporaryDirectory() as folder:
         spec = demo_spec()
         artifact = export(quantize(spec, random_weights(spec, seed=1)), Path(folder) / "demo")
         runtime = load(artifact)
+        if args.stop_rounds:
+            return stop_rounds(artifact, runtime, args.stop_rounds, args.clients, tuple(args.serve_options))
         server, port = spawn_server(artifact, "--drain-grace-s", "1")
         soak = Soak(f"127.0.0.1:{port}", runtime, args.seed)
         threads = [

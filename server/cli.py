@@ -16,15 +16,13 @@ from infer.artifact.load import BACKENDS
 
 def cmd_serve(args: argparse.Namespace) -> int:
     import asyncio
-    import logging
-    import os
     import signal
     import sys
 
     # Until the server's event loop takes the signals over, a SIGTERM while loading ends the process quietly.
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(0))
 
-    from server.app import ServerConfig, serve
+    from server.app import ServerConfig, exit_process, serve
     from server.auth import read_token_file
 
     config = ServerConfig(
@@ -57,25 +55,15 @@ def cmd_serve(args: argparse.Namespace) -> int:
 
     if is_multi_host(args.artifact):
         group = GroupConfig(collective_timeout_s=args.collective_timeout_s, failure_grace_s=args.failure_grace_s)
-        code = serve_distributed(args.artifact, config, group)
-        if code != 0:
-            # a broken group's peers may never answer: do not wait in process-group teardown at exit
-            sys.stdout.flush()
-            sys.stderr.flush()
-            os._exit(code)
-        return code
+        # a broken group's peers may never answer: do not wait in process-group teardown at exit
+        exit_process(serve_distributed(args.artifact, config, group))
     artifact: Any = args.artifact
     if args.backend != "torchscript":
         from infer.artifact.load import load
 
         artifact = load(args.artifact, backend=args.backend, verify=args.verify)
-    code = asyncio.run(serve(artifact, config))
-    # Everything is stopped and released: skip the interpreter's teardown of torch and its libraries
-    # (~0.45 s here, more on a loaded host), so that a stop with nothing in flight takes well under 1 s.
-    logging.shutdown()
-    sys.stdout.flush()
-    sys.stderr.flush()
-    os._exit(code)
+    # exits from the event loop once stopped; returns only when stopped during start-up
+    exit_process(asyncio.run(serve(artifact, config, exiting=True)))
 
 
 def cmd_query(args: argparse.Namespace) -> int:

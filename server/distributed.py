@@ -37,7 +37,7 @@ from infer.artifact.runtime import Runtime
 from infer.errors import ArtifactError, EmbserveError, RequestError
 from infer.features import check_dense_features
 from infer.shard.hosts import finish_partial
-from server.app import SERVING_LINE, ServerConfig, create_server
+from server.app import SERVING_LINE, ServerConfig, check_ports, create_server, exit_process
 from server.service import SERVICE_NAME, _Failure
 
 logger = logging.getLogger(__name__)
@@ -325,15 +325,27 @@ def join_group(part: HostPart, rank: int, world_size: int, timeout_s: float) -> 
     backend, device = ("nccl", "cuda:0") if on_cuda else ("gloo", "cpu")
     if on_cuda:
         torch.cuda.set_device(0)
-    dist.init_process_group(backend, rank=rank, world_size=world_size, timeout=datetime.timedelta(seconds=timeout_s))
+    try:
+        dist.init_process_group(
+            backend, rank=rank, world_size=world_size, timeout=datetime.timedelta(seconds=timeout_s)
+        )
+    except dist.DistError as err:  # rank 0 refused to start (a port in use), died, or the rendezvous host is gone
+        first_line = (str(err).strip().splitlines() or [type(err).__name__])[0][:300]
+        raise GroupFailure(
+            f"rank {rank} could not join the group of {world_size} ({type(err).__name__}: {first_line}); "
+            "see rank 0's log: every rank must start, and rank 0's ports must be free"
+        ) from None
     logger.info("rank %d of %d joined (%s)", rank, world_size, backend)
     return device
 
 
 def serve_distributed(artifact: str | Path, config: ServerConfig, group: GroupConfig) -> int:
     """``embserve serve`` of a multi-host artifact on this rank: load this host's part, join the group; rank 0
-    serves gRPC until SIGTERM (then stops every rank), the others follow rank 0. Returns the exit code."""
+    serves gRPC until SIGTERM, then stops every rank and exits the process (0); the others follow rank 0.
+    Returns the exit code otherwise (a failed group: 1)."""
     rank, world_size = _group_env()
+    if rank == 0:
+        check_ports(config)  # a port in use is refused before this host's part loads and the group forms
     part = load_host_part(artifact, rank, verify=config.verify)
     device = join_group(part, rank, world_size, group.collective_timeout_s)
     if rank != 0:
@@ -343,10 +355,7 @@ def serve_distributed(artifact: str | Path, config: ServerConfig, group: GroupCo
             dist.destroy_process_group()
         return code
     model = DistributedModel(part, group, device)
-    code = asyncio.run(_serve_rank0(part, model, config, group))
-    if code == 0:
-        dist.destroy_process_group()
-    return code
+    return asyncio.run(_serve_rank0(part, model, config, group))
 
 
 async def _serve_rank0(part: HostPart, model: DistributedModel, config: ServerConfig, group: GroupConfig) -> int:
@@ -397,7 +406,10 @@ async def _serve_rank0(part: HostPart, model: DistributedModel, config: ServerCo
         return 1
     logger.info("draining (grace %.1f s, then up to %.0f s for accepted calls)", config.drain_grace_s,
                 config.drain_seconds)  # fmt: skip
-    await running.drain(config.drain_grace_s, config.drain_seconds)
+    # as one host: refuse, answer every accepted call, and leave grpc's connections to the exit (server.app)
+    await running.drain(config.drain_grace_s, config.drain_seconds, config.drain_quiet_s, exiting=True)
     stopped = await asyncio.to_thread(model.stop_group)
     logger.info("stopped after %d distributed forwards%s", model.forwards, "" if stopped else " (group failed)")
-    return 0 if stopped else 1
+    if stopped:
+        dist.destroy_process_group()
+    exit_process(0 if stopped else 1)  # from the event loop: its teardown would cancel calls grpc still holds

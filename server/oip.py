@@ -274,10 +274,17 @@ class OpenInference:
         self.http = RestServer(self, config)
         return await self.http.start(host, port)
 
-    async def close(self, grace: float | None = None) -> None:
-        """Stop the REST endpoint (its calls in flight finish first, up to ``grace`` s) and our batchers."""
+    def stop_accepting(self) -> None:
+        """The REST endpoint refuses new connections and closes each one after its next answer
+        (``RestServer.stop_accepting``); model calls are refused once ``v1.closing`` is set."""
         if self.http is not None:
-            await self.http.close(grace)
+            self.http.stop_accepting()
+
+    async def close(self, grace: float | None = None, quiet_s: float = 0.0) -> None:
+        """Stop the REST endpoint (its calls in flight finish first, up to ``grace`` s; connections in use get
+        their last answer until none was used for ``quiet_s``) and our batchers."""
+        if self.http is not None:
+            await self.http.close(grace, quiet_s)
             self.http = None
         for batcher in self._own_batchers:
             await batcher.close()

@@ -242,10 +242,12 @@ class RestServer:
             self._ssl.load_cert_chain(config.tls_cert, config.tls_key)
         self._server: asyncio.AbstractServer | None = None
         self._writers: set[asyncio.StreamWriter] = set()
+        self._connections: set[asyncio.Task[None]] = set()
         self._in_flight = 0
         self._idle = asyncio.Event()
         self._idle.set()
         self.last_arrival = 0.0  # time.monotonic() of the latest request (a drain's grace waits for quiet)
+        self.closing = False  # set by stop_accepting: every answer from then on closes its connection
 
     @property
     def in_flight(self) -> int:
@@ -261,51 +263,84 @@ class RestServer:
         logger.info("Open Inference Protocol REST on port %d", bound)
         return bound
 
-    async def close(self, grace: float | None = None) -> None:
-        """Refuse new connections, let requests in flight finish (up to ``grace`` s), close the rest."""
+    def stop_accepting(self) -> None:
+        """The first step of a stop: the listening socket closes (a new connection is refused) and every
+        answer from now on says ``Connection: close`` and closes its connection, so a client's next request
+        goes to a closed port (connection refused, which clients retry) instead of racing our close."""
+        self.closing = True
+        if self._server is not None:
+            self._server.close()
+
+    async def wait_answered(self) -> None:
+        """Return once no request is being answered (its response written)."""
+        while self._in_flight:
+            await self._idle.wait()
+
+    async def close(self, grace: float | None = None, quiet_s: float = 0.0) -> None:
+        """Stop accepting; let requests in flight finish (up to ``grace`` s); connections still in use get
+        their last answer until none has been used for ``quiet_s``; then close the idle ones that are left."""
         if self._server is None:
             return
-        self._server.close()
-        if grace:
-            try:
-                await asyncio.wait_for(self._idle.wait(), grace)
-            except asyncio.TimeoutError:  # not the builtin TimeoutError before Python 3.11
-                pass
+        self.stop_accepting()
+        deadline = time.monotonic() + (grace or 0.0)
+        try:
+            await asyncio.wait_for(self.wait_answered(), max(0.0, deadline - time.monotonic()))
+        except asyncio.TimeoutError:  # not the builtin TimeoutError before Python 3.11
+            pass
+        while self._writers and time.monotonic() < deadline:
+            quiet = time.monotonic() - self.last_arrival
+            if quiet >= quiet_s:
+                break
+            await asyncio.sleep(min(quiet_s - quiet, max(0.0, deadline - time.monotonic())))
         for writer in list(self._writers):
             writer.close()
-        await self._server.wait_closed()
+        if self._connections:  # each one flushes what it wrote and closes its socket
+            await asyncio.wait(set(self._connections), timeout=max(1.0, deadline - time.monotonic()))
         self._server = None
 
     async def _connection(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        task = asyncio.current_task()
+        if task is not None:
+            self._connections.add(task)
         self._writers.add(writer)
         try:
-            while True:
-                try:
-                    request = await read_request(reader, self.max_body)
-                except HttpError as err:
-                    writer.write(_serialize(_json_response({"error": str(err)}, err.status), keep_alive=False))
-                    await writer.drain()
-                    return
-                if request is None:
-                    return
-                self._in_flight += 1
-                self._idle.clear()
-                self.last_arrival = time.monotonic()
-                try:
-                    response = await self._respond(request)
-                finally:
-                    self._in_flight -= 1
-                    if not self._in_flight:
-                        self._idle.set()
-                writer.write(_serialize(response, request.keep_alive))
-                await writer.drain()
-                if not request.keep_alive:
-                    return
+            await self._serve_connection(reader, writer)
         except (ConnectionError, asyncio.IncompleteReadError, asyncio.LimitOverrunError, ValueError):
-            return  # the client went away, or sent a line past the limit: nothing left to answer
+            pass  # the client went away, or sent a line past the limit: nothing left to answer
         finally:
             self._writers.discard(writer)
             writer.close()
+            try:
+                await writer.wait_closed()
+            except (ConnectionError, OSError):
+                pass
+            if task is not None:
+                self._connections.discard(task)
+
+    async def _serve_connection(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        while True:
+            try:
+                request = await read_request(reader, self.max_body)
+            except HttpError as err:
+                writer.write(_serialize(_json_response({"error": str(err)}, err.status), keep_alive=False))
+                await writer.drain()
+                return
+            if request is None:
+                return
+            self._in_flight += 1
+            self._idle.clear()
+            self.last_arrival = time.monotonic()
+            try:
+                response = await self._respond(request)
+                keep_alive = request.keep_alive and not self.closing
+                writer.write(_serialize(response, keep_alive))
+                await writer.drain()  # in flight until written: a stop waits for the whole answer
+            finally:
+                self._in_flight -= 1
+                if not self._in_flight:
+                    self._idle.set()
+            if not keep_alive:
+                return
 
     def _authorized(self, request: HttpRequest) -> bool:
         if self._expected is None or request.path.startswith(_OPEN_PATHS):

@@ -24,12 +24,13 @@ from server.distributed import JOINED_LINE
 from tests.conftest import random_batch
 from tests.distributed.conftest import NUM_DENSE, ROOT, free_port, group_env, host_plan
 from tests.server.support import LineReader
+from tests.support.stop_race import Server, cases, check_round, race_stop, rest_port
 
 TIMEOUT_S = 4.0  # --collective-timeout-s of these groups
 
 
 class _Group:
-    def __init__(self, artifact: Path, hosts: int, folder: Path, *options: str) -> None:
+    def __init__(self, artifact: Path, hosts: int, folder: Path, *options: str, wait: bool = True) -> None:
         port = free_port()
         command = [sys.executable, "-m", "infer.cli", "serve", str(artifact), "--host", "127.0.0.1", "--port", "0",
                    "--collective-timeout-s", str(TIMEOUT_S), *options]  # fmt: skip
@@ -46,6 +47,8 @@ class _Group:
             for rank in range(hosts)
         ]
         self.readers = [LineReader(p.stdout) for p in self.processes]
+        if not wait:
+            return
         line = self.readers[0].wait_for(SERVING_LINE, timeout=120)
         self.port = int(line.rsplit(" ", 1)[1])
         for reader in self.readers[1:]:
@@ -169,3 +172,50 @@ def test_failed_rank_under_load_turns_rank0_unavailable(host_artifacts, quantize
         assert "the group failed" in group.stderr(0)
     finally:
         group.kill()
+
+
+def test_sigterm_on_rank0_under_16_clients_cancels_nothing(host_artifacts, quantized, tmp_path):
+    """As one host (tests/server/test_stop_race.py): 16 clients over embserve.v1, OIP gRPC and REST send through
+    SIGTERM on rank 0 until it exited: 0 CANCELLED, 0 lost, answers equal the one-process model, every rank
+    exits 0."""
+    artifact = host_artifacts[(2, "column")]  # table- and column-wise: served outputs equal the reference exactly
+    group = _Group(artifact, 2, tmp_path, "--http-port", "0", "--drain-grace-s", "0.3")
+    try:
+        _, reference = _expected(quantized, "column", 2, 1, [])
+
+        def lookup(batch):
+            with torch.inference_mode():
+                return reference(batch.values, batch.lengths, batch.weights)
+
+        server = Server(group.processes[0], group.port, rest_port(group.logs[0]), artifact.name, group.logs[0])
+        result = race_stop(server, cases(quantized.spec, lookup), clients=16)
+        check_round(result, "rank 0 of 2")
+        assert group.processes[1].wait(timeout=60) == 0, group.stderr(1)
+        assert "stop from rank 0" in group.stderr(1) and "Traceback" not in group.stderr(1)
+    finally:
+        group.kill()
+
+
+def test_a_second_group_on_a_serving_port_is_refused_before_loading(host_artifacts, tmp_path):
+    """A second group given the port the first serves on: its rank 0 says "gRPC port P is in use" before
+    loading its part and exits 2, its other rank fails to join with a one-line error (no stack); the first keeps
+    serving and stops with exit 0."""
+    artifact = host_artifacts[(2, "column")]
+    (tmp_path / "first").mkdir()
+    (tmp_path / "second").mkdir()
+    first = _Group(artifact, 2, tmp_path / "first")
+    second = _Group(artifact, 2, tmp_path / "second", "--port", str(first.port), wait=False)
+    try:
+        codes = [p.wait(timeout=60 + TIMEOUT_S) for p in second.processes]
+        assert codes[0] == 2 and codes[1] != 0, (codes, second.stderr(0), second.stderr(1))
+        assert f"gRPC port {first.port} is in use" in second.stderr(0)
+        assert "loaded" not in second.stderr(0)  # refused before its part loaded
+        assert "rank 1 could not join the group of 2" in second.stderr(1)
+        assert "Traceback" not in second.stderr(0) + second.stderr(1)
+        with EmbserveClient(f"127.0.0.1:{first.port}") as client:  # the first group still serves
+            client.metadata()
+        first.processes[0].send_signal(signal.SIGTERM)
+        assert [p.wait(timeout=60) for p in first.processes] == [0, 0], (first.stderr(0), first.stderr(1))
+    finally:
+        first.kill()
+        second.kill()

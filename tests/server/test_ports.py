@@ -51,7 +51,7 @@ def test_a_second_server_on_a_serving_port_exits_naming_it(
 def test_the_grpc_bind_itself_refuses_a_serving_port(start_server, loop_thread, dense_artifact, monkeypatch):
     """Without the check before loading, grpc's own bind refuses too (it shared the port with SO_REUSEPORT)."""
     first = start_server(dense_artifact)
-    monkeypatch.setattr(app, "_check_ports", lambda config: None)
+    monkeypatch.setattr(app, "check_ports", lambda config: None)
     with pytest.raises(ConfigError, match=f"gRPC port {first.port} is in use"):
         loop_thread.run(create_server(dense_artifact, local_config(port=first.port)))
 
