@@ -13,6 +13,7 @@ import pytest
 import torch
 
 from infer.config import ModelSpec
+from tests.support.call_contract import ColumnScores
 
 ROOT = Path(__file__).resolve().parents[2]
 CPP = ROOT / "cpp_loader"
@@ -141,17 +142,6 @@ def corpus_pt2_artifact(tmp_path_factory: pytest.TempPathFactory) -> Path:
     print("compiling model.pt2 for the bad-request corpus's model (about a minute)", flush=True)
     model = quantize(CORPUS_SPEC, random_weights(CORPUS_SPEC, seed=0))
     return export(model, tmp_path_factory.mktemp("pt2") / "corpus", pt2=True)
-
-
-class ColumnScores(torch.nn.Module):
-    """A DLRM-like dense part: one logit per example as a column, ``[B, 1]`` (TorchRec's DLRM returns that)."""
-
-    def __init__(self, num_dense: int, pooled_dim: int) -> None:
-        super().__init__()
-        self.linear = torch.nn.Linear(num_dense + pooled_dim, 1)
-
-    def forward(self, dense_features: torch.Tensor, pooled: torch.Tensor) -> torch.Tensor:
-        return self.linear(torch.cat([dense_features, pooled], dim=1))
 
 
 DENSE_INPUTS = 3
