@@ -221,6 +221,7 @@ def cmd_spec(args: argparse.Namespace) -> int:
 
 def _export_plan(args: argparse.Namespace, spec: ModelSpec) -> ShardingPlan | None:
     """The plan to shard with: read from --plan, made for --world-size, or none (unsharded)."""
+    from infer.planner.access import load_sample_ids
     from infer.planner.planner import EmbeddingPlanner
     from infer.planner.types import ShardingPlan, Topology, load_constraints, require_devices_here
     from infer.planner.utils import parse_bytes
@@ -244,10 +245,24 @@ def _export_plan(args: argparse.Namespace, spec: ModelSpec) -> ShardingPlan | No
         args.device,
         parse_bytes(args.device_memory) if args.device_memory else None,
         local_world_size=args.devices_per_host if hosts > 1 else 0,
+        mapped_capacity=_mapped_capacity(args.mapped_capacity, Path(args.out)),
     )
     require_devices_here(topology, f"--device {args.device}")
     constraints = load_constraints(args.constraints, spec) if args.constraints else {}
-    return EmbeddingPlanner(topology).plan(spec, constraints)
+    sample = load_sample_ids(args.sample_ids, spec) if args.sample_ids else None
+    return EmbeddingPlanner(topology).plan(spec, constraints, sample)
+
+
+def _mapped_capacity(flag: str | None, folder: Path) -> tuple[int | None, str]:
+    """--mapped-capacity: a size, 'unbounded', or by default the free disk where the artifact (or plan) goes."""
+    from infer.planner.types import free_disk_bytes
+    from infer.planner.utils import parse_bytes
+
+    if flag is None:
+        return free_disk_bytes(folder)
+    if flag.strip().lower() == "unbounded":
+        return None, "given"
+    return parse_bytes(flag), "given"
 
 
 def cmd_inspect(args: argparse.Namespace) -> int:
@@ -296,6 +311,14 @@ def cmd_inspect(args: argparse.Namespace) -> int:
     print(f"{'feature':<20} {'table':<16} {'columns':>12}")
     for f in spec.features:
         print(f"{f.name:<20} {f.table:<16} {f'{f.column_start}:{f.column_end}':>12}")
+    if manifest.plan_file:
+        from infer.planner.stats import format_plan_choices
+        from infer.planner.types import ShardingPlan
+
+        summary = format_plan_choices(ShardingPlan.from_json((folder / manifest.plan_file).read_text()))
+        if summary:
+            print()
+            print(summary)
     print()
     for entry in manifest.files:
         chunks = f" ({len(entry.chunks.sha256)} chunk digests)" if entry.chunks is not None else ""
@@ -357,6 +380,7 @@ def cmd_run(args: argparse.Namespace) -> int:
 def cmd_plan(args: argparse.Namespace) -> int:
     from infer.config import ModelSpec
     from infer.demo import demo_spec
+    from infer.planner.access import load_sample_ids
     from infer.planner.planner import EmbeddingPlanner
     from infer.planner.stats import format_stats, plot_plan
     from infer.planner.types import Topology, load_constraints
@@ -370,9 +394,11 @@ def cmd_plan(args: argparse.Namespace) -> int:
         args.compute_device,
         parse_bytes(args.device_memory) if args.device_memory else None,
         host_memory=parse_bytes(args.host_memory) if args.host_memory else 0,
+        mapped_capacity=_mapped_capacity(args.mapped_capacity, Path(args.out).parent),
     )
     constraints = load_constraints(args.constraints, spec) if args.constraints else {}
-    plan = EmbeddingPlanner(topology, args.batch_size).plan(spec, constraints)
+    sample = load_sample_ids(args.sample_ids, spec) if args.sample_ids else None
+    plan = EmbeddingPlanner(topology, args.batch_size).plan(spec, constraints, sample)
     print(format_stats(plan))
     out = Path(args.out)
     out.parent.mkdir(parents=True, exist_ok=True)
@@ -392,6 +418,22 @@ def _server_cli() -> ModuleType | None:
         if err.name not in ("server", "server.cli"):
             raise
         return None
+
+
+def _add_planning_data_flags(parser: argparse.ArgumentParser) -> None:
+    """Flags that plan and export share: what the requests read, and the mapped tier of CPU devices."""
+    parser.add_argument(
+        "--sample-ids",
+        default=None,
+        metavar="FILE",
+        help="ids per feature from a sample of requests: JSON {feature: [ids]} or .npz (default: uniform rows)",
+    )
+    parser.add_argument(
+        "--mapped-capacity",
+        default=None,
+        help="CPU: table bytes that may be paged from mapped files beyond RAM, e.g. 500GB, 0 (none) or unbounded "
+        "(default: the free disk of the output folder)",
+    )
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -420,6 +462,7 @@ def build_parser() -> argparse.ArgumentParser:
         "--device-memory", default=None, help="memory per device for planning, e.g. 16GB (default: this host's)"
     )
     exp.add_argument("--constraints", default=None, help="planner constraints JSON")
+    _add_planning_data_flags(exp)
     exp.add_argument("--plan", default=None, help="shard with this plan JSON (from embserve plan)")
     exp.add_argument(
         "--from-torchrec",
@@ -477,6 +520,7 @@ def build_parser() -> argparse.ArgumentParser:
     )
     plan.add_argument("--batch-size", type=int, default=512)
     plan.add_argument("--constraints", default=None, help="JSON {table_name: {constraint: value}}")
+    _add_planning_data_flags(plan)
     plan.add_argument("--dtype", default=None, help="data type for every table")
     plan.add_argument("--table-dtype", action="append", default=[], metavar="NAME=DTYPE")
     plan.add_argument("--out", required=True, help="plan JSON to write")

@@ -3,11 +3,13 @@
 from __future__ import annotations
 
 from collections import Counter
+from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
 from infer.errors import ConfigError
 from infer.planner import constants as C
+from infer.planner.memory_tiers import table_tier
 from infer.planner.types import ShardingPlan, ShardingType
 
 _BAR_WIDTH = 0.8
@@ -60,14 +62,19 @@ def format_stats(plan: ShardingPlan) -> str:
             f"{topo.device_name(d):>6} {memory:>28} {share:>5.1f}% {_gb(storage[d].host):>8} {_us(costs[d]):>9} "
             f"{inputs[d] / C.MB:>8.2f} {outputs[d] / C.MB:>8.2f}  {shards}"
         )
-    lines += ["", f"{'table':<24} {'type':<15} {'placement':<12} {'dtype':<6} {'cost us':>9}  devices"]
+    tiers = plan.planner.get("memory_tiers")
+    tier_head = f" {'tier':<8}" if tiers else ""
+    lines += ["", f"{'table':<24} {'type':<15} {'placement':<12} {'dtype':<6}{tier_head} {'cost us':>9}  devices"]
     for table in plan.tables:
         devices = ",".join(str(d) for d in sorted({s.device for s in table.shards}))
         cost = sum(s.cost for s in table.shards)
+        tier = f" {table_tier(table):<8}" if tiers else ""
         lines.append(
             f"{table.table:<24} {table.sharding_type.value:<15} {table.placement.value:<12} "
-            f"{table.data_type.value:<6} {_us(cost):>9}  {devices}"
+            f"{table.data_type.value:<6}{tier} {_us(cost):>9}  {devices}"
         )
+    if tiers:
+        lines += ["", format_tiers(tiers)]
     ratio = plan.bottleneck_cost / plan.lower_bound if plan.lower_bound else float("nan")
     lines += [
         "",
@@ -76,6 +83,33 @@ def format_stats(plan: ShardingPlan) -> str:
         f"{plan.planner.get('proposals_evaluated', '?')} proposals in {plan.planner.get('seconds', 0):.2f} s",
     ]
     return "\n".join(lines)
+
+
+def format_plan_choices(plan: ShardingPlan) -> str:
+    """What the planner chose beyond placement, for ``embserve inspect``: each table's memory tier (CPU plans),
+    and each table's data type with its reason when the precision planner chose them. Empty when neither."""
+    tiers = plan.planner.get("memory_tiers")
+    lines = []
+    if tiers:
+        lines.append(format_tiers(tiers))
+        for table in plan.tables:
+            resident = sum(s.weight_bytes for s in table.shards if s.tier.value == "resident")
+            paged = sum(s.weight_bytes for s in table.shards if s.tier.value == "paged")
+            lines.append(
+                f"  {table.table:<24} {table_tier(table):<8} resident {_gb(resident)} GB, paged {_gb(paged)} GB"
+            )
+    return "\n".join(lines)
+
+
+def format_tiers(tiers: Mapping[str, Any]) -> str:
+    """One line: resident bytes of the resident budget, paged bytes of the mapped capacity, access source."""
+    mapped = tiers.get("mapped_capacity")
+    capacity = "unbounded" if mapped is None else f"{_gb(mapped)} GB"
+    return (
+        f"memory tiers: resident {_gb(tiers['resident_bytes'])} of {_gb(tiers['resident_budget'])} GB (RAM for "
+        f"weights), paged {_gb(tiers['paged_bytes'])} GB (mapped capacity {capacity}); hottest bytes first, "
+        f"access {tiers['access']}"
+    )
 
 
 def plot_plan(plan: ShardingPlan, path: str | Path) -> Path:
