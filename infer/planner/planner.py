@@ -20,6 +20,7 @@ from infer.planner.partitioners import (
     keep_features_together,
     partition_lower_bound,
 )
+from infer.planner.precision import PrecisionPlan, apply_precision
 from infer.planner.proposers import DynamicProgrammingProposer, GreedyProposer, UniformProposer
 from infer.planner.shard_estimators import InferencePerfEstimator, InferenceStorageEstimator
 from infer.planner.storage_reservations import HeuristicalStorageReservation
@@ -87,10 +88,14 @@ class EmbeddingPlanner:
         spec: ModelSpec,
         constraints: Mapping[str, ParameterConstraints] | None = None,
         sample: AccessSample | None = None,
+        precision: PrecisionPlan | None = None,
     ) -> ShardingPlan:
-        """Plan ``spec``; ``sample`` (ids per feature from requests) ranks CPU shards for the resident tier."""
+        """Plan ``spec``; ``sample`` (ids per feature from requests) ranks CPU shards for the resident tier;
+        ``precision`` (``precision.plan_precision``) gives every table's data type, recorded with its reasons."""
         started = time.monotonic()
         constraints = constraints or {}
+        if precision is not None:
+            spec = apply_precision(spec, precision)
         topology = self.storage_reservation.reserve(self.topology, spec)
         options = self.enumerator.enumerate(spec, topology, constraints)
         names = [t.name for t in spec.tables]
@@ -110,6 +115,8 @@ class EmbeddingPlanner:
             len(names), topology.world_size, seconds, best.bottleneck, lower_bound, best_source, evaluated,
         )  # fmt: skip
         plan = self._to_plan(best, topology, lower_bound, best_source, evaluated, seconds)
+        if precision is not None:
+            plan = replace(plan, planner={**plan.planner, "precision": precision.to_dict()})
         if not self.is_inference or topology.is_cuda:
             return plan
         tables, tier_stats = assign_tiers(

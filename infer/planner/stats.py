@@ -75,6 +75,8 @@ def format_stats(plan: ShardingPlan) -> str:
         )
     if tiers:
         lines += ["", format_tiers(tiers)]
+    if plan.planner.get("precision"):
+        lines += ["", format_precision(plan.planner["precision"])]
     ratio = plan.bottleneck_cost / plan.lower_bound if plan.lower_bound else float("nan")
     lines += [
         "",
@@ -98,7 +100,77 @@ def format_plan_choices(plan: ShardingPlan) -> str:
             lines.append(
                 f"  {table.table:<24} {table_tier(table):<8} resident {_gb(resident)} GB, paged {_gb(paged)} GB"
             )
+    if plan.planner.get("precision"):
+        lines.append(format_precision(plan.planner["precision"]))
     return "\n".join(lines)
+
+
+def format_precision(precision: Mapping[str, Any], frontier: bool = False) -> str:
+    """The precision planner's record: the chosen total beside greedy and uniform, then each table's type and
+    reason (bytes saved and weighted error added against the spec's type); ``frontier``: its points too."""
+    chosen = precision["chosen"]
+    budget = precision.get("memory_budget")
+    error_budget = precision.get("error_budget")
+    limits = ", ".join(
+        ([f"memory budget {_gb(budget)} GB"] if budget is not None else [])
+        + ([f"error budget {100 * error_budget:.3f}%"] if error_budget is not None else [])
+    )
+    gap = chosen.get("gap")
+    lines = [
+        f"precision ({limits}; access {precision.get('access', '?')}): weighted error of pooled outputs, bytes",
+        f"  {'chosen (exact MILP)':<22} {100 * chosen['error']:>8.3f}% {_gb(chosen['total_bytes']):>9} GB"
+        f"  gap {gap if gap is not None else '?'}, {chosen['seconds']:.3f} s",
+    ]
+    for other in [precision["greedy"], *precision.get("uniform", [])]:
+        lines.append(f"  {other['method']:<22} {100 * other['error']:>8.3f}% {_gb(other['total_bytes']):>9} GB")
+    lines.append(
+        f"  {'table':<24} {'dtype':<6} {'spec':<6} {'GB':>8} {'saved GB':>9} {'error %':>8} {'added %':>8} {'reads':>6}"
+    )
+    for row in precision["tables"]:
+        lines.append(
+            f"  {row['table']:<24} {row['data_type']:<6} {row['declared']:<6} {_gb(row['bytes']):>8} "
+            f"{_gb(row['bytes_saved']):>9} {100 * row['error']:>8.3f} {100 * row['error_added']:>+8.3f} "
+            f"{100 * row['weight']:>5.1f}%"
+        )
+    if frontier:
+        lines.append(f"  frontier: {'GB':>9} {'error %':>8}")
+        for total, error in precision.get("frontier", []):
+            lines.append(f"  {'':<10}{_gb(total):>9} {100 * error:>8.3f}")
+    return "\n".join(lines)
+
+
+def plot_frontier(precision: Mapping[str, Any], path: str | Path) -> Path:
+    """The error-vs-bytes frontier as a PNG (matplotlib, Agg), with the chosen point, greedy and the uniform
+    INT8/INT4 points marked."""
+    try:
+        import matplotlib
+    except ImportError:
+        raise ConfigError("drawing the frontier needs matplotlib: pip install 'embserve[plot]'") from None
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(7, 4.5))
+    points = precision.get("frontier", [])
+    if points:
+        ax.step([p[0] / C.GB for p in points], [100 * p[1] for p in points], where="post", color="#4c72b0",
+                marker=".", label="frontier (exact)")  # fmt: skip
+    marks = [(precision["chosen"], "chosen", "#c44e52", "*"), (precision["greedy"], "greedy", "#dd8452", "o")]
+    marks += [(u, u["method"], "#55a868", "s") for u in precision.get("uniform", [])]
+    for choice, label, color, marker in marks:
+        ax.scatter([choice["total_bytes"] / C.GB], [100 * choice["error"]], color=color, marker=marker, s=80,
+                   zorder=3, label=label)  # fmt: skip
+    if precision.get("memory_budget") is not None:
+        ax.axvline(precision["memory_budget"] / C.GB, color="black", linestyle="--", linewidth=1, label="budget")
+    ax.set_xlabel("table bytes (GB)")
+    ax.set_ylabel("weighted relative error of pooled outputs (%)")
+    ax.set_yscale("symlog", linthresh=0.01)
+    ax.legend(fontsize=8)
+    fig.tight_layout()
+    path = Path(path)
+    fig.savefig(path, dpi=100)
+    plt.close(fig)
+    return path
 
 
 def format_tiers(tiers: Mapping[str, Any]) -> str:

@@ -291,7 +291,9 @@ class ParameterConstraints:
     batch_size: int | None = None  # None -> the planner's batch size
     min_shards: int = 1
     max_shards: int | None = None
-    data_type: DataType | None = None  # None -> the table's data_type
+    data_type: DataType | None = None  # None -> the table's data_type (or the precision planner's choice)
+    # the precision planner's floor: choose no less precise a type than this (fp32 > fp16 > int8 > int4 > int2)
+    min_data_type: DataType | None = None
     cache_load_factor: float = C.DEFAULT_CACHE_LOAD_FACTOR
     min_column_shard: int = C.DEFAULT_MIN_COLUMN_SHARD
 
@@ -301,6 +303,8 @@ class ParameterConstraints:
         object.__setattr__(self, "pooling_factors", tuple(float(p) for p in self.pooling_factors))
         if self.data_type is not None:
             object.__setattr__(self, "data_type", DataType.parse(self.data_type))
+        if self.min_data_type is not None:
+            object.__setattr__(self, "min_data_type", DataType.parse(self.min_data_type))
         problems = []
         if not self.sharding_types:
             problems.append("sharding_types is empty")
@@ -340,6 +344,7 @@ class ParameterConstraints:
             "min_shards": self.min_shards,
             "max_shards": self.max_shards,
             "data_type": self.data_type.value if self.data_type else None,
+            "min_data_type": self.min_data_type.value if self.min_data_type else None,
             "cache_load_factor": self.cache_load_factor,
             "min_column_shard": self.min_column_shard,
         }
