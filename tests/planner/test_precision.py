@@ -191,3 +191,44 @@ def test_precision_lands_in_the_plan_with_reasons_and_round_trips(tmp_path):
     assert "cold" in format_plan_choices(again)
     png = plot_frontier(again.planner["precision"], tmp_path / "frontier.png")
     assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def test_cli_plan_and_export_choose_dtypes_under_a_budget_and_inspect_shows_why(tmp_path, capsys):
+    from infer.cli import main
+
+    spec = ModelSpec((TableConfig("hot", 3_000, 64, ("fh",)), TableConfig("cold", 60_000, 64, ("fc",))))
+    (tmp_path / "spec.json").write_text(spec.to_json())
+    torch.save(make_weights(spec), tmp_path / "w.pt")
+    rng = np.random.default_rng(0)
+    # the sample: the hot table is read 40x as often as the cold one
+    np.savez(tmp_path / "ids.npz", fh=rng.integers(0, 3_000, 4000), fc=rng.integers(0, 60_000, 100))
+    int8 = hand_bytes(3_000, 64, DataType.INT8) + hand_bytes(60_000, 64, DataType.INT8)
+    budget = str(int8 // 2)
+    flags = ["--memory-budget", budget, "--sample-ids", str(tmp_path / "ids.npz")]
+    out = tmp_path / "plan.json"
+    code = main(["plan", "--spec", str(tmp_path / "spec.json"), "--world-size", "1", "--compute-device", "cpu",
+                 "--out", str(out), "--frontier", str(tmp_path / "f.png"), *flags])  # fmt: skip
+    assert code == 0
+    printed = capsys.readouterr().out
+    assert "synthetic N(0,1) rows" in printed and "frontier" in printed and (tmp_path / "f.png").exists()
+    plan = ShardingPlan.from_json(out.read_text())
+    chosen = {t.table: t.data_type for t in plan.tables}
+    total = sum(hand_bytes(t.num_embeddings, t.embedding_dim, chosen[t.name]) for t in spec.tables)
+    assert total <= int(budget) and chosen["cold"].bits < chosen["hot"].bits
+    art = tmp_path / "art"
+    args = ["export", "--spec", str(tmp_path / "spec.json"), "--weights", str(tmp_path / "w.pt"), "--out", str(art)]
+    assert main([*args, *flags]) == 0
+    capsys.readouterr()
+    assert main(["inspect", str(art)]) == 0
+    shown = capsys.readouterr().out
+    assert "chosen (exact MILP)" in shown and "uniform int4" in shown
+    rows = {line.split()[0]: line.split() for line in shown.splitlines() if line.strip().startswith(("hot ", "cold "))}
+    assert rows["cold"][1] == [t.data_type.value for t in infer_load_tables(art) if t.name == "cold"][0]
+    assert main([*args, "--force", "--memory-budget", "1KB"]) == 2
+    assert "too small" in capsys.readouterr().err
+
+
+def infer_load_tables(folder):
+    from infer.artifact.manifest import Manifest
+
+    return Manifest.read(folder).spec.tables
