@@ -11,6 +11,7 @@ from infer.errors import ConfigError
 from infer.planner import constants as C
 from infer.planner.memory_tiers import table_tier
 from infer.planner.types import ShardingPlan, ShardingType
+from infer.planner.utils import format_bytes
 
 _BAR_WIDTH = 0.8
 
@@ -98,7 +99,8 @@ def format_plan_choices(plan: ShardingPlan) -> str:
             resident = sum(s.weight_bytes for s in table.shards if s.tier.value == "resident")
             paged = sum(s.weight_bytes for s in table.shards if s.tier.value == "paged")
             lines.append(
-                f"  {table.table:<24} {table_tier(table):<8} resident {_gb(resident)} GB, paged {_gb(paged)} GB"
+                f"  {table.table:<24} {table_tier(table):<8} {format_bytes(resident):>10} resident, "
+                f"{format_bytes(paged):>10} paged"
             )
     if plan.planner.get("precision"):
         lines.append(format_precision(plan.planner["precision"]))
@@ -112,30 +114,31 @@ def format_precision(precision: Mapping[str, Any], frontier: bool = False) -> st
     budget = precision.get("memory_budget")
     error_budget = precision.get("error_budget")
     limits = ", ".join(
-        ([f"memory budget {_gb(budget)} GB"] if budget is not None else [])
+        ([f"memory budget {format_bytes(budget)}"] if budget is not None else [])
         + ([f"error budget {100 * error_budget:.3f}%"] if error_budget is not None else [])
     )
     gap = chosen.get("gap")
     lines = [
         f"precision ({limits}; access {precision.get('access', '?')}): weighted error of pooled outputs, bytes",
-        f"  {'chosen (exact MILP)':<22} {100 * chosen['error']:>8.3f}% {_gb(chosen['total_bytes']):>9} GB"
+        f"  {'chosen (exact MILP)':<22} {100 * chosen['error']:>8.3f}% {format_bytes(chosen['total_bytes']):>10}"
         f"  gap {gap if gap is not None else '?'}, {chosen['seconds']:.3f} s",
     ]
     for other in [precision["greedy"], *precision.get("uniform", [])]:
-        lines.append(f"  {other['method']:<22} {100 * other['error']:>8.3f}% {_gb(other['total_bytes']):>9} GB")
+        lines.append(f"  {other['method']:<22} {100 * other['error']:>8.3f}% {format_bytes(other['total_bytes']):>10}")
     lines.append(
-        f"  {'table':<24} {'dtype':<6} {'spec':<6} {'GB':>8} {'saved GB':>9} {'error %':>8} {'added %':>8} {'reads':>6}"
+        f"  {'table':<24} {'dtype':<6} {'spec':<6} {'bytes':>10} {'saved':>10} {'error %':>8} {'added %':>8} "
+        f"{'reads':>6}"
     )
     for row in precision["tables"]:
         lines.append(
-            f"  {row['table']:<24} {row['data_type']:<6} {row['declared']:<6} {_gb(row['bytes']):>8} "
-            f"{_gb(row['bytes_saved']):>9} {100 * row['error']:>8.3f} {100 * row['error_added']:>+8.3f} "
+            f"  {row['table']:<24} {row['data_type']:<6} {row['declared']:<6} {format_bytes(row['bytes']):>10} "
+            f"{format_bytes(row['bytes_saved']):>10} {100 * row['error']:>8.3f} {100 * row['error_added']:>+8.3f} "
             f"{100 * row['weight']:>5.1f}%"
         )
     if frontier:
-        lines.append(f"  frontier: {'GB':>9} {'error %':>8}")
+        lines.append(f"  frontier: {'bytes':>10} {'error %':>8}")
         for total, error in precision.get("frontier", []):
-            lines.append(f"  {'':<10}{_gb(total):>9} {100 * error:>8.3f}")
+            lines.append(f"  {'':<10}{format_bytes(total):>10} {100 * error:>8.3f}")
     return "\n".join(lines)
 
 
