@@ -5,6 +5,13 @@ and per-device memory use. Tables: rows log-uniform in [1e3, 3e7], dims in {32, 
 
     python bench/planner.py
     python bench/planner.py --tables 500 --devices 16
+    python bench/planner.py --precision          # issue 28: DLRM-v2 shapes, precision under a budget
+
+``--precision`` prints one JSON line per case: DLRM-v2's 26 tables (dim 128, synthetic N(0,1) rows generated
+per sampled id, never materialized; Zipf(1.05) ids over a random permutation of each table's rows, with
+DLRM-v2's multi-hot sizes per example) at a 16 GB budget and at uniform INT4's bytes: the exact choice's
+read-weighted error against greedy and uniform INT4/INT8, measuring and planning seconds; then the choice
+alone for 500 tables x 5 types.
 """
 
 from __future__ import annotations
@@ -15,8 +22,11 @@ import math
 import random
 import sys
 import time
+from collections.abc import Sequence
 
-from infer.config import ModelSpec, TableConfig
+import numpy as np
+
+from infer.config import DataType, ModelSpec, TableConfig
 from infer.planner import constants as C
 from infer.planner.planner import EmbeddingPlanner
 from infer.planner.types import Topology
@@ -64,12 +74,115 @@ def run_case(num_tables: int, devices: int, device_memory: int) -> dict[str, obj
     }
 
 
+DLRM_V2_ROWS = (
+    40000000, 39060, 17295, 7424, 20265, 3, 7122, 1543, 63, 40000000, 3067956, 405282, 10, 2209, 11938, 155, 4,
+    976, 14, 40000000, 40000000, 40000000, 590152, 12973, 108, 36,
+)  # fmt: skip
+DLRM_V2_MULTI_HOT = (3, 2, 1, 2, 6, 1, 1, 1, 1, 7, 3, 8, 1, 6, 9, 5, 1, 1, 1, 12, 100, 27, 10, 3, 1, 1)
+
+
+def zipf_ids(rows: int, count: int, alpha: float, rng: np.random.Generator) -> np.ndarray:
+    """Bounded Zipf(alpha) ranks by inverse CDF (continuous approximation), scattered over the rows by a fixed
+    affine permutation (hot rows spread out, as hashed ids are)."""
+    import numpy as np
+
+    u = rng.random(count)
+    ranks = np.floor(((rows ** (1 - alpha) - 1) * u + 1) ** (1 / (1 - alpha))).astype(np.int64) - 1
+    ranks = np.clip(ranks, 0, rows - 1)
+    step = 2_654_435_761 % rows or 1
+    while math.gcd(step, rows) != 1:
+        step += 1
+    return (ranks * step + rows // 3) % rows
+
+
+def precision_cases(examples: int = 1000, budget_gb: float = 16.0) -> list[dict[str, object]]:
+    import numpy as np
+
+    from infer.planner.access import sample_from_ids
+    from infer.planner.precision import choose_exact, choose_greedy, choose_uniform, plan_precision
+    from infer.quant.measured_error import measure_errors, synthetic_normal_rows
+
+    tables = tuple(TableConfig(f"t{i:02d}", rows, 128, (f"f{i:02d}",)) for i, rows in enumerate(DLRM_V2_ROWS))
+    spec = ModelSpec(tables)
+    rng = np.random.default_rng(0)
+    ids = {t.feature_names[0]: zipf_ids(t.num_embeddings, examples * hot, 1.05, rng)
+           for t, hot in zip(tables, DLRM_V2_MULTI_HOT)}  # fmt: skip
+    sample = sample_from_ids(ids, spec, source=f"Zipf(1.05) ids of {examples} examples")
+    started = time.perf_counter()
+    measured = measure_errors(spec, synthetic_normal_rows(0), sample)
+    measure_seconds = time.perf_counter() - started
+    cases = []
+    budget = int(budget_gb * C.GB)
+    started = time.perf_counter()
+    precision = plan_precision(spec, measured, budget, sample=sample, frontier_points=0)
+    seconds = time.perf_counter() - started
+    problem = precision.problem
+    int4, int8 = choose_uniform(problem, DataType.INT4), choose_uniform(problem, DataType.INT8)
+    for name, limit in (("16GB", budget), ("uniform_int4_bytes", int4.total_bytes)):
+        exact = precision.chosen if limit == budget else choose_exact(problem, limit)
+        greedy = precision.greedy if limit == budget else choose_greedy(problem, limit)
+        cases.append({
+            "bench": "precision_dlrm_v2",
+            "budget": name,
+            "budget_gb": round(limit / C.GB, 3),
+            "chosen_gb": round(exact.total_bytes / C.GB, 3),
+            "chosen_error": round(exact.error, 6),
+            "greedy_error": round(greedy.error, 6),
+            "uniform_int4_error": round(int4.error, 6),
+            "uniform_int4_gb": round(int4.total_bytes / C.GB, 3),
+            "uniform_int8_error": round(int8.error, 6),
+            "uniform_int8_gb": round(int8.total_bytes / C.GB, 3),
+            "ratio_chosen_to_uniform_int4": round(exact.error / int4.error, 4),
+            "ratio_greedy_to_chosen": round(greedy.error / exact.error, 4) if exact.error else None,
+            "gap": exact.gap,
+            "dtypes": {d.value: sum(1 for x in exact.data_types if x == d) for d in set(exact.data_types)},
+            "measure_seconds": round(measure_seconds, 2),
+            "plan_seconds_with_greedy_and_uniform": round(seconds, 3) if limit == budget else None,
+            "choice_seconds": round(exact.seconds, 4),
+        })  # fmt: skip
+    cases.append(choice_speed_case(measured))
+    return cases
+
+
+def choice_speed_case(measured: Sequence[object], num_tables: int = 500) -> dict[str, object]:
+    """The exact choice alone for many tables: measured DLRM-v2 error profiles scaled per table."""
+    import numpy as np
+
+    from infer.planner.precision import choose_exact, precision_problem
+    from infer.quant.measured_error import TableError
+
+    rng = np.random.default_rng(1)
+    spec = synthetic_spec(num_tables)
+    profiles = [m for m in measured if isinstance(m, TableError)]
+    errors = []
+    for table in spec.tables:
+        profile = profiles[int(rng.integers(len(profiles)))]
+        scale = float(rng.uniform(0.5, 2.0))
+        errors.append(TableError(table.name, tuple((d, e * scale) for d, e in profile.errors), 0, 0))
+    problem = precision_problem(spec, errors)
+    low = sum(t.options[0].bytes for t in problem)
+    high = sum(t.options[-1].bytes for t in problem)
+    choice = choose_exact(problem, int(low + 0.2 * (high - low)))
+    return {
+        "bench": "precision_choice_speed",
+        "tables": num_tables,
+        "data_types": 5,
+        "choice_seconds": round(choice.seconds, 4),
+        "gap": choice.gap,
+    }
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--tables", type=int, action="append", help="table counts (default 26 100 500 1000)")
     parser.add_argument("--devices", type=int, action="append", help="device counts (default 8 16 64)")
     parser.add_argument("--device-memory-gb", type=float, default=80.0)
+    parser.add_argument("--precision", action="store_true", help="the precision planner on DLRM-v2's shapes")
     args = parser.parse_args()
+    if args.precision:
+        for case in precision_cases():
+            print(json.dumps(case), flush=True)
+        return 0
     memory = int(args.device_memory_gb * C.GB)
     for tables in args.tables or [26, 100, 500, 1000]:
         for devices in args.devices or [8, 16, 64]:

@@ -9,7 +9,7 @@ import os
 import subprocess
 import sys
 import time
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from pathlib import Path
 from types import ModuleType
 from typing import TYPE_CHECKING
@@ -18,8 +18,12 @@ from infer.artifact.load import BACKENDS
 from infer.errors import ConfigError, EmbserveError
 
 if TYPE_CHECKING:
+    import torch
+
     from infer.config import ModelSpec
-    from infer.planner.types import ShardingPlan
+    from infer.planner.access import AccessSample
+    from infer.planner.precision import PrecisionPlan
+    from infer.planner.types import ParameterConstraints, ShardingPlan, Topology
 
 logger = logging.getLogger(__name__)
 
@@ -81,14 +85,15 @@ def cmd_export(args: argparse.Namespace) -> int:
     from infer.config import ModelSpec
     from infer.quant.accuracy import accuracy_report, format_accuracy
     from infer.quant.quantize import quantize
-    from infer.weights import load_checkpoint
 
     _check_export_out(Path(args.out), args.force)
     if bool(args.weights) == bool(args.from_torchrec):
         raise ConfigError("give the tables with exactly one of --weights CKPT and --from-torchrec PATH")
     overrides = _parse_table_dtypes(args.table_dtype)
     spec = ModelSpec.load(args.spec).with_data_types(args.dtype, overrides)
-    plan = _export_plan(args, spec)
+    # the precision planner measures each table's error on its rows: the tables are needed before the plan
+    early_weights = _export_weights(args, spec) if _wants_precision(args) else None
+    plan = _export_plan(args, spec, early_weights)
     if plan is not None:
         source = f"the plan {args.plan!r}" if args.plan else f"the plan made with --constraints {args.constraints!r}"
         _check_plan_data_types(plan, args.dtype, overrides, source)
@@ -107,12 +112,7 @@ def cmd_export(args: argparse.Namespace) -> int:
         spec = spec.with_data_types(overrides={t.table: t.data_type for t in plan.tables})
     # inputs are checked in the order the pipeline uses them: spec, plan, tables, then the dense part
     _check_dense_flags(spec, args.dense_arch, args.no_dense, args.spec)
-    if args.from_torchrec:
-        from infer.interop.torchrec import load_torchrec_checkpoint
-
-        weights = load_torchrec_checkpoint(args.from_torchrec, spec)
-    else:
-        weights = load_checkpoint(args.weights, spec)
+    weights = early_weights if early_weights is not None else _export_weights(args, spec)
     spec = _with_dense_part(spec, args.dense_arch)
     model = quantize(spec, weights, progress=_print_progress)
     print(format_accuracy(accuracy_report(spec, weights, model)))
@@ -219,12 +219,66 @@ def cmd_spec(args: argparse.Namespace) -> int:
     return 0
 
 
-def _export_plan(args: argparse.Namespace, spec: ModelSpec) -> ShardingPlan | None:
-    """The plan to shard with: read from --plan, made for --world-size, or none (unsharded)."""
+def _export_weights(args: argparse.Namespace, spec: ModelSpec) -> dict[str, torch.Tensor]:
+    """The fp32 tables of --weights (memory-mapped) or --from-torchrec."""
+    if args.from_torchrec:
+        from infer.interop.torchrec import load_torchrec_checkpoint
+
+        return dict(load_torchrec_checkpoint(args.from_torchrec, spec))
+    from infer.weights import load_checkpoint
+
+    return load_checkpoint(args.weights, spec)
+
+
+def _wants_precision(args: argparse.Namespace) -> bool:
+    return args.memory_budget is not None or args.error_budget is not None
+
+
+def _precision_plan(
+    args: argparse.Namespace,
+    spec: ModelSpec,
+    weights: Mapping[str, torch.Tensor] | None,
+    constraints: Mapping[str, ParameterConstraints],
+    sample: AccessSample | None,
+    topology: Topology,
+) -> PrecisionPlan | None:
+    """--memory-budget / --error-budget: every table's data type from its measured error (issue 28)."""
+    if not _wants_precision(args):
+        return None
+    from infer.planner.precision import plan_precision
+    from infer.planner.stats import format_precision, plot_frontier
+    from infer.planner.utils import parse_bytes
+    from infer.quant.measured_error import format_errors, measure_errors, rows_from_weights, synthetic_normal_rows
+
+    if args.dtype or args.table_dtype or getattr(args, "plan", None):
+        raise ConfigError("--memory-budget/--error-budget choose every table's data type: drop --dtype, --table-dtype "
+                          "and --plan (floors go in --constraints as min_data_type)")  # fmt: skip
+    if weights is None:
+        print("measuring error on synthetic N(0,1) rows (no --weights given)")
+    source = rows_from_weights(weights) if weights is not None else synthetic_normal_rows()
+    measured = measure_errors(spec, source, sample)
+    print(format_errors(measured))
+    budget = parse_bytes(args.memory_budget) if args.memory_budget is not None else None
+    precision = plan_precision(spec, measured, budget, args.error_budget, constraints, sample, topology.row_alignment)
+    print()
+    print(format_precision(precision.to_dict(), frontier=True))
+    if args.frontier:
+        print(f"wrote {plot_frontier(precision.to_dict(), args.frontier)}")
+    return precision
+
+
+def _export_plan(
+    args: argparse.Namespace, spec: ModelSpec, weights: Mapping[str, torch.Tensor] | None = None
+) -> ShardingPlan | None:
+    """The plan to shard with: read from --plan, made for --world-size, or none (unsharded); with a
+    --memory-budget or --error-budget always a plan (one device unless told), which records the choice."""
+    from infer.planner.access import load_sample_ids
     from infer.planner.planner import EmbeddingPlanner
     from infer.planner.types import ShardingPlan, Topology, load_constraints, require_devices_here
     from infer.planner.utils import parse_bytes
 
+    if args.plan and _wants_precision(args):
+        raise ConfigError("--plan fixes every table's data type: drop --memory-budget/--error-budget, or --plan")
     if args.plan:
         try:
             text = Path(args.plan).read_text()
@@ -237,17 +291,33 @@ def _export_plan(args: argparse.Namespace, spec: ModelSpec) -> ShardingPlan | No
     if hosts > 1 and args.world_size:
         raise EmbserveError("give either --world-size (one host) or --hosts with --devices-per-host, not both")
     devices = args.devices_per_host * hosts if hosts > 1 else args.world_size
-    if not devices:
+    if not devices and not _wants_precision(args):
         return None
+    devices = devices or 1
     topology = Topology.detect(
         devices,
         args.device,
         parse_bytes(args.device_memory) if args.device_memory else None,
         local_world_size=args.devices_per_host if hosts > 1 else 0,
+        mapped_capacity=_mapped_capacity(args.mapped_capacity, Path(args.out)),
     )
     require_devices_here(topology, f"--device {args.device}")
     constraints = load_constraints(args.constraints, spec) if args.constraints else {}
-    return EmbeddingPlanner(topology).plan(spec, constraints)
+    sample = load_sample_ids(args.sample_ids, spec) if args.sample_ids else None
+    precision = _precision_plan(args, spec, weights, constraints, sample, topology)
+    return EmbeddingPlanner(topology).plan(spec, constraints, sample, precision)
+
+
+def _mapped_capacity(flag: str | None, folder: Path) -> tuple[int | None, str]:
+    """--mapped-capacity: a size, 'unbounded', or by default the free disk where the artifact (or plan) goes."""
+    from infer.planner.types import free_disk_bytes
+    from infer.planner.utils import parse_bytes
+
+    if flag is None:
+        return free_disk_bytes(folder)
+    if flag.strip().lower() == "unbounded":
+        return None, "given"
+    return parse_bytes(flag), "given"
 
 
 def cmd_inspect(args: argparse.Namespace) -> int:
@@ -296,6 +366,14 @@ def cmd_inspect(args: argparse.Namespace) -> int:
     print(f"{'feature':<20} {'table':<16} {'columns':>12}")
     for f in spec.features:
         print(f"{f.name:<20} {f.table:<16} {f'{f.column_start}:{f.column_end}':>12}")
+    if manifest.plan_file:
+        from infer.planner.stats import format_plan_choices
+        from infer.planner.types import ShardingPlan
+
+        summary = format_plan_choices(ShardingPlan.from_json((folder / manifest.plan_file).read_text()))
+        if summary:
+            print()
+            print(summary)
     print()
     for entry in manifest.files:
         chunks = f" ({len(entry.chunks.sha256)} chunk digests)" if entry.chunks is not None else ""
@@ -357,10 +435,12 @@ def cmd_run(args: argparse.Namespace) -> int:
 def cmd_plan(args: argparse.Namespace) -> int:
     from infer.config import ModelSpec
     from infer.demo import demo_spec
+    from infer.planner.access import load_sample_ids
     from infer.planner.planner import EmbeddingPlanner
     from infer.planner.stats import format_stats, plot_plan
     from infer.planner.types import Topology, load_constraints
     from infer.planner.utils import parse_bytes
+    from infer.weights import load_checkpoint
 
     spec = demo_spec() if args.spec == "demo" else ModelSpec.load(args.spec)
     spec = spec.with_data_types(args.dtype, _parse_table_dtypes(args.table_dtype))
@@ -370,9 +450,13 @@ def cmd_plan(args: argparse.Namespace) -> int:
         args.compute_device,
         parse_bytes(args.device_memory) if args.device_memory else None,
         host_memory=parse_bytes(args.host_memory) if args.host_memory else 0,
+        mapped_capacity=_mapped_capacity(args.mapped_capacity, Path(args.out).parent),
     )
     constraints = load_constraints(args.constraints, spec) if args.constraints else {}
-    plan = EmbeddingPlanner(topology, args.batch_size).plan(spec, constraints)
+    sample = load_sample_ids(args.sample_ids, spec) if args.sample_ids else None
+    weights = load_checkpoint(args.weights, spec) if args.weights else None
+    precision = _precision_plan(args, spec, weights, constraints, sample, topology)
+    plan = EmbeddingPlanner(topology, args.batch_size).plan(spec, constraints, sample, precision)
     print(format_stats(plan))
     out = Path(args.out)
     out.parent.mkdir(parents=True, exist_ok=True)
@@ -392,6 +476,36 @@ def _server_cli() -> ModuleType | None:
         if err.name not in ("server", "server.cli"):
             raise
         return None
+
+
+def _add_planning_data_flags(parser: argparse.ArgumentParser) -> None:
+    """Flags that plan and export share: what the requests read, the mapped tier of CPU devices, and the
+    precision planner's budgets."""
+    parser.add_argument(
+        "--memory-budget",
+        default=None,
+        help="choose every table's data type from its measured error so the tables fit this, e.g. 16GB",
+    )
+    parser.add_argument(
+        "--error-budget",
+        type=float,
+        default=None,
+        help="with it: the fewest bytes whose read-weighted relative error of pooled outputs is at most this "
+        "(e.g. 0.01 for 1%%)",
+    )
+    parser.add_argument("--frontier", default=None, metavar="PNG", help="plot the error-vs-bytes frontier here")
+    parser.add_argument(
+        "--sample-ids",
+        default=None,
+        metavar="FILE",
+        help="ids per feature from a sample of requests: JSON {feature: [ids]} or .npz (default: uniform rows)",
+    )
+    parser.add_argument(
+        "--mapped-capacity",
+        default=None,
+        help="CPU: table bytes that may be paged from mapped files beyond RAM, e.g. 500GB, 0 (none) or unbounded "
+        "(default: the free disk of the output folder)",
+    )
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -420,6 +534,7 @@ def build_parser() -> argparse.ArgumentParser:
         "--device-memory", default=None, help="memory per device for planning, e.g. 16GB (default: this host's)"
     )
     exp.add_argument("--constraints", default=None, help="planner constraints JSON")
+    _add_planning_data_flags(exp)
     exp.add_argument("--plan", default=None, help="shard with this plan JSON (from embserve plan)")
     exp.add_argument(
         "--from-torchrec",
@@ -477,8 +592,12 @@ def build_parser() -> argparse.ArgumentParser:
     )
     plan.add_argument("--batch-size", type=int, default=512)
     plan.add_argument("--constraints", default=None, help="JSON {table_name: {constraint: value}}")
+    _add_planning_data_flags(plan)
     plan.add_argument("--dtype", default=None, help="data type for every table")
     plan.add_argument("--table-dtype", action="append", default=[], metavar="NAME=DTYPE")
+    plan.add_argument(
+        "--weights", default=None, help="checkpoint {table: fp32 tensor} to measure error on (default: N(0,1) rows)"
+    )
     plan.add_argument("--out", required=True, help="plan JSON to write")
     plan.add_argument("--plot", default=None, help="PNG with per-device memory and cost bars")
     plan.set_defaults(func=cmd_plan)

@@ -5,11 +5,14 @@ from __future__ import annotations
 import logging
 import time
 from collections.abc import Mapping, Sequence
+from dataclasses import replace
 
 from infer.config import ModelSpec
 from infer.errors import PlanError, PlanErrorKind
 from infer.planner import constants as C
+from infer.planner.access import AccessSample
 from infer.planner.enumerators import EmbeddingEnumerator
+from infer.planner.memory_tiers import assign_tiers
 from infer.planner.partitioners import (
     ExactPartitioner,
     GreedyPartitioner,
@@ -17,6 +20,7 @@ from infer.planner.partitioners import (
     keep_features_together,
     partition_lower_bound,
 )
+from infer.planner.precision import PrecisionPlan, apply_precision
 from infer.planner.proposers import DynamicProgrammingProposer, GreedyProposer, UniformProposer
 from infer.planner.shard_estimators import InferencePerfEstimator, InferenceStorageEstimator
 from infer.planner.storage_reservations import HeuristicalStorageReservation
@@ -37,6 +41,9 @@ from infer.planner.types import (
 from infer.planner.utils import format_gb
 
 logger = logging.getLogger(__name__)
+
+# a device's mapped share when the mapped capacity is unbounded: larger than any table set, small enough for JSON
+_UNBOUNDED_SHARE = 1 << 49
 
 
 def _device_bytes(option: ShardingOption) -> int:
@@ -76,12 +83,51 @@ class EmbeddingPlanner:
             ExactPartitioner(time_limit_s=2.0, max_variables=1500) if partitioner is None else None
         )
 
-    def plan(self, spec: ModelSpec, constraints: Mapping[str, ParameterConstraints] | None = None) -> ShardingPlan:
+    def plan(
+        self,
+        spec: ModelSpec,
+        constraints: Mapping[str, ParameterConstraints] | None = None,
+        sample: AccessSample | None = None,
+        precision: PrecisionPlan | None = None,
+    ) -> ShardingPlan:
+        """Plan ``spec``; ``sample`` (ids per feature from requests) ranks CPU shards for the resident tier;
+        ``precision`` (``precision.plan_precision``) gives every table's data type, recorded with its reasons."""
         started = time.monotonic()
+        constraints = constraints or {}
+        if precision is not None:
+            spec = apply_precision(spec, precision)
         topology = self.storage_reservation.reserve(self.topology, spec)
-        options = self.enumerator.enumerate(spec, topology, constraints or {})
+        options = self.enumerator.enumerate(spec, topology, constraints)
         names = [t.name for t in spec.tables]
         ordered = {name: options[name] for name in names}
+        try:
+            best, best_source, evaluated = self._search(ordered, topology)
+        except PlanError as err:
+            if err.kind != PlanErrorKind.INSUFFICIENT_MEMORY or not (self.is_inference and topology.pages_weights):
+                raise
+            # the tables exceed RAM: place them within RAM plus mapped capacity; tiers say what is paged
+            best, best_source, evaluated = self._search_paged(ordered, topology)
+        best = keep_features_together(best)
+        lower_bound = global_lower_bound(ordered, topology.world_size)
+        seconds = time.monotonic() - started
+        logger.info(
+            "planned %d tables on %d devices in %.2fs: bottleneck %.3g s, lower bound %.3g s (%s, %d proposals)",
+            len(names), topology.world_size, seconds, best.bottleneck, lower_bound, best_source, evaluated,
+        )  # fmt: skip
+        plan = self._to_plan(best, topology, lower_bound, best_source, evaluated, seconds)
+        if precision is not None:
+            plan = replace(plan, planner={**plan.planner, "precision": precision.to_dict()})
+        if not self.is_inference or topology.is_cuda:
+            return plan
+        tables, tier_stats = assign_tiers(
+            plan.tables, spec, constraints, sum(topology.device_memory), topology.mapped_capacity, sample
+        )
+        return replace(plan, tables=tables, planner={**plan.planner, "memory_tiers": tier_stats})
+
+    def _search(
+        self, ordered: Mapping[str, Sequence[ShardingOption]], topology: Topology
+    ) -> tuple[PartitionResult, str, int]:
+        """The best partition of any proposal (then placed exactly when small), or the host fallback's."""
         best: PartitionResult | None = None
         best_source = ""
         evaluated = 0
@@ -102,14 +148,31 @@ class EmbeddingPlanner:
             exact = self.final_partitioner.partition(best.proposal, topology)
             if exact.bottleneck < best.bottleneck * (1 - 1e-9):
                 best, best_source = exact, f"{best_source}+exact"
-        best = keep_features_together(best)
-        lower_bound = global_lower_bound(ordered, topology.world_size)
-        seconds = time.monotonic() - started
-        logger.info(
-            "planned %d tables on %d devices in %.2fs: bottleneck %.3g s, lower bound %.3g s (%s, %d proposals)",
-            len(names), topology.world_size, seconds, best.bottleneck, lower_bound, best_source, evaluated,
-        )  # fmt: skip
-        return self._to_plan(best, topology, lower_bound, best_source, evaluated, seconds)
+        return best, best_source, evaluated
+
+    def _search_paged(
+        self, ordered: Mapping[str, Sequence[ShardingOption]], resident: Topology
+    ) -> tuple[PartitionResult, str, int]:
+        """Place the tables on devices whose memory is their RAM share plus their share of the mapped capacity."""
+        local = resident.local_world_size
+        mapped = resident.mapped_capacity
+        share = _UNBOUNDED_SHARE if mapped is None else mapped // local
+        paged = resident.with_device_memory([cap + share for cap in resident.device_memory])
+        try:
+            best, source, evaluated = self._search(ordered, paged)
+        except PlanError as err:
+            if err.kind != PlanErrorKind.INSUFFICIENT_MEMORY:
+                raise
+            need = sum(min(_device_bytes(o) for o in opts) for opts in ordered.values())
+            raise PlanError(
+                f"the tables do not fit even paged: they need {format_gb(need)} in their leanest placement; the "
+                f"resident budget (RAM, after reservation) is {format_gb(sum(resident.device_memory))} and the "
+                f"mapped capacity {format_gb(mapped or 0)} per host. Free disk where the artifact goes "
+                "(--mapped-capacity), add RAM, or use a smaller data type (--dtype int4, or --memory-budget)",
+                PlanErrorKind.INSUFFICIENT_MEMORY,
+            ) from None
+        logger.info("the tables exceed RAM: placed with mapped capacity; the plan's tiers say which are paged")
+        return best, f"{source}+paged", evaluated
 
     def _try(self, proposal: Proposal, topology: Topology) -> PartitionResult | None:
         try:
@@ -221,6 +284,7 @@ def plan_for_inference(
     topology: Topology,
     constraints: Mapping[str, ParameterConstraints] | None = None,
     batch_size: int = C.DEFAULT_BATCH_SIZE,
+    sample: AccessSample | None = None,
 ) -> ShardingPlan:
     """Plan ``spec`` onto ``topology`` with the default stages."""
-    return EmbeddingPlanner(topology, batch_size).plan(spec, constraints)
+    return EmbeddingPlanner(topology, batch_size).plan(spec, constraints, sample)

@@ -3,12 +3,15 @@
 from __future__ import annotations
 
 from collections import Counter
+from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
 from infer.errors import ConfigError
 from infer.planner import constants as C
+from infer.planner.memory_tiers import table_tier
 from infer.planner.types import ShardingPlan, ShardingType
+from infer.planner.utils import format_bytes
 
 _BAR_WIDTH = 0.8
 
@@ -60,14 +63,21 @@ def format_stats(plan: ShardingPlan) -> str:
             f"{topo.device_name(d):>6} {memory:>28} {share:>5.1f}% {_gb(storage[d].host):>8} {_us(costs[d]):>9} "
             f"{inputs[d] / C.MB:>8.2f} {outputs[d] / C.MB:>8.2f}  {shards}"
         )
-    lines += ["", f"{'table':<24} {'type':<15} {'placement':<12} {'dtype':<6} {'cost us':>9}  devices"]
+    tiers = plan.planner.get("memory_tiers")
+    tier_head = f" {'tier':<8}" if tiers else ""
+    lines += ["", f"{'table':<24} {'type':<15} {'placement':<12} {'dtype':<6}{tier_head} {'cost us':>9}  devices"]
     for table in plan.tables:
         devices = ",".join(str(d) for d in sorted({s.device for s in table.shards}))
         cost = sum(s.cost for s in table.shards)
+        tier = f" {table_tier(table):<8}" if tiers else ""
         lines.append(
             f"{table.table:<24} {table.sharding_type.value:<15} {table.placement.value:<12} "
-            f"{table.data_type.value:<6} {_us(cost):>9}  {devices}"
+            f"{table.data_type.value:<6}{tier} {_us(cost):>9}  {devices}"
         )
+    if tiers:
+        lines += ["", format_tiers(tiers)]
+    if plan.planner.get("precision"):
+        lines += ["", format_precision(plan.planner["precision"])]
     ratio = plan.bottleneck_cost / plan.lower_bound if plan.lower_bound else float("nan")
     lines += [
         "",
@@ -76,6 +86,105 @@ def format_stats(plan: ShardingPlan) -> str:
         f"{plan.planner.get('proposals_evaluated', '?')} proposals in {plan.planner.get('seconds', 0):.2f} s",
     ]
     return "\n".join(lines)
+
+
+def format_plan_choices(plan: ShardingPlan) -> str:
+    """What the planner chose beyond placement, for ``embserve inspect``: each table's memory tier (CPU plans),
+    and each table's data type with its reason when the precision planner chose them. Empty when neither."""
+    tiers = plan.planner.get("memory_tiers")
+    lines = []
+    if tiers:
+        lines.append(format_tiers(tiers))
+        for table in plan.tables:
+            resident = sum(s.weight_bytes for s in table.shards if s.tier.value == "resident")
+            paged = sum(s.weight_bytes for s in table.shards if s.tier.value == "paged")
+            lines.append(
+                f"  {table.table:<24} {table_tier(table):<8} {format_bytes(resident):>10} resident, "
+                f"{format_bytes(paged):>10} paged"
+            )
+    if plan.planner.get("precision"):
+        lines.append(format_precision(plan.planner["precision"]))
+    return "\n".join(lines)
+
+
+def format_precision(precision: Mapping[str, Any], frontier: bool = False) -> str:
+    """The precision planner's record: the chosen total beside greedy and uniform, then each table's type and
+    reason (bytes saved and weighted error added against the spec's type); ``frontier``: its points too."""
+    chosen = precision["chosen"]
+    budget = precision.get("memory_budget")
+    error_budget = precision.get("error_budget")
+    limits = ", ".join(
+        ([f"memory budget {format_bytes(budget)}"] if budget is not None else [])
+        + ([f"error budget {100 * error_budget:.3f}%"] if error_budget is not None else [])
+    )
+    gap = chosen.get("gap")
+    lines = [
+        f"precision ({limits}; access {precision.get('access', '?')}): weighted error of pooled outputs, bytes",
+        f"  {'chosen (exact MILP)':<22} {100 * chosen['error']:>8.3f}% {format_bytes(chosen['total_bytes']):>10}"
+        f"  gap {gap if gap is not None else '?'}, {chosen['seconds']:.3f} s",
+    ]
+    for other in [precision["greedy"], *precision.get("uniform", [])]:
+        lines.append(f"  {other['method']:<22} {100 * other['error']:>8.3f}% {format_bytes(other['total_bytes']):>10}")
+    lines.append(
+        f"  {'table':<24} {'dtype':<6} {'spec':<6} {'bytes':>10} {'saved':>10} {'error %':>8} {'added %':>8} "
+        f"{'reads':>6}"
+    )
+    for row in precision["tables"]:
+        lines.append(
+            f"  {row['table']:<24} {row['data_type']:<6} {row['declared']:<6} {format_bytes(row['bytes']):>10} "
+            f"{format_bytes(row['bytes_saved']):>10} {100 * row['error']:>8.3f} {100 * row['error_added']:>+8.3f} "
+            f"{100 * row['weight']:>5.1f}%"
+        )
+    if frontier:
+        lines.append(f"  frontier: {'bytes':>10} {'error %':>8}")
+        for total, error in precision.get("frontier", []):
+            lines.append(f"  {'':<10}{format_bytes(total):>10} {100 * error:>8.3f}")
+    return "\n".join(lines)
+
+
+def plot_frontier(precision: Mapping[str, Any], path: str | Path) -> Path:
+    """The error-vs-bytes frontier as a PNG (matplotlib, Agg), with the chosen point, greedy and the uniform
+    INT8/INT4 points marked."""
+    try:
+        import matplotlib
+    except ImportError:
+        raise ConfigError("drawing the frontier needs matplotlib: pip install 'embserve[plot]'") from None
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(7, 4.5))
+    points = precision.get("frontier", [])
+    if points:
+        ax.step([p[0] / C.GB for p in points], [100 * p[1] for p in points], where="post", color="#4c72b0",
+                marker=".", label="frontier (exact)")  # fmt: skip
+    marks = [(precision["chosen"], "chosen", "#c44e52", "*"), (precision["greedy"], "greedy", "#dd8452", "o")]
+    marks += [(u, u["method"], "#55a868", "s") for u in precision.get("uniform", [])]
+    for choice, label, color, marker in marks:
+        ax.scatter([choice["total_bytes"] / C.GB], [100 * choice["error"]], color=color, marker=marker, s=80,
+                   zorder=3, label=label)  # fmt: skip
+    if precision.get("memory_budget") is not None:
+        ax.axvline(precision["memory_budget"] / C.GB, color="black", linestyle="--", linewidth=1, label="budget")
+    ax.set_xlabel("table bytes (GB)")
+    ax.set_ylabel("weighted relative error of pooled outputs (%)")
+    ax.set_yscale("symlog", linthresh=0.01)
+    ax.legend(fontsize=8)
+    fig.tight_layout()
+    path = Path(path)
+    fig.savefig(path, dpi=100)
+    plt.close(fig)
+    return path
+
+
+def format_tiers(tiers: Mapping[str, Any]) -> str:
+    """One line: resident bytes of the resident budget, paged bytes of the mapped capacity, access source."""
+    mapped = tiers.get("mapped_capacity")
+    capacity = "unbounded" if mapped is None else f"{_gb(mapped)} GB"
+    return (
+        f"memory tiers: resident {_gb(tiers['resident_bytes'])} of {_gb(tiers['resident_budget'])} GB (RAM for "
+        f"weights), paged {_gb(tiers['paged_bytes'])} GB (mapped capacity {capacity}); hottest bytes first, "
+        f"access {tiers['access']}"
+    )
 
 
 def plot_plan(plan: ShardingPlan, path: str | Path) -> Path:

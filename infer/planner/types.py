@@ -38,6 +38,13 @@ class ComputeDevice(enum.Enum):
     CUDA = "cuda"
 
 
+class MemoryTier(enum.Enum):
+    """Where a CPU shard's weights are expected to live while serving from a mapped artifact."""
+
+    RESIDENT = "resident"  # in RAM: its pages stay in the page cache (device memory on CUDA)
+    PAGED = "paged"  # in the mapped file: pages are read from disk when touched, and may be evicted
+
+
 @dataclass(frozen=True)
 class Topology:
     """The devices of one serving host: how many, what memory, what bandwidths."""
@@ -51,6 +58,10 @@ class Topology:
     ddr_bandwidth: float = 0.0
     host_to_device_bandwidth: float = 0.0
     intra_host_bandwidth: float = 0.0
+    # CPU only: bytes of weights the host may keep in mapped (file-backed) files beyond its RAM, which is the
+    # resident budget (``device_memory``, each CPU device's share). None: unbounded; 0: no mapped tier (every
+    # table must fit in RAM, as with weights inside model.pt)
+    mapped_capacity: int | None = None
     # where the compute device and memory came from (flags, this host, a kind's default); not part of the JSON
     # form: the planner copies it into the plan's stats
     source: str = field(default="", compare=False)
@@ -93,6 +104,15 @@ class Topology:
                 raise PlanError(f"topology {name} must be >= 0, got {value}", PlanErrorKind.INVALID_TOPOLOGY)
             if not value:
                 object.__setattr__(self, name, type(fallback)(fallback))
+        if self.mapped_capacity is not None and (
+            isinstance(self.mapped_capacity, bool)
+            or not isinstance(self.mapped_capacity, int)
+            or self.mapped_capacity < 0
+        ):
+            raise PlanError(
+                f"mapped_capacity must be None (unbounded) or bytes >= 0, got {self.mapped_capacity!r}",
+                PlanErrorKind.INVALID_TOPOLOGY,
+            )
         if self.world_size % self.local_world_size != 0:
             raise PlanError(
                 f"world_size {self.world_size} is not a multiple of local_world_size {self.local_world_size}",
@@ -102,6 +122,11 @@ class Topology:
     @property
     def is_cuda(self) -> bool:
         return self.compute_device == ComputeDevice.CUDA
+
+    @property
+    def pages_weights(self) -> bool:
+        """Whether tables beyond the resident budget may be served paged from mapped files (CPU only)."""
+        return not self.is_cuda and self.mapped_capacity != 0
 
     @property
     def row_alignment(self) -> int:
@@ -123,9 +148,11 @@ class Topology:
         device_memory: int | None = None,
         host_memory: int = 0,
         local_world_size: int = 0,
+        mapped_capacity: tuple[int | None, str] | None = None,
     ) -> Topology:
         """This host, unless told otherwise: CUDA when it has a CUDA device (each device's own memory), else CPU
-        (one shard per core; the host's RAM divided among them). ``source`` says where each number came from."""
+        (one shard per core; the host's RAM divided among them). ``mapped_capacity`` is (bytes or None for
+        unbounded, where the figure came from). ``source`` says where each number came from."""
         import torch
 
         cuda_count = torch.cuda.device_count() if torch.cuda.is_available() else 0
@@ -149,8 +176,19 @@ class Topology:
         if cuda and not host_memory:
             host_memory, where = host_ram_bytes()
             notes.append(f"host memory {_gb(host_memory)} ({where})")
+        mapped, mapped_where = mapped_capacity if mapped_capacity is not None else (None, "")
+        if not cuda:
+            notes.append(
+                f"mapped capacity {'unbounded' if mapped is None else _gb(mapped)} ({mapped_where or 'default'})"
+            )
         return cls(
-            size, device, memory, host_memory=host_memory, local_world_size=local_world_size, source="; ".join(notes)
+            size,
+            device,
+            memory,
+            host_memory=host_memory,
+            local_world_size=local_world_size,
+            mapped_capacity=mapped,
+            source="; ".join(notes),
         )
 
     def to_dict(self) -> dict[str, Any]:
@@ -164,6 +202,7 @@ class Topology:
             "ddr_bandwidth": self.ddr_bandwidth,
             "host_to_device_bandwidth": self.host_to_device_bandwidth,
             "intra_host_bandwidth": self.intra_host_bandwidth,
+            "mapped_capacity": self.mapped_capacity,
         }
 
     @classmethod
@@ -213,6 +252,19 @@ def host_ram_bytes() -> tuple[int, str]:
     return C.CPU_HOST_MEMORY, f"assumed {_gb(C.CPU_HOST_MEMORY)}: this host's RAM could not be read"
 
 
+def free_disk_bytes(path: str | os.PathLike[str]) -> tuple[int, str]:
+    """Free bytes on the file system that holds ``path`` (or its nearest existing parent), and where the figure
+    came from: the default mapped capacity of a CPU plan whose artifact will be written there."""
+    import shutil
+    from pathlib import Path
+
+    folder = Path(path).absolute()
+    while not folder.exists() and folder != folder.parent:
+        folder = folder.parent
+    free = shutil.disk_usage(folder).free
+    return free, f"free disk of {str(folder)!r}"
+
+
 def _default_device_memory(cuda: bool, world_size: int) -> tuple[tuple[int, ...], str]:
     """Memory per device when none is given: a CUDA device of the kind's size (the target host's GPUs are not
     this host's: ``Topology.detect`` measures them), a CPU device its share of this host's RAM."""
@@ -239,7 +291,9 @@ class ParameterConstraints:
     batch_size: int | None = None  # None -> the planner's batch size
     min_shards: int = 1
     max_shards: int | None = None
-    data_type: DataType | None = None  # None -> the table's data_type
+    data_type: DataType | None = None  # None -> the table's data_type (or the precision planner's choice)
+    # the precision planner's floor: choose no less precise a type than this (fp32 > fp16 > int8 > int4 > int2)
+    min_data_type: DataType | None = None
     cache_load_factor: float = C.DEFAULT_CACHE_LOAD_FACTOR
     min_column_shard: int = C.DEFAULT_MIN_COLUMN_SHARD
 
@@ -249,6 +303,8 @@ class ParameterConstraints:
         object.__setattr__(self, "pooling_factors", tuple(float(p) for p in self.pooling_factors))
         if self.data_type is not None:
             object.__setattr__(self, "data_type", DataType.parse(self.data_type))
+        if self.min_data_type is not None:
+            object.__setattr__(self, "min_data_type", DataType.parse(self.min_data_type))
         problems = []
         if not self.sharding_types:
             problems.append("sharding_types is empty")
@@ -288,6 +344,7 @@ class ParameterConstraints:
             "min_shards": self.min_shards,
             "max_shards": self.max_shards,
             "data_type": self.data_type.value if self.data_type else None,
+            "min_data_type": self.min_data_type.value if self.min_data_type else None,
             "cache_load_factor": self.cache_load_factor,
             "min_column_shard": self.min_column_shard,
         }
@@ -430,6 +487,15 @@ class Shard:
     cost: float
     input_bytes: int = 0
     output_bytes: int = 0
+    tier: MemoryTier = MemoryTier.RESIDENT
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "tier", MemoryTier(self.tier))
+
+    @property
+    def weight_bytes(self) -> int:
+        """The shard's weights: its device bytes less the batch's input and output buffers."""
+        return self.device_bytes - self.input_bytes - self.output_bytes
 
 
 @dataclass(frozen=True)
@@ -501,6 +567,7 @@ class ShardingPlan:
                             "cost": s.cost,
                             "input_bytes": s.input_bytes,
                             "output_bytes": s.output_bytes,
+                            "tier": s.tier.value,
                         }
                         for s in t.shards
                     ],

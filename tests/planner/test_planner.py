@@ -101,7 +101,8 @@ def test_cuda_falls_back_to_host_memory_for_the_largest_tables():
 def test_nothing_fits_raises_insufficient_memory_naming_devices():
     spec = ModelSpec((TableConfig("huge", 50_000_000, 256, ("f",)),))  # ~13 GB of INT8 rows
     with pytest.raises(PlanError) as info:
-        plan_for_inference(spec, Topology(2, ComputeDevice.CPU, device_memory=(4 * C.GB,)))
+        # mapped_capacity=0: no mapped tier, every table in RAM (with one, it is planned paged: test_memory_tiers)
+        plan_for_inference(spec, Topology(2, ComputeDevice.CPU, device_memory=(4 * C.GB,), mapped_capacity=0))
     assert info.value.kind == PlanErrorKind.INSUFFICIENT_MEMORY
     message = str(info.value)
     assert "device 0" in message and "device 1" in message and "'huge'" in message

@@ -1,0 +1,387 @@
+"""The precision planner: each table's data type, chosen from measured error under a memory budget.
+
+Every table may take any data type the TBE serves, no less precise than its floor
+(``ParameterConstraints.min_data_type``; ``data_type`` fixes it). A choice costs the table's bytes as the
+kernel lays them out (``rowwise.table_bytes``) and adds the table's measured error (``quant.measured_error``)
+weighted by the table's share of reads (a sample of request ids, else its ids per example). The exact choice
+minimises the total weighted error subject to the budget as a mixed-integer program (``scipy.optimize.milp``,
+HiGHS, as the partitioner), with the optimality gap reported; with an error budget it finds the fewest bytes
+within it instead. Greedy (largest error reduction per byte) and uniform choices are computed beside it.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+
+from infer.config import DataType, ModelSpec, TableConfig
+from infer.errors import PlanError, PlanErrorKind
+from infer.planner.access import AccessSample
+from infer.planner.memory_tiers import UNIFORM_ACCESS, block_reads
+from infer.planner.types import ParameterConstraints
+from infer.planner.utils import format_gb
+from infer.quant.measured_error import MEASURED_DATA_TYPES, TableError
+from infer.quant.rowwise import CPU_ROW_ALIGNMENT, table_bytes
+
+logger = logging.getLogger(__name__)
+
+DEFAULT_TIME_LIMIT_S = 10.0
+FRONTIER_POINTS = 32
+# HiGHS stops at this relative gap: the choice is optimal to rounding
+MIP_REL_GAP = 1e-9
+
+
+@dataclass(frozen=True)
+class DtypeOption:
+    data_type: DataType
+    bytes: int  # the table at this type, as the TBE allocates it
+    error: float  # the table's measured relative error of pooled outputs at this type
+
+
+@dataclass(frozen=True)
+class TableChoices:
+    """What one table may become: its allowed options (fewest bytes first) and its share of reads."""
+
+    table: str
+    weight: float  # share of all reads; the weights of a model sum to 1
+    declared: DtypeOption  # the spec's data type: the baseline a choice's reason is told against
+    options: tuple[DtypeOption, ...]
+
+
+@dataclass(frozen=True)
+class PrecisionChoice:
+    """One data type per table (in the spec's order) with its total bytes and weighted error."""
+
+    method: str  # "exact", "greedy", "uniform int8", ...
+    data_types: tuple[DataType, ...]
+    total_bytes: int
+    error: float  # sum over tables of weight x measured error
+    seconds: float = 0.0
+    gap: float | None = None  # the solver's relative optimality gap (exact only)
+
+    def to_dict(self) -> dict[str, Any]:
+        return {
+            "method": self.method,
+            "total_bytes": self.total_bytes,
+            "error": self.error,
+            "seconds": round(self.seconds, 4),
+            **({"gap": self.gap} if self.gap is not None else {}),
+        }
+
+
+def precision_problem(
+    spec: ModelSpec,
+    measured: Sequence[TableError],
+    constraints: Mapping[str, ParameterConstraints] | None = None,
+    sample: AccessSample | None = None,
+    row_alignment: int = CPU_ROW_ALIGNMENT,
+) -> tuple[TableChoices, ...]:
+    """Every table's allowed options, priced in bytes and weighted error, in the spec's order."""
+    constraints = constraints or {}
+    by_name = {m.table: m for m in measured}
+    missing = [t.name for t in spec.tables if t.name not in by_name]
+    if missing:
+        raise PlanError(f"no measured error for table(s) {missing}; measure every table", PlanErrorKind.INVALID_PLAN)
+    reads = []
+    for table in spec.tables:
+        reads.append(block_reads(table, 0, table.num_embeddings, constraints.get(table.name, ParameterConstraints()),
+                                 sample))  # fmt: skip
+    total_reads = sum(reads)
+    problem = []
+    for table, table_reads in zip(spec.tables, reads):
+        table_constraints = constraints.get(table.name, ParameterConstraints())
+        measured_error = by_name[table.name]
+
+        floor = table_constraints.min_data_type
+        if table_constraints.data_type is not None:
+            allowed = [table_constraints.data_type]
+        else:
+            allowed = [d for d in MEASURED_DATA_TYPES if floor is None or d.bits >= floor.bits]
+        priced = (_option(table, d, measured_error, row_alignment) for d in allowed)
+        options = tuple(sorted(priced, key=lambda o: (o.bytes, o.error)))
+        weight = table_reads / total_reads if total_reads > 0 else 1.0 / len(spec.tables)
+        declared = _option(table, table.data_type, measured_error, row_alignment)
+        problem.append(TableChoices(table.name, weight, declared, options))
+    return tuple(problem)
+
+
+def _option(table: TableConfig, data_type: DataType, measured: TableError, row_alignment: int) -> DtypeOption:
+    size = table_bytes(table.num_embeddings, table.embedding_dim, data_type, row_alignment)
+    return DtypeOption(data_type, size, measured.error(data_type))
+
+
+# ---------------------------------------------------------------------------- choices
+def _choice(method: str, problem: Sequence[TableChoices], picks: Sequence[int], seconds: float = 0.0,
+            gap: float | None = None) -> PrecisionChoice:  # fmt: skip
+    options = [t.options[i] for t, i in zip(problem, picks)]
+    return PrecisionChoice(
+        method,
+        tuple(o.data_type for o in options),
+        sum(o.bytes for o in options),
+        sum(t.weight * o.error for t, o in zip(problem, options)),
+        seconds,
+        gap,
+    )
+
+
+def smallest_bytes(problem: Sequence[TableChoices]) -> int:
+    return sum(t.options[0].bytes for t in problem)
+
+
+def choose_uniform(problem: Sequence[TableChoices], data_type: DataType) -> PrecisionChoice:
+    """Every table at ``data_type``, or its nearest allowed type (a floor above it, or a fixed type)."""
+    picks = []
+    for table in problem:
+        exact = [i for i, o in enumerate(table.options) if o.data_type == data_type]
+        if exact:
+            picks.append(exact[0])
+        else:
+            picks.append(
+                min(range(len(table.options)), key=lambda i: abs(table.options[i].data_type.bits - data_type.bits))
+            )
+    return _choice(f"uniform {data_type.value}", problem, picks)
+
+
+def choose_greedy(
+    problem: Sequence[TableChoices], memory_budget: int | None, error_budget: float | None = None
+) -> PrecisionChoice:
+    """Start from every table's fewest bytes; take the upgrade with the largest error reduction per byte that
+    fits, until none fits (or the error is within ``error_budget``)."""
+    started = time.monotonic()
+    _check_feasible(problem, memory_budget)
+    picks = [0] * len(problem)
+    used = smallest_bytes(problem)
+    error = sum(t.weight * t.options[0].error for t in problem)
+    while error_budget is None or error > error_budget:
+        best: tuple[float, int, int] | None = None
+        for index, table in enumerate(problem):
+            current = table.options[picks[index]]
+            for upgrade, option in enumerate(table.options):
+                extra = option.bytes - current.bytes
+                gain = table.weight * (current.error - option.error)
+                if extra <= 0 or gain <= 0 or (memory_budget is not None and used + extra > memory_budget):
+                    continue
+                ratio = gain / extra
+                if best is None or ratio > best[0]:
+                    best = (ratio, index, upgrade)
+        if best is None:
+            break
+        _, index, upgrade = best
+        table = problem[index]
+        used += table.options[upgrade].bytes - table.options[picks[index]].bytes
+        error -= table.weight * (table.options[picks[index]].error - table.options[upgrade].error)
+        picks[index] = upgrade
+    return _choice("greedy", problem, picks, time.monotonic() - started)
+
+
+def choose_exact(
+    problem: Sequence[TableChoices],
+    memory_budget: int | None,
+    error_budget: float | None = None,
+    time_limit_s: float = DEFAULT_TIME_LIMIT_S,
+) -> PrecisionChoice:
+    """The optimal choice by MILP: least weighted error within ``memory_budget`` bytes, or, with
+    ``error_budget``, fewest bytes with weighted error within it (and within ``memory_budget`` when given).
+
+    The budget holds exactly: the solution is checked in integer bytes, and re-solved with the budget
+    tightened by any tolerance-sized excess.
+    """
+    started = time.monotonic()
+    _check_feasible(problem, memory_budget)
+    if memory_budget is None and error_budget is None:
+        raise PlanError("give a memory budget or an error budget", PlanErrorKind.INVALID_CONSTRAINT)
+    # HiGHS also stops at an absolute gap of 1e-6: scale the objective so that the optimum is O(1), by the greedy
+    # choice's value (feasible, so an upper bound, and close to the optimum)
+    greedy = choose_greedy(problem, memory_budget, error_budget)
+    reference = float(greedy.total_bytes) if error_budget is not None else greedy.error
+    slack = 0
+    for _ in range(8):
+        picks, gap = _solve(problem, None if memory_budget is None else memory_budget - slack, error_budget,
+                            time_limit_s, reference)  # fmt: skip
+        if picks is None:
+            break
+        choice = _choice("exact", problem, picks, time.monotonic() - started, gap)
+        excess = 0 if memory_budget is None else choice.total_bytes - memory_budget
+        if excess <= 0:
+            return choice
+        slack += excess
+    if error_budget is not None:
+        best = min(sum(t.weight * min(o.error for o in t.options) for t in problem), float("inf"))
+        raise PlanError(
+            f"no choice of data types has weighted error <= {error_budget:.4g}"
+            + (f" within {format_gb(memory_budget)}" if memory_budget is not None else "")
+            + f" (the most precise allowed types give {best:.4g}); raise --error-budget or --memory-budget",
+            PlanErrorKind.INSUFFICIENT_MEMORY,
+        )
+    raise PlanError("the precision MILP found no solution within its time limit", PlanErrorKind.INVALID_PLAN)
+
+
+def _check_feasible(problem: Sequence[TableChoices], memory_budget: int | None) -> None:
+    need = smallest_bytes(problem)
+    if memory_budget is None or need <= memory_budget:
+        return
+    largest = max(problem, key=lambda t: t.options[0].bytes)
+    raise PlanError(
+        f"a memory budget of {format_gb(memory_budget)} is too small: the smallest choice (every table at its "
+        f"least allowed type) needs {format_gb(need)}; the largest, table {largest.table!r} at "
+        f"{largest.options[0].data_type.value}, needs {format_gb(largest.options[0].bytes)}. Raise --memory-budget "
+        "or lower the tables' floors (min_data_type)",
+        PlanErrorKind.INSUFFICIENT_MEMORY,
+    )
+
+
+def _solve(
+    problem: Sequence[TableChoices],
+    memory_budget: int | None,
+    error_budget: float | None,
+    time_limit_s: float,
+    objective_scale: float,
+) -> tuple[list[int] | None, float | None]:
+    from scipy.optimize import Bounds, LinearConstraint, milp
+    from scipy.sparse import coo_matrix
+
+    sizes = [len(t.options) for t in problem]
+    starts = np.concatenate([[0], np.cumsum(sizes)])
+    num_vars = int(starts[-1])
+    owner = np.repeat(np.arange(len(problem)), sizes)
+    byte_values = np.array([o.bytes for t in problem for o in t.options], dtype=np.float64)
+    errors = np.array([t.weight * o.error for t in problem for o in t.options], dtype=np.float64)
+    # scale to O(1) numbers: HiGHS tolerances are absolute
+    byte_scale = float(memory_budget) if memory_budget else float(byte_values.max() or 1.0)
+    rows = [owner]
+    cols = [np.arange(num_vars)]
+    vals = [np.ones(num_vars)]
+    lower = [np.ones(len(problem))]
+    upper = [np.ones(len(problem))]
+    row = len(problem)
+    if memory_budget is not None:
+        rows.append(np.full(num_vars, row))
+        cols.append(np.arange(num_vars))
+        vals.append(byte_values / byte_scale)
+        lower.append(np.array([-np.inf]))
+        upper.append(np.array([memory_budget / byte_scale]))
+        row += 1
+    if error_budget is not None:
+        rows.append(np.full(num_vars, row))
+        cols.append(np.arange(num_vars))
+        vals.append(errors)
+        lower.append(np.array([-np.inf]))
+        upper.append(np.array([error_budget]))
+        row += 1
+    matrix = coo_matrix(
+        (np.concatenate(vals), (np.concatenate(rows), np.concatenate(cols))), shape=(row, num_vars)
+    ).tocsr()
+    objective = (byte_values if error_budget is not None else errors) / (objective_scale or 1.0)
+    outcome = milp(
+        objective,
+        integrality=np.ones(num_vars),
+        bounds=Bounds(np.zeros(num_vars), np.ones(num_vars)),
+        constraints=LinearConstraint(matrix, np.concatenate(lower), np.concatenate(upper)),
+        options={"time_limit": time_limit_s, "presolve": True, "mip_rel_gap": MIP_REL_GAP},
+    )
+    if outcome.x is None:
+        logger.debug("precision MILP found no solution: %s", outcome.message)
+        return None, None
+    picks = [int(np.argmax(outcome.x[starts[t] : starts[t + 1]])) for t in range(len(problem))]
+    gap = getattr(outcome, "mip_gap", None)
+    return picks, (float(gap) if gap is not None and np.isfinite(gap) else 0.0 if outcome.status == 0 else None)
+
+
+# ---------------------------------------------------------------------------- frontier and the report
+def frontier(problem: Sequence[TableChoices], points: int = FRONTIER_POINTS) -> tuple[tuple[int, float], ...]:
+    """The error-vs-bytes frontier: the exact choice at ``points`` budgets from the smallest choice to the
+    largest, kept where each point has fewer bytes or less error than the others (Pareto), fewest bytes first."""
+    low = smallest_bytes(problem)
+    high = sum(t.options[-1].bytes for t in problem)
+    found = set()
+    for budget in np.linspace(low, high, max(points, 2)):
+        choice = choose_exact(problem, int(budget))
+        found.add((choice.total_bytes, choice.error))
+    pareto: list[tuple[int, float]] = []
+    for total, error in sorted(found):
+        if not pareto or error < pareto[-1][1] - 1e-15:
+            pareto.append((total, error))
+    return tuple(pareto)
+
+
+@dataclass(frozen=True)
+class PrecisionPlan:
+    """The chosen data types with the greedy and uniform choices beside them, the frontier and the inputs."""
+
+    problem: tuple[TableChoices, ...]
+    chosen: PrecisionChoice
+    greedy: PrecisionChoice
+    uniform: tuple[PrecisionChoice, ...]  # int8, int4
+    frontier: tuple[tuple[int, float], ...]
+    memory_budget: int | None
+    error_budget: float | None
+    access: str
+
+    def data_types(self) -> dict[str, DataType]:
+        return {t.table: d for t, d in zip(self.problem, self.chosen.data_types)}
+
+    def reasons(self) -> list[dict[str, Any]]:
+        """Per table: the type chosen, and against the spec's type the bytes saved and the weighted error added."""
+        out = []
+        for table, data_type in zip(self.problem, self.chosen.data_types):
+            option = next(o for o in table.options if o.data_type == data_type)
+            out.append(
+                {
+                    "table": table.table,
+                    "data_type": data_type.value,
+                    "declared": table.declared.data_type.value,
+                    "bytes": option.bytes,
+                    "bytes_saved": table.declared.bytes - option.bytes,
+                    "error": option.error,
+                    "weight": table.weight,
+                    "error_added": table.weight * (option.error - table.declared.error),
+                }
+            )
+        return out
+
+    def to_dict(self) -> dict[str, Any]:
+        """The plan's record (``ShardingPlan.planner["precision"]``)."""
+        return {
+            "memory_budget": self.memory_budget,
+            "error_budget": self.error_budget,
+            "access": self.access,
+            "chosen": self.chosen.to_dict(),
+            "greedy": self.greedy.to_dict(),
+            "uniform": [u.to_dict() for u in self.uniform],
+            "tables": self.reasons(),
+            "frontier": [[total, error] for total, error in self.frontier],
+        }
+
+
+def plan_precision(
+    spec: ModelSpec,
+    measured: Sequence[TableError],
+    memory_budget: int | None,
+    error_budget: float | None = None,
+    constraints: Mapping[str, ParameterConstraints] | None = None,
+    sample: AccessSample | None = None,
+    row_alignment: int = CPU_ROW_ALIGNMENT,
+    frontier_points: int = FRONTIER_POINTS,
+) -> PrecisionPlan:
+    """Choose every table's data type (see the module docstring) and compute what is reported beside it."""
+    problem = precision_problem(spec, measured, constraints, sample, row_alignment)
+    chosen = choose_exact(problem, memory_budget, error_budget)
+    greedy = choose_greedy(problem, memory_budget, error_budget)
+    uniform = tuple(choose_uniform(problem, d) for d in (DataType.INT8, DataType.INT4))
+    points = frontier(problem, frontier_points) if frontier_points else ()
+    logger.info(
+        "precision: %s, weighted error %.4g (greedy %.4g, uniform int4 %.4g) in %.2fs, gap %s",
+        format_gb(chosen.total_bytes), chosen.error, greedy.error, uniform[1].error, chosen.seconds, chosen.gap,
+    )  # fmt: skip
+    access = sample.source if sample is not None else UNIFORM_ACCESS
+    return PrecisionPlan(problem, chosen, greedy, uniform, points, memory_budget, error_budget, access)
+
+
+def apply_precision(spec: ModelSpec, precision: PrecisionPlan) -> ModelSpec:
+    """The spec with the chosen data types."""
+    return spec.with_data_types(overrides=precision.data_types())

@@ -1,0 +1,234 @@
+"""The precision planner: exact choice (checked by brute force), greedy and uniform beside it, budgets, floors."""
+
+from __future__ import annotations
+
+import itertools
+import json
+import math
+
+import numpy as np
+import pytest
+import torch
+
+from infer.config import DataType, ModelSpec, TableConfig
+from infer.errors import PlanError, PlanErrorKind
+from infer.planner import constants as C
+from infer.planner.planner import EmbeddingPlanner
+from infer.planner.precision import (
+    choose_exact,
+    choose_greedy,
+    choose_uniform,
+    frontier,
+    plan_precision,
+    precision_problem,
+)
+from infer.planner.stats import format_plan_choices, format_stats, plot_frontier
+from infer.planner.types import ComputeDevice, ParameterConstraints, ShardingPlan, Topology
+from infer.quant.measured_error import TableError, measure_errors, rows_from_weights
+
+TYPES = (DataType.FP32, DataType.FP16, DataType.INT8, DataType.INT4, DataType.INT2)
+
+
+def hand_bytes(rows: int, dim: int, data_type: DataType) -> int:
+    """The TBE's CPU layout by hand (DESIGN.md): value bytes, + 4 bytes fp16 scale/bias for INT types, row
+    alignment 1, each table rounded up to 128 bytes."""
+    row = dim * data_type.bits // 8 + (4 if data_type in (DataType.INT8, DataType.INT4, DataType.INT2) else 0)
+    return -(-rows * row // 128) * 128
+
+
+def random_instance(rng: np.random.Generator, num_tables: int) -> tuple[ModelSpec, list[TableError]]:
+    tables, measured = [], []
+    for i in range(num_tables):
+        rows = int(rng.integers(10, 200_000))
+        dim = int(rng.choice([8, 16, 36, 64, 128]))
+        tables.append(TableConfig(f"t{i}", rows, dim, (f"f{i}",)))
+        # errors fall with precision, like measured ones, with a random scale per table
+        scale = float(rng.uniform(0.2, 3.0))
+        errs = [0.0, 2e-4 * scale, 5e-3 * scale, 9e-2 * scale, 0.45 * scale]
+        measured.append(TableError(f"t{i}", tuple(zip(TYPES, errs)), 100, 10))
+    return ModelSpec(tuple(tables)), measured
+
+
+def brute_force(spec, measured, weights, budget, floors=None, error_budget=None):
+    """Every assignment of the five types (floors filtered by hand): least weighted error within the budget,
+    or with an error budget the fewest bytes within it."""
+    floors = floors or {}
+    errors = {m.table: dict(m.errors) for m in measured}
+    choices = []
+    for table in spec.tables:
+        floor = floors.get(table.name)
+        choices.append([d for d in TYPES if floor is None or d.bits >= floor.bits])
+    best = None
+    for combo in itertools.product(*choices):
+        total = sum(hand_bytes(t.num_embeddings, t.embedding_dim, d) for t, d in zip(spec.tables, combo))
+        error = sum(w * errors[t.name][d] for t, d, w in zip(spec.tables, combo, weights))
+        if budget is not None and total > budget:
+            continue
+        if error_budget is not None:
+            if error > error_budget:
+                continue
+            key = (total, error)
+        else:
+            key = (error, total)
+        if best is None or key < best[0]:
+            best = (key, combo)
+    return best
+
+
+@pytest.mark.parametrize("seed", range(12))
+def test_exact_choice_equals_brute_force_and_greedy_is_never_better(seed):
+    rng = np.random.default_rng(seed)
+    spec, measured = random_instance(rng, 5)
+    pooling = [float(rng.integers(1, 50)) for _ in spec.tables]
+    constraints = {t.name: ParameterConstraints(pooling_factors=(p,)) for t, p in zip(spec.tables, pooling)}
+    floors = {}
+    if seed % 3 == 0:  # floors on two tables
+        floors = {"t0": DataType.INT8, "t3": DataType.FP16}
+        constraints = {n: ParameterConstraints(pooling_factors=c.pooling_factors, min_data_type=floors.get(n))
+                       for n, c in constraints.items()}  # fmt: skip
+    weights = [p / sum(pooling) for p in pooling]
+    low = brute_force(spec, measured, weights, None, floors, error_budget=math.inf)[0][0]
+    high = sum(hand_bytes(t.num_embeddings, t.embedding_dim, DataType.FP32) for t in spec.tables)
+    budget = int(rng.uniform(low, (low + high) / 2))
+    problem = precision_problem(spec, measured, constraints)
+    exact = choose_exact(problem, budget)
+    (best_error, _), best_combo = brute_force(spec, measured, weights, budget, floors)
+    assert exact.error == pytest.approx(best_error, rel=1e-9, abs=1e-12)
+    assert exact.total_bytes <= budget
+    assert exact.total_bytes == sum(
+        hand_bytes(t.num_embeddings, t.embedding_dim, d) for t, d in zip(spec.tables, exact.data_types)
+    )
+    for table, data_type in zip(spec.tables, exact.data_types):
+        assert table.name not in floors or data_type.bits >= floors[table.name].bits
+    assert exact.gap is not None and exact.gap <= 1e-6
+    greedy = choose_greedy(problem, budget)
+    assert greedy.total_bytes <= budget and greedy.error >= exact.error - 1e-12
+    # with an error budget: the fewest bytes within it
+    target = float(rng.uniform(best_error, best_error * 3 + 1e-3))
+    (fewest, _), _ = brute_force(spec, measured, weights, None, floors, error_budget=target)
+    by_error = choose_exact(problem, None, target)
+    assert by_error.total_bytes == fewest and by_error.error <= target + 1e-7
+
+
+def test_budget_holds_exactly_against_the_kernels_allocation():
+    from infer.modules.collection import QuantizedEmbeddingBagCollection
+
+    rng = np.random.default_rng(7)
+    spec, measured = random_instance(rng, 5)
+    problem = precision_problem(spec, measured)
+    low = sum(t.options[0].bytes for t in problem)
+    for budget in (low, low + 12_345, 2 * low, 5 * low):
+        exact = choose_exact(problem, budget)
+        chosen = spec.with_data_types(overrides=dict(zip((t.name for t in spec.tables), exact.data_types)))
+        allocated = QuantizedEmbeddingBagCollection(chosen).tbe.weights_host.numel()
+        assert exact.total_bytes == allocated <= budget
+
+
+def test_too_small_a_budget_names_what_the_smallest_choice_needs():
+    spec = ModelSpec((TableConfig("big", 1_000_000, 128, ("f",)), TableConfig("small", 10, 8, ("g",))))
+    measured = [TableError(t.name, tuple((d, 0.1) for d in TYPES), 1, 1) for t in spec.tables]
+    constraints = {"big": ParameterConstraints(min_data_type="int4")}
+    problem = precision_problem(spec, measured, constraints)
+    need = hand_bytes(1_000_000, 128, DataType.INT4) + hand_bytes(10, 8, DataType.INT2)
+    for choose in (lambda: choose_exact(problem, need - 1), lambda: choose_greedy(problem, need - 1)):
+        with pytest.raises(PlanError) as info:
+            choose()
+        assert info.value.kind == PlanErrorKind.INSUFFICIENT_MEMORY
+        assert f"needs {need / C.GB:.2f} GB" in str(info.value) and "'big'" in str(info.value)
+    assert choose_exact(problem, need).total_bytes == need
+
+
+def test_uniform_choices_and_the_frontier():
+    rng = np.random.default_rng(3)
+    spec, measured = random_instance(rng, 4)
+    problem = precision_problem(spec, measured)
+    int4 = choose_uniform(problem, DataType.INT4)
+    assert int4.data_types == (DataType.INT4,) * 4
+    assert int4.total_bytes == sum(hand_bytes(t.num_embeddings, t.embedding_dim, DataType.INT4) for t in spec.tables)
+    points = frontier(problem, 16)
+    assert [p[0] for p in points] == sorted(p[0] for p in points)
+    assert all(b[1] < a[1] for a, b in zip(points, points[1:]))  # more bytes buy less error
+    # the exact choice at uniform INT4's bytes is no worse than uniform INT4
+    assert choose_exact(problem, int4.total_bytes).error <= int4.error
+
+
+def make_weights(spec: ModelSpec, seed: int = 0) -> dict[str, torch.Tensor]:
+    generator = torch.Generator().manual_seed(seed)
+    return {t.name: torch.randn(t.num_embeddings, t.embedding_dim, generator=generator) for t in spec.tables}
+
+
+def test_precision_lands_in_the_plan_with_reasons_and_round_trips(tmp_path):
+    spec = ModelSpec(
+        (
+            TableConfig("hot", 2_000, 64, ("fh",)),
+            TableConfig("cold", 50_000, 64, ("fc",)),
+            TableConfig("tiny", 100, 32, ("ft",)),
+        )
+    )
+    weights = make_weights(spec)
+    constraints = {
+        "hot": ParameterConstraints(pooling_factors=(50.0,)),
+        "cold": ParameterConstraints(pooling_factors=(1.0,)),
+        "tiny": ParameterConstraints(pooling_factors=(5.0,), min_data_type="fp16"),
+    }
+    measured = measure_errors(spec, rows_from_weights(weights), bags=64)
+    int8_bytes = sum(hand_bytes(t.num_embeddings, t.embedding_dim, DataType.INT8) for t in spec.tables)
+    budget = int8_bytes // 2
+    precision = plan_precision(spec, measured, budget, constraints=constraints, frontier_points=8)
+    chosen = precision.data_types()
+    assert chosen["tiny"].bits >= 16 and precision.chosen.total_bytes <= budget
+    # the cold table is the one to squeeze: 1 read in 56, 25x the rows of the hot one
+    assert chosen["cold"].bits < chosen["hot"].bits
+    plan = EmbeddingPlanner(Topology(1, ComputeDevice.CPU, (C.GB,))).plan(spec, constraints, precision=precision)
+    assert {t.table: t.data_type for t in plan.tables} == chosen
+    again = ShardingPlan.from_json(plan.to_json())
+    assert again == plan and again.planner["precision"] == json.loads(json.dumps(plan.planner["precision"]))
+    reasons = {r["table"]: r for r in again.planner["precision"]["tables"]}
+    cold = reasons["cold"]
+    assert cold["bytes_saved"] == hand_bytes(50_000, 64, DataType.INT8) - hand_bytes(50_000, 64, chosen["cold"])
+    text = format_stats(again)
+    assert "chosen (exact MILP)" in text and "greedy" in text and "uniform int4" in text
+    assert "cold" in format_plan_choices(again)
+    png = plot_frontier(again.planner["precision"], tmp_path / "frontier.png")
+    assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def test_cli_plan_and_export_choose_dtypes_under_a_budget_and_inspect_shows_why(tmp_path, capsys):
+    from infer.cli import main
+
+    spec = ModelSpec((TableConfig("hot", 3_000, 64, ("fh",)), TableConfig("cold", 60_000, 64, ("fc",))))
+    (tmp_path / "spec.json").write_text(spec.to_json())
+    torch.save(make_weights(spec), tmp_path / "w.pt")
+    rng = np.random.default_rng(0)
+    # the sample: the hot table is read 40x as often as the cold one
+    np.savez(tmp_path / "ids.npz", fh=rng.integers(0, 3_000, 4000), fc=rng.integers(0, 60_000, 100))
+    int8 = hand_bytes(3_000, 64, DataType.INT8) + hand_bytes(60_000, 64, DataType.INT8)
+    budget = str(int8 // 2)
+    flags = ["--memory-budget", budget, "--sample-ids", str(tmp_path / "ids.npz")]
+    out = tmp_path / "plan.json"
+    code = main(["plan", "--spec", str(tmp_path / "spec.json"), "--world-size", "1", "--compute-device", "cpu",
+                 "--out", str(out), "--frontier", str(tmp_path / "f.png"), *flags])  # fmt: skip
+    assert code == 0
+    printed = capsys.readouterr().out
+    assert "synthetic N(0,1) rows" in printed and "frontier" in printed and (tmp_path / "f.png").exists()
+    plan = ShardingPlan.from_json(out.read_text())
+    chosen = {t.table: t.data_type for t in plan.tables}
+    total = sum(hand_bytes(t.num_embeddings, t.embedding_dim, chosen[t.name]) for t in spec.tables)
+    assert total <= int(budget) and chosen["cold"].bits < chosen["hot"].bits
+    art = tmp_path / "art"
+    args = ["export", "--spec", str(tmp_path / "spec.json"), "--weights", str(tmp_path / "w.pt"), "--out", str(art)]
+    assert main([*args, *flags]) == 0
+    capsys.readouterr()
+    assert main(["inspect", str(art)]) == 0
+    shown = capsys.readouterr().out
+    assert "chosen (exact MILP)" in shown and "uniform int4" in shown
+    rows = {line.split()[0]: line.split() for line in shown.splitlines() if line.strip().startswith(("hot ", "cold "))}
+    assert rows["cold"][1] == [t.data_type.value for t in infer_load_tables(art) if t.name == "cold"][0]
+    assert main([*args, "--force", "--memory-budget", "1KB"]) == 2
+    assert "too small" in capsys.readouterr().err
+
+
+def infer_load_tables(folder):
+    from infer.artifact.manifest import Manifest
+
+    return Manifest.read(folder).spec.tables
