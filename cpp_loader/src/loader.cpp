@@ -1217,7 +1217,9 @@ Model Model::load(const std::string& artifact_dir, const LoadOptions& options) {
   if (!build_dir.empty()) dirs.push_back(build_dir);
   if (std::string(EMBSERVE_FBGEMM_DIR).size()) dirs.emplace_back(EMBSERVE_FBGEMM_DIR);
   // before the program: model.pt's types and model.pt2's extern calls both resolve to fbgemm's operators
+  const auto libraries_started = std::chrono::steady_clock::now();
   model.libraries_ = load_libraries(libraries, dirs);
+  model.library_seconds_ = seconds_since(libraries_started);
 
   if (options.backend == Backend::Pt2) {
     const auto& pt2 = data["pt2"];

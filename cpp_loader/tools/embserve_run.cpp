@@ -503,7 +503,8 @@ Status bench(const embserve::Model& model, const std::string& requests_path, lon
               << ", \"mean_us\": " << mean << ", \"p50_us\": " << pct(0.5) << ", \"p99_us\": " << pct(0.99)
               << ", \"calls_per_s\": " << calls / total_s << ", \"lookups_per_s\": " << ids / total_s
               << ", \"bags_per_s\": " << bags / total_s << ", \"verify\": \"" << verify
-              << "\", \"load_s\": " << model.load_seconds() << ", \"load_bytes\": " << model.load_bytes()
+              << "\", \"load_s\": " << model.load_seconds() << ", \"library_s\": " << model.library_seconds()
+              << ", \"load_bytes\": " << model.load_bytes()
               << ", \"load_gb_per_s\": " << load_rate(model) << "}" << std::endl;
   } catch (const std::exception& err) {
     std::cerr << "embserve_run: bench failed: " << error_kind(err) << ": " << one_line(err) << "\n";
@@ -579,7 +580,8 @@ int run(int argc, char** argv) {
                                     : std::string(", no dense part"))
               << "; fbgemm libraries:";
     for (const auto& library : model.libraries()) std::cout << " " << library;
-    std::cout << "\nload: " << model.load_seconds() << " s, " << model.load_bytes() << " bytes listed, "
+    std::cout << "\nload: " << model.load_seconds() << " s (" << model.library_seconds() << " s of it loading "
+              << "libraries), " << model.load_bytes() << " bytes listed, "
               << load_rate(model) << " GB/s ("
               << (verify == "full" ? "checksums verified" : "sizes checked, checksums not verified") << ")\n";
     return kAllOk;

@@ -148,9 +148,11 @@ class Model {
   Backend backend() const { return backend_; }
   // Absolute paths of the fbgemm libraries loaded for this model, in load order.
   const std::vector<std::string>& libraries() const { return libraries_; }
-  // What the load read or mapped (the bytes of every file the manifest lists) and how long Model::load took.
+  // What the load read or mapped (the bytes of every file the manifest lists), how long Model::load took, and how
+  // much of that was dlopen'ing the fbgemm libraries (near 0 when this process loaded them before).
   int64_t load_bytes() const { return load_bytes_; }
   double load_seconds() const { return load_seconds_; }
+  double library_seconds() const { return library_seconds_; }
 
  private:
   Model() = default;
@@ -162,6 +164,7 @@ class Model {
   std::vector<std::string> libraries_;
   int64_t load_bytes_ = 0;
   double load_seconds_ = 0.0;
+  double library_seconds_ = 0.0;
   Backend backend_ = Backend::TorchScript;
   std::shared_ptr<torch::jit::Module> module_;
   std::shared_ptr<torch::inductor::AOTIModelPackageLoader> pt2_;
