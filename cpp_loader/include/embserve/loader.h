@@ -42,7 +42,8 @@ class ManifestError : public Error {
  public:
   using Error::Error;
 };
-// A file listed in the manifest is missing, has the wrong size, or fails its sha256 check.
+// A file listed in the manifest is missing, has the wrong size (checked before any file is mapped), or fails its
+// sha256 check (for a file with chunk digests: the message names the bad chunk and its byte range).
 class ChecksumError : public Error {
  public:
   using Error::Error;
@@ -109,7 +110,7 @@ struct FeatureInfo {
 
 // Check an artifact's manifest.json (and plan.json, when sharded) against the artifact schema and against
 // each other, without hashing files or loading the model: a pre-flight check for deploy tooling.
-// Throws ManifestError (ChecksumError for a listed model or plan file without a checksum entry).
+// Throws ManifestError (ChecksumError for a model, plan or weight file the manifest names without a checksum entry).
 void check_manifest(const std::string& artifact_dir);
 
 class Model {
