@@ -15,6 +15,14 @@ requests cycled). ``ratio`` = pt2 / torchscript (p50 for latency, lookups/s for 
 model.pt2 size are reported beside them. ``--env KEY=VALUE`` sets a variable for both backends' runs (e.g.
 ``OMP_WAIT_POLICY=passive``: on a busy shared host, OpenMP workers spinning after a parallel region slow both
 backends' large batches several-fold and make the numbers noisy); it is printed in each line.
+
+Load cases (``--load-gb G``, or ``--only-load``): one INT8 table of G GB (bench/load.py's ``big_model``, bytes filled
+in place) exported embedded (format 2) and mapped (format 3); ``embserve_run ARTIFACT --verify full|none`` (a fresh
+process each, warm page cache: every case is run once untimed first), ``--rounds`` rounds interleaved. Each line:
+the median ``load_s`` (Model::load, fbgemm's dlopen included), ``ready_s`` (load_s less the dlopen: what a process
+that has loaded fbgemm before pays), GB/s of the listed bytes over ``ready_s``, and ``ratio`` = the embedded
+format's ``ready_s`` with full verification / this case's (targets for the mapped format: ``ready_s`` <= 0.2 s with
+``--verify none``, >= 2.5 GB/s with full). The host's load average (``os.getloadavg``) is printed with each line.
 """
 
 from __future__ import annotations
@@ -254,6 +262,54 @@ def pt2_cases(binary: Path, folder: Path, args: argparse.Namespace, batch1: list
         shutil.rmtree(artifact)
 
 
+def load_cases(binary: Path, folder: Path, gb: float, rounds: int) -> None:
+    """C++ load of a G GB artifact, embedded and mapped, --verify full and none (see the module docstring)."""
+    from bench.load import big_model
+
+    model = big_model(gb)
+    artifacts = {fmt: export(model, folder / fmt, weights=fmt) for fmt in ("embedded", "mapped")}
+    del model
+    one_id = (torch.zeros(1, dtype=torch.int64), torch.ones(1, dtype=torch.int32), None)
+    request = write_requests(folder / "load_request.bin", [one_id])
+    cases = [(fmt, verify) for fmt in artifacts for verify in ("full", "none")]
+
+    def once(fmt: str, verify: str) -> dict[str, float]:
+        command = [str(binary), str(artifacts[fmt]), "--requests", str(request), "--bench", "1", "--verify", verify]
+        result = subprocess.run(command, capture_output=True, text=True, env=bench_env(), timeout=600)
+        if result.returncode != 0:
+            raise RuntimeError(f"embserve_run failed: {result.stderr[-2000:]}")
+        return json.loads(result.stdout.strip().splitlines()[-1])
+
+    for case in cases:  # warm the page cache (and the dynamic loader's) before timing
+        once(*case)
+    timings: dict[tuple[str, str], list[dict[str, float]]] = {case: [] for case in cases}
+    for _ in range(rounds):
+        for case in cases:
+            timings[case].append(once(*case))
+    ready = {case: statistics.median(t["load_s"] - t["library_s"] for t in runs) for case, runs in timings.items()}
+    baseline = ready[("embedded", "full")]
+    for (fmt, verify), runs in timings.items():
+        listed = runs[0]["load_bytes"]
+        line = {
+            "bench": "cpp_load",
+            "format": fmt,
+            "verify": verify,
+            "gb": round(listed / 1e9, 3),
+            "rounds": rounds,
+            "load_s": round(statistics.median(t["load_s"] for t in runs), 4),
+            "ready_s": round(ready[(fmt, verify)], 4),
+            "ready_best_s": round(min(t["load_s"] - t["library_s"] for t in runs), 4),
+            "gb_per_s": round(listed / ready[(fmt, verify)] / 1e9, 2),
+            "ratio": round(baseline / ready[(fmt, verify)], 2),
+            "loadavg": [round(x, 2) for x in os.getloadavg()],
+        }
+        print(json.dumps(line), flush=True)
+
+
+def bench_env() -> dict[str, str]:
+    return {**os.environ, **BENCH_ENV}
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__)
     parser.add_argument("--calls", type=int, default=3000)
@@ -263,9 +319,15 @@ def main() -> None:
     parser.add_argument("--w128-rows", type=int, default=1_000_000, help="pt2 W128 case: rows per table")
     parser.add_argument("--w128-calls", type=int, default=30, help="pt2 W128 case: timed calls per round")
     parser.add_argument("--env", action="append", default=[], help="KEY=VALUE for the pt2 cases' C++ runs")
+    parser.add_argument("--load-gb", type=float, default=0.0, help="also the load cases, on an artifact of G GB")
+    parser.add_argument("--only-load", action="store_true", help="only the load cases (--load-gb, default 2.1)")
     args = parser.parse_args()
     BENCH_ENV.update(item.split("=", 1) for item in args.env)
     binary = build_cpp()
+    if args.only_load:
+        with tempfile.TemporaryDirectory() as tmp:
+            load_cases(binary, Path(tmp), args.load_gb or 2.1, args.rounds)
+        return
     spec = ModelSpec(
         tuple(TableConfig(f"t{i}", ROWS, DIM, (f"f{i}",), PoolingType.SUM, DataType.INT8) for i in range(TABLES))
     )
@@ -293,6 +355,8 @@ def main() -> None:
         if args.pt2 or args.only_pt2:
             del model
             pt2_cases(binary, folder, args, requests)
+        if args.load_gb > 0:
+            load_cases(binary, folder, args.load_gb, args.rounds)
 
 
 if __name__ == "__main__":

@@ -557,9 +557,9 @@ def build_parser() -> argparse.ArgumentParser:
     exp.add_argument(
         "--weights-format",
         choices=("embedded", "mapped"),
-        default="embedded",
-        help="mapped: each CPU weight buffer in a page-aligned file beside model.pt, mapped read-only at load "
-        "(the Python loader; the C++ loader reads embedded only, for now)",
+        default="mapped",
+        help="mapped (default): each CPU weight buffer in a page-aligned file beside model.pt, mapped read-only "
+        "at load by both loaders; embedded: every weight inside model.pt",
     )
     exp.set_defaults(func=cmd_export)
 

@@ -8,6 +8,7 @@
 #include <array>
 #include <atomic>
 #include <cctype>
+#include <chrono>
 #include <condition_variable>
 #include <cstdlib>
 #include <filesystem>
@@ -28,6 +29,7 @@
 #include <torch/script.h>
 #include <torch/version.h>
 
+#include "files.h"
 #include "kernel_attributes_json.h"
 #include "schema.h"
 
@@ -41,7 +43,10 @@ using json = nlohmann::json;
 namespace embserve {
 namespace {
 
+// The manifest versions this loader reads (infer/artifact/manifest.py): 2, every weight inside model.pt; 3, each CPU
+// kernel's weight buffer in a file of the artifact, mapped read-only.
 constexpr int kFormatVersion = 2;
+constexpr int kMappedFormatVersion = 3;
 constexpr const char* kRequestPrefix = "embserve.RequestError: ";
 
 std::string first_line(const std::string& text) {
@@ -53,29 +58,6 @@ std::string first_line(const std::string& text) {
 std::string message_of(const std::exception& err) {
   if (const auto* c10_error = dynamic_cast<const c10::Error*>(&err)) return c10_error->what_without_backtrace();
   return err.what();
-}
-
-std::string sha256_file(const fs::path& path) {
-  std::ifstream in(path, std::ios::binary);
-  if (!in) throw ChecksumError(path.string() + " cannot be opened");
-  std::unique_ptr<EVP_MD_CTX, decltype(&EVP_MD_CTX_free)> ctx(EVP_MD_CTX_new(), EVP_MD_CTX_free);
-  if (!ctx || EVP_DigestInit_ex(ctx.get(), EVP_sha256(), nullptr) != 1)
-    throw ChecksumError("OpenSSL cannot compute sha256 for " + path.string());
-  std::vector<char> buffer(1 << 20);
-  while (in) {
-    in.read(buffer.data(), static_cast<std::streamsize>(buffer.size()));
-    if (in.gcount() > 0) EVP_DigestUpdate(ctx.get(), buffer.data(), static_cast<size_t>(in.gcount()));
-  }
-  unsigned char digest[EVP_MAX_MD_SIZE];
-  unsigned int size = 0;
-  EVP_DigestFinal_ex(ctx.get(), digest, &size);
-  static const char* hex = "0123456789abcdef";
-  std::string out;
-  for (unsigned int i = 0; i < size; ++i) {
-    out += hex[digest[i] >> 4];
-    out += hex[digest[i] & 15];
-  }
-  return out;
 }
 
 // manifest.json or plan.json: size cap, then schema.cpp's parse (BOM, UTF-8, depth, duplicates, NaN) and rules.
@@ -103,10 +85,11 @@ schema::Document read_document(const fs::path& path, const std::string& which) {
                         data.value("format", schema::Document()).dump(-1, ' ', false, json::error_handler_t::replace)
                             .substr(0, 64) + ")");
   if (which == "manifest" && data.is_object() && data.contains("format_version") &&
-      data["format_version"].is_number_integer() && data["format_version"] != kFormatVersion)
+      data["format_version"].is_number_integer() && data["format_version"] != kFormatVersion &&
+      data["format_version"] != kMappedFormatVersion)
     throw ManifestError(path.string() + " has format_version " + data["format_version"].dump() +
-                        "; this loader reads version " + std::to_string(kFormatVersion) +
-                        ". Re-export the model with a matching embserve");
+                        "; this loader reads versions " + std::to_string(kFormatVersion) + " and " +
+                        std::to_string(kMappedFormatVersion) + ". Re-export the model with a matching embserve");
   schema::validate(data, which, path.string());
   return data;
 }
@@ -137,6 +120,113 @@ int64_t table_bytes(const schema::Document& table, int64_t alignment) {
   const int64_t scale_bias = (type == "int8" || type == "int4" || type == "int2") ? 4 : 0;
   const int64_t row_bytes = round_up(dim * data_type_bits(type) / 8 + scale_bias, alignment);
   return round_up(rows * row_bytes, 128);  // rows < 2^31, row bytes < 2^14: no overflow
+}
+
+bool is_mapped(const schema::Document& data) { return data["format_version"] == kMappedFormatVersion; }
+
+// A kernel's weight buffer as the manifest places it (`shared_storage` or version 3's `weights`), as one text
+// to compare; empty when the kernel owns a buffer laid out table after table.
+std::string storage_of(const schema::Document& kernel) {
+  std::string text;
+  if (kernel.contains("shared_storage"))
+    text += "shared_storage " + kernel["shared_storage"]["bytes"].dump() + " " +
+            kernel["shared_storage"]["table_offsets"].dump();
+  if (kernel.contains("weights")) {
+    const auto& weights = kernel["weights"];
+    text += "weights " + weights["file"].dump() + " " + weights["offset"].dump() + " " + weights["bytes"].dump() +
+            " " + weights["table_offsets"].dump();
+  }
+  return text;
+}
+
+// Each table's (first byte, bytes) in a kernel's weight buffer as an embedded artifact lays it out
+// (infer.artifact.mapped._table_places): the shared buffer's places, else the tables one after another.
+std::vector<std::pair<int64_t, int64_t>> table_places(const schema::Document& kernel) {
+  const int64_t alignment = kernel["row_alignment"].get<int64_t>();
+  const bool shared = kernel.contains("shared_storage");
+  std::vector<std::pair<int64_t, int64_t>> places;
+  int64_t cursor = 0;
+  for (size_t t = 0; t < kernel["tables"].size(); ++t) {
+    const int64_t size = table_bytes(kernel["tables"][t], alignment);
+    places.emplace_back(shared ? kernel["shared_storage"]["table_offsets"][t].get<int64_t>() : cursor, size);
+    cursor += size;
+  }
+  return places;
+}
+
+// infer.artifact.mapped.place_weights over the CPU kernels `indices` of `kernels` (embedded layouts, in kernel
+// order): each distinct weight buffer (all kernels sharing one, else each kernel's own) goes to file
+// `<prefix>weights-<n>.bin`, its distinct tables page-aligned in the order of their embedded places; each kernel
+// gets `weights` = {file, offset 0, the file's bytes, its tables' new places} instead of `shared_storage`.
+void place_weights(schema::Document& kernels, const std::vector<size_t>& indices, const std::string& prefix) {
+  std::vector<size_t> shared;
+  for (const size_t i : indices)
+    if (kernels[i].contains("shared_storage")) shared.push_back(i);
+  std::vector<std::vector<size_t>> groups;
+  for (const size_t i : indices) {
+    if (!kernels[i].contains("shared_storage"))
+      groups.push_back({i});
+    else if (i == shared.front())
+      groups.push_back(shared);
+  }
+  for (size_t number = 0; number < groups.size(); ++number) {
+    std::map<size_t, std::vector<std::pair<int64_t, int64_t>>> places;
+    std::map<int64_t, int64_t> sizes;  // embedded start -> bytes, in order
+    for (const size_t i : groups[number]) {
+      places[i] = table_places(kernels[i]);
+      for (const auto& [start, size] : places[i]) sizes[start] = size;
+    }
+    std::map<int64_t, int64_t> moved;
+    int64_t cursor = 0;
+    for (const auto& [start, size] : sizes) {
+      cursor = files::page_round_up(cursor);
+      moved[start] = cursor;
+      cursor += size;
+    }
+    for (const size_t i : groups[number]) {
+      std::vector<int64_t> offsets;
+      for (const auto& place : places[i]) offsets.push_back(moved[place.first]);
+      kernels[i].erase("shared_storage");
+      // infer/storage/layout.py WEIGHTS_FILE_PATTERN
+      kernels[i]["weights"] = {{"file", prefix + "weights-" + std::to_string(number) + ".bin"},
+                               {"offset", 0},
+                               {"bytes", cursor},
+                               {"table_offsets", offsets}};
+    }
+  }
+}
+
+// Version 3 keeps every CPU kernel's weights in a listed file, inside it; version 2 none
+// (infer.artifact.manifest.Manifest._check_weight_files, same order, same words).
+template <typename Fail, typename NeedsChecksum>
+void check_weight_files(const schema::Document& data, const Fail& fail, const NeedsChecksum& needs_checksum) {
+  const auto& kernels = data["kernels"];
+  const bool mapped = is_mapped(data);
+  for (size_t k = 0; k < kernels.size(); ++k) {
+    const auto& kernel = kernels[k];
+    const std::string where = "kernels[" + std::to_string(k) + "]";
+    const bool has_weights = kernel.contains("weights");
+    if (has_weights && kernel.contains("shared_storage")) fail(where + " has both 'weights' and 'shared_storage'");
+    if (!mapped) {
+      if (has_weights)
+        fail(where + ".weights needs format_version " + std::to_string(kMappedFormatVersion) +
+             " (this manifest says " + data["format_version"].dump() + "); the manifest is corrupted");
+      continue;
+    }
+    if (has_weights != (kernel["device"] == "cpu"))
+      fail(where + ": format_version " + std::to_string(kMappedFormatVersion) + " keeps each CPU kernel's weights " +
+           "(and only theirs) in a weight file ('weights'); the manifest is corrupted");
+    if (!has_weights) continue;
+    const auto& weights = kernel["weights"];
+    needs_checksum(weights["file"]);
+    const auto name = weights["file"].get<std::string>();
+    const int64_t first = weights["offset"].get<int64_t>(), size = weights["bytes"].get<int64_t>();
+    const int64_t file_bytes = data["files"][name]["bytes"].get<int64_t>();
+    if (first % files::kPageBytes != 0 || first + size > file_bytes)
+      fail(where + ".weights: bytes " + std::to_string(first) + ".." + std::to_string(first + size) +
+           " do not lie page-aligned inside " + name + " (" + std::to_string(file_bytes) +
+           " bytes); the manifest is corrupted");
+  }
 }
 
 // dense.expects (the pooled layout the dense part was trained on, infer.dense_layout) must be exactly the layout
@@ -241,6 +331,7 @@ void check_manifest(const schema::Document& data, const std::string& document) {
       fail("onnx.dense_file must be set exactly when dense.present is true");
   }
   if (data.contains("pt2")) needs_checksum(data["pt2"]["file"]);  // model.pt2 (the Pt2 backend's program)
+  check_weight_files(data, fail, needs_checksum);
   // kernels: each feature_table_map entry names one of its kernel's tables; the row alignment is the device's
   const auto& kernels = data["kernels"];
   for (size_t k = 0; k < kernels.size(); ++k) {
@@ -276,6 +367,12 @@ void check_manifest(const schema::Document& data, const std::string& document) {
     }
     if (kernel["feature_table_map"].get<std::vector<uint64_t>>() != expected_map)
       fail("kernels[0].feature_table_map differs from the features' tables");
+    // its buffer: its own, tables one after another; version 3: that buffer page-aligned in weights-0.bin
+    schema::Document expected = schema::Document::array();
+    expected.push_back({{"row_alignment", kernel["row_alignment"]}, {"tables", kernel["tables"]}});
+    if (is_mapped(data) && kernel["device"] == "cpu") place_weights(expected, {0}, "");
+    if (storage_of(kernel) != storage_of(expected[0]))
+      fail("'kernels' disagrees with 'tables' (an unsharded model has one kernel holding every table)");
   }
 }
 
@@ -365,6 +462,7 @@ std::vector<Routing> check_plan(const schema::Document& plan, const schema::Docu
   schema::Document expected = schema::Document::array();
   std::vector<Routing> routing;
   std::vector<std::vector<std::string>> shard_keys;  // per expected kernel, per local table: the shard's identity
+  std::vector<int64_t> kernel_ranks;  // per expected kernel: its plan rank
   for (int64_t rank = 0; rank < plan_world_size; ++rank) {
     schema::Document local_tables = schema::Document::array();
     std::vector<std::string> local_keys;
@@ -404,6 +502,7 @@ std::vector<Routing> check_plan(const schema::Document& plan, const schema::Docu
       }
     }
     if (local_tables.empty()) continue;
+    kernel_ranks.push_back(rank);
     std::stable_sort(local_features.begin(), local_features.end(), [](const LocalFeature& a, const LocalFeature& b) {
       return std::tie(a.feature, a.out_col, a.lo) < std::tie(b.feature, b.out_col, b.lo);
     });
@@ -439,37 +538,32 @@ std::vector<Routing> check_plan(const schema::Document& plan, const schema::Docu
       for (size_t k = 0; k < expected.size(); ++k)
         expected[k]["shared_storage"] = {{"bytes", cursor}, {"table_offsets", offsets[k]}};
   }
+  // Version 3: every CPU weight buffer in its own file, tables page-aligned (infer.artifact.mapped.place_weights;
+  // a multi-host artifact places each host's kernels in files of its part, hosts/<h>/: place_host_weights).
+  if (is_mapped(data) && alignment == 1) {
+    if (!data.contains("hosts")) {
+      std::vector<size_t> all(expected.size());
+      for (size_t k = 0; k < all.size(); ++k) all[k] = k;
+      place_weights(expected, all, "");
+    } else {
+      const int64_t per_host = topology.contains("local_world_size") ? topology["local_world_size"].get<int64_t>()
+                                                                     : plan_world_size;
+      for (int64_t host = 0; host < data["hosts"]["count"].get<int64_t>(); ++host) {
+        std::vector<size_t> own;
+        for (size_t k = 0; k < expected.size(); ++k)
+          if (kernel_ranks[k] / std::max<int64_t>(1, per_host) == host) own.push_back(k);
+        place_weights(expected, own, "hosts/" + std::to_string(host) + "/");
+      }
+    }
+  }
   const auto& kernels = data["kernels"];
   bool same = kernels.size() == expected.size();
   for (size_t k = 0; same && k < kernels.size(); ++k)
     same = kernels[k]["row_alignment"] == expected[k]["row_alignment"] && kernels[k]["tables"] == expected[k]["tables"] &&
            kernels[k]["feature_table_map"] == expected[k]["feature_table_map"] &&
-           kernels[k].contains("shared_storage") == expected[k].contains("shared_storage") &&
-           (!expected[k].contains("shared_storage") || kernels[k]["shared_storage"] == expected[k]["shared_storage"]);
+           storage_of(kernels[k]) == storage_of(expected[k]);
   if (!same) fail("the manifest's 'kernels' disagree with the plan (the shards each device holds)");
   return routing;
-}
-
-void verify_files(const fs::path& folder, const schema::Document& files, const std::string& model_file) {
-  if (!files.is_object() || !files.contains(model_file))
-    throw ChecksumError("manifest.json has no checksum for " + model_file);
-  for (const auto& [name, entry] : files.items()) {
-    if (name.empty() || fs::path(name).filename().string() != name || name == "." || name == "..")
-      throw ChecksumError("manifest.json lists a file outside the artifact: '" + name + "'");
-    fs::path path = folder / name;
-    std::error_code ec;
-    if (!fs::is_regular_file(path, ec)) throw ChecksumError(path.string() + " is missing from the artifact");
-    auto expected_bytes = entry.at("bytes").get<std::uintmax_t>();
-    auto expected_sha = entry.at("sha256").get<std::string>();
-    auto size = fs::file_size(path, ec);
-    if (size != expected_bytes)
-      throw ChecksumError(path.string() + " is " + std::to_string(size) + " bytes but the manifest says " +
-                          std::to_string(expected_bytes) + "; the file is truncated or corrupted");
-    auto digest = sha256_file(path);
-    if (digest != expected_sha)
-      throw ChecksumError(path.string() + " fails its sha256 check (" + digest.substr(0, 12) +
-                          "... != " + expected_sha.substr(0, 12) + "...); the file is corrupted");
-  }
 }
 
 // dlopen'ed libraries stay loaded for the life of the process; loading is serialised.
@@ -708,10 +802,12 @@ void check_kernel(const torch::jit::Module& tbe, const schema::Document& kernel,
     facts.weight_bytes += table_sizes.back();
     facts.max_dim[type] = std::max(facts.max_dim[type], table["dim"].get<int64_t>());
   }
-  if (kernel.contains("shared_storage")) {  // CPU replicas: the kernels point into one shared buffer
-    table_offsets = kernel["shared_storage"]["table_offsets"].get<std::vector<int64_t>>();
-    facts.weight_bytes = kernel["shared_storage"]["bytes"].get<int64_t>();
-    if (table_offsets.size() != tables.size()) check.fail("shared_storage lists an offset per table");
+  // CPU replicas point into one shared buffer; a version 3 kernel's buffer lies in its weight file
+  const char* storage = kernel.contains("weights") ? "weights" : "shared_storage";
+  if (kernel.contains(storage)) {
+    table_offsets = kernel[storage]["table_offsets"].get<std::vector<int64_t>>();
+    facts.weight_bytes = kernel[storage]["bytes"].get<int64_t>();
+    if (table_offsets.size() != tables.size()) check.fail(std::string(storage) + " lists an offset per table");
     for (size_t t = 0; t < tables.size(); ++t)
       if (table_offsets[t] % 128 != 0 || table_offsets[t] + table_sizes[t] > facts.weight_bytes)
         check.fail("table " + std::to_string(t) + " at byte " + std::to_string(table_offsets[t]) +
@@ -946,6 +1042,45 @@ void check_kernels(const torch::jit::Module& model, const schema::Document& data
   }
 }
 
+// Version 3: hands every CPU kernel (embeddings.tbe, or embeddings.shards.<i>.tbe) a view of its weight buffer
+// in its file, mapped read-only once per file (replicas view one mapping), before the kernel checks read it
+// (infer.artifact.load.attach_mapped_weights). The views keep the mappings alive.
+void attach_weights(const torch::jit::Module& model, const schema::Document& data, files::Mappings& mappings,
+                    const std::string& model_path) {
+  const auto& kernels = data["kernels"];
+  try {
+    torch::jit::Module embeddings = child(model, "embeddings", model_path);
+    std::vector<torch::jit::Module> tbes;
+    if (embeddings.hasattr("shards")) {
+      torch::jit::Module shards = child(embeddings, "shards", model_path);
+      size_t count = 0;
+      for (const auto& unused : shards.named_children()) {
+        (void)unused;
+        ++count;
+      }
+      for (size_t i = 0; i < count; ++i)
+        tbes.push_back(child(child(shards, std::to_string(i), model_path), "tbe", model_path));
+    } else {
+      tbes.push_back(child(embeddings, "tbe", model_path));
+    }
+    if (tbes.size() != kernels.size())
+      throw ModelError(model_path + ": the model has " + std::to_string(tbes.size()) + " kernels, the manifest lists " +
+                       std::to_string(kernels.size()));
+    for (size_t k = 0; k < kernels.size(); ++k) {
+      if (!kernels[k].contains("weights")) continue;
+      const auto& weights = kernels[k]["weights"];
+      const auto name = weights["file"].get<std::string>();
+      const auto mapping = mappings.get(name, data["files"][name]["bytes"].get<uint64_t>());
+      tbes[k].setattr("weights_host", files::mapped_tensor(mapping, weights["offset"].get<int64_t>(),
+                                                           weights["bytes"].get<int64_t>()));
+    }
+  } catch (const Error&) {
+    throw;
+  } catch (const std::exception& err) {
+    throw ModelError(model_path + ": the kernels cannot be given their mapped weights: " + first_line(message_of(err)));
+  }
+}
+
 // The program's inputs, in order, as the manifest's pt2.inputs lists them (infer's pt2 export writes these).
 const std::vector<std::string> kPt2Inputs = {"values:int64", "lengths:int64", "weights:float32"};
 
@@ -998,6 +1133,10 @@ std::string cause_of(const std::exception& err) {
 }  // namespace
 
 namespace {
+double seconds_since(std::chrono::steady_clock::time_point started) {
+  return std::chrono::duration<double>(std::chrono::steady_clock::now() - started).count();
+}
+
 schema::Document read_checked_manifest(const fs::path& folder) {
   std::error_code ec;
   if (!fs::is_directory(folder, ec))
@@ -1021,6 +1160,7 @@ void check_manifest(const std::string& artifact_dir) {
 }
 
 Model Model::load(const std::string& artifact_dir, const LoadOptions& options) {
+  const auto started = std::chrono::steady_clock::now();
   const fs::path folder(artifact_dir);
   const schema::Document data = read_checked_manifest(folder);
   Model model;
@@ -1049,8 +1189,22 @@ Model Model::load(const std::string& artifact_dir, const LoadOptions& options) {
   const auto build_dir = data["fbgemm"]["build_dir"].get<std::string>();
   const auto devices = data["devices"].get<std::vector<std::string>>();
   model.world_size_ = static_cast<int>(data["sharding"]["world_size"].get<int64_t>());
-  if (options.verify_checksums) verify_files(folder, data["files"], model_file);
-  // after the checksums: plan.json is the file the export wrote
+  // Every listed file's path and size now (whatever the verify mode: nothing is mapped past a file's end), the
+  // sha256 of each file without chunk digests too (plan.json among them, so the plan checked below is the one
+  // export wrote); the chunks of large files are hashed by a pool of threads while the model loads.
+  const std::vector<files::ListedFile> listed = files::check_listed_files(folder, data["files"], model_file);
+  for (const auto& file : listed) model.load_bytes_ += static_cast<int64_t>(file.bytes);
+  const bool verify = options.verify == Verify::Full;
+  if (verify)
+    for (const auto& file : listed)
+      if (file.chunk_bytes == 0) files::verify_whole(file);
+  files::Mappings mappings(folder);
+  std::optional<files::ChunkHashing> hashing;
+  if (verify) hashing.emplace(listed, mappings);
+  auto verified = [&] {
+    if (hashing) hashing->wait();
+    hashing.reset();
+  };
   const std::vector<Routing> routing = read_checked_plan(folder, data);
   for (const auto& device : devices) {
     if (device.rfind("cuda", 0) == 0 && !torch::cuda::is_available())
@@ -1063,7 +1217,9 @@ Model Model::load(const std::string& artifact_dir, const LoadOptions& options) {
   if (!build_dir.empty()) dirs.push_back(build_dir);
   if (std::string(EMBSERVE_FBGEMM_DIR).size()) dirs.emplace_back(EMBSERVE_FBGEMM_DIR);
   // before the program: model.pt's types and model.pt2's extern calls both resolve to fbgemm's operators
+  const auto libraries_started = std::chrono::steady_clock::now();
   model.libraries_ = load_libraries(libraries, dirs);
+  model.library_seconds_ = seconds_since(libraries_started);
 
   if (options.backend == Backend::Pt2) {
     const auto& pt2 = data["pt2"];
@@ -1096,6 +1252,8 @@ Model Model::load(const std::string& artifact_dir, const LoadOptions& options) {
                        " (are the fbgemm libraries in the manifest's fbgemm.libraries the ones it was compiled with?)");
     }
     if (options.intra_op_threads > 0) at::set_num_threads(options.intra_op_threads);
+    verified();  // model.pt2 keeps its own copy of the weights (constants): no weight file is mapped
+    model.load_seconds_ = seconds_since(started);
     return model;
   }
 
@@ -1105,6 +1263,7 @@ Model Model::load(const std::string& artifact_dir, const LoadOptions& options) {
     model.module_ = std::make_shared<torch::jit::Module>(torch::jit::load(model_path.string()));
     model.module_->eval();
   } catch (const std::exception& err) {
+    verified();  // a corrupted file explains a failed load better than TorchScript's message
     throw ModelError(model_path.string() + " cannot be loaded by TorchScript: " + first_line(message_of(err)) +
                      " (are the fbgemm libraries in the manifest's fbgemm.libraries the ones it was exported with?)");
   }
@@ -1116,6 +1275,8 @@ Model Model::load(const std::string& artifact_dir, const LoadOptions& options) {
     const auto cores = static_cast<int64_t>(std::max(1u, std::thread::hardware_concurrency()));
     kernel_threads = static_cast<int>(std::max<int64_t>(1, cores / std::max<int64_t>(1, cpu_kernels)));
   }
+  if (is_mapped(data)) attach_weights(*model.module_, data, mappings, model_path.string());
+  verified();  // before the kernel checks read the weights' sizes and the first lookup reads the rows
   check_kernels(*model.module_, data, routing, model_path.string(), kernel_threads);
 
   int threads = options.intra_op_threads;
@@ -1125,6 +1286,7 @@ Model Model::load(const std::string& artifact_dir, const LoadOptions& options) {
     if (all_cpu) threads = std::max(1, static_cast<int>(cores) / model.world_size_);
   }
   if (threads > 0) at::set_num_threads(threads);
+  model.load_seconds_ = seconds_since(started);
   return model;
 }
 

@@ -18,6 +18,9 @@
 // cannot be written. Every error is one line on stderr ("embserve_run: ..."), never a backtrace.
 // --threads sets torch's intra-op threads; --kernel-threads how many example ranges each CPU kernel may split
 // a batch into (LoadOptions::kernel_threads; default cores / CPU kernels, as Python's load).
+// --verify full (default) checks every listed file's size and sha256 before the model is ready; none paths and sizes
+// only (LoadOptions::verify). The load's seconds and GB/s (listed bytes / seconds) are printed after "loaded" and
+// in --bench's JSON line.
 // --backend picks the model file that runs: model.pt (torchscript, the default) or model.pt2 (pt2, an AOTInductor
 // package; the artifact must be exported with `embserve export --pt2`).
 // File format: see infer/artifact/cpp_io.py (request files EMBSRQ01 and EMBSRQ02, response files EMBSRS02).
@@ -352,9 +355,9 @@ std::string error_kind(const std::exception& err) {
 
 constexpr const char* kUsage =
     "usage: embserve_run ARTIFACT [--requests FILE --out FILE]... [--fail-fast] [--library-dir DIR]... [--threads N]\n"
-    "                    [--kernel-threads N] [--backend torchscript|pt2]\n"
+    "                    [--kernel-threads N] [--backend torchscript|pt2] [--verify full|none]\n"
     "       embserve_run ARTIFACT --requests FILE [--out FILE] --bench N [--library-dir DIR]... [--threads N]\n"
-    "                    [--kernel-threads N] [--backend torchscript|pt2]\n";
+    "                    [--kernel-threads N] [--backend torchscript|pt2] [--verify full|none]\n";
 
 constexpr const char* kHelp =
     "Every request of a file is answered in --out: a result, or a typed error record for a bad one (the run goes\n"
@@ -363,6 +366,11 @@ constexpr const char* kHelp =
     "exit status: 0 every request succeeded\n"
     "             1 some request failed, a request file is broken after its header, or the artifact cannot be loaded\n"
     "             2 usage error, a request file that cannot be read at all, or an --out that cannot be written\n";
+
+// The load's rate: the bytes of the files the manifest lists over Model::load's seconds, in GB/s.
+double load_rate(const embserve::Model& model) {
+  return model.load_seconds() > 0 ? static_cast<double>(model.load_bytes()) / model.load_seconds() / 1e9 : 0.0;
+}
 
 int usage() {
   std::cerr << kUsage;
@@ -455,7 +463,7 @@ Status run_file(const embserve::Model& model, const std::string& requests_path, 
 }
 
 // --bench: times `calls` answers cycling through the requests of one file whose every request can be read.
-Status bench(const embserve::Model& model, const std::string& requests_path, long calls) {
+Status bench(const embserve::Model& model, const std::string& requests_path, long calls, const std::string& verify) {
   const RequestFile file = read_request_file(requests_path);
   std::string problem = file.problem;
   for (size_t i = 0; problem.empty() && i < file.requests.size(); ++i)
@@ -494,7 +502,10 @@ Status bench(const embserve::Model& model, const std::string& requests_path, lon
               << (model.backend() == embserve::Backend::Pt2 ? "pt2" : "torchscript") << "\", \"calls\": " << calls
               << ", \"mean_us\": " << mean << ", \"p50_us\": " << pct(0.5) << ", \"p99_us\": " << pct(0.99)
               << ", \"calls_per_s\": " << calls / total_s << ", \"lookups_per_s\": " << ids / total_s
-              << ", \"bags_per_s\": " << bags / total_s << "}" << std::endl;
+              << ", \"bags_per_s\": " << bags / total_s << ", \"verify\": \"" << verify
+              << "\", \"load_s\": " << model.load_seconds() << ", \"library_s\": " << model.library_seconds()
+              << ", \"load_bytes\": " << model.load_bytes()
+              << ", \"load_gb_per_s\": " << load_rate(model) << "}" << std::endl;
   } catch (const std::exception& err) {
     std::cerr << "embserve_run: bench failed: " << error_kind(err) << ": " << one_line(err) << "\n";
     return kSomeFailed;
@@ -508,6 +519,7 @@ int run(int argc, char** argv) {
   long bench_calls = 0;
   bool fail_fast = false;
   embserve::LoadOptions options;
+  std::string verify = "full";
   for (int i = 1; i < argc; ++i) {
     std::string arg = argv[i];
     auto next = [&]() -> std::string {
@@ -522,6 +534,12 @@ int run(int argc, char** argv) {
       else if (arg == "--library-dir") options.library_dirs.push_back(next());
       else if (arg == "--threads") options.intra_op_threads = std::stoi(next());
       else if (arg == "--kernel-threads") options.kernel_threads = std::stoi(next());
+      else if (arg == "--verify") {
+        verify = next();
+        if (verify == "full") options.verify = embserve::Verify::Full;
+        else if (verify == "none") options.verify = embserve::Verify::None;
+        else throw std::invalid_argument("unknown verify mode '" + verify + "' (full or none)");
+      }
       else if (arg == "--backend") {
         const std::string backend = next();
         if (backend == "torchscript") options.backend = embserve::Backend::TorchScript;
@@ -562,7 +580,10 @@ int run(int argc, char** argv) {
                                     : std::string(", no dense part"))
               << "; fbgemm libraries:";
     for (const auto& library : model.libraries()) std::cout << " " << library;
-    std::cout << "\n";
+    std::cout << "\nload: " << model.load_seconds() << " s (" << model.library_seconds() << " s of it loading "
+              << "libraries), " << model.load_bytes() << " bytes listed, "
+              << load_rate(model) << " GB/s ("
+              << (verify == "full" ? "checksums verified" : "sizes checked, checksums not verified") << ")\n";
     return kAllOk;
   }
   Status status = kAllOk;
@@ -570,7 +591,7 @@ int run(int argc, char** argv) {
     status = std::max(status, run_file(model, requests_paths[i], out_paths[i], fail_fast));
     if (fail_fast && status != kAllOk) return status;
   }
-  if (bench_calls > 0) status = std::max(status, bench(model, requests_paths[0], bench_calls));
+  if (bench_calls > 0) status = std::max(status, bench(model, requests_paths[0], bench_calls, verify));
   return status;
 }
 

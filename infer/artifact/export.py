@@ -34,7 +34,6 @@ from infer.artifact.manifest import (
     Pt2Entry,
 )
 from infer.artifact.mapped import (
-    EMBEDDED,
     MAPPED,
     check_weights_format,
     place_weights,
@@ -87,7 +86,7 @@ def export(
     onnx: bool = False,
     onnx_pooling: str | None = None,
     pt2: bool = False,
-    weights: str = EMBEDDED,
+    weights: str = MAPPED,
 ) -> Path:
     """Script ``model`` (from ``infer.quantize``, or ``infer.shard_model`` with its ``plan``)
     and write the artifact to ``out_dir``; a plan is stored beside the model as ``plan.json``.
@@ -105,10 +104,10 @@ def export(
     the spec (``ConfigError`` naming the table and what differs: order, pooling, dim, columns) and the layout is
     written to the manifest (``dense.expects``).
 
-    ``weights="mapped"`` writes each CPU weight buffer to a plain file beside ``model.pt`` (``weights-<n>.bin``,
-    tables page-aligned in the kernel's row layout), which the loader maps read-only; ``model.pt`` then keeps
-    structure only (manifest ``format_version`` 3, which the C++ loader does not read yet). ``"embedded"`` (the
-    default for now) keeps every weight inside ``model.pt`` (``format_version`` 2).
+    ``weights="mapped"`` (the default) writes each CPU weight buffer to a plain file beside ``model.pt``
+    (``weights-<n>.bin``, tables page-aligned in the kernel's row layout), which both loaders map read-only;
+    ``model.pt`` then keeps structure only (manifest ``format_version`` 3). ``"embedded"`` keeps every weight
+    inside ``model.pt`` (``format_version`` 2).
 
     An existing artifact at ``out_dir`` is replaced; any other non-empty folder is left alone
     and ``ArtifactError`` is raised.

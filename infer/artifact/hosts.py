@@ -29,7 +29,6 @@ from infer.artifact.manifest import (
     Manifest,
 )
 from infer.artifact.mapped import (
-    EMBEDDED,
     MAPPED,
     check_weights_format,
     place_weights,
@@ -52,7 +51,7 @@ def host_part_file(host: int) -> str:
     return f"hosts/{host}/{HOST_MODEL_FILE}"
 
 
-def export_hosts(model: torch.nn.Module, out_dir: str | Path, plan: ShardingPlan, weights: str = EMBEDDED) -> Path:
+def export_hosts(model: torch.nn.Module, out_dir: str | Path, plan: ShardingPlan, weights: str = MAPPED) -> Path:
     """Shard ``model`` (from ``infer.quantize``) by ``plan`` (a topology of several hosts: ``world_size`` =
     hosts x ``local_world_size``) and write a multi-host artifact to ``out_dir``: ``manifest.json``,
     ``plan.json`` and ``hosts/<h>/model.pt`` per host (``weights="mapped"``: and its CPU weight buffers in

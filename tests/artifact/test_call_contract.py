@@ -39,12 +39,25 @@ BACKENDS = ("torchscript", "onnxruntime")
 
 
 @pytest.fixture(scope="module")
-def exported(tmp_path_factory):
-    """One artifact (model.pt + model.onnx) of the contract's model, and its reference."""
+def contract_model():
     spec = contract_spec()
-    model = quantize(spec, random_weights(spec, seed=2))
+    return spec, quantize(spec, random_weights(spec, seed=2))
+
+
+@pytest.fixture(scope="module")
+def exported(contract_model, tmp_path_factory):
+    """One artifact (model.pt + model.onnx) of the contract's model, and its reference."""
+    spec, model = contract_model
     path = export(model, tmp_path_factory.mktemp("contract") / "art", onnx=True)
     return path, Reference(spec, model)
+
+
+@pytest.fixture(scope="module")
+def embedded(contract_model, tmp_path_factory):
+    """The same model with every weight inside model.pt (format_version 2): what a bare TorchScript host loads
+    alone. A mapped artifact's model.pt holds its kernels' weights empty (a loader hands them the weight files)."""
+    _, model = contract_model
+    return export(model, tmp_path_factory.mktemp("contract") / "embedded", weights="embedded")
 
 
 @pytest.fixture(scope="module")
@@ -70,10 +83,10 @@ def test_every_documented_dtype_matches_the_reference(runtimes, exported, backen
 
 
 @pytest.mark.parametrize("combo", DOCUMENTED, ids=repr)
-def test_the_scripted_model_alone_follows_the_contract(exported, combo):
-    """model.pt in a bare ``torch.jit.load``, as a C++ or any TorchScript host calls it: no embserve Python."""
-    path, reference = exported
-    scripted = torch.jit.load(str(path / "model.pt"))
+def test_the_scripted_model_alone_follows_the_contract(exported, embedded, combo):
+    """model.pt in a bare ``torch.jit.load``, as any TorchScript host calls it: no embserve Python."""
+    _, reference = exported
+    scripted = torch.jit.load(str(embedded / "model.pt"))
     batch = batch_of(reference.spec, combo)
     dense = dense_of()
     assert_matches(scripted(batch.values, batch.lengths, batch.weights), reference.pooled(batch))
@@ -112,9 +125,9 @@ def test_undocumented_dtypes_are_refused_naming_the_tensor(runtimes, backend, ca
 
 
 @pytest.mark.parametrize("case", REFUSED, ids=repr)
-def test_the_scripted_model_alone_refuses_them_too(exported, case: Refused):
-    path, reference = exported
-    scripted = torch.jit.load(str(path / "model.pt"))
+def test_the_scripted_model_alone_refuses_them_too(exported, embedded, case: Refused):
+    _, reference = exported
+    scripted = torch.jit.load(str(embedded / "model.pt"))
     dense, values, lengths, weights = refused_call(reference.spec, case)
     with pytest.raises(torch.jit.Error) as raised:
         scripted.predict(dense, values, lengths, weights)

@@ -13,7 +13,7 @@ import torch
 
 from infer.artifact.export import export
 from infer.artifact.load import load
-from infer.artifact.manifest import FORMAT_VERSION
+from infer.artifact.manifest import FORMAT_VERSION, MAPPED_FORMAT_VERSION
 from infer.config import DataType, ModelSpec, PoolingType, TableConfig
 from infer.errors import ArtifactError, ArtifactErrorKind, ConfigError, RequestError
 from infer.features import SparseFeatures
@@ -44,7 +44,7 @@ def _copy_artifact(src, dst):
 def test_manifest_describes_the_model(exported):
     spec, _, _, path = exported
     manifest = json.loads((path / "manifest.json").read_text())
-    assert manifest["format_version"] == FORMAT_VERSION
+    assert manifest["format_version"] == MAPPED_FORMAT_VERSION  # export's default: weights in weights-0.bin
     assert [t["name"] for t in manifest["tables"]] == [t.name for t in spec.tables]
     assert manifest["tables"][1] == {
         "name": "t_int4",
@@ -159,12 +159,12 @@ def test_missing_or_corrupt_manifest_is_an_artifact_error(exported, tmp_path):
         load(path)
     assert info.value.kind == ArtifactErrorKind.MANIFEST
     data = json.loads(text)
-    data["format_version"] = FORMAT_VERSION + 1
+    data["format_version"] = max(FORMAT_VERSION, MAPPED_FORMAT_VERSION) + 1
     (path / "manifest.json").write_text(json.dumps(data))
     with pytest.raises(ArtifactError, match="format_version"):
         load(path)
     del data["tables"]
-    data["format_version"] = FORMAT_VERSION
+    data["format_version"] = MAPPED_FORMAT_VERSION
     (path / "manifest.json").write_text(json.dumps(data))
     with pytest.raises(ArtifactError, match="malformed") as info:
         load(path)
@@ -291,7 +291,7 @@ def test_export_replaces_an_artifact_but_not_other_folders(tmp_path):
     model = quantize(spec, random_weights(spec))
     target = export(model, tmp_path / "a")
     export(model, target)  # replacing an artifact is fine
-    assert sorted(p.name for p in target.iterdir()) == ["manifest.json", "model.pt"]
+    assert sorted(p.name for p in target.iterdir()) == ["manifest.json", "model.pt", "weights-0.bin"]
     other = tmp_path / "other"
     other.mkdir()
     (other / "notes.txt").write_text("keep me")

@@ -57,7 +57,7 @@ def _export_both(spec, model, plan_layout, folder: Path) -> tuple[Path, Path, to
     with pytest.MonkeyPatch.context() as patch:
         patch.setattr(verify, "WEIGHTS_CHUNK_BYTES", CHUNK)
         patch.setattr(verify, "CHUNKED_MIN_BYTES", 0)
-        embedded = export(exported, folder / "embedded", plan=plan)
+        embedded = export(exported, folder / "embedded", plan=plan, weights="embedded")
         mapped = export(exported, folder / "mapped", plan=plan, weights="mapped")
     return embedded, mapped, exported
 

@@ -54,19 +54,41 @@ def embserve_run(cpp_build: Path) -> Path:
     return cpp_build / "embserve_run"
 
 
-@pytest.fixture(scope="session")
-def unsharded_artifact(tmp_path_factory: pytest.TempPathFactory) -> Path:
+def _unsharded(folder: Path, weights: str) -> Path:
     from infer.artifact.export import export
     from infer.quant.quantize import quantize
     from infer.weights import random_weights
     from tests.conftest import mixed_spec
 
     spec = mixed_spec()
-    return export(quantize(spec, random_weights(spec, seed=3)), tmp_path_factory.mktemp("cpp") / "unsharded")
+    return export(quantize(spec, random_weights(spec, seed=3)), folder / "unsharded", weights=weights)
+
+
+@pytest.fixture(scope="session")
+def unsharded_artifact(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """mixed_spec unsharded, in export's default format (mapped: weights-0.bin beside model.pt)."""
+    return _unsharded(tmp_path_factory.mktemp("cpp"), "mapped")
+
+
+@pytest.fixture(scope="session")
+def embedded_unsharded_artifact(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """The same model with every weight inside model.pt (format_version 2): for tests of model.pt's weight buffer."""
+    return _unsharded(tmp_path_factory.mktemp("cpp"), "embedded")
 
 
 @pytest.fixture(scope="session")
 def sharded_artifact(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """mixed_spec over 3 CPU devices, one table of each sharding type, in export's default format (mapped)."""
+    return _sharded(tmp_path_factory.mktemp("cpp"), "mapped")
+
+
+@pytest.fixture(scope="session")
+def embedded_sharded_artifact(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """The same sharded model with every weight inside model.pt (format_version 2: replicas' shared_storage)."""
+    return _sharded(tmp_path_factory.mktemp("cpp"), "embedded")
+
+
+def _sharded(folder: Path, weights: str) -> Path:
     from infer.artifact.export import export
     from infer.planner.types import ShardingType
     from infer.quant.quantize import quantize
@@ -85,7 +107,7 @@ def sharded_artifact(tmp_path_factory: pytest.TempPathFactory) -> Path:
         "t_fp32": (ShardingType.TABLE_WISE, (1,)),
     }
     plan = make_plan(spec, 3, layout)
-    return export(shard_model(model, plan), tmp_path_factory.mktemp("cpp") / "sharded", plan=plan)
+    return export(shard_model(model, plan), folder / "sharded", plan=plan, weights=weights)
 
 
 @pytest.fixture(scope="session")

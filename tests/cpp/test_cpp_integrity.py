@@ -49,9 +49,9 @@ def _cases() -> list[tuple[str, str, int, Tamper, str]]:
                 cases.append((f"{which}-{attribute}-{how}", which, kernel, tamper, attribute))
     cases += [
         ("bounds_check_none", "unsharded", -1, lambda tbe: setattr(tbe, "bounds_check_mode_int", 3), "bounds_check"),
-        (
+        (  # the weight buffer inside model.pt: the embedded format (a mapped kernel's is its file's, checked by size)
             "weights_short",
-            "unsharded",
+            "embedded",
             -1,
             lambda tbe: setattr(tbe, "weights_host", tbe.weights_host[:-128]),
             "weights_host",
@@ -72,8 +72,10 @@ def _cases() -> list[tuple[str, str, int, Tamper, str]]:
 CASES = _cases()
 
 
-def test_tampered_kernels_are_model_errors(embserve_run, unsharded_artifact, sharded_artifact, tmp_path):
-    artifacts = {"unsharded": unsharded_artifact, "sharded": sharded_artifact}
+def test_tampered_kernels_are_model_errors(
+    embserve_run, unsharded_artifact, sharded_artifact, embedded_unsharded_artifact, tmp_path
+):
+    artifacts = {"unsharded": unsharded_artifact, "sharded": sharded_artifact, "embedded": embedded_unsharded_artifact}
     folders = []
     for name, which, kernel, tamper, fragment in CASES:
         copy = copy_artifact(artifacts[which], tmp_path / name)
@@ -197,13 +199,18 @@ def test_changed_row_bucketing_is_a_model_error(where, attribute, embserve_run, 
     assert_clean_failure(run(embserve_run, copy), "ModelError", "row-wise bucketing", attribute)
 
 
-def test_shared_replica_storage_is_checked_against_the_plan(embserve_run, sharded_artifact, tmp_path):
-    """CPU replicas point into one weight buffer (manifest kernels' shared_storage, derived from the plan):
-    the C++ loader derives the same layout from plan.json, so an edited offset is refused before any read."""
-    manifest = json.loads((sharded_artifact / "manifest.json").read_text())
-    shared = [kernel.get("shared_storage") for kernel in manifest["kernels"]]
+@pytest.mark.parametrize("storage", ["shared_storage", "weights"])
+def test_shared_replica_storage_is_checked_against_the_plan(
+    storage, embserve_run, sharded_artifact, embedded_sharded_artifact, tmp_path
+):
+    """CPU replicas point into one weight buffer (manifest kernels' shared_storage, derived from the plan; in a
+    mapped artifact their `weights` in one file): the C++ loader derives the same layout from plan.json, so an
+    edited offset is refused before any read."""
+    artifact = embedded_sharded_artifact if storage == "shared_storage" else sharded_artifact
+    manifest = json.loads((artifact / "manifest.json").read_text())
+    shared = [kernel.get(storage) for kernel in manifest["kernels"]]
     assert all(s is not None for s in shared) and len({s["bytes"] for s in shared}) == 1
-    copy = copy_artifact(sharded_artifact, tmp_path)
-    manifest["kernels"][1]["shared_storage"]["table_offsets"][0] += 128
+    copy = copy_artifact(artifact, tmp_path)
+    manifest["kernels"][1][storage]["table_offsets"][0] += 128
     (copy / "manifest.json").write_text(json.dumps(manifest))
     assert_clean_failure(run(embserve_run, copy), "ManifestError", "'kernels' disagree with the plan")

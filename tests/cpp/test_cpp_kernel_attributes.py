@@ -58,9 +58,19 @@ def _changed(value: Any, attribute: KernelAttribute, how: str) -> Any:
     raise AssertionError(f"no way to change a {attribute.kind} attribute")
 
 
+# A mapped artifact's kernels get their weight buffers from the weight files at load (model.pt holds them empty):
+# the buffer's own cases are changed in model.pt of the embedded format, where the weights live.
+EMBEDDED_CASES = ("weights_host",)
+
+
 @pytest.fixture(scope="module")
-def flipped(unsharded_artifact: Path, cpp_build: Path, tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
-    """Per case: the tampered copy and the C++ loader's one-line verdict on it (and "pristine": the original's)."""
+def flipped(
+    unsharded_artifact: Path,
+    embedded_unsharded_artifact: Path,
+    cpp_build: Path,
+    tmp_path_factory: pytest.TempPathFactory,
+) -> dict[str, Any]:
+    """Per case: the tampered copy and the C++ loader's one-line verdict on it (and "pristine": the originals')."""
     from infer.artifact.fbgemm_libs import load_fbgemm
 
     load_fbgemm()
@@ -68,7 +78,8 @@ def flipped(unsharded_artifact: Path, cpp_build: Path, tmp_path_factory: pytest.
     folders = {}
     for case in CASES:
         where, attribute, how = case
-        copy = copy_artifact(unsharded_artifact, root / _case_id(case))
+        source = embedded_unsharded_artifact if attribute.name in EMBEDDED_CASES else unsharded_artifact
+        copy = copy_artifact(source, root / _case_id(case))
         module = torch.jit.load(str(copy / "model.pt"))
         holder = module.embeddings
         target = holder.tbe if where == "tbe" else holder
@@ -76,9 +87,10 @@ def flipped(unsharded_artifact: Path, cpp_build: Path, tmp_path_factory: pytest.
         module.save(str(copy / "model.pt"))
         rehash(copy, "model.pt")
         folders[_case_id(case)] = copy
-    names = ["pristine", *folders]
+    names = ["pristine", "pristine_embedded", *folders]
+    pristine = [str(unsharded_artifact), str(embedded_unsharded_artifact)]
     result = subprocess.run(
-        [str(cpp_build / "embserve_manifest_check"), "--load", str(unsharded_artifact), *map(str, folders.values())],
+        [str(cpp_build / "embserve_manifest_check"), "--load", *pristine, *map(str, folders.values())],
         capture_output=True,
         text=True,
         errors="replace",
@@ -90,11 +102,12 @@ def flipped(unsharded_artifact: Path, cpp_build: Path, tmp_path_factory: pytest.
     return {"folders": folders, "cpp": dict(zip(names, lines))}
 
 
-def test_both_loaders_accept_the_exported_model(flipped, unsharded_artifact):
-    """The untouched artifact passes every entry of the list in both loaders (so C++ implements every rule and
-    kind the list names: an unknown one is a ModelError there)."""
-    assert flipped["cpp"]["pristine"] == "ok"
+def test_both_loaders_accept_the_exported_model(flipped, unsharded_artifact, embedded_unsharded_artifact):
+    """The untouched artifacts (mapped and embedded) pass every entry of the list in both loaders (so C++
+    implements every rule and kind the list names: an unknown one is a ModelError there)."""
+    assert flipped["cpp"]["pristine"] == "ok" and flipped["cpp"]["pristine_embedded"] == "ok"
     load(unsharded_artifact)
+    load(embedded_unsharded_artifact)
 
 
 @pytest.mark.parametrize("case", CASES, ids=_case_id)

@@ -139,9 +139,10 @@ def test_corrupted_model_fails_its_checksum(embserve_run, unsharded_artifact, tm
 
 def test_manifest_format_version_is_checked(embserve_run, unsharded_artifact, tmp_path):
     artifact = copy_artifact(unsharded_artifact, tmp_path)
-    edit_manifest(artifact, lambda d: d.update(format_version=3))
+    edit_manifest(artifact, lambda d: d.update(format_version=4))
     result = run(embserve_run, artifact)
-    assert result.returncode == 1 and "ManifestError" in result.stderr and "format_version 3" in result.stderr
+    assert result.returncode == 1 and "ManifestError" in result.stderr and "format_version 4" in result.stderr
+    assert "reads versions 2 and 3" in result.stderr
     (artifact / "manifest.json").write_text("{not json")
     result = run(embserve_run, artifact)
     assert result.returncode == 1 and "ManifestError" in result.stderr and "not valid JSON" in result.stderr

@@ -31,7 +31,8 @@ def test_manifest_lists_one_part_per_host(two_hosts):
     data = json.loads((two_hosts / "manifest.json").read_text())
     assert data["hosts"] == {"count": 2, "devices_per_host": 1, "parts": ["hosts/0/model.pt", "hosts/1/model.pt"]}
     assert data["model_file"] == "hosts/0/model.pt" and data["sharding"]["world_size"] == 2
-    assert sorted(data["files"]) == ["hosts/0/model.pt", "hosts/1/model.pt", "plan.json"]
+    parts = [f"hosts/{h}/{name}" for h in (0, 1) for name in ("model.pt", "weights-0.bin")]  # mapped: the default
+    assert sorted(data["files"]) == [*parts, "plan.json"]
     assert sorted({k["rank"] for k in data["kernels"]}) == [0, 1]
     assert Manifest.from_dict(data).to_dict() == data
 

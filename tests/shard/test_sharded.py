@@ -323,9 +323,11 @@ def test_cpu_replicas_share_one_weight_buffer(quantized, tmp_path):
     assert_parity("row_wise", runtime.lookup(batch), expected)
 
 
-def test_an_edited_shared_storage_offset_is_refused(quantized, tmp_path):
-    """The shared buffer's layout is derived from the plan at load, like the kernels: an edited offset in the
-    manifest (checksums redone) is a MANIFEST error, before any kernel reads the buffer."""
+@pytest.mark.parametrize("weights, storage", [("embedded", "shared_storage"), ("mapped", "weights")])
+def test_an_edited_shared_storage_offset_is_refused(quantized, tmp_path, weights, storage):
+    """The shared buffer's layout (embedded: ``shared_storage``; mapped: the replicas' ``weights`` in one file) is
+    derived from the plan at load, like the kernels: an edited offset in the manifest (checksums redone) is a
+    MANIFEST error, before any kernel reads the buffer."""
     import json
 
     from infer.errors import ArtifactError, ArtifactErrorKind
@@ -333,9 +335,9 @@ def test_an_edited_shared_storage_offset_is_refused(quantized, tmp_path):
 
     spec, model = quantized
     plan = make_plan(spec, 2, {"shared": (REP, (0, 1)), "int4": (TW, (1,))})
-    path = export(shard_model(model, plan), tmp_path / "replicas", plan=plan)
+    path = export(shard_model(model, plan), tmp_path / "replicas", plan=plan, weights=weights)
     manifest = json.loads((path / "manifest.json").read_text())
-    manifest["kernels"][1]["shared_storage"]["table_offsets"][-1] += 128
+    manifest["kernels"][1][storage]["table_offsets"][-1] += 128
     (path / "manifest.json").write_text(json.dumps(manifest))
     rehash(path, "model.pt")
     with pytest.raises(ArtifactError, match="disagrees with plan.json") as info:

@@ -42,7 +42,8 @@ class ManifestError : public Error {
  public:
   using Error::Error;
 };
-// A file listed in the manifest is missing, has the wrong size, or fails its sha256 check.
+// A file listed in the manifest is missing, has the wrong size (checked before any file is mapped), or fails its
+// sha256 check (for a file with chunk digests: the message names the bad chunk and its byte range).
 class ChecksumError : public Error {
  public:
   using Error::Error;
@@ -71,13 +72,20 @@ enum class Backend {
   Pt2,          // model.pt2 with torch::inductor::AOTIModelPackageLoader (the manifest's `pt2` entry)
 };
 
+// How much of the artifact's files the load checks (Python's load(..., verify=...), `--verify full|none`).
+enum class Verify {
+  Full,  // every listed file's size and sha256 (large files chunk by chunk on a thread per core) before ready
+  None,  // paths and sizes only (a file of the wrong size is still refused before anything maps it): for a trusted
+         // artifact verified before
+};
+
 struct LoadOptions {
   Backend backend = Backend::TorchScript;
   // Folders searched first for the fbgemm libraries; then $EMBSERVE_FBGEMM_LIB_DIR, the manifest's
   // fbgemm.build_dir, and the fbgemm_gpu folder recorded when embserve_loader was built.
   std::vector<std::string> library_dirs;
-  // Check every listed file's size and sha256 before loading (as the Python loader does).
-  bool verify_checksums = true;
+  // Verify::Full checks every listed file's sha256 as well as its size (as the Python loader does).
+  Verify verify = Verify::Full;
   // torch intra-op threads (process-wide): -1 = as Python's load (cores / world_size for models
   // sharded over several CPU devices, unchanged otherwise); 0 = leave alone; n > 0 = set n.
   // Pt2: -1 leaves torch's setting alone.
@@ -102,7 +110,7 @@ struct FeatureInfo {
 
 // Check an artifact's manifest.json (and plan.json, when sharded) against the artifact schema and against
 // each other, without hashing files or loading the model: a pre-flight check for deploy tooling.
-// Throws ManifestError (ChecksumError for a listed model or plan file without a checksum entry).
+// Throws ManifestError (ChecksumError for a model, plan or weight file the manifest names without a checksum entry).
 void check_manifest(const std::string& artifact_dir);
 
 class Model {
@@ -141,6 +149,11 @@ class Model {
   Backend backend() const { return backend_; }
   // Absolute paths of the fbgemm libraries loaded for this model, in load order.
   const std::vector<std::string>& libraries() const { return libraries_; }
+  // What the load read or mapped (the bytes of every file the manifest lists), how long Model::load took, and how
+  // much of that was dlopen'ing the fbgemm libraries (near 0 when this process loaded them before).
+  int64_t load_bytes() const { return load_bytes_; }
+  double load_seconds() const { return load_seconds_; }
+  double library_seconds() const { return library_seconds_; }
 
  private:
   Model() = default;
@@ -150,6 +163,9 @@ class Model {
   int64_t num_dense_features_ = 0;  // 0: no dense part
   int world_size_ = 1;
   std::vector<std::string> libraries_;
+  int64_t load_bytes_ = 0;
+  double load_seconds_ = 0.0;
+  double library_seconds_ = 0.0;
   Backend backend_ = Backend::TorchScript;
   std::shared_ptr<torch::jit::Module> module_;
   std::shared_ptr<torch::inductor::AOTIModelPackageLoader> pt2_;
