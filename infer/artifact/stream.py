@@ -60,7 +60,8 @@ class Piece:
 class StreamedExport:
     """What a streaming export wrote and what it cost: the artifact, the tables (or shards) and rows written, the
     weight files' bytes, the wall time, and the process's peak resident set (VmHWM, over its whole life) and
-    peak anonymous resident set (sampled as each chunk is encoded)."""
+    peak anonymous resident set (sampled as each chunk is encoded), beside its anonymous resident set when the
+    export started (what the process held before: torch, fbgemm, the caller's data)."""
 
     path: Path
     tables: int
@@ -69,6 +70,7 @@ class StreamedExport:
     seconds: float
     peak_rss_bytes: int
     peak_rss_anon_bytes: int
+    start_rss_anon_bytes: int
 
 
 def export_streaming(
@@ -120,10 +122,11 @@ def export_streaming(
         seconds=time.monotonic() - started,
         peak_rss_bytes=memory_use().peak_rss,
         peak_rss_anon_bytes=peak.peak,
+        start_rss_anon_bytes=peak.start,
     )
     logger.info(
         "exported %s: %d tables, %d rows, %.2f GB of weights in %.1fs (%.0f rows/s); peak RSS %.2f GB, "
-        "peak anonymous RSS %.2f GB",
+        "peak anonymous RSS %.2f GB (%.2f GB at the start)",
         out_dir,
         done.tables,
         done.rows,
@@ -132,6 +135,7 @@ def export_streaming(
         done.rows / max(done.seconds, 1e-9),
         done.peak_rss_bytes / 1e9,
         done.peak_rss_anon_bytes / 1e9,
+        done.start_rss_anon_bytes / 1e9,
     )
     return done
 
