@@ -57,7 +57,9 @@ DLRM_V2_ROWS = (
 )  # fmt: skip
 DLRM_V2_MULTI_HOT = (3, 2, 1, 2, 6, 1, 1, 1, 1, 7, 3, 8, 1, 6, 9, 5, 1, 1, 1, 12, 100, 27, 10, 3, 1, 1)
 DIM = 128
-BLOCK_ROWS = 1 << 16  # rows made per seeded generator: a row's values do not depend on how it is asked for
+# rows made per seeded generator (a row's values do not depend on how it is asked for); the export's 64 MiB chunks
+# of 128-dim fp32 rows are 2^17 rows, so each chunk is one block, handed over without a copy
+BLOCK_ROWS = 1 << 17
 ZIPF_ALPHA = 1.05
 BATCH = 64
 PAGE = 4096
@@ -85,13 +87,17 @@ def make_block(seed: int, table: int, block: int) -> torch.Tensor:
 
 
 def table_rows(seed: int, table: int, total: int) -> Any:
-    """The callable of one table: rows ``start .. end``, yielded block by block."""
+    """The callable of one table: rows ``start .. end`` (a slice of one block, or the blocks' slices in turn)."""
+
+    def piece(block: int, start: int, end: int) -> torch.Tensor:
+        first = block * BLOCK_ROWS
+        return make_block(seed, table, block)[max(start, first) - first : min(end, first + BLOCK_ROWS, total) - first]
 
     def rows(start: int, end: int) -> Any:
-        for block in range(start // BLOCK_ROWS, (end - 1) // BLOCK_ROWS + 1):
-            first = block * BLOCK_ROWS
-            made = make_block(seed, table, block)
-            yield made[max(start, first) - first : min(end, first + BLOCK_ROWS, total) - first]
+        blocks = range(start // BLOCK_ROWS, (end - 1) // BLOCK_ROWS + 1)
+        if len(blocks) == 1:
+            return piece(blocks[0], start, end)
+        return (piece(block, start, end) for block in blocks)
 
     return rows
 
