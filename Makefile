@@ -24,6 +24,8 @@ TORCHREC_PKGS := torchrec==1.8.0 tensordict==0.15.3 cloudpickle==3.1.2 pyvers==0
 # the embserve[onnx] extra (model.onnx export and the onnxruntime backend); --no-deps keeps the pins above,
 # their own dependencies (numpy, protobuf, typing_extensions, packaging) are already installed
 ONNX_PKGS := onnx==1.23.2 onnxruntime==1.32.0 ml-dtypes==0.5.4 flatbuffers==25.12.19
+# the embserve[safetensors] extra: streaming export reads .safetensors tables a slice at a time
+SAFETENSORS_PKGS := safetensors==0.8.0
 STAMP := $(VENV)/.installed
 
 .PHONY: demo test lint typecheck pytest bench clean cpp cpp-deps
@@ -37,6 +39,7 @@ $(STAMP): pyproject.toml Makefile
 	$(BIN)/python -m pip install --quiet --disable-pip-version-check --no-deps $(TORCHREC_PKGS)
 	$(BIN)/python -c "import torchrec.distributed, torchrec.models.dlrm, torchrec.quant"
 	$(BIN)/python -m pip install --quiet --disable-pip-version-check --no-deps $(ONNX_PKGS)
+	$(BIN)/python -m pip install --quiet --disable-pip-version-check --no-deps $(SAFETENSORS_PKGS)
 	$(BIN)/python -m pip install --quiet --disable-pip-version-check --no-build-isolation --no-deps -e .
 	touch $(STAMP)
 

@@ -11,6 +11,7 @@ from __future__ import annotations
 from infer.artifact.export import export
 from infer.artifact.load import load
 from infer.artifact.runtime import Runtime
+from infer.artifact.stream import export_streaming
 from infer.config import DataType, FeatureInfo, ModelSpec, PoolingType, TableConfig
 from infer.errors import (
     ArtifactError,
@@ -62,6 +63,7 @@ __all__ = [
     "__version__",
     "accuracy_report",
     "export",
+    "export_streaming",
     "from_torchrec",
     "load",
     "load_checkpoint",

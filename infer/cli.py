@@ -24,6 +24,7 @@ if TYPE_CHECKING:
     from infer.planner.access import AccessSample
     from infer.planner.precision import PrecisionPlan
     from infer.planner.types import ParameterConstraints, ShardingPlan, Topology
+    from infer.storage.sources import TableSource
 
 logger = logging.getLogger(__name__)
 
@@ -85,6 +86,7 @@ def cmd_export(args: argparse.Namespace) -> int:
     from infer.config import ModelSpec
     from infer.quant.accuracy import accuracy_report, format_accuracy
     from infer.quant.quantize import quantize
+    from infer.storage.sources import read_tables
 
     _check_export_out(Path(args.out), args.force)
     if bool(args.weights) == bool(args.from_torchrec):
@@ -112,8 +114,11 @@ def cmd_export(args: argparse.Namespace) -> int:
         spec = spec.with_data_types(overrides={t.table: t.data_type for t in plan.tables})
     # inputs are checked in the order the pipeline uses them: spec, plan, tables, then the dense part
     _check_dense_flags(spec, args.dense_arch, args.no_dense, args.spec)
-    weights = early_weights if early_weights is not None else _export_weights(args, spec)
+    tables = _export_source(args, spec)
     spec = _with_dense_part(spec, args.dense_arch)
+    if early_weights is None and _streams(args, plan):
+        return _export_streaming(args, spec, tables, plan)
+    weights = early_weights if early_weights is not None else read_tables(tables, spec)
     model = quantize(spec, weights, progress=_print_progress)
     print(format_accuracy(accuracy_report(spec, weights, model)))
     if plan is not None:
@@ -146,6 +151,34 @@ def cmd_export(args: argparse.Namespace) -> int:
         + (" with model.onnx" if args.onnx else "")
         + (" with model.pt2" if args.pt2 else "")
         + f", {dense}"
+    )
+    return 0
+
+
+def _streams(args: argparse.Namespace, plan: ShardingPlan | None) -> bool:
+    """A mapped export of one CPU host without ONNX or pt2 streams its tables (never holds them all)."""
+    one_cpu_host = plan is None or (
+        not plan.topology.is_cuda and plan.topology.local_world_size >= plan.topology.world_size
+    )
+    return args.weights_format == "mapped" and not args.onnx and not args.pt2 and one_cpu_host
+
+
+def _export_streaming(args: argparse.Namespace, spec: ModelSpec, source: TableSource, plan: ShardingPlan | None) -> int:
+    from infer.artifact.stream import export_streaming
+
+    if plan is not None:
+        from infer.planner.stats import format_stats
+
+        print(format_stats(plan))
+        print()
+    done = export_streaming(spec, source, args.out, plan, progress=_print_progress)
+    dense = "with its dense part" if spec.dense_arch is not None else "lookups only"
+    print(
+        f"exported {done.path}"
+        + (f" ({plan.topology.world_size} shards)" if plan is not None else "")
+        + f", {dense}: streamed {done.tables} tables ({done.rows:,} rows, {done.weight_bytes / 1e9:.2f} GB of "
+        f"weights) in {done.seconds:.1f}s, {done.rows / max(done.seconds, 1e-9):,.0f} rows/s; peak RSS "
+        f"{done.peak_rss_bytes / 1e9:.2f} GB, peak anonymous RSS {done.peak_rss_anon_bytes / 1e9:.2f} GB"
     )
     return 0
 
@@ -219,15 +252,19 @@ def cmd_spec(args: argparse.Namespace) -> int:
     return 0
 
 
+def _export_source(args: argparse.Namespace, spec: ModelSpec) -> TableSource:
+    """The tables of --weights (a torch.save checkpoint, memory-mapped; safetensors; a DCP folder) or
+    --from-torchrec, as a source read table by table."""
+    from infer.storage.sources import open_source
+
+    return open_source(args.weights or args.from_torchrec, spec, torchrec=bool(args.from_torchrec))
+
+
 def _export_weights(args: argparse.Namespace, spec: ModelSpec) -> dict[str, torch.Tensor]:
-    """The fp32 tables of --weights (memory-mapped) or --from-torchrec."""
-    if args.from_torchrec:
-        from infer.interop.torchrec import load_torchrec_checkpoint
+    """Every table of --weights or --from-torchrec whole (memory-mapped where the source allows)."""
+    from infer.storage.sources import read_tables
 
-        return dict(load_torchrec_checkpoint(args.from_torchrec, spec))
-    from infer.weights import load_checkpoint
-
-    return load_checkpoint(args.weights, spec)
+    return read_tables(_export_source(args, spec), spec)
 
 
 def _wants_precision(args: argparse.Namespace) -> bool:
@@ -522,7 +559,12 @@ def build_parser() -> argparse.ArgumentParser:
 
     exp = sub.add_parser("export", help="quantize a checkpoint and export an artifact")
     exp.add_argument("--spec", required=True, help="model spec JSON (tables)")
-    exp.add_argument("--weights", default=None, help="checkpoint: {table_name: fp32 tensor} saved with torch.save")
+    exp.add_argument(
+        "--weights",
+        default=None,
+        help="the tables, named like the spec's: a torch.save checkpoint {table_name: fp32 tensor}, a .safetensors "
+        "file, or a DCP folder (a mapped one-host CPU export streams them, a chunk of rows at a time)",
+    )
     exp.add_argument("--out", required=True, help="artifact folder to write")
     exp.add_argument("--dtype", default=None, help="data type for every table (int8, int4, int2, fp16, fp32)")
     exp.add_argument("--table-dtype", action="append", default=[], metavar="NAME=DTYPE", help="per-table data type")

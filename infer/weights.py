@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pickle
 import re
-from collections.abc import Mapping, Sequence
+from collections.abc import Iterable, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -30,25 +30,34 @@ def random_weights(spec: ModelSpec, seed: int = 0, std: float = 1.0) -> dict[str
 
 def check_weights(spec: ModelSpec, weights: Mapping[str, torch.Tensor]) -> None:
     """Raise ``WeightsError`` unless ``weights`` holds one float [rows, dim] tensor per table."""
-    names = [t.name for t in spec.tables]
-    missing = [n for n in names if n not in weights]
-    unknown = [n for n in weights if n not in names]
-    if missing or unknown:
-        raise WeightsError(
-            f"checkpoint tables do not match the spec: {table_mismatch(missing, unknown)}; the spec has {names}"
-        )
+    check_table_names(spec, list(weights))
     for table in spec.tables:
         weight = weights[table.name]
         if not isinstance(weight, torch.Tensor):
             raise WeightsError(f"table {table.name!r}: weight is a {type(weight).__name__}, expected a tensor")
-        expected = (table.num_embeddings, table.embedding_dim)
-        if tuple(weight.shape) != expected:
-            raise WeightsError(
-                f"table {table.name!r}: weight shape {list(weight.shape)} does not match the spec's "
-                f"[num_embeddings, embedding_dim] = {list(expected)}"
-            )
-        if not weight.is_floating_point():
-            raise WeightsError(f"table {table.name!r}: weight dtype {weight.dtype} is not floating point")
+        check_table_shape(table.name, (table.num_embeddings, table.embedding_dim), tuple(weight.shape), weight.dtype)
+
+
+def check_table_names(spec: ModelSpec, names: Sequence[str]) -> None:
+    """Raise ``WeightsError`` unless ``names`` (a checkpoint's tables) are exactly the spec's tables."""
+    expected = [t.name for t in spec.tables]
+    missing = [n for n in expected if n not in names]
+    unknown = [n for n in names if n not in expected]
+    if missing or unknown:
+        raise WeightsError(
+            f"checkpoint tables do not match the spec: {table_mismatch(missing, unknown)}; the spec has {expected}"
+        )
+
+
+def check_table_shape(name: str, expected: tuple[int, int], shape: tuple[int, ...], dtype: torch.dtype) -> None:
+    """Raise ``WeightsError`` unless a table's stored weight is floating point of the spec's shape."""
+    if shape != expected:
+        raise WeightsError(
+            f"table {name!r}: weight shape {list(shape)} does not match the spec's "
+            f"[num_embeddings, embedding_dim] = {list(expected)}"
+        )
+    if not dtype.is_floating_point:
+        raise WeightsError(f"table {name!r}: weight dtype {dtype} is not floating point")
 
 
 def table_mismatch(missing: Sequence[str], unknown: Sequence[str]) -> str:
@@ -97,17 +106,18 @@ def load_checkpoint(path: str | Path, spec: ModelSpec) -> dict[str, torch.Tensor
     if not isinstance(data, Mapping):
         raise WeightsError(f"{str(path)!r} holds a {type(data).__name__}; expected a dict of table name -> tensor")
     weights = dict(data)
-    _refuse_torchrec_state_dict(path, spec, weights)
+    refuse_torchrec_keys(path, spec, weights)
     check_weights(spec, weights)
     return weights
 
 
-def _refuse_torchrec_state_dict(path: Path, spec: ModelSpec, weights: Mapping[str, Any]) -> None:
+def refuse_torchrec_keys(path: Path, spec: ModelSpec, keys: Iterable[Any]) -> None:
     """A TorchRec state dict (``...embedding_bags.<table>.weight`` keys) is read by the TorchRec importer: say so."""
     names = {t.name for t in spec.tables}
-    if names <= set(weights):
+    keys = list(keys)
+    if names <= set(keys):
         return
-    torchrec_keys = [key for key in weights if TORCHREC_TABLE_KEY.search(str(key))]
+    torchrec_keys = [key for key in keys if TORCHREC_TABLE_KEY.search(str(key))]
     if torchrec_keys:
         raise WeightsError(
             f"{str(path)!r} is a TorchRec state dict (keys like {torchrec_keys[0]!r}), not a "

@@ -40,7 +40,7 @@ from infer.artifact.mapped import (
     strip_weights,
     write_weight_files,
 )
-from infer.dense_layout import checked_layout
+from infer.dense_layout import PooledLayout, checked_layout
 from infer.errors import ArtifactError, ConfigError
 from infer.planner.types import ShardingPlan
 from infer.version import __version__
@@ -112,7 +112,6 @@ def export(
     An existing artifact at ``out_dir`` is replaced; any other non-empty folder is left alone
     and ``ArtifactError`` is raised.
     """
-    from infer.artifact.fbgemm_libs import REQUIRED_LIBRARIES, fbgemm_library_dir, fbgemm_version
     from infer.modules.collection import EmbserveModel
 
     if not isinstance(model, EmbserveModel):
@@ -123,10 +122,7 @@ def export(
     if model.has_dense:
         check_dense_part(model)
     started = time.monotonic()
-    try:
-        scripted = torch.jit.script(model)
-    except Exception as err:  # noqa: BLE001 - TorchScript reports many error types
-        raise ConfigError(f"the model (or its dense_arch) cannot be scripted with torch.jit.script: {err}") from None
+    scripted = script_model(model)
     kernels = kernels_of(model, plan)
     with staged(out_dir) as staging:
         weight_files: list[FileEntry] = []
@@ -134,11 +130,7 @@ def export(
             embedded, kernels = kernels, place_weights(kernels)
             weight_files = _write_weights(staging, model_tbes(model), embedded, kernels)
             strip_weights(model_tbes(scripted), kernels)
-        scripted.save(str(staging / MODEL_FILE))
-        files = [FileEntry.of(staging, MODEL_FILE), *weight_files]
-        if plan is not None:
-            (staging / PLAN_FILE).write_text(plan.to_json(), encoding="utf-8")
-            files.append(FileEntry.of(staging, PLAN_FILE))
+        files = save_structure(staging, scripted, weight_files, plan)
         onnx_entry = None
         if onnx:
             onnx_entry = _export_onnx(model, staging, plan, onnx_pooling)
@@ -151,28 +143,64 @@ def export(
 
             pt2_entry = export_pt2(model, staging)
             files.append(FileEntry.of(staging, pt2_entry.file))
-        devices = _model_devices(model)
-        manifest = Manifest(
-            spec=model.spec,
-            has_dense=bool(model.has_dense),
-            devices=tuple(devices),
-            embserve_version=__version__,
-            torch_version=torch.__version__,
-            fbgemm_version=fbgemm_version(),
-            fbgemm_libraries=REQUIRED_LIBRARIES,
-            fbgemm_library_dir=str(fbgemm_library_dir()),
-            files=tuple(files),
-            plan_file=PLAN_FILE if plan is not None else None,
-            world_size=plan.topology.world_size if plan is not None else 1,
-            kernels=tuple(kernels),
-            onnx=onnx_entry,
-            pt2=pt2_entry,
-            dense_expects=dense_expects,
-            format_version=MAPPED_FORMAT_VERSION if weights == MAPPED else FORMAT_VERSION,
-        )
-        (staging / MANIFEST_FILE).write_text(manifest.to_json(), encoding="utf-8")
+        format_version = MAPPED_FORMAT_VERSION if weights == MAPPED else FORMAT_VERSION
+        write_manifest(staging, model, plan, files, kernels, dense_expects, format_version, onnx_entry, pt2_entry)
     logger.debug("exported %s in %.1fs", out_dir, time.monotonic() - started)
     return out_dir
+
+
+def script_model(model: torch.nn.Module) -> torch.jit.ScriptModule:
+    try:
+        return torch.jit.script(model)
+    except Exception as err:  # noqa: BLE001 - TorchScript reports many error types
+        raise ConfigError(f"the model (or its dense_arch) cannot be scripted with torch.jit.script: {err}") from None
+
+
+def save_structure(
+    staging: Path, scripted: torch.jit.ScriptModule, weight_files: list[FileEntry], plan: ShardingPlan | None
+) -> list[FileEntry]:
+    """Save ``model.pt`` (and ``plan.json``) into ``staging``; returns the artifact's file entries so far, in
+    manifest order: the model, its weight files, the plan."""
+    scripted.save(str(staging / MODEL_FILE))
+    files = [FileEntry.of(staging, MODEL_FILE), *weight_files]
+    if plan is not None:
+        (staging / PLAN_FILE).write_text(plan.to_json(), encoding="utf-8")
+        files.append(FileEntry.of(staging, PLAN_FILE))
+    return files
+
+
+def write_manifest(
+    staging: Path,
+    model: Any,
+    plan: ShardingPlan | None,
+    files: list[FileEntry],
+    kernels: list[Kernel],
+    dense_expects: PooledLayout | None,
+    format_version: int,
+    onnx_entry: OnnxEntry | None = None,
+    pt2_entry: Pt2Entry | None = None,
+) -> None:
+    from infer.artifact.fbgemm_libs import REQUIRED_LIBRARIES, fbgemm_library_dir, fbgemm_version
+
+    manifest = Manifest(
+        spec=model.spec,
+        has_dense=bool(model.has_dense),
+        devices=tuple(_model_devices(model)),
+        embserve_version=__version__,
+        torch_version=torch.__version__,
+        fbgemm_version=fbgemm_version(),
+        fbgemm_libraries=REQUIRED_LIBRARIES,
+        fbgemm_library_dir=str(fbgemm_library_dir()),
+        files=tuple(files),
+        plan_file=PLAN_FILE if plan is not None else None,
+        world_size=plan.topology.world_size if plan is not None else 1,
+        kernels=tuple(kernels),
+        onnx=onnx_entry,
+        pt2=pt2_entry,
+        dense_expects=dense_expects,
+        format_version=format_version,
+    )
+    (staging / MANIFEST_FILE).write_text(manifest.to_json(), encoding="utf-8")
 
 
 def _write_weights(folder: Path, tbes: list[Any], embedded: list[Kernel], placed: list[Kernel]) -> list[FileEntry]:

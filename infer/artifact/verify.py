@@ -120,11 +120,16 @@ def chunk_digests(path: Path, chunk_bytes: int, pool: ThreadPoolExecutor) -> lis
             view.release()
 
 
+def chunked(size: int) -> bool:
+    """Whether a file of ``size`` bytes is listed with per-chunk checksums (else its whole-file sha256 only)."""
+    return size >= CHUNKED_MIN_BYTES
+
+
 def file_digests(path: Path, chunk_bytes: int | None = None) -> tuple[str, Chunks | None]:
     """Whole-file sha256 and, for a file of ``CHUNKED_MIN_BYTES`` or more, its digests of ``chunk_bytes``
     (default ``CHUNK_BYTES``) chunks (hashed by a pool while this thread hashes the whole file)."""
     size = path.stat().st_size
-    if size < CHUNKED_MIN_BYTES:
+    if not chunked(size):
         return _sha256_mapped(path), None
     chunk_bytes = chunk_bytes or CHUNK_BYTES
     with ThreadPoolExecutor(default_workers()) as pool, ThreadPoolExecutor(1) as whole_file:

@@ -344,7 +344,7 @@ def load_torchrec_checkpoint(source: str | Path | Mapping[str, Any], spec: Model
 
     if isinstance(source, Mapping):
         origin = "the state dict"
-        tables = _match_tables(list(source), spec, origin)
+        tables = match_tables(list(source), spec, origin)
         weights = {name: _full_tensor(source[key], name) for name, key in tables.items()}
     else:
         path = Path(source)
@@ -353,7 +353,7 @@ def load_torchrec_checkpoint(source: str | Path | Mapping[str, Any], spec: Model
             weights = _read_dcp(path, spec)
         elif path.is_file():
             state = _torch_load(path)
-            tables = _match_tables(list(state), spec, origin)
+            tables = match_tables(list(state), spec, origin)
             weights = {name: _full_tensor(state[key], name) for name, key in tables.items()}
         else:
             raise WeightsError(f"TorchRec checkpoint {origin!r} does not exist (a state dict file or a DCP folder)")
@@ -371,7 +371,7 @@ def spec_from_checkpoint(source: str | Path) -> ModelSpec:
     path = Path(source)
     all_shapes: dict[str, tuple[int, ...]] = {}
     if path.is_dir():
-        all_shapes = {key: shape for key, (shape, _) in _dcp_tensors(path).items()}
+        all_shapes = {key: shape for key, (shape, _) in dcp_tensors(path).items()}
     elif path.is_file():
         all_shapes = {key: tuple(value.shape) for key, value in _torch_load(path).items() if hasattr(value, "shape")}
     else:
@@ -403,7 +403,7 @@ def _torch_load(path: Path) -> Mapping[str, Any]:
     return data
 
 
-def _match_tables(keys: list[str], spec: ModelSpec, origin: str) -> dict[str, str]:
+def match_tables(keys: list[str], spec: ModelSpec, origin: str) -> dict[str, str]:
     """``{table: state dict key}``; missing and unknown tables in one error."""
     by_table: dict[str, list[str]] = {}
     for key in keys:
@@ -425,7 +425,7 @@ def _match_tables(keys: list[str], spec: ModelSpec, origin: str) -> dict[str, st
     return {n: by_table[n][0] for n in names}
 
 
-def _dcp_tensors(path: Path) -> dict[str, tuple[tuple[int, ...], torch.dtype]]:
+def dcp_tensors(path: Path) -> dict[str, tuple[tuple[int, ...], torch.dtype]]:
     from torch.distributed.checkpoint import FileSystemReader
     from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 
@@ -442,10 +442,8 @@ def _dcp_tensors(path: Path) -> dict[str, tuple[tuple[int, ...], torch.dtype]]:
 
 def _read_dcp(path: Path, spec: ModelSpec) -> dict[str, torch.Tensor]:
     """Read only the spec's tables from a DCP folder, without a process group."""
-    import torch.distributed.checkpoint as dcp
-
-    tensors = _dcp_tensors(path)
-    tables = _match_tables(list(tensors), spec, str(path))
+    tensors = dcp_tensors(path)
+    tables = match_tables(list(tensors), spec, str(path))
     for table in spec.tables:
         shape, dtype = tensors[tables[table.name]]
         expected = (table.num_embeddings, table.embedding_dim)
@@ -454,7 +452,16 @@ def _read_dcp(path: Path, spec: ModelSpec) -> dict[str, torch.Tensor]:
                 f"{str(path)!r}: table {table.name!r} is stored as {dtype} {list(shape)}; the spec's "
                 f"[num_embeddings, embedding_dim] = {list(expected)} (floating point)"
             )
-    state = {key: torch.empty(tensors[key][0], dtype=tensors[key][1]) for key in tables.values()}
+    state = read_dcp_tensors(path, {key: tensors[key] for key in tables.values()})
+    return {name: state[key] for name, key in tables.items()}
+
+
+def read_dcp_tensors(path: Path, wanted: Mapping[str, tuple[tuple[int, ...], torch.dtype]]) -> dict[str, torch.Tensor]:
+    """The tensors ``wanted`` (key -> stored shape and dtype) read from a DCP folder without a process group; the
+    folder's other entries are not read."""
+    import torch.distributed.checkpoint as dcp
+
+    state = {key: torch.empty(shape, dtype=dtype) for key, (shape, dtype) in wanted.items()}
     try:
         with warnings.catch_warnings():
             # reading without a process group is the point; DCP warns that it assumes so
@@ -462,4 +469,4 @@ def _read_dcp(path: Path, spec: ModelSpec) -> dict[str, torch.Tensor]:
             dcp.load(state, checkpoint_id=str(path), no_dist=True)
     except Exception as err:  # noqa: BLE001 - DCP wraps reader failures in several types
         raise WeightsError(f"cannot read the tables from DCP checkpoint {str(path)!r}: {err}") from None
-    return {name: state[key] for name, key in tables.items()}
+    return state

@@ -146,7 +146,13 @@ class QuantizedEmbeddingBagCollection(ValidatingCollection, KernelRunner):
     afterwards, so SUM and MEAN tables share the single kernel call.
     """
 
-    def __init__(self, spec: ModelSpec, device: torch.device | str = "cpu", row_alignment: Optional[int] = None):
+    def __init__(
+        self,
+        spec: ModelSpec,
+        device: torch.device | str = "cpu",
+        row_alignment: Optional[int] = None,
+        allocate: bool = True,
+    ):
         super().__init__()
         table_index = {t.name: i for i, t in enumerate(spec.tables)}
         self.tbe = make_tbe(
@@ -154,6 +160,7 @@ class QuantizedEmbeddingBagCollection(ValidatingCollection, KernelRunner):
             [table_index[f.table] for f in spec.features],
             torch.device(device),
             row_alignment,
+            allocate,
         )
         self._set_features(spec)
         self.init_kernel_runner(len(spec.features), str(torch.device(device)))

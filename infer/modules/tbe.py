@@ -50,9 +50,12 @@ def make_tbe(
     feature_table_map: List[int],
     device: torch.device,
     row_alignment: Optional[int] = None,
+    allocate: bool = True,
 ) -> nn.Module:
     """One inference TBE over ``tables`` (name, rows, dim, data type): SUM pooling, fp32 output,
-    FATAL bounds checks (WARNING/IGNORE would rewrite the caller's ids in place). Weights allocated."""
+    FATAL bounds checks (WARNING/IGNORE would rewrite the caller's ids in place). Weights allocated, unless
+    ``allocate=False``: then every size and offset is set as allocating sets it, but the weight buffer stays
+    empty (a streaming export writes the rows to files and scripts this structure only)."""
     TBE, SparseType, EmbeddingLocation, PoolingMode, BoundsCheckMode = _tbe_classes()
     location = EmbeddingLocation.HOST if device.type == "cpu" else EmbeddingLocation.DEVICE
     tbe = TBE(
@@ -64,7 +67,11 @@ def make_tbe(
         output_dtype=SparseType.FP32,
         row_alignment=row_alignment,
     )
-    tbe.initialize_weights()
+    if allocate:
+        tbe.initialize_weights()
+    else:
+        tbe.weight_initialized = True
+        tbe.initialize_logical_weights_placements_and_offsets()
     return tbe
 
 

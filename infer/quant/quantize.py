@@ -63,9 +63,7 @@ def _fill_table(
         for start in range(0, rows, CHUNK_ROWS):
             end = min(start + CHUNK_ROWS, rows)
             chunk = weight[start:end]
-            if not torch.isfinite(chunk).all():
-                bad = start + int(torch.nonzero(~torch.isfinite(chunk).all(dim=1))[0])
-                raise WeightsError(f"table {name!r}: row {bad} holds a NaN or infinite value; fix the checkpoint")
+            check_finite(name, chunk, start)
             q_data, q_row_scales = quantize_rows(chunk, data_type)
             data[start:end].copy_(q_data)
             if row_scales is not None and q_row_scales is not None:
@@ -73,6 +71,14 @@ def _fill_table(
             if report is not None:
                 report(name, end, rows)
     logger.debug("quantized table %s (%d rows, %s) in %.2fs", name, rows, data_type.value, time.monotonic() - started)
+
+
+def check_finite(name: str, rows: torch.Tensor, first_row: int) -> None:
+    """Raise ``WeightsError`` naming the table and row if ``rows`` (table rows from ``first_row`` on) hold a NaN or
+    an infinite value."""
+    if not torch.isfinite(rows).all():
+        bad = first_row + int(torch.nonzero(~torch.isfinite(rows).all(dim=1))[0])
+        raise WeightsError(f"table {name!r}: row {bad} holds a NaN or infinite value; fix the checkpoint")
 
 
 def _log_progress(name: str, done: int, total: int) -> None:

@@ -88,3 +88,24 @@ def dequantize_rows(data: torch.Tensor, scale_bias: torch.Tensor | None, data_ty
     parts = [(packed >> (k * bits)) & mask for k in range(per_byte)]
     codes = torch.stack(parts, dim=2).reshape(data.shape[0], -1)[:, :dim]
     return codes.to(torch.float32) * scale + bias
+
+
+def encode_rows(
+    weight: torch.Tensor,
+    data_type: DataType,
+    row_alignment: int = CPU_ROW_ALIGNMENT,
+    col_offset: int = 0,
+    num_cols: int | None = None,
+) -> torch.Tensor:
+    """The stored bytes ``[rows, row_bytes]`` of float rows as the TBE lays them out: scale/bias first (INT
+    types), then the values of columns ``col_offset .. col_offset + num_cols`` (a column shard keeps its whole
+    row's scale and bias), then zero padding to ``row_alignment``."""
+    num_cols = weight.shape[1] - col_offset if num_cols is None else num_cols
+    data, scale_bias = quantize_rows(weight, data_type)
+    first, last = column_byte_range(col_offset, num_cols, data_type)
+    parts = [scale_bias] if scale_bias is not None else []
+    parts.append(data[:, first:last])
+    padding = row_bytes(num_cols, data_type, row_alignment) - unpadded_row_bytes(num_cols, data_type)
+    if padding:
+        parts.append(torch.zeros(weight.shape[0], padding, dtype=torch.uint8))
+    return torch.cat(parts, 1) if len(parts) > 1 else parts[0].contiguous()

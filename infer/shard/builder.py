@@ -206,12 +206,26 @@ def build_device_shards(
     spec: ModelSpec,
     layout: DeviceLayout,
     device: str,
-    source_weights: Mapping[str, tuple[torch.Tensor, torch.Tensor | None]],
+    source_weights: Mapping[str, tuple[torch.Tensor, torch.Tensor | None]] | None,
 ) -> DeviceShards:
-    """One device's TBE filled with its shards' rows, copied from the unsharded model's kernel bytes."""
-    tbe = make_tbe(list(layout.tables), list(layout.feature_table_map), torch.device(device))
+    """One device's TBE filled with its shards' rows, copied from the unsharded model's kernel bytes; with no
+    ``source_weights``, the structure only (its weight buffer unallocated: ``make_tbe(allocate=False)``)."""
+    tbe = make_tbe(
+        list(layout.tables), list(layout.feature_table_map), torch.device(device), allocate=source_weights is not None
+    )
+    if source_weights is not None:
+        _copy_shards(tbe, layout, source_weights)
+    routing = [list(feature) for feature in layout.features]
+    features = spec.features
+    logger.debug("device %s: %d shards, %d features", device, len(layout.tables), len(routing))
+    return DeviceShards(tbe, device, routing, [f.num_embeddings for f in features], [f.name for f in features])
+
+
+def _copy_shards(
+    tbe: Any, layout: DeviceLayout, source_weights: Mapping[str, tuple[torch.Tensor, torch.Tensor | None]]
+) -> None:
     with torch.no_grad():
-        split = tbe.split_embedding_weights()  # type: ignore[operator]
+        split = tbe.split_embedding_weights()
         for (data, row_scales), (table, shard) in zip(split, layout.sources):
             src_data, src_row_scales = source_weights[table.name]
             rows = slice(shard.row_offset, shard.row_offset + shard.num_rows)
@@ -219,10 +233,6 @@ def build_device_shards(
             data.copy_(src_data[rows, first:last])
             if row_scales is not None and src_row_scales is not None:
                 row_scales.copy_(src_row_scales[rows])
-    routing = [list(feature) for feature in layout.features]
-    features = spec.features
-    logger.debug("device %s: %d shards, %d features", device, len(layout.tables), len(routing))
-    return DeviceShards(tbe, device, routing, [f.num_embeddings for f in features], [f.name for f in features])
 
 
 def shard_model(
@@ -247,7 +257,6 @@ def shard_model(
     if devices == plan_devices(plan):  # the plan's own devices must be here (a device map names where instead)
         require_devices_here(plan.topology, "the plan given to shard_model")
     source_weights = dict(zip([t.name for t in spec.tables], source.table_weights()))
-    features = spec.features
     shards: list[DeviceShards] = []
     layouts = device_layouts(spec, plan)
     storage = shared_cpu_storage(plan, layouts, devices)
@@ -261,6 +270,20 @@ def shard_model(
         logger.info(
             "CPU replicas share one weight buffer of %d bytes across %d kernels", storage[0].total_bytes, len(shards)
         )
+    return _sharded_model(spec, shards, output_device or devices[0])
+
+
+def shard_structure(spec: ModelSpec, plan: ShardingPlan) -> EmbserveModel:
+    """The sharded model of ``spec`` by a one-host CPU ``plan`` with every kernel's weight buffer unallocated: the
+    structure a streaming export scripts (``infer.artifact.stream``), its rows written to weight files instead."""
+    check_plan(spec, plan)
+    devices = plan_devices(plan)
+    shards = [build_device_shards(spec, layout, devices[layout.rank], None) for layout in device_layouts(spec, plan)]
+    return _sharded_model(spec, shards, devices[0])
+
+
+def _sharded_model(spec: ModelSpec, shards: list[DeviceShards], output_device: str) -> EmbserveModel:
+    features = spec.features
     identity = (
         len(shards) == 1
         and shards[0].lf_feature == list(range(len(features)))
@@ -268,5 +291,5 @@ def shard_model(
         and shards[0].lf_out_col == shards[0].lf_local_col
         and shards[0].lf_dim == [f.embedding_dim for f in features]
     )
-    collection = ShardedEmbeddingBagCollection(spec, shards, output_device or devices[0], identity)
+    collection = ShardedEmbeddingBagCollection(spec, shards, output_device, identity)
     return EmbserveModel(spec, collection, spec.dense_arch)

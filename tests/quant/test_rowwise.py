@@ -51,3 +51,29 @@ def test_weight_bytes_equal_the_tbe_allocation(data_type, alignment):
     tbe.initialize_weights()
     allocated = tbe.weights_host.numel() * tbe.weights_host.element_size()
     assert allocated == sum(table_bytes(rows, dim, data_type, alignment) for rows, dim in shapes)
+
+
+@pytest.mark.parametrize("alignment", [1, 16])
+@pytest.mark.parametrize("data_type, dim", [(DataType.INT8, 20), (DataType.INT4, 24), (DataType.FP16, 12)])
+def test_encoded_rows_are_the_rows_a_tbe_holds_after_filling_it(data_type, dim, alignment):
+    """encode_rows (the streaming export's codec) against a real TBE's buffer filled the in-memory way."""
+    import torch
+
+    from infer.modules.tbe import make_tbe
+    from infer.quant.rowwise import encode_rows, quantize_rows
+
+    rows = torch.randn(37, dim, generator=torch.Generator().manual_seed(dim))
+    tbe = make_tbe([("t", 37, dim, data_type)], [0], torch.device("cpu"), row_alignment=alignment)
+    data, scale_bias = quantize_rows(rows, data_type)
+    ((target, target_scales),) = tbe.split_embedding_weights()
+    target.copy_(data)
+    if scale_bias is not None:
+        target_scales.copy_(scale_bias)
+    stride = row_bytes(dim, data_type, alignment)
+    assert torch.equal(encode_rows(rows, data_type, alignment), tbe.weights_host[: 37 * stride].view(37, stride))
+    # a column slice keeps the whole row's scale and bias, then the slice's bytes
+    first = dim * data_type.bits // 8 // 2
+    sliced = encode_rows(rows, data_type, 1, col_offset=dim // 2, num_cols=dim // 2)
+    if scale_bias is not None:
+        assert torch.equal(sliced[:, :4], scale_bias)
+    assert torch.equal(sliced[:, sliced.shape[1] - (data.shape[1] - first) :], data[:, first:])

@@ -1,0 +1,409 @@
+"""DLRM-v2 at full size (or ``--scale``d): streaming export through the callable source, then serving from the
+mapped artifact.
+
+MLPerf's DLRM-v2 has 26 tables of dim 128 (204,184,588 rows: fp32 104.5 GB, INT8 ~27 GB) and multi-hot features
+(214 ids per sample). Its tables are made on demand, seeded by (table, block of 65,536 rows), so any row can be
+made again to check what the artifact serves. Cases, one JSON line each, every line with the load average:
+
+- ``export``: a fresh process exports the tables INT8 through ``CallableSource`` (``export_streaming``): seconds,
+  rows/s, weight bytes, the process's peak resident set (VmHWM) and peak anonymous resident set (sampled as each
+  chunk is encoded);
+- ``load``: ``infer.load`` with ``verify="none"`` (load to ready) and ``"full"`` (every chunk hashed), the resident
+  set after load (anonymous and file-backed), with the weight file's pages dropped from the page cache first
+  (``posix_fadvise(DONTNEED)`` after ``fsync``: the serving passes start cold);
+- ``lookups_cold`` / ``lookups_warm``: batches of 64 samples, each feature's bag as long as DLRM-v2's multi-hot
+  size, ids Zipf(1.05) over a per-table permutation of the rows (hot rows scattered, as hashed ids are; the
+  permutation is ``(a * rank + b) mod rows`` with ``a`` coprime to ``rows``), all batches made before timing; the
+  same batches twice (the second pass finds the rows the first one faulted in, unless evicted): lookups/s, major
+  page faults (``getrusage``) per lookup, bytes read from storage (``/proc/self/io``: a fault reads a readahead
+  window, not a page, while the mapping is not ``MADV_RANDOM``), and the bound ``min(warm lookups/s, disk
+  reads/s at depth 16 / faults per lookup)`` with the cold pass's ratio to it;
+- ``disk``: the weight file's disk, read ``O_DIRECT`` (no page cache): random 4 KiB reads/s at queue depth 1 and
+  16 (threads calling ``os.preadv`` into page-aligned buffers), sequential GB/s in 1 MiB reads;
+- ``spot_check``: rows served (one-id bags) against the row made again and quantized by the row codec (must be
+  equal) and against its fp32 values (max abs error).
+
+The artifact is deleted at the end unless ``--keep``. Full size needs ~28 GB of disk and minutes:
+
+    python bench/large.py --scale 0.05
+    python bench/large.py               # the full-size model (~27 GB artifact)
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import math
+import mmap
+import os
+import random
+import resource
+import shutil
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+
+DLRM_V2_ROWS = (
+    40000000, 39060, 17295, 7424, 20265, 3, 7122, 1543, 63, 40000000, 3067956, 405282, 10, 2209, 11938, 155, 4,
+    976, 14, 40000000, 40000000, 40000000, 590152, 12973, 108, 36,
+)  # fmt: skip
+DLRM_V2_MULTI_HOT = (3, 2, 1, 2, 6, 1, 1, 1, 1, 7, 3, 8, 1, 6, 9, 5, 1, 1, 1, 12, 100, 27, 10, 3, 1, 1)
+DIM = 128
+# rows made per seeded generator (a row's values do not depend on how it is asked for); the export's 64 MiB chunks
+# of 128-dim fp32 rows are 2^17 rows, so each chunk is one block, handed over without a copy
+BLOCK_ROWS = 1 << 17
+ZIPF_ALPHA = 1.05
+BATCH = 64
+PAGE = 4096
+
+
+def scaled_rows(scale: float) -> list[int]:
+    """DLRM-v2's rows times ``scale``; a table keeps at least min(rows, 64) rows."""
+    return [max(min(rows, 64), round(rows * scale)) for rows in DLRM_V2_ROWS]
+
+
+def dlrm_spec(scale: float) -> Any:
+    from infer.config import DataType, ModelSpec, TableConfig
+
+    return ModelSpec(
+        tuple(
+            TableConfig(f"t{t}", rows, DIM, (f"f{t}",), data_type=DataType.INT8)
+            for t, rows in enumerate(scaled_rows(scale))
+        )
+    )
+
+
+def make_block(seed: int, table: int, block: int) -> torch.Tensor:
+    generator = torch.Generator().manual_seed(seed * 1_000_003 + table * 10_007 + block)
+    return torch.randn(BLOCK_ROWS, DIM, generator=generator)
+
+
+def table_rows(seed: int, table: int, total: int) -> Any:
+    """The callable of one table: rows ``start .. end`` (a slice of one block, or the blocks' slices in turn)."""
+
+    def piece(block: int, start: int, end: int) -> torch.Tensor:
+        first = block * BLOCK_ROWS
+        return make_block(seed, table, block)[max(start, first) - first : min(end, first + BLOCK_ROWS, total) - first]
+
+    def rows(start: int, end: int) -> Any:
+        blocks = range(start // BLOCK_ROWS, (end - 1) // BLOCK_ROWS + 1)
+        if len(blocks) == 1:
+            return piece(blocks[0], start, end)
+        return (piece(block, start, end) for block in blocks)
+
+    return rows
+
+
+def load_average() -> list[float]:
+    return [round(value, 2) for value in os.getloadavg()]
+
+
+def emit(case: str, **fields: Any) -> None:
+    print(json.dumps({"case": case, **fields, "load_average": load_average()}), flush=True)
+
+
+# ------------------------------------------------------------------------------------------------------- export
+
+
+def export_child(args: argparse.Namespace) -> int:
+    """The export, in a process of its own (its VmHWM is the export's)."""
+    from infer.artifact.stream import export_streaming
+    from infer.storage.sources import CallableSource
+
+    logging.basicConfig(level=logging.WARNING, format="%(message)s")
+    logging.getLogger("infer").setLevel(logging.INFO)  # a line per table, and the summary
+    spec = dlrm_spec(args.scale)
+    source = CallableSource(
+        spec, {t.name: table_rows(args.seed, i, t.num_embeddings) for i, t in enumerate(spec.tables)}
+    )
+    done = export_streaming(spec, source, args.out, chunk_bytes=args.chunk_mib << 20)
+    print(
+        json.dumps(
+            {
+                "seconds": round(done.seconds, 2),
+                "rows": done.rows,
+                "rows_per_s": round(done.rows / done.seconds),
+                "weight_bytes": done.weight_bytes,
+                "peak_rss_gb": round(done.peak_rss_bytes / 1e9, 3),
+                "peak_rss_anon_gb": round(done.peak_rss_anon_bytes / 1e9, 3),
+                "rss_anon_at_start_gb": round(done.start_rss_anon_bytes / 1e9, 3),
+                "fp32_gb": round(done.rows * DIM * 4 / 1e9, 2),
+            }
+        ),
+        flush=True,
+    )
+    return 0
+
+
+def run_export(args: argparse.Namespace, out: Path) -> dict[str, Any]:
+    command = [sys.executable, __file__, "--phase", "export", "--scale", str(args.scale), "--seed", str(args.seed)]
+    command += ["--chunk-mib", str(args.chunk_mib), "--out", str(out)]
+    done = subprocess.run(command, stdout=subprocess.PIPE, text=True)  # its log lines go to our stderr
+    if done.returncode != 0:
+        raise SystemExit(f"export failed (status {done.returncode})")
+    result: dict[str, Any] = json.loads(done.stdout.strip().splitlines()[-1])
+    return result
+
+
+# ------------------------------------------------------------------------------------------------------- serving
+
+
+def drop_from_page_cache(path: Path) -> None:
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+        os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+    finally:
+        os.close(fd)
+
+
+def zipf_ranks(rng: np.random.Generator, rows: int, count: int) -> np.ndarray:
+    """``count`` ranks in [0, rows) with P(rank r) ~ (r + 1)^-alpha (inverse CDF of the continuous bounded law)."""
+    u = rng.random(count)
+    exponent = 1.0 - ZIPF_ALPHA
+    top = float(rows + 1) ** exponent
+    ranks = np.floor((1.0 + u * (top - 1.0)) ** (1.0 / exponent)) - 1
+    return np.clip(ranks, 0, rows - 1).astype(np.int64)
+
+
+def permutation(rng: np.random.Generator, rows: int) -> tuple[int, int]:
+    """``(a, b)`` of the permutation ``rank -> (a * rank + b) mod rows`` (``a`` coprime to ``rows``)."""
+    while True:
+        a = int(rng.integers(1, max(rows, 2)))
+        if math.gcd(a, rows) == 1:
+            return a, int(rng.integers(0, rows))
+
+
+def make_batches(spec: Any, count: int, seed: int) -> list[Any]:
+    from infer.features import SparseFeatures
+
+    rng = np.random.default_rng(seed)
+    perms = [permutation(rng, t.num_embeddings) for t in spec.tables]
+    names = [f.name for f in spec.features]
+    batches = []
+    for _ in range(count):
+        values, lengths = [], []
+        for table, hot, (a, b) in zip(spec.tables, DLRM_V2_MULTI_HOT, perms):
+            ranks = zipf_ranks(rng, table.num_embeddings, BATCH * hot)
+            values.append((ranks * a + b) % table.num_embeddings)
+            lengths.append(np.full(BATCH, hot, dtype=np.int32))
+        batches.append(
+            SparseFeatures.from_tensors(
+                names, torch.from_numpy(np.concatenate(values)), torch.from_numpy(np.concatenate(lengths))
+            )
+        )
+    return batches
+
+
+def storage_read_bytes() -> int:
+    """Bytes this process caused to be read from storage (``/proc/self/io``; page faults and their readahead
+    included), 0 where it is not readable."""
+    try:
+        for line in Path("/proc/self/io").read_text().splitlines():
+            if line.startswith("read_bytes:"):
+                return int(line.split()[1])
+    except OSError:
+        pass
+    return 0
+
+
+def run_pass(runtime: Any, batches: list[Any]) -> tuple[float, int, int, int]:
+    """Seconds, ids looked up, major faults and bytes read from storage of one pass over ``batches``."""
+    faults = resource.getrusage(resource.RUSAGE_SELF).ru_majflt
+    read = storage_read_bytes()
+    started = time.perf_counter()
+    ids = 0
+    for batch in batches:
+        runtime.lookup(batch)
+        ids += batch.values.numel()
+    seconds = time.perf_counter() - started
+    faults = resource.getrusage(resource.RUSAGE_SELF).ru_majflt - faults
+    return seconds, ids, faults, storage_read_bytes() - read
+
+
+# ------------------------------------------------------------------------------------------------------- disk
+
+
+def random_reads(path: Path, depth: int, seconds: float) -> float:
+    """Random 4 KiB ``O_DIRECT`` reads/s of ``path`` with ``depth`` threads each keeping one read in flight."""
+    pages = path.stat().st_size // PAGE
+    fd = os.open(path, os.O_RDONLY | os.O_DIRECT)
+    counts = [0] * depth
+    stop = time.perf_counter() + seconds
+
+    def reader(index: int) -> None:
+        buffer = mmap.mmap(-1, PAGE)  # page-aligned, as O_DIRECT needs
+        rng = random.Random(index)
+        done = 0
+        while time.perf_counter() < stop:
+            os.preadv(fd, [buffer], rng.randrange(pages) * PAGE)
+            done += 1
+        counts[index] = done
+        buffer.close()
+
+    try:
+        started = time.perf_counter()
+        threads = [threading.Thread(target=reader, args=(i,)) for i in range(depth)]
+        for thread in threads:
+            thread.start()
+        for thread in threads:
+            thread.join()
+        return sum(counts) / (time.perf_counter() - started)
+    finally:
+        os.close(fd)
+
+
+def sequential_read(path: Path, seconds: float) -> float:
+    """GB/s of 1 MiB ``O_DIRECT`` reads from the start of ``path`` (for ``seconds`` at most)."""
+    size = path.stat().st_size // (1 << 20) * (1 << 20)
+    fd = os.open(path, os.O_RDONLY | os.O_DIRECT)
+    buffer = mmap.mmap(-1, 1 << 20)
+    try:
+        started = time.perf_counter()
+        offset = 0
+        while offset < size and time.perf_counter() - started < seconds:
+            offset += os.preadv(fd, [buffer], offset)
+        return offset / (time.perf_counter() - started) / 1e9
+    finally:
+        buffer.close()
+        os.close(fd)
+
+
+# ------------------------------------------------------------------------------------------------------- checks
+
+
+def spot_check(runtime: Any, spec: Any, seed: int, count: int) -> dict[str, Any]:
+    """One-id bags of ``count`` random (table, row) pairs against the row made again."""
+    from infer.features import SparseFeatures
+    from infer.quant.rowwise import dequantize_rows, quantize_rows
+
+    rng = random.Random(seed)
+    names = [f.name for f in spec.features]
+    equal, worst = 0, 0.0
+    for _ in range(count):
+        t = rng.randrange(len(spec.tables))
+        table = spec.tables[t]
+        row = rng.randrange(table.num_embeddings)
+        block = make_block(seed, t, row // BLOCK_ROWS)
+        fp32 = block[row % BLOCK_ROWS : row % BLOCK_ROWS + 1]
+        data, scale_bias = quantize_rows(fp32, table.data_type)
+        expected = dequantize_rows(data, scale_bias, table.data_type, DIM)[0]
+        lengths = torch.zeros(len(names), dtype=torch.int32)
+        lengths[t] = 1
+        served = runtime.lookup(SparseFeatures.from_tensors(names, torch.tensor([row]), lengths))[0]
+        got = served[t * DIM : (t + 1) * DIM]
+        equal += int(torch.equal(got, expected))
+        worst = max(worst, float((got - fp32[0]).abs().max()))
+    return {"rows": count, "equal_to_dequantized": equal, "max_abs_error_vs_fp32": round(worst, 5)}
+
+
+def serve(args: argparse.Namespace, path: Path) -> None:
+    import infer
+    from infer.artifact.fbgemm_libs import load_fbgemm
+    from infer.storage.memory import memory_use
+
+    load_fbgemm()
+    spec = dlrm_spec(args.scale)
+    weights = sorted(path.glob("weights-*.bin"))
+    weight_bytes = sum(p.stat().st_size for p in weights)
+    timings = {}
+    for mode in ("full", "none") if not args.skip_full_verify else ("none",):
+        for file in weights:
+            drop_from_page_cache(file)
+        started = time.perf_counter()
+        runtime = infer.load(path, verify=mode)
+        timings[mode] = time.perf_counter() - started
+    after = memory_use()
+    emit(
+        "load",
+        scale=args.scale,
+        weight_gb=round(weight_bytes / 1e9, 3),
+        verify_none_s=round(timings["none"], 3),
+        verify_full_s=round(timings["full"], 2) if "full" in timings else None,
+        verify_full_gb_per_s=round(weight_bytes / timings["full"] / 1e9, 2) if "full" in timings else None,
+        rss_gb=round(after.rss / 1e9, 3),
+        rss_anon_gb=round(after.rss_anon / 1e9, 3),
+        rss_file_gb=round(after.rss_file / 1e9, 3),
+    )
+    batches = make_batches(spec, args.batches, args.seed + 1)
+    depth1 = random_reads(weights[0], 1, args.probe_seconds)
+    depth16 = random_reads(weights[0], 16, args.probe_seconds)
+    sequential = sequential_read(weights[0], args.probe_seconds)
+    emit(
+        "disk",
+        file=str(weights[0]),
+        random_4k_reads_per_s_qd1=round(depth1),
+        random_4k_reads_per_s_qd16=round(depth16),
+        sequential_gb_per_s=round(sequential, 3),
+    )
+    for file in weights:
+        drop_from_page_cache(file)
+    results = {}
+    for name in ("lookups_cold", "lookups_warm"):
+        seconds, ids, faults, read = run_pass(runtime, batches)
+        results[name] = (ids / seconds, faults / ids)
+        memory = memory_use()
+        emit(
+            name,
+            scale=args.scale,
+            batch=BATCH,
+            batches=len(batches),
+            lookups=ids,
+            lookups_per_s=round(ids / seconds),
+            major_faults=faults,
+            faults_per_lookup=round(faults / ids, 5),
+            storage_read_gb=round(read / 1e9, 3),
+            storage_read_bytes_per_lookup=round(read / ids),
+            rss_gb=round(memory.rss / 1e9, 3),
+            rss_file_gb=round(memory.rss_file / 1e9, 3),
+        )
+    warm_rate = results["lookups_warm"][0]
+    cold_rate, cold_faults = results["lookups_cold"]
+    bound = min(warm_rate, depth16 / cold_faults) if cold_faults > 0 else warm_rate
+    emit(
+        "bound",
+        resident_lookups_per_s=round(warm_rate),
+        disk_bound_lookups_per_s=round(depth16 / cold_faults) if cold_faults > 0 else None,
+        bound_lookups_per_s=round(bound),
+        cold_over_bound=round(cold_rate / bound, 3),
+    )
+    emit("spot_check", scale=args.scale, **spot_check(runtime, spec, args.seed, args.spot_checks))
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--scale", type=float, default=1.0, help="rows times this (0.05: a ~1.4 GB artifact)")
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--chunk-mib", type=int, default=64, help="fp32 MiB read per chunk")
+    parser.add_argument("--batches", type=int, default=100, help="batches of 64 per pass")
+    parser.add_argument("--probe-seconds", type=float, default=3.0, help="seconds per disk probe")
+    parser.add_argument("--spot-checks", type=int, default=64)
+    parser.add_argument("--skip-full-verify", action="store_true", help="load with verify='none' only")
+    parser.add_argument("--out", default=None, help="artifact folder (default: a temporary folder here)")
+    parser.add_argument("--keep", action="store_true", help="keep the artifact")
+    parser.add_argument("--phase", choices=("all", "export"), default="all", help=argparse.SUPPRESS)
+    args = parser.parse_args()
+    if args.phase == "export":
+        return export_child(args)
+    folder = Path(args.out) if args.out else Path(tempfile.mkdtemp(prefix="embserve-large-"))
+    out = folder / "artifact"
+    try:
+        exported = run_export(args, out)
+        emit("export", scale=args.scale, tables=len(DLRM_V2_ROWS), dtype="int8", **exported)
+        serve(args, out)
+    finally:
+        if not args.keep:
+            shutil.rmtree(folder if not args.out else out, ignore_errors=True)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
