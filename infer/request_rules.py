@@ -16,6 +16,10 @@ from torch import Tensor
 REQUEST_ERROR_PREFIX = "embserve.RequestError: "
 
 NO_DENSE_PART = "this model has no dense part; use lookup, not predict"
+WEIGHTS_DETACHED = (
+    "this model.pt keeps its tables in the weight files beside it (artifact format 3); load the artifact folder "
+    + "with infer.load or embserve::Model::load, or export with --weights-format embedded for a bare TorchScript host"
+)
 
 # ------------------------------------------------------------------------------------------ the call contract
 # Every entry point (the scripted model's forward/predict, the Python runtimes on TorchScript, pt2 and

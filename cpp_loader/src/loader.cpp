@@ -1074,6 +1074,10 @@ void attach_weights(const torch::jit::Module& model, const schema::Document& dat
       tbes[k].setattr("weights_host", files::mapped_tensor(mapping, weights["offset"].get<int64_t>(),
                                                            weights["bytes"].get<int64_t>()));
     }
+    // the scripted model refuses to run until its weights are attached (a bare torch::jit::load of a mapped
+    // model.pt would otherwise read empty weight buffers)
+    torch::jit::Module top = model;  // a handle to the same module
+    if (top.hasattr("weights_attached")) top.setattr("weights_attached", true);
   } catch (const Error&) {
     throw;
   } catch (const std::exception& err) {

@@ -36,6 +36,7 @@ from infer.artifact.manifest import (
 from infer.artifact.mapped import (
     MAPPED,
     check_weights_format,
+    mark_weights,
     place_weights,
     strip_weights,
     write_weight_files,
@@ -130,6 +131,7 @@ def export(
             embedded, kernels = kernels, place_weights(kernels)
             weight_files = _write_weights(staging, model_tbes(model), embedded, kernels)
             strip_weights(model_tbes(scripted), kernels)
+            mark_weights(scripted, attached=False)
         files = save_structure(staging, scripted, weight_files, plan)
         onnx_entry = None
         if onnx:

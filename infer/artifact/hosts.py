@@ -31,6 +31,7 @@ from infer.artifact.manifest import (
 from infer.artifact.mapped import (
     MAPPED,
     check_weights_format,
+    mark_weights,
     place_weights,
     strip_weights,
     write_weight_files,
@@ -90,6 +91,7 @@ def export_hosts(model: torch.nn.Module, out_dir: str | Path, plan: ShardingPlan
                 names = write_weight_files(staging, model_tbes(part), embedded, host_kernels)
                 weight_files = [FileEntry.of(staging, name, verify.WEIGHTS_CHUNK_BYTES) for name in names]
                 strip_weights(model_tbes(scripted), host_kernels)
+                mark_weights(scripted, attached=False)
             scripted.save(str(staging / host_part_file(host)))
             files.append(FileEntry.of(staging, host_part_file(host)))
             files.extend(weight_files)

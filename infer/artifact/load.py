@@ -13,7 +13,7 @@ import torch
 from infer.artifact.fbgemm_libs import load_fbgemm
 from infer.artifact.kernels import Kernel, check_kernel, check_routing, expected_kernels, kernel_holders, model_tbes
 from infer.artifact.manifest import MANIFEST_FILE, Manifest
-from infer.artifact.mapped import attach_weights
+from infer.artifact.mapped import attach_weights, mark_weights
 from infer.artifact.runtime import Runtime
 from infer.artifact.schema import parse_document, schema, validate
 from infer.artifact.verify import FULL, check_verify_mode
@@ -147,6 +147,7 @@ def attach_mapped_weights(
     if len(tbes) != len(kernels):
         raise ArtifactError(f"the model has {len(tbes)} kernels, {MANIFEST_FILE} lists {len(kernels)}", kind=MODEL)
     attach_weights(folder, tbes, kernels, {e.name: e.bytes for e in manifest.files})
+    mark_weights(module, attached=True)
 
 
 def _timed(runtime: Runtime, started: float, library_seconds: float = 0.0) -> Runtime:

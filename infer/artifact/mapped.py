@@ -127,6 +127,13 @@ def strip_weights(scripted_tbes: Sequence[Any], placed: Sequence[Kernel]) -> Non
         tbe.weights_host = torch.empty(0, dtype=torch.uint8)
 
 
+def mark_weights(scripted: Any, attached: bool) -> None:
+    """Record on a scripted model whether its mapped kernels hold their weights (the model refuses to run
+    until they do: a bare ``torch.jit.load`` of a mapped ``model.pt`` would read empty buffers)."""
+    if hasattr(scripted, "weights_attached"):
+        scripted.weights_attached = attached
+
+
 def attach_weights(
     folder: Path, tbes: Sequence[Any], kernels: Sequence[Kernel], file_bytes: Mapping[str, int]
 ) -> dict[str, torch.Tensor]:

@@ -22,7 +22,7 @@ from infer.artifact import verify
 from infer.artifact.export import check_dense_part, output_folder, save_structure, script_model, staged, write_manifest
 from infer.artifact.kernels import Kernel, expected_kernels, model_tbes
 from infer.artifact.manifest import MAPPED_FORMAT_VERSION, FileEntry
-from infer.artifact.mapped import place_weights, strip_weights
+from infer.artifact.mapped import mark_weights, place_weights, strip_weights
 from infer.config import ModelSpec, TableConfig
 from infer.dense_layout import checked_layout
 from infer.errors import ConfigError, WeightsError
@@ -111,6 +111,7 @@ def export_streaming(
             digests = _write_file(path, file_pieces, sizes[name], source, chunk_bytes, progress, peak)
             weight_files.append(_file_entry(name, digests))
         strip_weights(model_tbes(scripted), kernels)
+        mark_weights(scripted, attached=False)
         files = save_structure(staging, scripted, weight_files, plan)
         write_manifest(staging, model, plan, files, kernels, dense_expects, MAPPED_FORMAT_VERSION)
     peak.sample()

@@ -191,6 +191,7 @@ class EmbserveModel(nn.Module):
 
     has_dense: bool
     num_dense_features: int
+    weights_attached: bool
     request_error_prefix: Final[str] = rules.REQUEST_ERROR_PREFIX
 
     def __init__(
@@ -205,9 +206,16 @@ class EmbserveModel(nn.Module):
         self.has_dense = dense_arch is not None
         self.dense_arch = dense_arch if dense_arch is not None else _NoDenseArch()
         self.num_dense_features = spec.num_dense_features
+        # False in a mapped artifact's model.pt (weights in files beside it) until a loader attaches them
+        self.weights_attached = True
 
     def forward(self, values: Tensor, lengths: Tensor, weights: Optional[Tensor] = None) -> Tensor:
+        self.check_weights_attached()
         return self.embeddings(values, lengths, weights)
+
+    def check_weights_attached(self) -> None:
+        if not self.weights_attached:
+            raise RuntimeError(rules.WEIGHTS_DETACHED)
 
     @torch.jit.export
     def predict(
@@ -223,6 +231,7 @@ class EmbserveModel(nn.Module):
         """Pooled embeddings ``[batch, output_dim]`` and scores ``[batch]`` of one forward."""
         if not self.has_dense:
             raise RuntimeError(self.request_error_prefix + rules.NO_DENSE_PART)
+        self.check_weights_attached()
         pooled = self.embeddings(values, lengths, weights)
         return pooled, self.score(dense_features, pooled)
 

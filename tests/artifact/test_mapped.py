@@ -297,3 +297,32 @@ def test_cli_exports_mapped_and_prints_load_and_verify_rates(unsharded, tmp_path
     data = json.loads((out / "manifest.json").read_text())
     assert data["format_version"] == 3 and "weights-0.bin" in data["files"]
     assert hashlib.sha256((out / "weights-0.bin").read_bytes()).hexdigest() == data["files"]["weights-0.bin"]["sha256"]
+
+
+def test_a_bare_torchscript_load_of_a_mapped_model_refuses_to_run(artifacts, tmp_path):
+    """A mapped model.pt loaded without embserve's loader has empty weight buffers: a call raises an error
+    that says how to load it (a fresh process, so a crash would show as a signal, not take pytest down)."""
+    _, embedded, mapped, _ = artifacts
+    script = (
+        "import sys, torch, fbgemm_gpu\n"
+        "model = torch.jit.load(sys.argv[1])\n"
+        "values, lengths = torch.zeros(0, dtype=torch.int64), torch.zeros(0, dtype=torch.int32)\n"
+        "try:\n"
+        "    model(values, lengths, None)\n"
+        "except Exception as err:  # torch.jit.Error\n"
+        "    print('refused:', str(err))\n"
+        "    sys.exit(3)\n"
+        "print('ran')\n"
+    )
+    import subprocess
+    import sys
+
+    batch_of = len(mixed_spec().features)  # an empty batch of one example per feature
+    script = script.replace("torch.zeros(0, dtype=torch.int32)", f"torch.zeros({batch_of}, dtype=torch.int32)")
+    refused = subprocess.run([sys.executable, "-c", script, str(mapped / "model.pt")], capture_output=True, text=True)
+    assert refused.returncode == 3, refused.stderr[-2000:]
+    assert "weight files beside it" in refused.stdout and "infer.load" in refused.stdout
+    ran = subprocess.run([sys.executable, "-c", script, str(embedded / "model.pt")], capture_output=True, text=True)
+    assert ran.returncode == 0 and "ran" in ran.stdout, ran.stderr[-2000:]
+    # embserve's loader attaches the weights and the same file runs
+    assert load(mapped).lookup({f.name: [[]] for f in mixed_spec().features}).shape[0] == 1

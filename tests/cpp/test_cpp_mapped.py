@@ -283,16 +283,17 @@ def test_a_bad_weight_file_or_entry_is_the_error_python_gives(unsharded, cpp_bui
         assert [v.split(":")[0] for v in cpp] == [c[3] for c in CASES], cpp
 
 
-def test_a_sharded_weights_entry_that_disagrees_with_the_plan_is_refused_by_both(pair, cpp_build, tmp_path):
+def test_a_weights_entry_that_disagrees_with_the_derived_layout_is_refused_by_both(pair, cpp_build, tmp_path):
+    """A table moved to another offset inside its weight file disagrees with the layout both loaders derive from
+    the spec (and the plan, when sharded): refused by both, whatever the plan."""
     kind, _, mapped = pair
-    if kind == "unsharded":
-        pytest.skip("the plan's layout: sharded artifacts only")
     artifact = copy_artifact(mapped, tmp_path)
     edit_manifest(artifact, lambda d: d["kernels"][-1]["weights"]["table_offsets"].__setitem__(0, 128))
     python = _python_verdict(artifact, "none")
     (cpp,) = _cpp_verdicts(cpp_build, [artifact])
     assert python.startswith("ManifestError") and cpp.startswith("ManifestError"), (python, cpp)
-    assert "disagree" in python and "'kernels' disagree with the plan" in cpp
+    if kind != "unsharded":
+        assert "disagree" in python and "'kernels' disagree with the plan" in cpp
 
 
 def test_bench_prints_the_load_time_and_rate(unsharded, embserve_run, tmp_path):
