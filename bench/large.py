@@ -365,12 +365,13 @@ def serve(args: argparse.Namespace, path: Path) -> None:
             rss_gb=round(memory.rss / 1e9, 3),
             rss_file_gb=round(memory.rss_file / 1e9, 3),
         )
-    warm_rate = results["lookups_warm"][0]
+    warm_rate, warm_faults = results["lookups_warm"]
     cold_rate, cold_faults = results["lookups_cold"]
     bound = min(warm_rate, depth16 / cold_faults) if cold_faults > 0 else warm_rate
     emit(
         "bound",
         resident_lookups_per_s=round(warm_rate),
+        warm_pass_resident=warm_faults == 0,  # else the warm pass faulted too and the bound is not a resident rate
         disk_bound_lookups_per_s=round(depth16 / cold_faults) if cold_faults > 0 else None,
         bound_lookups_per_s=round(bound),
         cold_over_bound=round(cold_rate / bound, 3),
