@@ -27,7 +27,7 @@ import grpc
 import torch
 
 from infer.artifact.load import load
-from infer.artifact.manifest import MANIFEST_FILE
+from infer.artifact.manifest import MANIFEST_FILE, Manifest
 from infer.errors import ConfigError, EmbserveError
 from infer.features import SparseFeatures
 from server import codec
@@ -106,7 +106,17 @@ def available_memory_bytes() -> int | None:
 
 
 def artifact_bytes(folder: Path) -> int:
-    return sum(p.stat().st_size for p in folder.rglob("*") if p.is_file())
+    """The memory a version needs beside the loaded ones: its files, except mapped weight files (format 3),
+    which live in the page cache, shared between versions and processes and evictable, never in the process's
+    own memory."""
+    try:
+        manifest = Manifest.read(folder)
+        mapped = {k.weights.file for k in manifest.kernels if k.weights is not None}
+    except EmbserveError:  # the load that follows names what is wrong
+        mapped = set()
+    return sum(
+        p.stat().st_size for p in folder.rglob("*") if p.is_file() and p.relative_to(folder).as_posix() not in mapped
+    )
 
 
 def _signature(folder: Path) -> tuple[int, int]:

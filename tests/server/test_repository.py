@@ -307,3 +307,16 @@ def test_version_policies_parse_and_select():
         VersionPolicy.parse("newest")
     with pytest.raises(ConfigError):
         VersionPolicy(latest=0)
+
+
+def test_the_memory_a_version_needs_leaves_out_its_mapped_weight_files(tmp_path, spec):
+    """Mapped weight files live in the page cache (shared, evictable), so the free-memory check before a load
+    counts every other file; an embedded artifact's model.pt holds the tables and counts whole."""
+    model = quantize(spec, random_weights(spec, seed=5))
+    mapped = export(model, tmp_path / "mapped", weights="mapped")
+    embedded = export(model, tmp_path / "embedded", weights="embedded")
+    weight_files = sorted(p for p in mapped.iterdir() if p.name.startswith("weights-"))
+    assert weight_files
+    every_file = sum(p.stat().st_size for p in mapped.iterdir())
+    assert repository_module.artifact_bytes(mapped) == every_file - sum(p.stat().st_size for p in weight_files)
+    assert repository_module.artifact_bytes(embedded) == sum(p.stat().st_size for p in embedded.iterdir())
