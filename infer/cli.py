@@ -171,6 +171,9 @@ def _export_streaming(args: argparse.Namespace, spec: ModelSpec, source: TableSo
 
         print(format_stats(plan))
         print()
+    # no accuracy table here (it needs every table in memory): each table's data type and shape instead
+    for table in spec.tables:
+        print(f"  {table.name:<24} {table.data_type.value:<5} {table.num_embeddings:>13,} x {table.embedding_dim}")
     done = export_streaming(spec, source, args.out, plan, progress=_print_progress)
     dense = "with its dense part" if spec.dense_arch is not None else "lookups only"
     print(
