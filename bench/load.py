@@ -180,7 +180,7 @@ def main() -> int:
             mapped = Path(args.artifact + "-mapped")
         else:
             model = big_model(args.gb)
-            chunked = export(model, Path(tmp) / "chunked")
+            chunked = export(model, Path(tmp) / "chunked", weights="embedded")
             mapped = export(model, Path(tmp) / "mapped", weights="mapped")
             del model
         legacy = without_chunks(chunked, Path(tmp) / "legacy")

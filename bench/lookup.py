@@ -276,7 +276,7 @@ def run_mapped_only(w: Workload, rounds: int, index_count: int) -> list[dict[str
     sets = make_index_sets(w, index_count, seed=1)
     rows: list[dict[str, object]] = []
     with tempfile.TemporaryDirectory() as tmp:
-        runtime = load(export(model, f"{tmp}/embedded"), verify="none")
+        runtime = load(export(model, f"{tmp}/embedded", weights="embedded"), verify="none")
         copied = runtime.module
         mapped = load_mapped_resident(model, f"{tmp}/mapped")
         del model
@@ -315,7 +315,7 @@ def run_workload(w: Workload, rounds: int, index_count: int, sharded: bool) -> l
     weights = {t.name: torch.randn(t.num_embeddings, t.embedding_dim, generator=generator) for t in spec.tables}
     model = quantize(spec, weights)
     with tempfile.TemporaryDirectory() as tmp:
-        runtime = load(export(model, f"{tmp}/artifact"))
+        runtime = load(export(model, f"{tmp}/artifact", weights="embedded"))
     exported = runtime.module
     mapped_folder = tempfile.TemporaryDirectory()  # the mapped weights' file lives as long as this run
     mapped = load_mapped_resident(model, f"{mapped_folder.name}/artifact")
