@@ -998,6 +998,16 @@ void check_row_buckets(torch::jit::Module& embeddings, const std::vector<Routing
   }
 }
 
+// How many submodules `module` has (embeddings.shards: one per device that holds shards).
+size_t child_count(const torch::jit::Module& module) {
+  size_t count = 0;
+  for (const auto& unused : module.named_children()) {
+    (void)unused;
+    ++count;
+  }
+  return count;
+}
+
 // Every TBE of the model (embeddings.tbe, or embeddings.shards[i].tbe) against manifest kernel i; then
 // each CPU kernel may split a batch over `threads` example ranges (0: leave the exported setting).
 void check_kernels(const torch::jit::Module& model, const schema::Document& data, const std::vector<Routing>& routing,
@@ -1007,11 +1017,7 @@ void check_kernels(const torch::jit::Module& model, const schema::Document& data
     torch::jit::Module embeddings = child(model, "embeddings", model_path);
     if (embeddings.hasattr("shards")) {
       torch::jit::Module shards = child(embeddings, "shards", model_path);
-      size_t count = 0;
-      for (const auto& unused : shards.named_children()) {
-        (void)unused;
-        ++count;
-      }
+      const size_t count = child_count(shards);
       if (count != kernels.size())
         throw ModelError(model_path + ": the model has " + std::to_string(count) + " kernels (embeddings.shards) but " +
                          "the manifest lists " + std::to_string(kernels.size()));
@@ -1053,11 +1059,7 @@ void attach_weights(const torch::jit::Module& model, const schema::Document& dat
     std::vector<torch::jit::Module> tbes;
     if (embeddings.hasattr("shards")) {
       torch::jit::Module shards = child(embeddings, "shards", model_path);
-      size_t count = 0;
-      for (const auto& unused : shards.named_children()) {
-        (void)unused;
-        ++count;
-      }
+      const size_t count = child_count(shards);
       for (size_t i = 0; i < count; ++i)
         tbes.push_back(child(child(shards, std::to_string(i), model_path), "tbe", model_path));
     } else {
