@@ -26,6 +26,8 @@ TORCHREC_PKGS := torchrec==1.8.0 tensordict==0.15.3 cloudpickle==3.1.2 pyvers==0
 ONNX_PKGS := onnx==1.23.2 onnxruntime==1.32.0 ml-dtypes==0.5.4 flatbuffers==25.12.19
 # the embserve[safetensors] extra: streaming export reads .safetensors tables a slice at a time
 SAFETENSORS_PKGS := safetensors==0.8.0
+# the embserve[bench] extra: MLPerf LoadGen drives bench/loadgen.py (imported only there)
+BENCH_PKGS := mlcommons-loadgen==6.0.17
 STAMP := $(VENV)/.installed
 
 .PHONY: demo test lint typecheck pytest bench clean cpp cpp-deps
@@ -40,6 +42,7 @@ $(STAMP): pyproject.toml Makefile
 	$(BIN)/python -c "import torchrec.distributed, torchrec.models.dlrm, torchrec.quant"
 	$(BIN)/python -m pip install --quiet --disable-pip-version-check --no-deps $(ONNX_PKGS)
 	$(BIN)/python -m pip install --quiet --disable-pip-version-check --no-deps $(SAFETENSORS_PKGS)
+	$(BIN)/python -m pip install --quiet --disable-pip-version-check --no-deps $(BENCH_PKGS)
 	$(BIN)/python -m pip install --quiet --disable-pip-version-check --no-build-isolation --no-deps -e .
 	touch $(STAMP)
 
