@@ -41,13 +41,13 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from infer.artifact import verify
 from infer.artifact.export import export
 from infer.artifact.fbgemm_libs import load_fbgemm
 from infer.artifact.load import load
 from infer.artifact.manifest import MANIFEST_FILE, Manifest, sha256_file
 from infer.config import DataType, ModelSpec, PoolingType, TableConfig
 from infer.modules.collection import EmbserveModel, QuantizedEmbeddingBagCollection
+from infer.storage import checksums as verify
 
 DIM = 124  # + 4 bytes of fp16 scale/bias = 128 bytes a row
 

@@ -28,8 +28,8 @@ from pathlib import Path
 import torch
 
 from infer.artifact.export import export
+from infer.artifact.formats.onnx_export import DEFAULT_POOLING, POOLINGS, export_onnx
 from infer.artifact.load import load
-from infer.artifact.onnx_export import DEFAULT_POOLING, POOLINGS, export_onnx
 from infer.artifact.runtime import Runtime
 from infer.config import DataType, ModelSpec, TableConfig
 from infer.features import SparseFeatures

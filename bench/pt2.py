@@ -86,8 +86,8 @@ def bench_variant(variant: str, w: Workload, rounds: int, index_count: int, late
         plan = sharding_plan("table_wise", spec, 2, w)
         model = shard_model(model, plan)
     catcher = _CompileTime()
-    logging.getLogger("infer.artifact.pt2_export").addHandler(catcher)
-    logging.getLogger("infer.artifact.pt2_export").setLevel(logging.INFO)
+    logging.getLogger("infer.artifact.formats.pt2_export").addHandler(catcher)
+    logging.getLogger("infer.artifact.formats.pt2_export").setLevel(logging.INFO)
     started = time.perf_counter()
     path = export(model, workdir / variant, plan=plan, pt2=True)
     export_s = time.perf_counter() - started

@@ -1,6 +1,6 @@
 // Where an artifact's bytes live: its listed files' sizes and sha256 (whole, or chunk by chunk on a pool of
 // std::threads, overlapping the model's load), and read-only mappings of them (a version 3 artifact's weight
-// files, handed to the kernels as uint8 tensors). The C++ side of infer/artifact/verify.py and infer/storage/.
+// files, handed to the kernels as uint8 tensors). The C++ side of infer/storage/ (checksums.py, mapping.py).
 #pragma once
 
 #include <atomic>

@@ -20,13 +20,12 @@ from typing import Any
 import torch
 
 from infer import request_rules as rules
-from infer.artifact import verify
+from infer.artifact.formats.torchscript import save_structure, script_model
 from infer.artifact.kernels import Kernel, kernels_of, model_tbes
 from infer.artifact.manifest import (
     FORMAT_VERSION,
     MANIFEST_FILE,
     MAPPED_FORMAT_VERSION,
-    MODEL_FILE,
     PLAN_FILE,
     FileEntry,
     Manifest,
@@ -44,6 +43,7 @@ from infer.artifact.mapped import (
 from infer.dense_layout import PooledLayout, checked_layout
 from infer.errors import ArtifactError, ConfigError
 from infer.planner.types import ShardingPlan
+from infer.storage import checksums
 from infer.version import __version__
 
 logger = logging.getLogger(__name__)
@@ -141,7 +141,7 @@ def export(
             files.extend(FileEntry.of(staging, name) for name in names)
         pt2_entry: Pt2Entry | None = None
         if pt2:
-            from infer.artifact.pt2_export import export_pt2
+            from infer.artifact.formats.pt2_export import export_pt2
 
             pt2_entry = export_pt2(model, staging)
             files.append(FileEntry.of(staging, pt2_entry.file))
@@ -149,26 +149,6 @@ def export(
         write_manifest(staging, model, plan, files, kernels, dense_expects, format_version, onnx_entry, pt2_entry)
     logger.debug("exported %s in %.1fs", out_dir, time.monotonic() - started)
     return out_dir
-
-
-def script_model(model: torch.nn.Module) -> torch.jit.ScriptModule:
-    try:
-        return torch.jit.script(model)
-    except Exception as err:  # noqa: BLE001 - TorchScript reports many error types
-        raise ConfigError(f"the model (or its dense_arch) cannot be scripted with torch.jit.script: {err}") from None
-
-
-def save_structure(
-    staging: Path, scripted: torch.jit.ScriptModule, weight_files: list[FileEntry], plan: ShardingPlan | None
-) -> list[FileEntry]:
-    """Save ``model.pt`` (and ``plan.json``) into ``staging``; returns the artifact's file entries so far, in
-    manifest order: the model, its weight files, the plan."""
-    scripted.save(str(staging / MODEL_FILE))
-    files = [FileEntry.of(staging, MODEL_FILE), *weight_files]
-    if plan is not None:
-        (staging / PLAN_FILE).write_text(plan.to_json(), encoding="utf-8")
-        files.append(FileEntry.of(staging, PLAN_FILE))
-    return files
 
 
 def write_manifest(
@@ -208,7 +188,7 @@ def write_manifest(
 def _write_weights(folder: Path, tbes: list[Any], embedded: list[Kernel], placed: list[Kernel]) -> list[FileEntry]:
     """Write the mapped kernels' weight files and return their entries (chunked for parallel verification)."""
     names = write_weight_files(folder, tbes, embedded, placed)
-    return [FileEntry.of(folder, name, verify.WEIGHTS_CHUNK_BYTES) for name in names]
+    return [FileEntry.of(folder, name, checksums.WEIGHTS_CHUNK_BYTES) for name in names]
 
 
 # Two batch sizes: a dense part specialised to one batch size fails the second probe.
@@ -244,7 +224,7 @@ def check_dense_part(model: Any) -> None:
 
 
 def _export_onnx(model: torch.nn.Module, folder: Path, plan: ShardingPlan | None, pooling: str | None) -> OnnxEntry:
-    from infer.artifact import onnx_export
+    from infer.artifact.formats import onnx_export
 
     started = time.monotonic()
     world_size = plan.topology.world_size if plan is not None else len(getattr(model.embeddings, "shards", [None]))

@@ -17,9 +17,10 @@ from pathlib import Path
 
 import torch
 
-from infer.artifact import verify
 from infer.artifact.export import output_folder, staged
-from infer.artifact.kernels import check_kernel, check_routing, kernel_holders, kernels_from_tbes, model_tbes
+from infer.artifact.formats import torchscript
+from infer.artifact.kernels import check_routing, kernels_from_tbes, model_tbes
+from infer.artifact.load import verify_plan
 from infer.artifact.manifest import (
     FORMAT_VERSION,
     MANIFEST_FILE,
@@ -36,10 +37,11 @@ from infer.artifact.mapped import (
     strip_weights,
     write_weight_files,
 )
-from infer.artifact.verify import FULL
 from infer.dense_layout import checked_layout
 from infer.errors import ArtifactError, ArtifactErrorKind, ConfigError
 from infer.planner.types import ShardingPlan
+from infer.storage import checksums
+from infer.storage.checksums import FULL
 from infer.version import __version__
 
 logger = logging.getLogger(__name__)
@@ -89,7 +91,7 @@ def export_hosts(model: torch.nn.Module, out_dir: str | Path, plan: ShardingPlan
             if weights == MAPPED:
                 embedded, host_kernels = host_kernels, place_weights(host_kernels, f"hosts/{host}/")
                 names = write_weight_files(staging, model_tbes(part), embedded, host_kernels)
-                weight_files = [FileEntry.of(staging, name, verify.WEIGHTS_CHUNK_BYTES) for name in names]
+                weight_files = [FileEntry.of(staging, name, checksums.WEIGHTS_CHUNK_BYTES) for name in names]
                 strip_weights(model_tbes(scripted), host_kernels)
                 mark_weights(scripted, attached=False)
             scripted.save(str(staging / host_part_file(host)))
@@ -144,18 +146,6 @@ class HostPart:
         return self.manifest.file(self.manifest.host_parts[self.host]).bytes
 
 
-def whole_load_refused(folder: Path, manifest: Manifest) -> ArtifactError:
-    hosts = manifest.num_hosts
-    return ArtifactError(
-        f"{folder} is a multi-host artifact ({hosts} hosts x {manifest.devices_per_host} devices): no single "
-        f"process loads it whole. Serve it on {hosts} hosts with `torchrun --nnodes {hosts} --nproc-per-node 1 "
-        f"--rdzv-endpoint HOST0:PORT -m infer.cli serve {folder}` (the same command on every host), or load one "
-        "host's part with infer.artifact.hosts.load_host_part(path, host)",
-        path=str(folder / MANIFEST_FILE),
-        kind=MODEL,
-    )
-
-
 def load_host_part(
     artifact_dir: str | Path,
     host: int,
@@ -169,7 +159,6 @@ def load_host_part(
     ``intra_op_threads`` says otherwise torch's intra-op pool is set (process-wide) to cores // N;
     ``intra_op_threads=0`` leaves it alone. ``verify`` as ``infer.load``'s."""
     from infer.artifact.fbgemm_libs import load_fbgemm
-    from infer.artifact.load import _map_location, _remap_shard_devices, attach_mapped_weights, verify_plan
     from infer.shard.hosts import host_layouts, host_of_rank, num_hosts
 
     folder = Path(artifact_dir)
@@ -196,27 +185,12 @@ def load_host_part(
     mapping = dict(device_map or {})
     load_fbgemm()
     part_path = folder / manifest.host_parts[host]
-    try:
-        module = torch.jit.load(str(part_path), map_location=_map_location(manifest.devices, mapping))
-    except Exception as err:  # noqa: BLE001 - torch raises RuntimeError and others for a bad archive
-        first_line = str(err).strip().splitlines()[0] if str(err).strip() else type(err).__name__
-        raise ArtifactError(
-            f"{part_path} cannot be loaded by TorchScript: {first_line}", path=str(part_path), kind=MODEL
-        ) from None
-    module.eval()
+    module = torchscript.read_model(part_path, manifest.devices, mapping)
     expected = [k for k in manifest.kernels if host_of_rank(plan, k.rank) == host]
-    attach_mapped_weights(folder, module, manifest, expected)
-    holders = kernel_holders(module)
-    if len(holders) != len(expected):
-        raise ArtifactError(
-            f"{part_path} has {len(holders)} kernels, {MANIFEST_FILE} lists {len(expected)} for host {host}",
-            kind=MODEL,
-        )
-    for index, (holder, kernel) in enumerate(zip(holders, expected)):
-        check_kernel(holder, kernel, index)
+    torchscript.attach_mapped_weights(folder, module, manifest, expected)
+    torchscript.check_model_kernels(module, expected, part_path)
     check_routing(module, manifest.spec, plan, host_layouts(manifest.spec, plan, host))
-    if mapping:
-        _remap_shard_devices(module, mapping)
+    torchscript.remap_shard_devices(module, mapping)
     targets = [mapping.get(d, d) for d in manifest.devices]
     threads = intra_op_threads
     if threads is None and all(d == "cpu" for d in targets):
@@ -224,5 +198,5 @@ def load_host_part(
     if threads and torch.get_num_threads() != threads:
         logger.info("intra-op threads %d -> %d", torch.get_num_threads(), threads)
         torch.set_num_threads(threads)
-    logger.info("host %d: loaded %s (%d kernels)", host, part_path, len(holders))
+    logger.info("host %d: loaded %s (%d kernels)", host, part_path, len(expected))
     return HostPart(folder, manifest, plan, host, module)

@@ -11,15 +11,15 @@ from pathlib import Path
 import torch
 
 from infer.artifact.fbgemm_libs import load_fbgemm
-from infer.artifact.kernels import Kernel, check_kernel, check_routing, expected_kernels, kernel_holders, model_tbes
+from infer.artifact.formats import torchscript
+from infer.artifact.kernels import check_routing, expected_kernels
 from infer.artifact.manifest import MANIFEST_FILE, Manifest
-from infer.artifact.mapped import attach_weights, mark_weights
 from infer.artifact.runtime import Runtime
 from infer.artifact.schema import parse_document, schema, validate
-from infer.artifact.verify import FULL, check_verify_mode
 from infer.errors import ArtifactError, ArtifactErrorKind, ConfigError, EmbserveError
 from infer.planner.types import ShardingPlan
 from infer.shard.builder import check_plan
+from infer.storage.checksums import FULL, check_verify_mode
 
 logger = logging.getLogger(__name__)
 
@@ -69,8 +69,6 @@ def load(
         raise ArtifactError(f"{folder} is not a folder; pass the artifact folder written by export", path=str(folder))
     manifest = Manifest.read(folder)
     if manifest.host_parts:
-        from infer.artifact.hosts import whole_load_refused
-
         raise whole_load_refused(folder, manifest)
     library_seconds = 0.0
     if backend in ("torchscript", "pt2"):
@@ -84,14 +82,14 @@ def load(
     if backend == "onnxruntime":
         if device_map:
             raise ConfigError("device_map applies to the torchscript backend; the ONNX graph runs on onnxruntime's CPU")
-        from infer.artifact.onnx_runtime import load_onnx
+        from infer.artifact.formats.onnx_runtime import load_onnx
 
         verification.wait()
         return _timed(load_onnx(folder, manifest, intra_op_threads or None), started)
     if backend == "pt2":
         if device_map:
             raise ConfigError("device_map applies to the torchscript backend; model.pt2 runs where it was compiled for")
-        from infer.artifact.pt2_runtime import load_pt2
+        from infer.artifact.formats.pt2_runtime import load_pt2
 
         try:
             runtime = load_pt2(folder, manifest)
@@ -110,44 +108,19 @@ def load(
             kind=MODEL,
         )
     model_path = folder / manifest.model_file
+    module = torchscript.read_model(model_path, manifest.devices, mapping, explain_failure=verification.wait)
     try:
-        module = torch.jit.load(str(model_path), map_location=_map_location(manifest.devices, mapping))
-    except Exception as err:  # noqa: BLE001 - torch raises RuntimeError and others for a bad archive
-        verification.wait()  # a corrupted file explains a failed load better than TorchScript's message
-        first_line = str(err).strip().splitlines()[0] if str(err).strip() else type(err).__name__
-        raise ArtifactError(
-            f"{model_path} cannot be loaded by TorchScript: {first_line}", path=str(model_path), kind=MODEL
-        ) from None
-    try:
-        attach_mapped_weights(folder, module, manifest)
+        torchscript.attach_mapped_weights(folder, module, manifest)
     finally:
         verification.wait()  # a chunk that fails drops the loaded module with the error
-    module.eval()
-    _check_kernels(module, manifest, plan)
-    if mapping:
-        _remap_shard_devices(module, mapping)
+    torchscript.check_model_kernels(module, manifest.kernels, model_path)
+    if plan is not None:
+        check_routing(module, manifest.spec, plan)
+    torchscript.remap_shard_devices(module, mapping)
     _set_intra_op_threads(manifest, targets, intra_op_threads)
     runtime = Runtime(folder, manifest, module)
     runtime.set_threads(threads if threads is not None else runtime.thread_budget())
     return _timed(runtime, started, library_seconds)
-
-
-def attach_mapped_weights(
-    folder: Path, module: torch.jit.ScriptModule, manifest: Manifest, kernels: Sequence[Kernel] | None = None
-) -> None:
-    """Hand every mapped kernel of a loaded model (of a mapped artifact) its buffer's view of its weight file;
-    ``kernels``: the model's kernels in the manifest (default all; one host's for a host part)."""
-    if not manifest.mapped:
-        return
-    kernels = manifest.kernels if kernels is None else kernels
-    try:
-        tbes = model_tbes(module)
-    except AttributeError:
-        raise ArtifactError("the model has no embedding kernels where embserve puts them", kind=MODEL) from None
-    if len(tbes) != len(kernels):
-        raise ArtifactError(f"the model has {len(tbes)} kernels, {MANIFEST_FILE} lists {len(kernels)}", kind=MODEL)
-    attach_weights(folder, tbes, kernels, {e.name: e.bytes for e in manifest.files})
-    mark_weights(module, attached=True)
 
 
 def _timed(runtime: Runtime, started: float, library_seconds: float = 0.0) -> Runtime:
@@ -190,22 +163,6 @@ def verify_plan(folder: Path, manifest: Manifest) -> ShardingPlan:
     return plan
 
 
-def _check_kernels(module: torch.jit.ScriptModule, manifest: Manifest, plan: ShardingPlan | None) -> None:
-    """Every TBE of the loaded model holds exactly what the manifest's kernels say, and every device routes
-    its features as the plan says, before any lookup."""
-    holders = kernel_holders(module)
-    if not all(hasattr(holder, "tbe") for holder in holders):
-        raise ArtifactError("the model has no embedding kernels where embserve puts them", kind=MODEL)
-    if len(holders) != len(manifest.kernels):
-        raise ArtifactError(
-            f"the model has {len(holders)} kernels, {MANIFEST_FILE} lists {len(manifest.kernels)}", kind=MODEL
-        )
-    for index, (holder, kernel) in enumerate(zip(holders, manifest.kernels)):
-        check_kernel(holder, kernel, index)
-    if plan is not None:
-        check_routing(module, manifest.spec, plan)
-
-
 def _set_intra_op_threads(manifest: Manifest, devices: Sequence[str], requested: int | None) -> None:
     if requested == 0:
         return
@@ -224,26 +181,14 @@ def _cuda_device_exists(name: str) -> bool:
     return torch.cuda.is_available() and index < torch.cuda.device_count()
 
 
-def _map_location(devices: Sequence[str], mapping: Mapping[str, str]) -> str | None:
-    """``torch.jit.load`` moves every tensor to one device or none: the map must agree with that."""
-    if not mapping:
-        return None
-    targets = sorted({mapping.get(d, d) for d in devices})
-    if targets == sorted(set(devices)):
-        return None
-    if len(targets) != 1:
-        raise ArtifactError(
-            f"a device map must send every device to one device (TorchScript loads to one); got {dict(mapping)}",
-            kind=MODEL,
-        )
-    return targets[0]
-
-
-def _remap_shard_devices(module: torch.jit.ScriptModule, mapping: Mapping[str, str]) -> None:
-    """Point a sharded model's per-device routing at the mapped devices."""
-    embeddings = module.embeddings
-    if hasattr(embeddings, "output_device"):
-        embeddings.output_device = mapping.get(embeddings.output_device, embeddings.output_device)
-    if hasattr(embeddings, "shards"):
-        for shard in embeddings.shards:
-            shard.device = mapping.get(shard.device, shard.device)
+def whole_load_refused(folder: Path, manifest: Manifest) -> ArtifactError:
+    """A multi-host artifact is served by one process per host, never loaded whole."""
+    hosts = manifest.num_hosts
+    return ArtifactError(
+        f"{folder} is a multi-host artifact ({hosts} hosts x {manifest.devices_per_host} devices): no single "
+        f"process loads it whole. Serve it on {hosts} hosts with `torchrun --nnodes {hosts} --nproc-per-node 1 "
+        f"--rdzv-endpoint HOST0:PORT -m infer.cli serve {folder}` (the same command on every host), or load one "
+        "host's part with infer.artifact.hosts.load_host_part(path, host)",
+        path=str(folder / MANIFEST_FILE),
+        kind=MODEL,
+    )

@@ -16,11 +16,19 @@ from typing import Any
 
 from infer.artifact.kernels import Kernel, expected_kernels
 from infer.artifact.schema import is_host_file, parse_document, validate
-from infer.artifact.verify import FULL, NONE, ChunkedFile, Chunks, PendingVerification, check_verify_mode, file_digests
 from infer.config import ModelSpec
 from infer.dense_layout import PooledLayout
 from infer.errors import ArtifactError, ArtifactErrorKind, ConfigError
 from infer.planner.types import ShardingPlan
+from infer.storage.checksums import (
+    FULL,
+    NONE,
+    ChunkedFile,
+    Chunks,
+    PendingVerification,
+    check_verify_mode,
+    file_digests,
+)
 from infer.storage.layout import PAGE_BYTES
 
 FORMAT_NAME = "embserve-artifact"
@@ -48,7 +56,7 @@ class FileEntry:
     name: str
     bytes: int
     sha256: str
-    chunks: Chunks | None = None  # per-chunk sha256 of a large file (infer.artifact.verify), verified in parallel
+    chunks: Chunks | None = None  # per-chunk sha256 of a large file (infer.storage.checksums), verified in parallel
 
     @classmethod
     def of(cls, folder: Path, name: str, chunk_bytes: int | None = None) -> FileEntry:
@@ -70,7 +78,8 @@ class FileEntry:
 
 @dataclass(frozen=True)
 class OnnxEntry:
-    """The ONNX form of the model in the artifact (``export(..., onnx=True)``); see ``infer.artifact.onnx_export``."""
+    """The ONNX form of the model in the artifact (``export(..., onnx=True)``); see
+    ``infer.artifact.formats.onnx_export``."""
 
     model_file: str
     data_files: tuple[str, ...]
@@ -133,7 +142,8 @@ PT2_INPUTS = ("values:int64", "lengths:int64", "weights:float32")
 
 @dataclass(frozen=True)
 class Pt2Entry:
-    """The AOTInductor package of the model's lookups (``export(..., pt2=True)``); see ``infer.artifact.pt2_export``.
+    """The AOTInductor package of the model's lookups (``export(..., pt2=True)``); see
+    ``infer.artifact.formats.pt2_export``.
 
     ``torch_version``: the torch that compiled it (the package's code runs only under that version);
     ``device``: where its kernels run; ``inputs``: its program's positional inputs, ``name:dtype``;

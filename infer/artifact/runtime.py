@@ -26,7 +26,7 @@ class Runtime:
     def __init__(self, path: Path, manifest: Manifest, module: Any, backend: str = "torchscript") -> None:
         """``module``: the scripted model (``backend="torchscript"``) or anything with the same
         ``__call__(values, lengths, weights)`` and ``predict(dense, values, lengths, weights)``
-        (``infer.artifact.onnx_runtime.OnnxModule`` for ``backend="onnxruntime"``)."""
+        (``infer.artifact.formats.onnx_runtime.OnnxModule`` for ``backend="onnxruntime"``)."""
         self.path = path
         self.manifest = manifest
         self.spec = manifest.spec

@@ -18,8 +18,8 @@ from pathlib import Path
 
 import torch
 
-from infer.artifact import verify
-from infer.artifact.export import check_dense_part, output_folder, save_structure, script_model, staged, write_manifest
+from infer.artifact.export import check_dense_part, output_folder, staged, write_manifest
+from infer.artifact.formats.torchscript import save_structure, script_model
 from infer.artifact.kernels import Kernel, expected_kernels, model_tbes
 from infer.artifact.manifest import MAPPED_FORMAT_VERSION, FileEntry
 from infer.artifact.mapped import mark_weights, place_weights, strip_weights
@@ -31,6 +31,7 @@ from infer.planner.types import ShardingPlan
 from infer.quant.quantize import ProgressFn, check_finite
 from infer.quant.rowwise import encode_rows, row_bytes, table_bytes
 from infer.shard.builder import device_layouts, shard_structure
+from infer.storage import checksums
 from infer.storage.memory import PeakAnonymous, memory_use
 from infer.storage.sources import TableSource, check_source
 from infer.storage.writer import FileDigests, StreamingFileWriter
@@ -207,7 +208,7 @@ def _write_file(
     progress: ProgressFn | None,
     peak: PeakAnonymous,
 ) -> FileDigests:
-    with StreamingFileWriter(path, verify.WEIGHTS_CHUNK_BYTES) as writer:
+    with StreamingFileWriter(path, checksums.WEIGHTS_CHUNK_BYTES) as writer:
         for piece in pieces:
             _write_piece(writer, piece, source, chunk_bytes, progress, peak)
         return writer.finish(size)
@@ -266,5 +267,5 @@ def _read_chunk(source: TableSource, table: TableConfig, start: int, stop: int) 
 
 
 def _file_entry(name: str, digests: FileDigests) -> FileEntry:
-    chunks = verify.Chunks(digests.chunk_bytes, digests.chunk_sha256) if verify.chunked(digests.size) else None
+    chunks = checksums.Chunks(digests.chunk_bytes, digests.chunk_sha256) if checksums.chunked(digests.size) else None
     return FileEntry(name, digests.size, digests.sha256, chunks)

@@ -1,4 +1,4 @@
-"""Per-chunk sha256 of large files (infer/artifact/verify.py): written at export, verified at load in parallel.
+"""Per-chunk sha256 of large files (infer/storage/checksums.py): written at export, verified at load in parallel.
 
 The artifacts here are small, so the chunk size and the size from which files get chunks are lowered for
 the export; every test runs both ways of hashing at load: a child interpreter overlapping ``torch.jit.load``
@@ -15,13 +15,13 @@ from pathlib import Path
 import pytest
 import torch
 
-from infer.artifact import verify
 from infer.artifact.export import export
 from infer.artifact.load import load
 from infer.artifact.manifest import Manifest
 from infer.cli import main
 from infer.errors import ArtifactError, ArtifactErrorKind
 from infer.quant.quantize import quantize
+from infer.storage import checksums as verify
 from infer.weights import random_weights
 from tests.conftest import mixed_spec, random_batch
 from tests.support.artifacts import copy_artifact, edit_manifest

@@ -13,7 +13,6 @@ from pathlib import Path
 import pytest
 import torch
 
-from infer.artifact import verify
 from infer.artifact.export import export
 from infer.artifact.hosts import export_hosts, load_host_part
 from infer.artifact.kernels import model_tbes
@@ -25,6 +24,7 @@ from infer.quant.quantize import dequantized_weights, quantize
 from infer.reference import FloatEmbeddingBagCollection
 from infer.shard.builder import shard_model
 from infer.shard.plans import make_plan
+from infer.storage import checksums as verify
 from infer.weights import random_weights
 from tests.conftest import TinyOverArch, mixed_spec, random_batch
 from tests.support.artifacts import copy_artifact, edit_manifest

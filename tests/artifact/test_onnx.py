@@ -18,8 +18,8 @@ import pytest
 import torch
 
 from infer.artifact.export import export
+from infer.artifact.formats.onnx_export import POOLINGS, model_tables, tbe_weight_bytes
 from infer.artifact.load import load
-from infer.artifact.onnx_export import POOLINGS, model_tables, tbe_weight_bytes
 from infer.config import DataType, ModelSpec, PoolingType, TableConfig
 from infer.errors import ArtifactError, ArtifactErrorKind, ConfigError, RequestError
 from infer.features import SparseFeatures

@@ -20,10 +20,10 @@ import pytest
 import torch
 
 from infer.artifact.export import export
+from infer.artifact.formats.pt2_export import export_program, program_device
+from infer.artifact.formats.pt2_program import lookup_program
+from infer.artifact.formats.pt2_runtime import Pt2Module
 from infer.artifact.load import load
-from infer.artifact.pt2_export import export_program, program_device
-from infer.artifact.pt2_program import lookup_program
-from infer.artifact.pt2_runtime import Pt2Module
 from infer.artifact.runtime import Runtime
 from infer.config import DataType, ModelSpec, PoolingType, TableConfig
 from infer.errors import ArtifactError, ArtifactErrorKind, ConfigError, RequestError
@@ -94,7 +94,7 @@ def _export(name: str, folder: Path):  # type: ignore[no-untyped-def]
 @pytest.fixture(scope="session", params=["unsharded", "table_wise", "mixed_sharding"])
 def compiled(request, tmp_path_factory):
     """(name, spec, artifact path, TorchScript runtime, pt2 runtime); compiled once per session."""
-    logging.getLogger("infer.artifact.pt2_export").info("tests: compiling a pt2 model (about a minute)")
+    logging.getLogger("infer.artifact.formats.pt2_export").info("tests: compiling a pt2 model (about a minute)")
     spec, path = _export(request.param, tmp_path_factory.mktemp("pt2"))
     return request.param, spec, path, load(path), load(path, backend="pt2")
 

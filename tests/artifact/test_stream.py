@@ -16,7 +16,6 @@ from pathlib import Path
 import pytest
 import torch
 
-from infer.artifact import verify
 from infer.artifact.export import export
 from infer.artifact.load import load
 from infer.artifact.stream import export_streaming
@@ -27,6 +26,7 @@ from infer.quant.quantize import dequantized_weights, quantize
 from infer.reference import FloatEmbeddingBagCollection
 from infer.shard.builder import shard_model
 from infer.shard.plans import make_plan
+from infer.storage import checksums as verify
 from infer.storage.sources import CallableSource, DcpSource, TensorsSource, open_source
 from infer.weights import random_weights
 from tests.conftest import TinyOverArch, mixed_spec, random_batch

@@ -12,10 +12,10 @@ from typing import Any
 
 import pytest
 
-from infer.artifact import verify
 from infer.artifact.load import verify_plan
 from infer.artifact.manifest import Manifest
 from infer.errors import ArtifactError, ArtifactErrorKind
+from infer.storage import checksums as verify
 
 SEED = 23
 MUTANTS = 400  # per artifact kind; all in one C++ process, a few seconds

@@ -84,7 +84,7 @@ def export_program(program: torch.nn.Module, num_features: int, device: str) -> 
 def export_pt2(model: Any, folder: Path) -> Pt2Entry:
     """Write ``folder/model.pt2`` for ``model`` (an ``EmbserveModel``, sharded or not) and describe it."""
     from infer.artifact.fbgemm_libs import load_fbgemm
-    from infer.artifact.pt2_program import lookup_program
+    from infer.artifact.formats.pt2_program import lookup_program
 
     load_fbgemm()  # the bounds-check and lookup operators, and their fake kernels
     device = program_device(model)

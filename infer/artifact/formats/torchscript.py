@@ -1,0 +1,116 @@
+"""The TorchScript back-end: ``model.pt`` (and a multi-host artifact's ``hosts/<h>/model.pt``) written by
+``torch.jit.script`` + save, read by ``torch.jit.load``; a mapped artifact's kernels get their weights from the
+weight files after the structure loads, and every kernel is checked against the manifest before any lookup."""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Mapping, Sequence
+from pathlib import Path
+
+import torch
+
+from infer.artifact.kernels import Kernel, check_kernel, kernel_holders, model_tbes
+from infer.artifact.manifest import MANIFEST_FILE, MODEL_FILE, PLAN_FILE, FileEntry, Manifest
+from infer.artifact.mapped import attach_weights, mark_weights
+from infer.errors import ArtifactError, ArtifactErrorKind, ConfigError
+from infer.planner.types import ShardingPlan
+
+MODEL = ArtifactErrorKind.MODEL
+
+
+def script_model(model: torch.nn.Module) -> torch.jit.ScriptModule:
+    try:
+        return torch.jit.script(model)
+    except Exception as err:  # noqa: BLE001 - TorchScript reports many error types
+        raise ConfigError(f"the model (or its dense_arch) cannot be scripted with torch.jit.script: {err}") from None
+
+
+def save_structure(
+    staging: Path, scripted: torch.jit.ScriptModule, weight_files: list[FileEntry], plan: ShardingPlan | None
+) -> list[FileEntry]:
+    """Save ``model.pt`` (and ``plan.json``) into ``staging``; returns the artifact's file entries so far, in
+    manifest order: the model, its weight files, the plan."""
+    scripted.save(str(staging / MODEL_FILE))
+    files = [FileEntry.of(staging, MODEL_FILE), *weight_files]
+    if plan is not None:
+        (staging / PLAN_FILE).write_text(plan.to_json(), encoding="utf-8")
+        files.append(FileEntry.of(staging, PLAN_FILE))
+    return files
+
+
+def read_model(
+    path: Path,
+    devices: Sequence[str],
+    mapping: Mapping[str, str],
+    explain_failure: Callable[[], None] | None = None,
+) -> torch.jit.ScriptModule:
+    """``torch.jit.load`` of ``path`` onto the mapped devices, in eval mode. A failed load first calls
+    ``explain_failure`` (waiting for the checksums: a corrupted file explains it better than TorchScript)."""
+    try:
+        module = torch.jit.load(str(path), map_location=map_location(devices, mapping))
+    except Exception as err:  # noqa: BLE001 - torch raises RuntimeError and others for a bad archive
+        if explain_failure is not None:
+            explain_failure()
+        first_line = str(err).strip().splitlines()[0] if str(err).strip() else type(err).__name__
+        raise ArtifactError(
+            f"{path} cannot be loaded by TorchScript: {first_line}", path=str(path), kind=MODEL
+        ) from None
+    module.eval()
+    return module
+
+
+def attach_mapped_weights(
+    folder: Path, module: torch.jit.ScriptModule, manifest: Manifest, kernels: Sequence[Kernel] | None = None
+) -> None:
+    """Hand every mapped kernel of a loaded model (of a mapped artifact) its buffer's view of its weight file;
+    ``kernels``: the model's kernels in the manifest (default all; one host's for a host part)."""
+    if not manifest.mapped:
+        return
+    kernels = manifest.kernels if kernels is None else kernels
+    try:
+        tbes = model_tbes(module)
+    except AttributeError:
+        raise ArtifactError("the model has no embedding kernels where embserve puts them", kind=MODEL) from None
+    if len(tbes) != len(kernels):
+        raise ArtifactError(f"the model has {len(tbes)} kernels, {MANIFEST_FILE} lists {len(kernels)}", kind=MODEL)
+    attach_weights(folder, tbes, kernels, {e.name: e.bytes for e in manifest.files})
+    mark_weights(module, attached=True)
+
+
+def check_model_kernels(module: torch.jit.ScriptModule, kernels: Sequence[Kernel], source: Path) -> None:
+    """Every TBE of the loaded model (read from ``source``) holds exactly what ``kernels`` (its kernels in the
+    manifest) say, before any lookup."""
+    holders = kernel_holders(module)
+    if not all(hasattr(holder, "tbe") for holder in holders):
+        raise ArtifactError(f"{source} has no embedding kernels where embserve puts them", kind=MODEL)
+    if len(holders) != len(kernels):
+        raise ArtifactError(f"{source} has {len(holders)} kernels, {MANIFEST_FILE} lists {len(kernels)}", kind=MODEL)
+    for index, (holder, kernel) in enumerate(zip(holders, kernels)):
+        check_kernel(holder, kernel, index)
+
+
+def map_location(devices: Sequence[str], mapping: Mapping[str, str]) -> str | None:
+    """``torch.jit.load`` moves every tensor to one device or none: the map must agree with that."""
+    if not mapping:
+        return None
+    targets = sorted({mapping.get(d, d) for d in devices})
+    if targets == sorted(set(devices)):
+        return None
+    if len(targets) != 1:
+        raise ArtifactError(
+            f"a device map must send every device to one device (TorchScript loads to one); got {dict(mapping)}",
+            kind=MODEL,
+        )
+    return targets[0]
+
+
+def remap_shard_devices(module: torch.jit.ScriptModule, mapping: Mapping[str, str]) -> None:
+    """Point a sharded model's per-device routing at the mapped devices."""
+    if not mapping:
+        return
+    embeddings = module.embeddings
+    if hasattr(embeddings, "output_device"):
+        embeddings.output_device = mapping.get(embeddings.output_device, embeddings.output_device)
+    if hasattr(embeddings, "shards"):
+        for shard in embeddings.shards:
+            shard.device = mapping.get(shard.device, shard.device)
