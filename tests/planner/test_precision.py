@@ -232,3 +232,84 @@ def infer_load_tables(folder):
     from infer.artifact.manifest import Manifest
 
     return Manifest.read(folder).spec.tables
+
+
+# ---------------------------------------------------------------------------- exhaustive check to 8 tables
+def mixed_radix_digits(sizes: list[int], start: int, stop: int) -> np.ndarray:
+    """Combinations ``start .. stop`` of one option per table, as a [combos, tables] array of option indices."""
+    combos = np.arange(start, stop, dtype=np.int64)
+    digits = np.empty((combos.size, len(sizes)), dtype=np.int64)
+    for column, size in enumerate(sizes):
+        digits[:, column] = combos % size
+        combos //= size
+    return digits
+
+
+def brute_force_vectorized(byte_table, error_table, budget, error_budget=None, device_budgets=None, chunk=1 << 20):
+    """Every combination of one option per table, in numpy: least error with total bytes <= ``budget`` (and, with
+    ``device_budgets``, each device's bytes within its budget), or with ``error_budget`` the fewest bytes with
+    error within it. ``byte_table[t]`` / ``error_table[t]``: option t's bytes and weighted error; with device
+    budgets option ``o`` of a table is (type ``o // devices``, device ``o % devices``)."""
+    sizes = [len(b) for b in byte_table]
+    total = int(np.prod(sizes))
+    best_key, best_digits = None, None
+    for start in range(0, total, chunk):
+        digits = mixed_radix_digits(sizes, start, min(total, start + chunk))
+        nbytes = np.zeros(digits.shape[0], dtype=np.int64)
+        error = np.zeros(digits.shape[0], dtype=np.float64)
+        per_device = None if device_budgets is None else np.zeros((digits.shape[0], len(device_budgets)), np.int64)
+        for column in range(len(sizes)):
+            chosen = np.asarray(byte_table[column], dtype=np.int64)[digits[:, column]]
+            nbytes += chosen
+            error += np.asarray(error_table[column], dtype=np.float64)[digits[:, column]]
+            if per_device is not None:
+                devices = len(device_budgets)
+                np.add.at(per_device, (np.arange(digits.shape[0]), digits[:, column] % devices), chosen)
+        feasible = np.ones(digits.shape[0], dtype=bool) if budget is None else nbytes <= budget
+        if per_device is not None:
+            feasible &= (per_device <= np.asarray(device_budgets, dtype=np.int64)).all(axis=1)
+        if error_budget is not None:
+            feasible &= error <= error_budget
+        if not feasible.any():
+            continue
+        index = np.flatnonzero(feasible)
+        primary, secondary = (nbytes, error) if error_budget is not None else (error, nbytes)
+        pick = index[np.lexsort((secondary[index], primary[index]))[0]]
+        key = (primary[pick], secondary[pick])
+        if best_key is None or key < best_key:
+            best_key, best_digits = key, digits[pick]
+    return best_key, best_digits
+
+
+@pytest.mark.parametrize("seed", range(10))
+def test_exact_choice_equals_exhaustive_search_up_to_eight_tables(seed):
+    """Random instances of 6 to 8 tables x 5 types (5^8 = 390,625 combinations searched in numpy), random
+    floors, pooling weights and budgets: the MILP's error equals the exhaustive optimum, in hand-computed bytes."""
+    rng = np.random.default_rng(100 + seed)
+    num_tables = 6 + seed % 3
+    spec, measured = random_instance(rng, num_tables)
+    pooling = rng.integers(1, 60, num_tables).astype(float)
+    floors = {f"t{i}": DataType(str(rng.choice(["fp16", "int8", "int4"]))) for i in rng.choice(num_tables, seed % 3)}
+    constraints = {
+        t.name: ParameterConstraints(pooling_factors=(p,), min_data_type=floors.get(t.name))
+        for t, p in zip(spec.tables, pooling)
+    }
+    weights = pooling / pooling.sum()
+    errors = {m.table: dict(m.errors) for m in measured}
+    allowed = [[d for d in TYPES if t.name not in floors or d.bits >= floors[t.name].bits] for t in spec.tables]
+    byte_table = [[hand_bytes(t.num_embeddings, t.embedding_dim, d) for d in a] for t, a in zip(spec.tables, allowed)]
+    error_table = [[w * errors[t.name][d] for d in a] for t, w, a in zip(spec.tables, weights, allowed)]
+    low, high = sum(min(b) for b in byte_table), sum(max(b) for b in byte_table)
+    problem = precision_problem(spec, measured, constraints)
+    for budget in (low, int(rng.uniform(low, high)), int(rng.uniform(low, (low + high) / 4))):
+        (best_error, _), digits = brute_force_vectorized(byte_table, error_table, budget)
+        exact = choose_exact(problem, budget)
+        assert exact.error == pytest.approx(best_error, rel=1e-9, abs=1e-12), (budget, digits)
+        assert exact.total_bytes == sum(
+            hand_bytes(t.num_embeddings, t.embedding_dim, d) for t, d in zip(spec.tables, exact.data_types)
+        ) <= budget  # fmt: skip
+        assert all(d in a for d, a in zip(exact.data_types, allowed))
+        assert choose_greedy(problem, budget).error >= exact.error - 1e-12
+    target = float(rng.uniform(best_error, 2 * best_error + 1e-3))
+    (fewest, _), _ = brute_force_vectorized(byte_table, error_table, None, error_budget=target)
+    assert choose_exact(problem, None, target).total_bytes == fewest
