@@ -147,6 +147,7 @@ def precision_cases(examples: int = 1000, budget_gb: float = 16.0) -> list[dict[
             "choice_seconds": round(exact.seconds, 4),
         })  # fmt: skip
     cases.append(choice_speed_case(measured))
+    cases += [choice_placed_case(measured, slack=0.02), choice_placed_case(measured, with_total=False)]
     return cases
 
 
@@ -195,6 +196,55 @@ def choice_speed_case(measured: Sequence[object], num_tables: int = 500) -> dict
         "data_types": 5,
         "choice_seconds": round(choice.seconds, 4),
         "gap": choice.gap,
+    }
+
+
+def choice_placed_case(
+    measured: Sequence[object], num_tables: int = 500, devices: int = 16, slack: float = 0.02, with_total: bool = True
+) -> dict[str, object]:
+    """Types and devices in one MILP: 500 tables x 5 types x 16 devices, each device's budget 1/16 of the total
+    plus ``slack``, the total at 20 % of the way from the smallest choice to fp32; against the total-only optimum."""
+    import numpy as np
+
+    from infer.planner.precision import DeviceBudgets, choose_exact, precision_problem
+    from infer.quant.measured_error import TableError
+
+    rng = np.random.default_rng(2)
+    spec = synthetic_spec(num_tables, seed=1)
+    profiles = [m for m in measured if isinstance(m, TableError)]
+    errors = []
+    for table in spec.tables:
+        profile = profiles[int(rng.integers(len(profiles)))]
+        scale = float(rng.uniform(0.5, 2.0))
+        errors.append(TableError(table.name, tuple((d, e * scale) for d, e in profile.errors), 0, 0))
+    problem = precision_problem(spec, errors)
+    low = sum(t.options[0].bytes for t in problem)
+    high = sum(t.options[-1].bytes for t in problem)
+    total = int(low + 0.2 * (high - low))
+    overheads = tuple((t.name, 2048 * 4 * (1 + t.embedding_dim)) for t in spec.tables)  # ids + fp32 outputs
+    per_device = int((total + sum(o for _, o in overheads)) / devices * (1 + slack))
+    limits = DeviceBudgets((per_device,) * devices, overheads)
+    if not with_total:  # the devices' budgets alone: the aggregate is exactly their sum, nothing to spare
+        total = per_device * devices - sum(o for _, o in overheads)
+    unplaced = choose_exact(problem, total)
+    placed = choose_exact(problem, total if with_total else None, device_budgets=limits)
+    assert placed.device_bytes is not None
+    return {
+        "bench": "precision_placed_choice",
+        "tables": num_tables,
+        "data_types": 5,
+        "devices": devices,
+        "device_budget_gb": round(per_device / C.GB, 3),
+        "device_slack": slack,
+        "total_budget": with_total,
+        "max_device_use": round(max(placed.device_bytes) / per_device, 4),
+        "choice_seconds": round(placed.seconds, 3),
+        "target_seconds": 10.0,
+        "gap": placed.gap,
+        "target_gap": 0.005,
+        "error": placed.error,
+        "ratio_to_total_only_optimum": round(placed.error / unplaced.error, 6) if unplaced.error else None,
+        "total_only_seconds": round(unplaced.seconds, 3),
     }
 
 

@@ -245,11 +245,10 @@ def mixed_radix_digits(sizes: list[int], start: int, stop: int) -> np.ndarray:
     return digits
 
 
-def brute_force_vectorized(byte_table, error_table, budget, error_budget=None, device_budgets=None, chunk=1 << 20):
-    """Every combination of one option per table, in numpy: least error with total bytes <= ``budget`` (and, with
-    ``device_budgets``, each device's bytes within its budget), or with ``error_budget`` the fewest bytes with
-    error within it. ``byte_table[t]`` / ``error_table[t]``: option t's bytes and weighted error; with device
-    budgets option ``o`` of a table is (type ``o // devices``, device ``o % devices``)."""
+def brute_force_vectorized(byte_table, error_table, budget, error_budget=None, chunk=1 << 20):
+    """Every combination of one option per table, in numpy: least error with total bytes <= ``budget``, or with
+    ``error_budget`` the fewest bytes with error within it. ``byte_table[t]`` / ``error_table[t]``: table t's
+    options' bytes and weighted errors."""
     sizes = [len(b) for b in byte_table]
     total = int(np.prod(sizes))
     best_key, best_digits = None, None
@@ -257,17 +256,10 @@ def brute_force_vectorized(byte_table, error_table, budget, error_budget=None, d
         digits = mixed_radix_digits(sizes, start, min(total, start + chunk))
         nbytes = np.zeros(digits.shape[0], dtype=np.int64)
         error = np.zeros(digits.shape[0], dtype=np.float64)
-        per_device = None if device_budgets is None else np.zeros((digits.shape[0], len(device_budgets)), np.int64)
         for column in range(len(sizes)):
-            chosen = np.asarray(byte_table[column], dtype=np.int64)[digits[:, column]]
-            nbytes += chosen
+            nbytes += np.asarray(byte_table[column], dtype=np.int64)[digits[:, column]]
             error += np.asarray(error_table[column], dtype=np.float64)[digits[:, column]]
-            if per_device is not None:
-                devices = len(device_budgets)
-                np.add.at(per_device, (np.arange(digits.shape[0]), digits[:, column] % devices), chosen)
         feasible = np.ones(digits.shape[0], dtype=bool) if budget is None else nbytes <= budget
-        if per_device is not None:
-            feasible &= (per_device <= np.asarray(device_budgets, dtype=np.int64)).all(axis=1)
         if error_budget is not None:
             feasible &= error <= error_budget
         if not feasible.any():
@@ -313,3 +305,73 @@ def test_exact_choice_equals_exhaustive_search_up_to_eight_tables(seed):
     target = float(rng.uniform(best_error, 2 * best_error + 1e-3))
     (fewest, _), _ = brute_force_vectorized(byte_table, error_table, None, error_budget=target)
     assert choose_exact(problem, None, target).total_bytes == fewest
+
+
+@pytest.mark.parametrize("seed", range(8))
+def test_types_and_devices_chosen_jointly_equal_exhaustive_search(seed):
+    """5-6 tables x 5 types x 2-3 devices (up to 15^5 = 759,375 combinations): each device's bytes (weights + the
+    table's buffers) within its budget, the total within the memory budget; the MILP's error equals the optimum
+    (within its reported gap) and its budgets hold in hand-computed bytes."""
+    from infer.planner.precision import DeviceBudgets
+
+    rng = np.random.default_rng(500 + seed)
+    num_tables, num_devices = (6, 2) if seed % 2 else (5, 3)
+    spec, measured = random_instance(rng, num_tables)
+    pooling = rng.integers(1, 60, num_tables).astype(float)
+    constraints = {t.name: ParameterConstraints(pooling_factors=(p,)) for t, p in zip(spec.tables, pooling)}
+    weights = pooling / pooling.sum()
+    errors = {m.table: dict(m.errors) for m in measured}
+    overheads = {t.name: int(rng.integers(0, 5000)) for t in spec.tables}
+    fp32 = [hand_bytes(t.num_embeddings, t.embedding_dim, DataType.FP32) for t in spec.tables]
+    int2 = [hand_bytes(t.num_embeddings, t.embedding_dim, DataType.INT2) for t in spec.tables]
+    # devices of uneven sizes, between what the smallest choice needs spread evenly and a third of fp32
+    budgets = [int(rng.uniform(max(int2) + 5000, max(max(int2) + 5000, sum(fp32) / 3))) for _ in range(num_devices)]
+    total = int(rng.uniform(sum(int2), sum(fp32) / 2)) if seed % 4 < 2 else None
+    byte_table, error_table = [], []
+    for t, w in zip(spec.tables, weights):
+        byte_table.append([hand_bytes(t.num_embeddings, t.embedding_dim, d) for d in TYPES for _ in budgets])
+        error_table.append([w * errors[t.name][d] for d in TYPES for _ in budgets])
+    # per device the overhead counts too: fold it into the bytes checked per device, not into the total
+    with_overhead = [[b + overheads[t.name] for b in row] for t, row in zip(spec.tables, byte_table)]
+    best = brute_force_placed(with_overhead, byte_table, error_table, budgets, total)
+    problem = precision_problem(spec, measured, constraints)
+    limits = DeviceBudgets(tuple(budgets), tuple(overheads.items()))
+    if best is None:
+        with pytest.raises(PlanError) as info:
+            choose_exact(problem, total, device_budgets=limits)
+        assert info.value.kind == PlanErrorKind.INSUFFICIENT_MEMORY
+        return
+    exact = choose_exact(problem, total, device_budgets=limits)
+    assert exact.gap is not None and exact.gap <= 1e-3
+    assert best - 1e-12 <= exact.error <= best + exact.gap * exact.error + 1e-12
+    used = [0] * num_devices
+    for t, d, k in zip(spec.tables, exact.data_types, exact.devices):
+        used[k] += hand_bytes(t.num_embeddings, t.embedding_dim, d) + overheads[t.name]
+    assert list(exact.device_bytes) == used and all(u <= b for u, b in zip(used, budgets))
+    assert total is None or exact.total_bytes <= total
+
+
+def brute_force_placed(device_bytes, total_bytes, error_table, device_budgets, total_budget):
+    """The least error over every (type, device) per table, each device's bytes and the total within budget."""
+    sizes = [len(b) for b in device_bytes]
+    devices = len(device_budgets)
+    combos = int(np.prod(sizes))
+    best = None
+    for start in range(0, combos, 1 << 18):
+        digits = mixed_radix_digits(sizes, start, min(combos, start + (1 << 18)))
+        per_device = np.zeros((digits.shape[0], devices), dtype=np.int64)
+        nbytes = np.zeros(digits.shape[0], dtype=np.int64)
+        error = np.zeros(digits.shape[0])
+        rows = np.arange(digits.shape[0])
+        for column in range(len(sizes)):
+            pick = digits[:, column]
+            np.add.at(per_device, (rows, pick % devices), np.asarray(device_bytes[column], dtype=np.int64)[pick])
+            nbytes += np.asarray(total_bytes[column], dtype=np.int64)[pick]
+            error += np.asarray(error_table[column])[pick]
+        feasible = (per_device <= np.asarray(device_budgets)).all(axis=1)
+        if total_budget is not None:
+            feasible &= nbytes <= total_budget
+        if feasible.any():
+            value = float(error[feasible].min())
+            best = value if best is None else min(best, value)
+    return best
