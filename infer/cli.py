@@ -22,8 +22,9 @@ if TYPE_CHECKING:
 
     from infer.config import ModelSpec
     from infer.planner.access import AccessSample
+    from infer.planner.planner import EmbeddingPlanner
     from infer.planner.precision import PrecisionPlan
-    from infer.planner.types import ParameterConstraints, ShardingPlan, Topology
+    from infer.planner.types import ParameterConstraints, ShardingPlan
     from infer.storage.sources import TableSource
 
 logger = logging.getLogger(__name__)
@@ -280,9 +281,11 @@ def _precision_plan(
     weights: Mapping[str, torch.Tensor] | None,
     constraints: Mapping[str, ParameterConstraints],
     sample: AccessSample | None,
-    topology: Topology,
+    planner: EmbeddingPlanner,
 ) -> PrecisionPlan | None:
-    """--memory-budget / --error-budget: every table's data type from its measured error (issue 28)."""
+    """--memory-budget / --error-budget: every table's data type from its measured error (issue 28); on several
+    devices that page nothing (CUDA, or CPU with --mapped-capacity 0) each table's device with it, every device
+    within its memory."""
     if not _wants_precision(args):
         return None
     from infer.planner.precision import plan_precision
@@ -299,7 +302,11 @@ def _precision_plan(
     measured = measure_errors(spec, source, sample)
     print(format_errors(measured))
     budget = parse_bytes(args.memory_budget) if args.memory_budget is not None else None
-    precision = plan_precision(spec, measured, budget, args.error_budget, constraints, sample, topology.row_alignment)
+    topology = planner.topology
+    joint = topology.world_size > 1 and not topology.pages_weights
+    device_budgets = planner.device_budgets(spec, constraints) if joint else None
+    precision = plan_precision(spec, measured, budget, args.error_budget, constraints, sample, topology.row_alignment,
+                               device_budgets=device_budgets)  # fmt: skip
     print()
     print(format_precision(precision.to_dict(), frontier=True))
     if args.frontier:
@@ -344,8 +351,9 @@ def _export_plan(
     require_devices_here(topology, f"--device {args.device}")
     constraints = load_constraints(args.constraints, spec) if args.constraints else {}
     sample = load_sample_ids(args.sample_ids, spec) if args.sample_ids else None
-    precision = _precision_plan(args, spec, weights, constraints, sample, topology)
-    return EmbeddingPlanner(topology).plan(spec, constraints, sample, precision)
+    planner = EmbeddingPlanner(topology)
+    precision = _precision_plan(args, spec, weights, constraints, sample, planner)
+    return planner.plan(spec, constraints, sample, precision)
 
 
 def _mapped_capacity(flag: str | None, folder: Path) -> tuple[int | None, str]:
@@ -495,8 +503,9 @@ def cmd_plan(args: argparse.Namespace) -> int:
     constraints = load_constraints(args.constraints, spec) if args.constraints else {}
     sample = load_sample_ids(args.sample_ids, spec) if args.sample_ids else None
     weights = load_checkpoint(args.weights, spec) if args.weights else None
-    precision = _precision_plan(args, spec, weights, constraints, sample, topology)
-    plan = EmbeddingPlanner(topology, args.batch_size).plan(spec, constraints, sample, precision)
+    planner = EmbeddingPlanner(topology, args.batch_size)
+    precision = _precision_plan(args, spec, weights, constraints, sample, planner)
+    plan = planner.plan(spec, constraints, sample, precision)
     print(format_stats(plan))
     out = Path(args.out)
     out.parent.mkdir(parents=True, exist_ok=True)

@@ -375,3 +375,78 @@ def brute_force_placed(device_bytes, total_bytes, error_table, device_budgets, t
             value = float(error[feasible].min())
             best = value if best is None else min(best, value)
     return best
+
+
+def test_per_device_budgets_hold_exactly_in_the_tbes_built_per_device():
+    """A 3-device CPU topology: the types and devices chosen jointly land in the plan; the sharded model's TBE on
+    each device allocates exactly the bytes the choice counted there (less the batch buffers), within the budget;
+    and its lookups equal fp32 embedding_bag on each table's dequantized rows."""
+    from infer import quantize, shard_model
+    from infer.quant.rowwise import dequantize_rows, quantize_rows
+    from infer.shard.builder import device_layouts
+
+    shapes = [(3000, 64), (800, 32), (5000, 16), (1200, 64), (400, 128), (2500, 32)]
+    spec = ModelSpec(tuple(TableConfig(f"t{i}", rows, dim, (f"f{i}",)) for i, (rows, dim) in enumerate(shapes)))
+    weights = make_weights(spec, seed=4)
+    constraints = {t.name: ParameterConstraints(pooling_factors=(float(5 + 7 * i),)) for i, t in enumerate(spec.tables)}
+    planner = EmbeddingPlanner(Topology(3, ComputeDevice.CPU, (400_000,), mapped_capacity=0), batch_size=64)
+    limits = planner.device_budgets(spec, constraints)
+    assert limits.budgets == (340_000,) * 3  # 15 % reserved, no dense part
+    measured = measure_errors(spec, rows_from_weights(weights), bags=32)
+    precision = plan_precision(spec, measured, None, constraints=constraints, device_budgets=limits, frontier_points=0)
+    chosen, devices = precision.data_types(), precision.devices()
+    assert devices is not None and precision.chosen.device_bytes is not None
+    assert len(set(devices.values())) == 3 and len(set(chosen.values())) >= 2  # the budgets bind
+    plan = planner.plan(spec, constraints, precision=precision)
+    assert {t.table: (t.data_type, t.shards[0].device) for t in plan.tables} == {
+        n: (chosen[n], devices[n]) for n in chosen
+    }
+    model = quantize(spec.with_data_types(overrides=chosen), weights)
+    sharded = shard_model(model, plan)
+    overheads = dict(limits.overheads)
+    for layout, shard in zip(device_layouts(model.spec, plan), sharded.embeddings.shards):
+        here = [t for t in spec.tables if devices[t.name] == layout.rank]
+        weights_bytes = sum(hand_bytes(t.num_embeddings, t.embedding_dim, chosen[t.name]) for t in here)
+        assert shard.tbe.weights_host.numel() == weights_bytes
+        counted = precision.chosen.device_bytes[layout.rank]
+        assert counted == weights_bytes + sum(overheads[t.name] for t in here) <= limits.budgets[layout.rank]
+    generator = torch.Generator().manual_seed(1)
+    lengths = {t.feature_names[0]: torch.randint(0, 6, (9,), generator=generator) for t in spec.tables}
+    values = {f: torch.randint(0, t.num_embeddings, (int(lengths[f].sum()),), generator=generator)
+              for t in spec.tables for f in t.feature_names}  # fmt: skip
+    order = [t.feature_names[0] for t in spec.tables]
+    with torch.no_grad():
+        got = sharded(torch.cat([values[f] for f in order]), torch.cat([lengths[f] for f in order]))
+    expected = []
+    for t in spec.tables:
+        data, scale_bias = quantize_rows(weights[t.name], chosen[t.name])
+        table = dequantize_rows(data, scale_bias, chosen[t.name], t.embedding_dim)
+        f = t.feature_names[0]
+        offsets = torch.cat([torch.zeros(1, dtype=torch.long), lengths[f].cumsum(0)])
+        expected.append(torch.nn.functional.embedding_bag(values[f], table, offsets[:-1], mode="sum"))
+    torch.testing.assert_close(got, torch.cat(expected, 1), rtol=1e-5, atol=1e-4)
+
+
+def test_cli_plan_on_several_devices_chooses_types_and_devices_within_each_device(tmp_path, capsys):
+    from infer.cli import main
+
+    shapes = [(3000, 64), (800, 32), (5000, 16), (1200, 64), (400, 128), (2500, 32)]
+    spec = ModelSpec(tuple(TableConfig(f"t{i}", rows, dim, (f"f{i}",)) for i, (rows, dim) in enumerate(shapes)))
+    (tmp_path / "spec.json").write_text(spec.to_json())
+    out = tmp_path / "plan.json"
+    code = main(["plan", "--spec", str(tmp_path / "spec.json"), "--world-size", "3", "--compute-device", "cpu",
+                 "--device-memory", "400000", "--mapped-capacity", "0", "--batch-size", "64",
+                 "--memory-budget", "1GB", "--out", str(out)])  # fmt: skip
+    assert code == 0, capsys.readouterr().err
+    plan = ShardingPlan.from_json(out.read_text())
+    chosen = plan.planner["precision"]["chosen"]
+    placed = {t.table: t.shards[0].device for t in plan.tables}
+    assert [placed[t.name] for t in spec.tables] == chosen["devices"]
+    per_device = [0] * 3
+    for table in spec.tables:
+        data_type = next(t.data_type for t in plan.tables if t.table == table.name)
+        per_device[placed[table.name]] += hand_bytes(table.num_embeddings, table.embedding_dim, data_type)
+    budget = int(400_000 * 0.85)
+    assert all(b <= budget for b in per_device) and max(per_device) > budget // 2
+    assert all(u <= budget for u in chosen["device_bytes"])
+    assert "devices chosen with the types" in capsys.readouterr().out
