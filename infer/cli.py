@@ -18,8 +18,6 @@ from infer.artifact.load import BACKENDS
 from infer.errors import ConfigError, EmbserveError
 
 if TYPE_CHECKING:
-    import torch
-
     from infer.config import ModelSpec
     from infer.planner.access import AccessSample
     from infer.planner.planner import EmbeddingPlanner
@@ -95,8 +93,7 @@ def cmd_export(args: argparse.Namespace) -> int:
     overrides = _parse_table_dtypes(args.table_dtype)
     spec = ModelSpec.load(args.spec).with_data_types(args.dtype, overrides)
     # the precision planner measures each table's error on its rows: the tables are needed before the plan
-    early_weights = _export_weights(args, spec) if _wants_precision(args) else None
-    plan = _export_plan(args, spec, early_weights)
+    plan = _export_plan(args, spec, _export_source(args, spec) if _wants_precision(args) else None)
     if plan is not None:
         source = f"the plan {args.plan!r}" if args.plan else f"the plan made with --constraints {args.constraints!r}"
         _check_plan_data_types(plan, args.dtype, overrides, source)
@@ -117,9 +114,9 @@ def cmd_export(args: argparse.Namespace) -> int:
     _check_dense_flags(spec, args.dense_arch, args.no_dense, args.spec)
     tables = _export_source(args, spec)
     spec = _with_dense_part(spec, args.dense_arch)
-    if early_weights is None and _streams(args, plan):
+    if _streams(args, plan):
         return _export_streaming(args, spec, tables, plan)
-    weights = early_weights if early_weights is not None else read_tables(tables, spec)
+    weights = read_tables(tables, spec)
     model = quantize(spec, weights, progress=_print_progress)
     print(format_accuracy(accuracy_report(spec, weights, model)))
     if plan is not None:
@@ -264,13 +261,6 @@ def _export_source(args: argparse.Namespace, spec: ModelSpec) -> TableSource:
     return open_source(args.weights or args.from_torchrec, spec, torchrec=bool(args.from_torchrec))
 
 
-def _export_weights(args: argparse.Namespace, spec: ModelSpec) -> dict[str, torch.Tensor]:
-    """Every table of --weights or --from-torchrec whole (memory-mapped where the source allows)."""
-    from infer.storage.sources import read_tables
-
-    return read_tables(_export_source(args, spec), spec)
-
-
 def _wants_precision(args: argparse.Namespace) -> bool:
     return args.memory_budget is not None or args.error_budget is not None
 
@@ -278,7 +268,7 @@ def _wants_precision(args: argparse.Namespace) -> bool:
 def _precision_plan(
     args: argparse.Namespace,
     spec: ModelSpec,
-    weights: Mapping[str, torch.Tensor] | None,
+    tables: TableSource | None,
     constraints: Mapping[str, ParameterConstraints],
     sample: AccessSample | None,
     planner: EmbeddingPlanner,
@@ -291,14 +281,15 @@ def _precision_plan(
     from infer.planner.precision import plan_precision
     from infer.planner.stats import format_precision, plot_frontier
     from infer.planner.utils import parse_bytes
-    from infer.quant.measured_error import format_errors, measure_errors, rows_from_weights, synthetic_normal_rows
+    from infer.quant.measured_error import format_errors, measure_errors, rows_from_source, synthetic_normal_rows
 
     if args.dtype or args.table_dtype or getattr(args, "plan", None):
         raise ConfigError("--memory-budget/--error-budget choose every table's data type: drop --dtype, --table-dtype "
                           "and --plan (floors go in --constraints as min_data_type)")  # fmt: skip
-    if weights is None:
+    if tables is None:
         print("measuring error on synthetic N(0,1) rows (no --weights given)")
-    source = rows_from_weights(weights) if weights is not None else synthetic_normal_rows()
+    # only the sampled rows are read from the tables' source: a table larger than RAM is never loaded whole
+    source = rows_from_source(tables) if tables is not None else synthetic_normal_rows()
     measured = measure_errors(spec, source, sample)
     print(format_errors(measured))
     budget = parse_bytes(args.memory_budget) if args.memory_budget is not None else None
@@ -314,9 +305,7 @@ def _precision_plan(
     return precision
 
 
-def _export_plan(
-    args: argparse.Namespace, spec: ModelSpec, weights: Mapping[str, torch.Tensor] | None = None
-) -> ShardingPlan | None:
+def _export_plan(args: argparse.Namespace, spec: ModelSpec, tables: TableSource | None = None) -> ShardingPlan | None:
     """The plan to shard with: read from --plan, made for --world-size, or none (unsharded); with a
     --memory-budget or --error-budget always a plan (one device unless told), which records the choice."""
     from infer.planner.access import load_sample_ids
@@ -352,7 +341,7 @@ def _export_plan(
     constraints = load_constraints(args.constraints, spec) if args.constraints else {}
     sample = load_sample_ids(args.sample_ids, spec) if args.sample_ids else None
     planner = EmbeddingPlanner(topology)
-    precision = _precision_plan(args, spec, weights, constraints, sample, planner)
+    precision = _precision_plan(args, spec, tables, constraints, sample, planner)
     return planner.plan(spec, constraints, sample, precision)
 
 
@@ -488,7 +477,7 @@ def cmd_plan(args: argparse.Namespace) -> int:
     from infer.planner.stats import format_stats, plot_plan
     from infer.planner.types import Topology, load_constraints
     from infer.planner.utils import parse_bytes
-    from infer.weights import load_checkpoint
+    from infer.storage.sources import open_source
 
     spec = demo_spec() if args.spec == "demo" else ModelSpec.load(args.spec)
     spec = spec.with_data_types(args.dtype, _parse_table_dtypes(args.table_dtype))
@@ -502,9 +491,9 @@ def cmd_plan(args: argparse.Namespace) -> int:
     )
     constraints = load_constraints(args.constraints, spec) if args.constraints else {}
     sample = load_sample_ids(args.sample_ids, spec) if args.sample_ids else None
-    weights = load_checkpoint(args.weights, spec) if args.weights else None
+    tables = open_source(args.weights, spec) if args.weights else None
     planner = EmbeddingPlanner(topology, args.batch_size)
-    precision = _precision_plan(args, spec, weights, constraints, sample, planner)
+    precision = _precision_plan(args, spec, tables, constraints, sample, planner)
     plan = planner.plan(spec, constraints, sample, precision)
     print(format_stats(plan))
     out = Path(args.out)
