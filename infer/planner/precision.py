@@ -112,8 +112,10 @@ def precision_problem(
     constraints: Mapping[str, ParameterConstraints] | None = None,
     sample: AccessSample | None = None,
     row_alignment: int = CPU_ROW_ALIGNMENT,
+    model_level: bool = False,
 ) -> tuple[TableChoices, ...]:
-    """Every table's allowed options, priced in bytes and weighted error, in the spec's order."""
+    """Every table's allowed options, priced in bytes and weighted error, in the spec's order. ``model_level``:
+    the errors are already the model's (``quant.eval_error``: output, log loss, AUC), so every weight is 1."""
     constraints = constraints or {}
     by_name = {m.table: m for m in measured}
     missing = [t.name for t in spec.tables if t.name not in by_name]
@@ -137,6 +139,8 @@ def precision_problem(
         priced = (_option(table, d, measured_error, row_alignment) for d in allowed)
         options = tuple(sorted(priced, key=lambda o: (o.bytes, o.error)))
         weight = table_reads / total_reads if total_reads > 0 else 1.0 / len(spec.tables)
+        if model_level:
+            weight = 1.0
         declared = _option(table, table.data_type, measured_error, row_alignment)
         problem.append(TableChoices(table.name, weight, declared, options))
     return tuple(problem)
@@ -656,10 +660,12 @@ def plan_precision(
     row_alignment: int = CPU_ROW_ALIGNMENT,
     frontier_points: int = FRONTIER_POINTS,
     device_budgets: DeviceBudgets | None = None,
+    eval_measure: str | None = None,
 ) -> PrecisionPlan:
     """Choose every table's data type (see the module docstring) and compute what is reported beside it; with
-    ``device_budgets`` every table's device too (``EmbeddingPlanner.device_budgets`` gives a topology's)."""
-    problem = precision_problem(spec, measured, constraints, sample, row_alignment)
+    ``device_budgets`` every table's device too (``EmbeddingPlanner.device_budgets`` gives a topology's);
+    ``eval_measure`` names the model-level measure of ``measured`` (``quant.eval_error``), unweighted."""
+    problem = precision_problem(spec, measured, constraints, sample, row_alignment, eval_measure is not None)
     chosen = choose_exact(problem, memory_budget, error_budget, device_budgets=device_budgets)
     greedy = choose_greedy(problem, memory_budget, error_budget)
     uniform = tuple(choose_uniform(problem, d) for d in (DataType.INT8, DataType.INT4))
@@ -669,6 +675,8 @@ def plan_precision(
         format_gb(chosen.total_bytes), chosen.error, greedy.error, uniform[1].error, chosen.seconds, chosen.gap,
     )  # fmt: skip
     access = sample.source if sample is not None else UNIFORM_ACCESS
+    if eval_measure is not None:
+        access = f"{eval_measure} on an evaluation sample, one table quantized at a time"
     return PrecisionPlan(problem, chosen, greedy, uniform, points, memory_budget, error_budget, access)
 
 
