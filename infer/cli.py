@@ -262,7 +262,7 @@ def _export_source(args: argparse.Namespace, spec: ModelSpec) -> TableSource:
 
 
 def _wants_precision(args: argparse.Namespace) -> bool:
-    return args.memory_budget is not None or args.error_budget is not None
+    return args.memory_budget is not None or args.error_budget is not None or bool(getattr(args, "eval", None))
 
 
 def _precision_plan(
@@ -286,18 +286,33 @@ def _precision_plan(
     if args.dtype or args.table_dtype or getattr(args, "plan", None):
         raise ConfigError("--memory-budget/--error-budget choose every table's data type: drop --dtype, --table-dtype "
                           "and --plan (floors go in --constraints as min_data_type)")  # fmt: skip
+    measure = args.error_measure or ("logloss" if args.eval else "pooled")
+    if (measure == "pooled") == bool(args.eval):
+        fix = "measures pooled outputs: drop --eval, or choose output, logloss or auc" if args.eval else (
+            "needs an evaluation sample: give --eval FILE")  # fmt: skip
+        raise ConfigError(f"--error-measure {measure} {fix}")
+    if args.eval and tables is None:
+        raise ConfigError("--eval measures the model on its own tables: give --weights")
     if tables is None:
         print("measuring error on synthetic N(0,1) rows (no --weights given)")
     # only the sampled rows are read from the tables' source: a table larger than RAM is never loaded whole
     source = rows_from_source(tables) if tables is not None else synthetic_normal_rows()
-    measured = measure_errors(spec, source, sample)
+    if args.eval:
+        from infer.quant.eval_error import load_eval_sample, measure_eval_errors
+
+        model_spec = _with_dense_part(spec, getattr(args, "dense_arch", None))
+        measured = measure_eval_errors(model_spec, source, load_eval_sample(args.eval, model_spec), measure)
+    else:
+        measured = measure_errors(spec, source, sample)
+    print(f"error measure: {measure}" + (" (each table alone quantized, on the eval sample)" if args.eval else ""))
     print(format_errors(measured))
     budget = parse_bytes(args.memory_budget) if args.memory_budget is not None else None
     topology = planner.topology
     joint = topology.world_size > 1 and not topology.pages_weights
     device_budgets = planner.device_budgets(spec, constraints) if joint else None
     precision = plan_precision(spec, measured, budget, args.error_budget, constraints, sample, topology.row_alignment,
-                               device_budgets=device_budgets)  # fmt: skip
+                               device_budgets=device_budgets,
+                               eval_measure=measure if args.eval else None)  # fmt: skip
     print()
     print(format_precision(precision.to_dict(), frontier=True))
     if args.frontier:
@@ -533,6 +548,20 @@ def _add_planning_data_flags(parser: argparse.ArgumentParser) -> None:
     )
     parser.add_argument("--frontier", default=None, metavar="PNG", help="plot the error-vs-bytes frontier here")
     parser.add_argument(
+        "--eval",
+        default=None,
+        metavar="FILE",
+        help="evaluation sample with labels (torch.save dict: features {name: {ids, lengths}}, dense, labels): "
+        "measure each table's error as the model's loss with it alone quantized (needs --weights and a dense part)",
+    )
+    parser.add_argument(
+        "--error-measure",
+        choices=["pooled", "output", "logloss", "auc"],
+        default=None,
+        help="what the budgets count: pooled (relative error of pooled outputs, read-weighted; the default without "
+        "--eval), or with --eval the change in output, the rise in log loss (default) or the fall in AUC",
+    )
+    parser.add_argument(
         "--sample-ids",
         default=None,
         metavar="FILE",
@@ -640,6 +669,9 @@ def build_parser() -> argparse.ArgumentParser:
     plan.add_argument("--table-dtype", action="append", default=[], metavar="NAME=DTYPE")
     plan.add_argument(
         "--weights", default=None, help="checkpoint {table: fp32 tensor} to measure error on (default: N(0,1) rows)"
+    )
+    plan.add_argument(
+        "--dense-arch", default=None, metavar="FILE", help="with --eval: the dense part (TorchScript or torch.export)"
     )
     plan.add_argument("--out", required=True, help="plan JSON to write")
     plan.add_argument("--plot", default=None, help="PNG with per-device memory and cost bars")

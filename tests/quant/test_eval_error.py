@@ -146,3 +146,31 @@ def test_a_bad_evaluation_file_is_a_typed_error_naming_the_feature(tmp_path, cha
     with pytest.raises(FileFormatError) as info:
         load_eval_sample(tmp_path / "bad.pt", spec)
     assert all(w in str(info.value) for w in words), str(info.value)
+
+
+def test_cli_export_with_eval_chooses_by_log_loss_and_records_it(tmp_path, capsys):
+    from infer.artifact.manifest import Manifest
+    from infer.cli import main
+    from infer.planner.types import ShardingPlan
+
+    spec, weights = small_model()
+    (tmp_path / "spec.json").write_text(spec.to_json())
+    torch.jit.save(spec.dense_arch, str(tmp_path / "dense.pt"))
+    torch.save(weights, tmp_path / "w.pt")
+    eval_file(spec, tmp_path / "eval.pt")
+    common = ["--spec", str(tmp_path / "spec.json"), "--weights", str(tmp_path / "w.pt"), "--dense-arch",
+              str(tmp_path / "dense.pt"), "--memory-budget", "27200"]  # fmt: skip
+    assert main(["export", *common, "--out", str(tmp_path / "art"), "--eval", str(tmp_path / "eval.pt")]) == 0
+    printed = capsys.readouterr().out
+    assert "error measure: logloss" in printed
+    tables = {t.name: t.data_type for t in Manifest.read(tmp_path / "art").spec.tables}
+    assert tables == {"mute": DataType.INT2, "loud": DataType.FP16}
+    plan = ShardingPlan.from_json((tmp_path / "art" / "plan.json").read_text())
+    assert "logloss" in plan.planner["precision"]["access"]
+    # a measure without its sample, and a bad file, are refused with the fix
+    args = ["plan", *common, "--world-size", "1", "--compute-device", "cpu", "--out", str(tmp_path / "p.json")]
+    assert main([*args, "--error-measure", "auc"]) == 2
+    assert "--eval FILE" in capsys.readouterr().err
+    torch.save({"features": {}, "dense": torch.zeros(1, 3), "labels": torch.tensor([0.0, 1.0])}, tmp_path / "bad.pt")
+    assert main([*args, "--eval", str(tmp_path / "bad.pt")]) == 2
+    assert "'dense'" in capsys.readouterr().err
