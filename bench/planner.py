@@ -27,6 +27,7 @@ import random
 import sys
 import time
 from collections.abc import Sequence
+from typing import Any
 
 import numpy as np
 
@@ -248,13 +249,154 @@ def choice_placed_case(
     }
 
 
+EVAL_SIGNAL_TABLES = (("s0", 20_000), ("s1", 5_000))  # the label reads these
+EVAL_NOISE_TABLES = tuple((f"n{i}", 60_000) for i in range(6))  # and these barely
+EVAL_DIM = 16
+EVAL_DENSE = 13
+
+
+def _eval_examples(count: int, hidden: dict[str, Any], dense_weight: Any, seed: int) -> tuple[Any, Any, Any]:
+    """Synthetic examples: one id per table, uniform; logit = 2 x the signal tables' hidden values + 0.05 x the
+    noise tables' + the dense features' share; labels drawn from it."""
+    import torch
+
+    generator = torch.Generator().manual_seed(seed)
+    ids = {name: torch.randint(0, rows, (count,), generator=generator)
+           for name, rows in EVAL_SIGNAL_TABLES + EVAL_NOISE_TABLES}  # fmt: skip
+    dense = torch.randn(count, EVAL_DENSE, generator=generator)
+    logit = dense @ dense_weight
+    for name, _ in EVAL_SIGNAL_TABLES:
+        logit = logit + 2.0 * hidden[name][ids[name]]
+    for name, _ in EVAL_NOISE_TABLES:
+        logit = logit + 0.05 * hidden[name][ids[name]]
+    labels = torch.bernoulli(torch.sigmoid(logit), generator=generator)
+    return ids, dense, labels
+
+
+def eval_cases(steps: int = 1500, batch: int = 1024, budget_share: float = 0.5) -> list[dict[str, object]]:
+    """Issue 28's --eval target: a TorchRec DLRM trained here on synthetic data where two tables carry the signal
+    and six larger ones little; at ``budget_share`` of its INT8 bytes the choice by log loss on an evaluation
+    sample keeps AUC (on a separate test set, real TBE) within 0.001 of uniform INT8; beside it the choice by
+    the pooled measure, greedy by log loss, uniform INT4/INT2."""
+    import torch
+    from torchrec import EmbeddingBagCollection, EmbeddingBagConfig, KeyedJaggedTensor
+    from torchrec.models.dlrm import DLRM
+
+    import infer
+    from infer.interop.torchrec import from_torchrec
+    from infer.planner.precision import choose_exact, choose_greedy, choose_uniform, precision_problem
+    from infer.quant.eval_error import EvalSample, measure_eval_errors, roc_auc
+    from infer.quant.measured_error import measure_errors, rows_from_weights
+
+    torch.manual_seed(0)
+    torch.set_num_threads(1)  # one core: measured 14x faster per step than two threads on a loaded 2-core host
+    names = [n for n, _ in EVAL_SIGNAL_TABLES + EVAL_NOISE_TABLES]
+    configs = [EmbeddingBagConfig(name=n, num_embeddings=r, embedding_dim=EVAL_DIM, feature_names=[n])
+               for n, r in EVAL_SIGNAL_TABLES + EVAL_NOISE_TABLES]  # fmt: skip
+    hidden = {n: torch.randn(r) for n, r in EVAL_SIGNAL_TABLES + EVAL_NOISE_TABLES}
+    dense_weight = torch.randn(EVAL_DENSE) * 0.3
+    ebc = EmbeddingBagCollection(tables=configs)
+    for bag in ebc.embedding_bags.values():
+        bag.sparse = True  # sparse gradients: an optimizer step touches only the rows of the batch
+        torch.nn.init.normal_(bag.weight, std=0.05)
+    dlrm = DLRM(embedding_bag_collection=ebc, dense_in_features=EVAL_DENSE, dense_arch_layer_sizes=[32, EVAL_DIM],
+                over_arch_layer_sizes=[32, 1])  # fmt: skip
+    sparse_params = [p for n, p in dlrm.named_parameters() if "embedding_bags" in n]
+    dense_params = [p for n, p in dlrm.named_parameters() if "embedding_bags" not in n]
+    optimizers = [torch.optim.SparseAdam(sparse_params, lr=0.02), torch.optim.Adam(dense_params, lr=0.003)]
+    loss_fn = torch.nn.BCEWithLogitsLoss()
+
+    def kjt(ids: dict[str, torch.Tensor]) -> KeyedJaggedTensor:
+        count = len(next(iter(ids.values())))
+        return KeyedJaggedTensor.from_lengths_sync(
+            keys=names,
+            values=torch.cat([ids[n] for n in names]),
+            lengths=torch.ones(count * len(names), dtype=torch.long),
+        )
+
+    started = time.perf_counter()
+    train_ids, train_dense, train_labels = _eval_examples(steps * batch, hidden, dense_weight, seed=1)
+    dlrm.train()
+    for step in range(steps):
+        part = slice(step * batch, (step + 1) * batch)
+        logits = dlrm(train_dense[part], kjt({n: train_ids[n][part] for n in names})).reshape(-1)
+        loss = loss_fn(logits, train_labels[part])
+        for optimizer in optimizers:
+            optimizer.zero_grad()
+        loss.backward()
+        for optimizer in optimizers:
+            optimizer.step()
+    train_seconds = time.perf_counter() - started
+    dlrm.eval()
+    imported = from_torchrec(dlrm)
+    spec = imported.spec
+    weights = dict(imported.weights)
+
+    def sample_of(ids, dense, labels) -> EvalSample:
+        ones = torch.ones(len(labels), dtype=torch.int64)
+        return EvalSample({n: (ids[n], ones) for n in names}, dense, labels)
+
+    measure_sample = sample_of(*_eval_examples(8000, hidden, dense_weight, seed=2))
+    test_ids, test_dense, test_labels = _eval_examples(50_000, hidden, dense_weight, seed=3)
+
+    def test_auc(data_types: Sequence[DataType]) -> float:
+        model = infer.quantize(spec.with_data_types(overrides=dict(zip(names, data_types))), weights)
+        values = torch.cat([test_ids[n] for n in names])
+        lengths = torch.ones(len(values), dtype=torch.int32)
+        with torch.no_grad():
+            scores = model.predict(test_dense, values, lengths, None)
+        return roc_auc(scores, test_labels)
+
+    started = time.perf_counter()
+    by_model = measure_eval_errors(spec, rows_from_weights(weights), measure_sample, "logloss")
+    measure_seconds = time.perf_counter() - started
+    by_pooled = measure_errors(spec, rows_from_weights(weights))
+    model_problem = precision_problem(spec, by_model, model_level=True)
+    pooled_problem = precision_problem(spec, by_pooled)
+    int8 = choose_uniform(model_problem, DataType.INT8)
+    budget = int(budget_share * int8.total_bytes)
+    choices = {
+        "chosen_logloss": choose_exact(model_problem, budget),
+        "chosen_pooled": choose_exact(pooled_problem, budget),
+        "greedy_logloss": choose_greedy(model_problem, budget),
+        "uniform_int8": int8,
+        "uniform_int4": choose_uniform(model_problem, DataType.INT4),
+        "uniform_int2": choose_uniform(model_problem, DataType.INT2),
+    }
+    fp32_auc = test_auc([DataType.FP32] * len(names))
+    aucs = {name: test_auc(c.data_types) for name, c in choices.items()}
+    case: dict[str, object] = {
+        "bench": "precision_eval_dlrm",
+        "tables": len(names),
+        "train_steps": steps,
+        "train_seconds": round(train_seconds, 1),
+        "measure_seconds": round(measure_seconds, 2),
+        "budget_bytes": budget,
+        "budget_share_of_int8": budget_share,
+        "fp32_auc": round(fp32_auc, 5),
+        "target_auc_drop_vs_int8": 0.001,
+        "auc_drop_chosen_vs_int8": round(aucs["uniform_int8"] - aucs["chosen_logloss"], 5),
+    }
+    for name, choice in choices.items():
+        case[f"{name}_auc"] = round(aucs[name], 5)
+        case[f"{name}_bytes"] = choice.total_bytes
+        case[f"{name}_dtypes"] = " ".join(d.value for d in choice.data_types)
+    return [case]
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--tables", type=int, action="append", help="table counts (default 26 100 500 1000)")
     parser.add_argument("--devices", type=int, action="append", help="device counts (default 8 16 64)")
     parser.add_argument("--device-memory-gb", type=float, default=80.0)
     parser.add_argument("--precision", action="store_true", help="the precision planner on DLRM-v2's shapes")
+    parser.add_argument("--eval", action="store_true", help="the precision planner by log loss on a trained DLRM")
+    parser.add_argument("--steps", type=int, default=1500, help="--eval: training steps")
     args = parser.parse_args()
+    if args.eval:
+        for case in eval_cases(args.steps):
+            print(json.dumps(case), flush=True)
+        return 0
     if args.precision:
         for case in precision_cases():
             print(json.dumps(case), flush=True)
