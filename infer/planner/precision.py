@@ -294,9 +294,11 @@ def _choose_placed(
         aggregate = min(aggregate, memory_budget)
     candidates: list[PrecisionChoice] = []
     bound = 0.0
+    lower = choose_exact(problem, aggregate, error_budget, time_limit_s)
     if error_budget is None:
-        lower = choose_exact(problem, aggregate, time_limit_s=time_limit_s)
         bound = lower.error * (1 - (lower.gap or 0.0))
+    else:  # the fewest bytes within the error budget, placed or not
+        bound = lower.total_bytes * (1 - (lower.gap or 0.0))
     packed = _pack_choices(problem, aggregate, error_budget, time_limit_s, device_budgets, started)
     if packed is not None:
         candidates.append(packed)

@@ -349,10 +349,17 @@ def test_types_and_devices_chosen_jointly_equal_exhaustive_search(seed):
         used[k] += hand_bytes(t.num_embeddings, t.embedding_dim, d) + overheads[t.name]
     assert list(exact.device_bytes) == used and all(u <= b for u, b in zip(used, budgets))
     assert total is None or exact.total_bytes <= total
+    # with an error budget: the fewest bytes within it that the devices hold
+    target = exact.error * 1.5 + 1e-4
+    fewest = brute_force_placed(with_overhead, byte_table, error_table, budgets, total, error_budget=target)
+    by_error = choose_exact(problem, total, target, device_budgets=limits)
+    assert by_error.error <= target + 1e-9 and by_error.gap is not None
+    assert fewest <= by_error.total_bytes <= fewest + by_error.gap * by_error.total_bytes
 
 
-def brute_force_placed(device_bytes, total_bytes, error_table, device_budgets, total_budget):
-    """The least error over every (type, device) per table, each device's bytes and the total within budget."""
+def brute_force_placed(device_bytes, total_bytes, error_table, device_budgets, total_budget, error_budget=None):
+    """The least error over every (type, device) per table, each device's bytes and the total within budget (with
+    ``error_budget``: the fewest total bytes with error within it)."""
     sizes = [len(b) for b in device_bytes]
     devices = len(device_budgets)
     combos = int(np.prod(sizes))
@@ -371,8 +378,10 @@ def brute_force_placed(device_bytes, total_bytes, error_table, device_budgets, t
         feasible = (per_device <= np.asarray(device_budgets)).all(axis=1)
         if total_budget is not None:
             feasible &= nbytes <= total_budget
+        if error_budget is not None:
+            feasible &= error <= error_budget
         if feasible.any():
-            value = float(error[feasible].min())
+            value = float(error[feasible].min()) if error_budget is None else int(nbytes[feasible].min())
             best = value if best is None else min(best, value)
     return best
 
