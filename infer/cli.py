@@ -18,12 +18,11 @@ from infer.artifact.load import BACKENDS
 from infer.errors import ConfigError, EmbserveError
 
 if TYPE_CHECKING:
-    import torch
-
     from infer.config import ModelSpec
     from infer.planner.access import AccessSample
+    from infer.planner.planner import EmbeddingPlanner
     from infer.planner.precision import PrecisionPlan
-    from infer.planner.types import ParameterConstraints, ShardingPlan, Topology
+    from infer.planner.types import ParameterConstraints, ShardingPlan
     from infer.storage.sources import TableSource
 
 logger = logging.getLogger(__name__)
@@ -94,8 +93,7 @@ def cmd_export(args: argparse.Namespace) -> int:
     overrides = _parse_table_dtypes(args.table_dtype)
     spec = ModelSpec.load(args.spec).with_data_types(args.dtype, overrides)
     # the precision planner measures each table's error on its rows: the tables are needed before the plan
-    early_weights = _export_weights(args, spec) if _wants_precision(args) else None
-    plan = _export_plan(args, spec, early_weights)
+    plan = _export_plan(args, spec, _export_source(args, spec) if _wants_precision(args) else None)
     if plan is not None:
         source = f"the plan {args.plan!r}" if args.plan else f"the plan made with --constraints {args.constraints!r}"
         _check_plan_data_types(plan, args.dtype, overrides, source)
@@ -116,9 +114,9 @@ def cmd_export(args: argparse.Namespace) -> int:
     _check_dense_flags(spec, args.dense_arch, args.no_dense, args.spec)
     tables = _export_source(args, spec)
     spec = _with_dense_part(spec, args.dense_arch)
-    if early_weights is None and _streams(args, plan):
+    if _streams(args, plan):
         return _export_streaming(args, spec, tables, plan)
-    weights = early_weights if early_weights is not None else read_tables(tables, spec)
+    weights = read_tables(tables, spec)
     model = quantize(spec, weights, progress=_print_progress)
     print(format_accuracy(accuracy_report(spec, weights, model)))
     if plan is not None:
@@ -263,43 +261,58 @@ def _export_source(args: argparse.Namespace, spec: ModelSpec) -> TableSource:
     return open_source(args.weights or args.from_torchrec, spec, torchrec=bool(args.from_torchrec))
 
 
-def _export_weights(args: argparse.Namespace, spec: ModelSpec) -> dict[str, torch.Tensor]:
-    """Every table of --weights or --from-torchrec whole (memory-mapped where the source allows)."""
-    from infer.storage.sources import read_tables
-
-    return read_tables(_export_source(args, spec), spec)
-
-
 def _wants_precision(args: argparse.Namespace) -> bool:
-    return args.memory_budget is not None or args.error_budget is not None
+    return args.memory_budget is not None or args.error_budget is not None or bool(getattr(args, "eval", None))
 
 
 def _precision_plan(
     args: argparse.Namespace,
     spec: ModelSpec,
-    weights: Mapping[str, torch.Tensor] | None,
+    tables: TableSource | None,
     constraints: Mapping[str, ParameterConstraints],
     sample: AccessSample | None,
-    topology: Topology,
+    planner: EmbeddingPlanner,
 ) -> PrecisionPlan | None:
-    """--memory-budget / --error-budget: every table's data type from its measured error (issue 28)."""
+    """--memory-budget / --error-budget: every table's data type from its measured error (issue 28); on several
+    devices that page nothing (CUDA, or CPU with --mapped-capacity 0) each table's device with it, every device
+    within its memory."""
     if not _wants_precision(args):
         return None
     from infer.planner.precision import plan_precision
     from infer.planner.stats import format_precision, plot_frontier
     from infer.planner.utils import parse_bytes
-    from infer.quant.measured_error import format_errors, measure_errors, rows_from_weights, synthetic_normal_rows
+    from infer.quant.measured_error import format_errors, measure_errors, rows_from_source, synthetic_normal_rows
 
     if args.dtype or args.table_dtype or getattr(args, "plan", None):
         raise ConfigError("--memory-budget/--error-budget choose every table's data type: drop --dtype, --table-dtype "
                           "and --plan (floors go in --constraints as min_data_type)")  # fmt: skip
-    if weights is None:
+    measure = args.error_measure or ("logloss" if args.eval else "pooled")
+    if (measure == "pooled") == bool(args.eval):
+        fix = "measures pooled outputs: drop --eval, or choose output, logloss or auc" if args.eval else (
+            "needs an evaluation sample: give --eval FILE")  # fmt: skip
+        raise ConfigError(f"--error-measure {measure} {fix}")
+    if args.eval and tables is None:
+        raise ConfigError("--eval measures the model on its own tables: give --weights")
+    if tables is None:
         print("measuring error on synthetic N(0,1) rows (no --weights given)")
-    source = rows_from_weights(weights) if weights is not None else synthetic_normal_rows()
-    measured = measure_errors(spec, source, sample)
+    # only the sampled rows are read from the tables' source: a table larger than RAM is never loaded whole
+    source = rows_from_source(tables) if tables is not None else synthetic_normal_rows()
+    if args.eval:
+        from infer.quant.eval_error import load_eval_sample, measure_eval_errors
+
+        model_spec = _with_dense_part(spec, getattr(args, "dense_arch", None))
+        measured = measure_eval_errors(model_spec, source, load_eval_sample(args.eval, model_spec), measure)
+    else:
+        measured = measure_errors(spec, source, sample)
+    print(f"error measure: {measure}" + (" (each table alone quantized, on the eval sample)" if args.eval else ""))
     print(format_errors(measured))
     budget = parse_bytes(args.memory_budget) if args.memory_budget is not None else None
-    precision = plan_precision(spec, measured, budget, args.error_budget, constraints, sample, topology.row_alignment)
+    topology = planner.topology
+    joint = topology.world_size > 1 and not topology.pages_weights
+    device_budgets = planner.device_budgets(spec, constraints) if joint else None
+    precision = plan_precision(spec, measured, budget, args.error_budget, constraints, sample, topology.row_alignment,
+                               device_budgets=device_budgets,
+                               eval_measure=measure if args.eval else None)  # fmt: skip
     print()
     print(format_precision(precision.to_dict(), frontier=True))
     if args.frontier:
@@ -307,9 +320,7 @@ def _precision_plan(
     return precision
 
 
-def _export_plan(
-    args: argparse.Namespace, spec: ModelSpec, weights: Mapping[str, torch.Tensor] | None = None
-) -> ShardingPlan | None:
+def _export_plan(args: argparse.Namespace, spec: ModelSpec, tables: TableSource | None = None) -> ShardingPlan | None:
     """The plan to shard with: read from --plan, made for --world-size, or none (unsharded); with a
     --memory-budget or --error-budget always a plan (one device unless told), which records the choice."""
     from infer.planner.access import load_sample_ids
@@ -344,8 +355,9 @@ def _export_plan(
     require_devices_here(topology, f"--device {args.device}")
     constraints = load_constraints(args.constraints, spec) if args.constraints else {}
     sample = load_sample_ids(args.sample_ids, spec) if args.sample_ids else None
-    precision = _precision_plan(args, spec, weights, constraints, sample, topology)
-    return EmbeddingPlanner(topology).plan(spec, constraints, sample, precision)
+    planner = EmbeddingPlanner(topology)
+    precision = _precision_plan(args, spec, tables, constraints, sample, planner)
+    return planner.plan(spec, constraints, sample, precision)
 
 
 def _mapped_capacity(flag: str | None, folder: Path) -> tuple[int | None, str]:
@@ -480,7 +492,7 @@ def cmd_plan(args: argparse.Namespace) -> int:
     from infer.planner.stats import format_stats, plot_plan
     from infer.planner.types import Topology, load_constraints
     from infer.planner.utils import parse_bytes
-    from infer.weights import load_checkpoint
+    from infer.storage.sources import open_source
 
     spec = demo_spec() if args.spec == "demo" else ModelSpec.load(args.spec)
     spec = spec.with_data_types(args.dtype, _parse_table_dtypes(args.table_dtype))
@@ -494,9 +506,10 @@ def cmd_plan(args: argparse.Namespace) -> int:
     )
     constraints = load_constraints(args.constraints, spec) if args.constraints else {}
     sample = load_sample_ids(args.sample_ids, spec) if args.sample_ids else None
-    weights = load_checkpoint(args.weights, spec) if args.weights else None
-    precision = _precision_plan(args, spec, weights, constraints, sample, topology)
-    plan = EmbeddingPlanner(topology, args.batch_size).plan(spec, constraints, sample, precision)
+    tables = open_source(args.weights, spec) if args.weights else None
+    planner = EmbeddingPlanner(topology, args.batch_size)
+    precision = _precision_plan(args, spec, tables, constraints, sample, planner)
+    plan = planner.plan(spec, constraints, sample, precision)
     print(format_stats(plan))
     out = Path(args.out)
     out.parent.mkdir(parents=True, exist_ok=True)
@@ -534,6 +547,20 @@ def _add_planning_data_flags(parser: argparse.ArgumentParser) -> None:
         "(e.g. 0.01 for 1%%)",
     )
     parser.add_argument("--frontier", default=None, metavar="PNG", help="plot the error-vs-bytes frontier here")
+    parser.add_argument(
+        "--eval",
+        default=None,
+        metavar="FILE",
+        help="evaluation sample with labels (torch.save dict: features {name: {ids, lengths}}, dense, labels): "
+        "measure each table's error as the model's loss with it alone quantized (needs --weights and a dense part)",
+    )
+    parser.add_argument(
+        "--error-measure",
+        choices=["pooled", "output", "logloss", "auc"],
+        default=None,
+        help="what the budgets count: pooled (relative error of pooled outputs, read-weighted; the default without "
+        "--eval), or with --eval the change in output, the rise in log loss (default) or the fall in AUC",
+    )
     parser.add_argument(
         "--sample-ids",
         default=None,
@@ -642,6 +669,9 @@ def build_parser() -> argparse.ArgumentParser:
     plan.add_argument("--table-dtype", action="append", default=[], metavar="NAME=DTYPE")
     plan.add_argument(
         "--weights", default=None, help="checkpoint {table: fp32 tensor} to measure error on (default: N(0,1) rows)"
+    )
+    plan.add_argument(
+        "--dense-arch", default=None, metavar="FILE", help="with --eval: the dense part (TorchScript or torch.export)"
     )
     plan.add_argument("--out", required=True, help="plan JSON to write")
     plan.add_argument("--plot", default=None, help="PNG with per-device memory and cost bars")

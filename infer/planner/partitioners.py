@@ -291,6 +291,36 @@ class _Placement:
         )
 
 
+# ---------------------------------------------------------------------------- fixed
+class FixedPartitioner:
+    """Every table-wise option onto the device given for its table (the precision planner's joint choice of
+    type and device); a device without room is ``PlanError(INSUFFICIENT_MEMORY)`` naming it and the table."""
+
+    def __init__(self, devices: Mapping[str, int]) -> None:
+        self.devices = dict(devices)
+
+    def partition(self, proposal: Proposal, topology: Topology) -> PartitionResult:
+        layouts = [_layout(option) for option in proposal]
+        state = _Placement(proposal, layouts, topology)
+        for option_index, (option, layout) in enumerate(zip(proposal, layouts)):
+            device = self.devices.get(option.table)
+            if device is None or layout.num_shards != 1 or not 0 <= device < topology.world_size:
+                raise PlanError(
+                    f"table {option.table!r}: no device in the fixed placement for its {option.sharding_type.value} "
+                    f"option (device {device}, {layout.num_shards} shards, {topology.world_size} devices)",
+                    PlanErrorKind.INVALID_PLAN,
+                )
+            if not state.fits(device, layout.device_bytes[0], layout.host_bytes[0]):
+                raise PlanError(
+                    f"table {option.table!r} ({format_bytes(layout.device_bytes[0])}) does not fit device {device}: "
+                    f"{format_bytes(state.used[device])} of {format_bytes(state.caps[device])} used. Plan the data "
+                    "types with this topology's device budgets (EmbeddingPlanner.device_budgets)",
+                    PlanErrorKind.INSUFFICIENT_MEMORY,
+                )
+            state.put(option_index, 0, device)
+        return state.result()
+
+
 # ---------------------------------------------------------------------------- greedy
 class GreedyPartitioner:
     """Longest processing time first: the costliest shard onto the least-loaded device with room.

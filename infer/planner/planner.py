@@ -15,12 +15,13 @@ from infer.planner.enumerators import EmbeddingEnumerator
 from infer.planner.memory_tiers import assign_tiers
 from infer.planner.partitioners import (
     ExactPartitioner,
+    FixedPartitioner,
     GreedyPartitioner,
     global_lower_bound,
     keep_features_together,
     partition_lower_bound,
 )
-from infer.planner.precision import PrecisionPlan, apply_precision
+from infer.planner.precision import DeviceBudgets, PrecisionPlan, apply_precision
 from infer.planner.proposers import DynamicProgrammingProposer, GreedyProposer, UniformProposer
 from infer.planner.shard_estimators import InferencePerfEstimator, InferenceStorageEstimator
 from infer.planner.storage_reservations import HeuristicalStorageReservation
@@ -29,16 +30,19 @@ from infer.planner.types import (
     ParameterConstraints,
     Partitioner,
     PartitionResult,
+    Placement,
     Proposal,
     Proposer,
     Shard,
     ShardingOption,
     ShardingPlan,
+    ShardingType,
     StorageReservation,
     TablePlan,
     Topology,
 )
 from infer.planner.utils import format_gb
+from infer.quant.rowwise import table_bytes
 
 logger = logging.getLogger(__name__)
 
@@ -100,10 +104,17 @@ class EmbeddingPlanner:
         options = self.enumerator.enumerate(spec, topology, constraints)
         names = [t.name for t in spec.tables]
         ordered = {name: options[name] for name in names}
+        placed = precision.devices() if precision is not None else None
         try:
-            best, best_source, evaluated = self._search(ordered, topology)
+            if placed is not None:  # the precision planner chose each table's device with its type
+                proposal = tuple(self._table_wise(name, ordered[name]) for name in names)
+                best = FixedPartitioner(placed).partition(proposal, topology)
+                best_source, evaluated = "precision (types and devices jointly)", 1
+            else:
+                best, best_source, evaluated = self._search(ordered, topology)
         except PlanError as err:
-            if err.kind != PlanErrorKind.INSUFFICIENT_MEMORY or not (self.is_inference and topology.pages_weights):
+            paging = self.is_inference and topology.pages_weights and placed is None
+            if err.kind != PlanErrorKind.INSUFFICIENT_MEMORY or not paging:
                 raise
             # the tables exceed RAM: place them within RAM plus mapped capacity; tiers say what is paged
             best, best_source, evaluated = self._search_paged(ordered, topology)
@@ -123,6 +134,31 @@ class EmbeddingPlanner:
             plan.tables, spec, constraints, sum(topology.device_memory), topology.mapped_capacity, sample
         )
         return replace(plan, tables=tables, planner={**plan.planner, "memory_tiers": tier_stats})
+
+    def device_budgets(
+        self, spec: ModelSpec, constraints: Mapping[str, ParameterConstraints] | None = None
+    ) -> DeviceBudgets:
+        """What each device may hold for the precision planner's joint choice of type and device: its memory after
+        the reservation (on CPU its resident share of RAM), and per table its batch buffers there (table-wise)."""
+        topology = self.storage_reservation.reserve(self.topology, spec)
+        options = self.enumerator.enumerate(spec, topology, constraints or {})
+        overheads = []
+        for table in spec.tables:
+            option = self._table_wise(table.name, options[table.name])
+            weights = table_bytes(table.num_embeddings, table.embedding_dim, option.data_type, topology.row_alignment)
+            overheads.append((table.name, option.shards[0].storage.device - weights))
+        return DeviceBudgets(tuple(topology.device_memory), tuple(overheads))
+
+    @staticmethod
+    def _table_wise(table: str, options: Sequence[ShardingOption]) -> ShardingOption:
+        for option in options:
+            if option.sharding_type == ShardingType.TABLE_WISE and option.placement == Placement.DEVICE:
+                return option
+        raise PlanError(
+            f"table {table!r}: choosing data types with devices needs a table-wise option in device memory; allow "
+            "table_wise and device in its constraints, or plan the types without device budgets",
+            PlanErrorKind.INVALID_CONSTRAINT,
+        )
 
     def _search(
         self, ordered: Mapping[str, Sequence[ShardingOption]], topology: Topology

@@ -123,6 +123,9 @@ def format_precision(precision: Mapping[str, Any], frontier: bool = False) -> st
         f"  {'chosen (exact MILP)':<22} {100 * chosen['error']:>8.3f}% {format_bytes(chosen['total_bytes']):>10}"
         f"  gap {gap if gap is not None else '?'}, {chosen['seconds']:.3f} s",
     ]
+    if chosen.get("device_bytes") is not None:
+        per_device = ", ".join(f"{d}: {format_bytes(b)}" for d, b in enumerate(chosen["device_bytes"]))
+        lines.append(f"  devices chosen with the types (weights + batch buffers): {per_device}")
     for other in [precision["greedy"], *precision.get("uniform", [])]:
         lines.append(f"  {other['method']:<22} {100 * other['error']:>8.3f}% {format_bytes(other['total_bytes']):>10}")
     lines.append(

@@ -24,6 +24,7 @@ from infer.quant.rowwise import dequantize_rows, quantize_rows
 
 if TYPE_CHECKING:  # the planner's access sample; infer.quant does not import the planner at runtime
     from infer.planner.access import AccessSample
+    from infer.storage.sources import TableSource
 
 logger = logging.getLogger(__name__)
 
@@ -31,6 +32,8 @@ logger = logging.getLogger(__name__)
 MEASURED_DATA_TYPES = (DataType.FP32, DataType.FP16, DataType.INT8, DataType.INT4, DataType.INT2)
 DEFAULT_BAGS = 256
 DEFAULT_IDS_PER_BAG = 20
+# sampled ids this close together are read as one row range from a streaming source
+COALESCE_ROWS = 8
 
 # rows(table, ids) -> float rows [len(ids), dim]; ids int64, sorted and unique
 RowSource = Callable[[TableConfig, torch.Tensor], torch.Tensor]
@@ -44,6 +47,27 @@ def rows_from_weights(weights: Mapping[str, torch.Tensor]) -> RowSource:
         if table.name not in weights:
             raise WeightsError(f"table {table.name!r}: no weights given to measure its error; pass its tensor")
         return weights[table.name].index_select(0, ids)
+
+    return rows
+
+
+def rows_from_source(source: TableSource, coalesce: int = COALESCE_ROWS) -> RowSource:
+    """A row source over a streaming ``TableSource`` (safetensors, DCP, a callable): only the sampled rows are
+    read, as ranges of ids at most ``coalesce`` rows apart, so a table larger than RAM is never loaded whole."""
+
+    def rows(table: TableConfig, ids: torch.Tensor) -> torch.Tensor:
+        if table.name not in source.names():
+            raise WeightsError(f"table {table.name!r}: {source.origin} does not hold it; add its rows to the source")
+        sorted_ids = ids.numpy()
+        if sorted_ids.size == 0:
+            return torch.empty(0, table.embedding_dim)
+        breaks = np.flatnonzero(np.diff(sorted_ids) > coalesce) + 1
+        parts = []
+        for run in np.split(sorted_ids, breaks):
+            start, end = int(run[0]), int(run[-1]) + 1
+            block = source.read_rows(table.name, start, end)
+            parts.append(block.to(torch.float32).index_select(0, torch.from_numpy(run - start)))
+        return torch.cat(parts)
 
     return rows
 

@@ -232,3 +232,230 @@ def infer_load_tables(folder):
     from infer.artifact.manifest import Manifest
 
     return Manifest.read(folder).spec.tables
+
+
+# ---------------------------------------------------------------------------- exhaustive check to 8 tables
+def mixed_radix_digits(sizes: list[int], start: int, stop: int) -> np.ndarray:
+    """Combinations ``start .. stop`` of one option per table, as a [combos, tables] array of option indices."""
+    combos = np.arange(start, stop, dtype=np.int64)
+    digits = np.empty((combos.size, len(sizes)), dtype=np.int64)
+    for column, size in enumerate(sizes):
+        digits[:, column] = combos % size
+        combos //= size
+    return digits
+
+
+def brute_force_vectorized(byte_table, error_table, budget, error_budget=None, chunk=1 << 20):
+    """Every combination of one option per table, in numpy: least error with total bytes <= ``budget``, or with
+    ``error_budget`` the fewest bytes with error within it. ``byte_table[t]`` / ``error_table[t]``: table t's
+    options' bytes and weighted errors."""
+    sizes = [len(b) for b in byte_table]
+    total = int(np.prod(sizes))
+    best_key, best_digits = None, None
+    for start in range(0, total, chunk):
+        digits = mixed_radix_digits(sizes, start, min(total, start + chunk))
+        nbytes = np.zeros(digits.shape[0], dtype=np.int64)
+        error = np.zeros(digits.shape[0], dtype=np.float64)
+        for column in range(len(sizes)):
+            nbytes += np.asarray(byte_table[column], dtype=np.int64)[digits[:, column]]
+            error += np.asarray(error_table[column], dtype=np.float64)[digits[:, column]]
+        feasible = np.ones(digits.shape[0], dtype=bool) if budget is None else nbytes <= budget
+        if error_budget is not None:
+            feasible &= error <= error_budget
+        if not feasible.any():
+            continue
+        index = np.flatnonzero(feasible)
+        primary, secondary = (nbytes, error) if error_budget is not None else (error, nbytes)
+        pick = index[np.lexsort((secondary[index], primary[index]))[0]]
+        key = (primary[pick], secondary[pick])
+        if best_key is None or key < best_key:
+            best_key, best_digits = key, digits[pick]
+    return best_key, best_digits
+
+
+@pytest.mark.parametrize("seed", range(10))
+def test_exact_choice_equals_exhaustive_search_up_to_eight_tables(seed):
+    """Random instances of 6 to 8 tables x 5 types (5^8 = 390,625 combinations searched in numpy), random
+    floors, pooling weights and budgets: the MILP's error equals the exhaustive optimum, in hand-computed bytes."""
+    rng = np.random.default_rng(100 + seed)
+    num_tables = 6 + seed % 3
+    spec, measured = random_instance(rng, num_tables)
+    pooling = rng.integers(1, 60, num_tables).astype(float)
+    floors = {f"t{i}": DataType(str(rng.choice(["fp16", "int8", "int4"]))) for i in rng.choice(num_tables, seed % 3)}
+    constraints = {
+        t.name: ParameterConstraints(pooling_factors=(p,), min_data_type=floors.get(t.name))
+        for t, p in zip(spec.tables, pooling)
+    }
+    weights = pooling / pooling.sum()
+    errors = {m.table: dict(m.errors) for m in measured}
+    allowed = [[d for d in TYPES if t.name not in floors or d.bits >= floors[t.name].bits] for t in spec.tables]
+    byte_table = [[hand_bytes(t.num_embeddings, t.embedding_dim, d) for d in a] for t, a in zip(spec.tables, allowed)]
+    error_table = [[w * errors[t.name][d] for d in a] for t, w, a in zip(spec.tables, weights, allowed)]
+    low, high = sum(min(b) for b in byte_table), sum(max(b) for b in byte_table)
+    problem = precision_problem(spec, measured, constraints)
+    for budget in (low, int(rng.uniform(low, high)), int(rng.uniform(low, (low + high) / 4))):
+        (best_error, _), digits = brute_force_vectorized(byte_table, error_table, budget)
+        exact = choose_exact(problem, budget)
+        assert exact.error == pytest.approx(best_error, rel=1e-9, abs=1e-12), (budget, digits)
+        assert exact.total_bytes == sum(
+            hand_bytes(t.num_embeddings, t.embedding_dim, d) for t, d in zip(spec.tables, exact.data_types)
+        ) <= budget  # fmt: skip
+        assert all(d in a for d, a in zip(exact.data_types, allowed))
+        assert choose_greedy(problem, budget).error >= exact.error - 1e-12
+    target = float(rng.uniform(best_error, 2 * best_error + 1e-3))
+    (fewest, _), _ = brute_force_vectorized(byte_table, error_table, None, error_budget=target)
+    assert choose_exact(problem, None, target).total_bytes == fewest
+
+
+@pytest.mark.parametrize("seed", range(8))
+def test_types_and_devices_chosen_jointly_equal_exhaustive_search(seed):
+    """5-6 tables x 5 types x 2-3 devices (up to 15^5 = 759,375 combinations): each device's bytes (weights + the
+    table's buffers) within its budget, the total within the memory budget; the MILP's error equals the optimum
+    (within its reported gap) and its budgets hold in hand-computed bytes."""
+    from infer.planner.precision import DeviceBudgets
+
+    rng = np.random.default_rng(500 + seed)
+    num_tables, num_devices = (6, 2) if seed % 2 else (5, 3)
+    spec, measured = random_instance(rng, num_tables)
+    pooling = rng.integers(1, 60, num_tables).astype(float)
+    constraints = {t.name: ParameterConstraints(pooling_factors=(p,)) for t, p in zip(spec.tables, pooling)}
+    weights = pooling / pooling.sum()
+    errors = {m.table: dict(m.errors) for m in measured}
+    overheads = {t.name: int(rng.integers(0, 5000)) for t in spec.tables}
+    fp32 = [hand_bytes(t.num_embeddings, t.embedding_dim, DataType.FP32) for t in spec.tables]
+    int2 = [hand_bytes(t.num_embeddings, t.embedding_dim, DataType.INT2) for t in spec.tables]
+    # devices of uneven sizes, between what the smallest choice needs spread evenly and a third of fp32
+    budgets = [int(rng.uniform(max(int2) + 5000, max(max(int2) + 5000, sum(fp32) / 3))) for _ in range(num_devices)]
+    total = int(rng.uniform(sum(int2), sum(fp32) / 2)) if seed % 4 < 2 else None
+    byte_table, error_table = [], []
+    for t, w in zip(spec.tables, weights):
+        byte_table.append([hand_bytes(t.num_embeddings, t.embedding_dim, d) for d in TYPES for _ in budgets])
+        error_table.append([w * errors[t.name][d] for d in TYPES for _ in budgets])
+    # per device the overhead counts too: fold it into the bytes checked per device, not into the total
+    with_overhead = [[b + overheads[t.name] for b in row] for t, row in zip(spec.tables, byte_table)]
+    best = brute_force_placed(with_overhead, byte_table, error_table, budgets, total)
+    problem = precision_problem(spec, measured, constraints)
+    limits = DeviceBudgets(tuple(budgets), tuple(overheads.items()))
+    if best is None:
+        with pytest.raises(PlanError) as info:
+            choose_exact(problem, total, device_budgets=limits)
+        assert info.value.kind == PlanErrorKind.INSUFFICIENT_MEMORY
+        return
+    exact = choose_exact(problem, total, device_budgets=limits)
+    assert exact.gap is not None and exact.gap <= 1e-3
+    assert best - 1e-12 <= exact.error <= best + exact.gap * exact.error + 1e-12
+    used = [0] * num_devices
+    for t, d, k in zip(spec.tables, exact.data_types, exact.devices):
+        used[k] += hand_bytes(t.num_embeddings, t.embedding_dim, d) + overheads[t.name]
+    assert list(exact.device_bytes) == used and all(u <= b for u, b in zip(used, budgets))
+    assert total is None or exact.total_bytes <= total
+    # with an error budget: the fewest bytes within it that the devices hold
+    target = exact.error * 1.5 + 1e-4
+    fewest = brute_force_placed(with_overhead, byte_table, error_table, budgets, total, error_budget=target)
+    by_error = choose_exact(problem, total, target, device_budgets=limits)
+    assert by_error.error <= target + 1e-9 and by_error.gap is not None
+    assert fewest <= by_error.total_bytes <= fewest + by_error.gap * by_error.total_bytes
+
+
+def brute_force_placed(device_bytes, total_bytes, error_table, device_budgets, total_budget, error_budget=None):
+    """The least error over every (type, device) per table, each device's bytes and the total within budget (with
+    ``error_budget``: the fewest total bytes with error within it)."""
+    sizes = [len(b) for b in device_bytes]
+    devices = len(device_budgets)
+    combos = int(np.prod(sizes))
+    best = None
+    for start in range(0, combos, 1 << 18):
+        digits = mixed_radix_digits(sizes, start, min(combos, start + (1 << 18)))
+        per_device = np.zeros((digits.shape[0], devices), dtype=np.int64)
+        nbytes = np.zeros(digits.shape[0], dtype=np.int64)
+        error = np.zeros(digits.shape[0])
+        rows = np.arange(digits.shape[0])
+        for column in range(len(sizes)):
+            pick = digits[:, column]
+            np.add.at(per_device, (rows, pick % devices), np.asarray(device_bytes[column], dtype=np.int64)[pick])
+            nbytes += np.asarray(total_bytes[column], dtype=np.int64)[pick]
+            error += np.asarray(error_table[column])[pick]
+        feasible = (per_device <= np.asarray(device_budgets)).all(axis=1)
+        if total_budget is not None:
+            feasible &= nbytes <= total_budget
+        if error_budget is not None:
+            feasible &= error <= error_budget
+        if feasible.any():
+            value = float(error[feasible].min()) if error_budget is None else int(nbytes[feasible].min())
+            best = value if best is None else min(best, value)
+    return best
+
+
+def test_per_device_budgets_hold_exactly_in_the_tbes_built_per_device():
+    """A 3-device CPU topology: the types and devices chosen jointly land in the plan; the sharded model's TBE on
+    each device allocates exactly the bytes the choice counted there (less the batch buffers), within the budget;
+    and its lookups equal fp32 embedding_bag on each table's dequantized rows."""
+    from infer import quantize, shard_model
+    from infer.quant.rowwise import dequantize_rows, quantize_rows
+    from infer.shard.builder import device_layouts
+
+    shapes = [(3000, 64), (800, 32), (5000, 16), (1200, 64), (400, 128), (2500, 32)]
+    spec = ModelSpec(tuple(TableConfig(f"t{i}", rows, dim, (f"f{i}",)) for i, (rows, dim) in enumerate(shapes)))
+    weights = make_weights(spec, seed=4)
+    constraints = {t.name: ParameterConstraints(pooling_factors=(float(5 + 7 * i),)) for i, t in enumerate(spec.tables)}
+    planner = EmbeddingPlanner(Topology(3, ComputeDevice.CPU, (400_000,), mapped_capacity=0), batch_size=64)
+    limits = planner.device_budgets(spec, constraints)
+    assert limits.budgets == (340_000,) * 3  # 15 % reserved, no dense part
+    measured = measure_errors(spec, rows_from_weights(weights), bags=32)
+    precision = plan_precision(spec, measured, None, constraints=constraints, device_budgets=limits, frontier_points=0)
+    chosen, devices = precision.data_types(), precision.devices()
+    assert devices is not None and precision.chosen.device_bytes is not None
+    assert len(set(devices.values())) == 3 and len(set(chosen.values())) >= 2  # the budgets bind
+    plan = planner.plan(spec, constraints, precision=precision)
+    assert {t.table: (t.data_type, t.shards[0].device) for t in plan.tables} == {
+        n: (chosen[n], devices[n]) for n in chosen
+    }
+    model = quantize(spec.with_data_types(overrides=chosen), weights)
+    sharded = shard_model(model, plan)
+    overheads = dict(limits.overheads)
+    for layout, shard in zip(device_layouts(model.spec, plan), sharded.embeddings.shards):
+        here = [t for t in spec.tables if devices[t.name] == layout.rank]
+        weights_bytes = sum(hand_bytes(t.num_embeddings, t.embedding_dim, chosen[t.name]) for t in here)
+        assert shard.tbe.weights_host.numel() == weights_bytes
+        counted = precision.chosen.device_bytes[layout.rank]
+        assert counted == weights_bytes + sum(overheads[t.name] for t in here) <= limits.budgets[layout.rank]
+    generator = torch.Generator().manual_seed(1)
+    lengths = {t.feature_names[0]: torch.randint(0, 6, (9,), generator=generator) for t in spec.tables}
+    values = {f: torch.randint(0, t.num_embeddings, (int(lengths[f].sum()),), generator=generator)
+              for t in spec.tables for f in t.feature_names}  # fmt: skip
+    order = [t.feature_names[0] for t in spec.tables]
+    with torch.no_grad():
+        got = sharded(torch.cat([values[f] for f in order]), torch.cat([lengths[f] for f in order]))
+    expected = []
+    for t in spec.tables:
+        data, scale_bias = quantize_rows(weights[t.name], chosen[t.name])
+        table = dequantize_rows(data, scale_bias, chosen[t.name], t.embedding_dim)
+        f = t.feature_names[0]
+        offsets = torch.cat([torch.zeros(1, dtype=torch.long), lengths[f].cumsum(0)])
+        expected.append(torch.nn.functional.embedding_bag(values[f], table, offsets[:-1], mode="sum"))
+    torch.testing.assert_close(got, torch.cat(expected, 1), rtol=1e-5, atol=1e-4)
+
+
+def test_cli_plan_on_several_devices_chooses_types_and_devices_within_each_device(tmp_path, capsys):
+    from infer.cli import main
+
+    shapes = [(3000, 64), (800, 32), (5000, 16), (1200, 64), (400, 128), (2500, 32)]
+    spec = ModelSpec(tuple(TableConfig(f"t{i}", rows, dim, (f"f{i}",)) for i, (rows, dim) in enumerate(shapes)))
+    (tmp_path / "spec.json").write_text(spec.to_json())
+    out = tmp_path / "plan.json"
+    code = main(["plan", "--spec", str(tmp_path / "spec.json"), "--world-size", "3", "--compute-device", "cpu",
+                 "--device-memory", "400000", "--mapped-capacity", "0", "--batch-size", "64",
+                 "--memory-budget", "1GB", "--out", str(out)])  # fmt: skip
+    assert code == 0, capsys.readouterr().err
+    plan = ShardingPlan.from_json(out.read_text())
+    chosen = plan.planner["precision"]["chosen"]
+    placed = {t.table: t.shards[0].device for t in plan.tables}
+    assert [placed[t.name] for t in spec.tables] == chosen["devices"]
+    per_device = [0] * 3
+    for table in spec.tables:
+        data_type = next(t.data_type for t in plan.tables if t.table == table.name)
+        per_device[placed[table.name]] += hand_bytes(table.num_embeddings, table.embedding_dim, data_type)
+    budget = int(400_000 * 0.85)
+    assert all(b <= budget for b in per_device) and max(per_device) > budget // 2
+    assert all(u <= budget for u in chosen["device_bytes"])
+    assert "devices chosen with the types" in capsys.readouterr().out

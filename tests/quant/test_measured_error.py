@@ -76,3 +76,69 @@ def test_sample_ids_weigh_the_rows_that_are_read():
     hot = measure_table_error(table, source, sample_ids=np.arange(10))
     assert hot.rows_sampled == 10
     assert hot.error(DataType.INT4) < 1e-6 and uniform.error(DataType.INT4) > 0.05
+
+
+def test_a_streaming_source_is_sampled_never_read_whole():
+    """Tables larger than RAM: a 50M-row table (12.8 GB as fp32) behind a ``CallableSource`` whose rows are made
+    on demand. Measuring reads only ranges around the sampled ids (counted), never the table; the errors equal
+    those of the same rows read from memory, and on a small table the source's and the in-memory path agree."""
+    from infer.quant.measured_error import COALESCE_ROWS, rows_from_source
+    from infer.storage.sources import CallableSource, TensorsSource
+
+    huge = TableConfig("huge", 50_000_000, 64, ("f",))
+    small = TableConfig("small", 5_000, 32, ("g",))
+    spec = ModelSpec((huge, small))
+    small_weight = torch.randn(5_000, 32, generator=torch.Generator().manual_seed(3))
+    normal = synthetic_normal_rows(7)
+    reads: list[tuple[str, int, int]] = []
+
+    def made(table):
+        def rows(start, end):
+            reads.append((table.name, start, end))
+            assert end - start <= 4096, "a read beyond the sampled rows"
+            if table is small:
+                return small_weight[start:end]
+            return normal(table, torch.arange(start, end))
+
+        return rows
+
+    source = CallableSource(spec, {t.name: made(t) for t in spec.tables})
+    measured = measure_errors(spec, rows_from_source(source), bags=64)
+    huge_reads = [(s, e) for name, s, e in reads if name == "huge"]
+    rows_read = sum(e - s for s, e in huge_reads)
+    sampled = measured[0].rows_sampled
+    assert sampled <= 64 * 20 and rows_read <= sampled * (COALESCE_ROWS + 1)
+    assert rows_read < huge.num_embeddings / 10_000
+    # the same rows from memory: the in-memory path reads the synthetic rows directly
+    direct = measure_table_error(huge, normal, bags=64)
+    assert measured[0].errors == direct.errors
+    in_memory = measure_table_error(small, rows_from_weights({"small": small_weight}), bags=64)
+    assert measured[1].errors == in_memory.errors
+    from_tensors = measure_table_error(small, rows_from_source(TensorsSource({"small": small_weight})), bags=64)
+    assert from_tensors.errors == in_memory.errors
+
+
+def test_export_with_a_memory_budget_measures_from_the_file_by_sampled_rows(tmp_path, capsys):
+    """``export --memory-budget`` from a safetensors file: the plan's choice is measured from sampled rows and the
+    export streams (each table's data type printed); the artifact's tables are the chosen types."""
+    from safetensors.torch import save_file
+
+    from infer.artifact.manifest import Manifest
+    from infer.cli import main
+
+    spec = ModelSpec((TableConfig("hot", 3_000, 64, ("fh",)), TableConfig("cold", 60_000, 64, ("fc",))))
+    (tmp_path / "spec.json").write_text(spec.to_json())
+    generator = torch.Generator().manual_seed(0)
+    save_file({t.name: torch.randn(t.num_embeddings, 64, generator=generator) for t in spec.tables},
+              str(tmp_path / "w.safetensors"))  # fmt: skip
+    args = ["export", "--spec", str(tmp_path / "spec.json"), "--weights", str(tmp_path / "w.safetensors"),
+            "--out", str(tmp_path / "art"), "--memory-budget", "3MB"]  # fmt: skip
+    assert main(args) == 0, capsys.readouterr().err
+    printed = capsys.readouterr().out
+    assert "synthetic" not in printed and "rows sampled" in printed
+    tables = {t.name: t for t in Manifest.read(tmp_path / "art").spec.tables}
+    total = sum(
+        -(-t.num_embeddings * (64 * t.data_type.bits // 8 + (4 if t.data_type.bits <= 8 else 0)) // 128) * 128
+        for t in tables.values()
+    )
+    assert total <= 3 * 1000**2 and tables["cold"].data_type.bits <= tables["hot"].data_type.bits
