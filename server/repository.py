@@ -2,10 +2,11 @@
 
 A new version is loaded (checksums verified by ``load``), put behind batchers of its own and warmed up
 off the serving path; only then is it swapped in, in one step of the event loop. Calls already holding
-the old version (a lease, or a request in its batchers) finish on it; then its batchers stop and its
-memory goes. A version that fails to load or warm up is logged, counted in the metrics, reported in
-the model's metadata, and never replaces a good one. Before loading, the free memory must hold the
-new version beside the ones already loaded.
+the old version (a lease, or a request in its batchers) finish on it; then its batchers stop, and when the
+last call holding it returns its runtime is freed by reference count, which unmaps its weight files. A
+version that fails to load or warm up is logged with its error's type, counted in the metrics, reported in
+the model's metadata and the repository index, and never replaces a good one. Before loading, the free
+memory must hold the new version beside the ones already loaded.
 """
 
 from __future__ import annotations
@@ -13,7 +14,6 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import copy
-import gc
 import logging
 import os
 import threading
@@ -28,7 +28,7 @@ import torch
 
 from infer.artifact.load import load
 from infer.artifact.manifest import MANIFEST_FILE, Manifest
-from infer.errors import ConfigError, EmbserveError
+from infer.errors import ArtifactError, ConfigError, EmbserveError
 from infer.features import SparseFeatures
 from server import codec
 from server.batcher import MAX_MERGE_EXAMPLES, DynamicBatcher
@@ -117,6 +117,16 @@ def artifact_bytes(folder: Path) -> int:
     return sum(
         p.stat().st_size for p in folder.rglob("*") if p.is_file() and p.relative_to(folder).as_posix() not in mapped
     )
+
+
+def describe_failure(err: BaseException) -> str:
+    """Why a version failed to load, typed: the message, then the error's class (and kind, for an artifact
+    error), as the log, the model's metadata and the repository index report it."""
+    if isinstance(err, ArtifactError):
+        return f"{err} [ArtifactError(kind={err.kind.value})]"
+    if isinstance(err, EmbserveError):
+        return f"{err} [{type(err).__name__}]"
+    return f"{type(err).__name__}: {err}"
 
 
 def _signature(folder: Path) -> tuple[int, int]:
@@ -375,7 +385,7 @@ class Repository:
             try:
                 entry = await self._load_version(name, version)
             except Exception as err:  # noqa: BLE001 - any failure of a new version leaves the good ones serving
-                message = str(err) if isinstance(err, EmbserveError) else f"{type(err).__name__}: {err}"
+                message = describe_failure(err)
                 self._failed[(name, version)] = (signature, message)
                 self.metrics.requests.labels("model load", "FAILED").inc()
                 logger.error("model %s version %s failed to load; the loaded versions keep serving: %s",
@@ -397,7 +407,10 @@ class Repository:
                 try:
                     entry = await self._load_version(name, str(older))
                 except Exception as err:  # noqa: BLE001 - as above: reported, and the next older one is tried
-                    self._failed[(name, str(older))] = (_signature(self.root / name / str(older)), str(err))
+                    self._failed[(name, str(older))] = (
+                        _signature(self.root / name / str(older)),
+                        describe_failure(err),
+                    )
                     continue
                 self._models[name] = {str(older): entry}
                 self._point_v1(name)
@@ -478,8 +491,10 @@ class Repository:
                 await b.close()
             entry.batchers.clear()
             logger.info("model %s version %s freed", entry.model.name, entry.model.version)
+            # the version's runtime (and with it the mapping of its weight files) goes by reference count when the
+            # last call holding it returns: no collection pass on the loop; run_both is the one cycle to break
+            entry.model.both = None
             del entry.model
-            gc.collect()
 
         task = asyncio.create_task(retire())
         self._retiring.add(task)
