@@ -205,7 +205,7 @@ def load_host_part(
         ) from None
     module.eval()
     expected = [k for k in manifest.kernels if host_of_rank(plan, k.rank) == host]
-    attach_mapped_weights(folder, module, manifest, expected)
+    attach_mapped_weights(folder, module, manifest, expected, manifest.host_parts[host])
     holders = kernel_holders(module)
     if len(holders) != len(expected):
         raise ArtifactError(

@@ -13,7 +13,7 @@ import torch
 from infer.artifact.fbgemm_libs import load_fbgemm
 from infer.artifact.kernels import Kernel, check_kernel, check_routing, expected_kernels, kernel_holders, model_tbes
 from infer.artifact.manifest import MANIFEST_FILE, Manifest
-from infer.artifact.mapped import attach_weights, mark_weights
+from infer.artifact.mapped import attach_weights, check_no_saved_weights, mark_weights
 from infer.artifact.runtime import Runtime
 from infer.artifact.schema import parse_document, schema, validate
 from infer.artifact.verify import FULL, check_verify_mode
@@ -133,10 +133,15 @@ def load(
 
 
 def attach_mapped_weights(
-    folder: Path, module: torch.jit.ScriptModule, manifest: Manifest, kernels: Sequence[Kernel] | None = None
+    folder: Path,
+    module: torch.jit.ScriptModule,
+    manifest: Manifest,
+    kernels: Sequence[Kernel] | None = None,
+    model_file: str | None = None,
 ) -> None:
     """Hand every mapped kernel of a loaded model (of a mapped artifact) its buffer's view of its weight file;
-    ``kernels``: the model's kernels in the manifest (default all; one host's for a host part)."""
+    ``kernels``: the model's kernels in the manifest (default all; one host's for a host part), ``model_file``
+    the file the model came from (default the manifest's)."""
     if not manifest.mapped:
         return
     kernels = manifest.kernels if kernels is None else kernels
@@ -146,6 +151,7 @@ def attach_mapped_weights(
         raise ArtifactError("the model has no embedding kernels where embserve puts them", kind=MODEL) from None
     if len(tbes) != len(kernels):
         raise ArtifactError(f"the model has {len(tbes)} kernels, {MANIFEST_FILE} lists {len(kernels)}", kind=MODEL)
+    check_no_saved_weights(folder / (model_file or manifest.model_file), tbes, kernels)
     attach_weights(folder, tbes, kernels, {e.name: e.bytes for e in manifest.files})
     mark_weights(module, attached=True)
 
