@@ -17,6 +17,7 @@ import copy
 import logging
 import os
 import threading
+import time
 from collections.abc import AsyncIterator, Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
@@ -443,6 +444,7 @@ class Repository:
                 )
         # a thread of its own: its lowered priority must not stay with a pool thread that serves later
         loader = ThreadPoolExecutor(max_workers=1, thread_name_prefix="embserve-load")
+        started = time.perf_counter()
         try:
             runtime = await asyncio.get_running_loop().run_in_executor(
                 loader, _load_in_background, folder, self.settings.verify
@@ -473,12 +475,15 @@ class Repository:
         entry = _Loaded(model, batchers)
         for b in batchers:
             b.start()
+        loaded = time.perf_counter()
         try:
             await _warm_up(model, settings.warmup_batches)
         except BaseException:
             for b in batchers:
                 await b.close()
             raise
+        logger.info("model %s version %s loaded in %.3f s (verify %s) and warmed up in %.3f s",
+                    name, version, loaded - started, settings.verify, time.perf_counter() - loaded)  # fmt: skip
         return entry
 
     def _retire(self, entry: _Loaded) -> None:
