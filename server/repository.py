@@ -29,6 +29,7 @@ import torch
 
 from infer.artifact.load import load
 from infer.artifact.manifest import MANIFEST_FILE, Manifest
+from infer.artifact.structures import StructureCache
 from infer.errors import ArtifactError, ConfigError, EmbserveError
 from infer.features import SparseFeatures
 from server import codec
@@ -233,6 +234,9 @@ class Repository:
         self._retiring: set[asyncio.Task[None]] = set()
         self._v1: InferenceServicer | None = None
         self._v1_model: str | None = None
+        # versions of one layout share their model's structure: a swap copies it instead of compiling it again
+        # while holding the GIL (infer.artifact.structures)
+        self.structures = StructureCache()
 
     # ---------------------------------------------------------------------------------- ModelSet
     def _versions_of(self, name: str) -> dict[str, _Loaded]:
@@ -447,7 +451,7 @@ class Repository:
         started = time.perf_counter()
         try:
             runtime = await asyncio.get_running_loop().run_in_executor(
-                loader, _load_in_background, folder, self.settings.verify
+                loader, _load_in_background, folder, self.settings.verify, self.structures
             )
         finally:
             loader.shutdown(wait=False)
@@ -554,7 +558,7 @@ def _index_entry(name: str, version: str, state: str, reason: str) -> dict[str, 
     return {"name": name, "version": version, "state": state, "reason": reason}
 
 
-def _load_in_background(folder: Path, verify: str = "full") -> Any:
+def _load_in_background(folder: Path, verify: str = "full", structures: StructureCache | None = None) -> Any:
     """``load`` at the lowest CPU priority (this thread only, on Linux): the versions serving meanwhile
     keep the cores they need, and the new version takes longer to arrive instead."""
     try:
@@ -562,7 +566,7 @@ def _load_in_background(folder: Path, verify: str = "full") -> Any:
     except (AttributeError, OSError):  # not Linux, or not allowed: load at normal priority
         pass
     try:
-        return load(folder, verify=verify)
+        return load(folder, verify=verify, structures=structures)
     finally:
         try:
             os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), 0)

@@ -16,6 +16,7 @@ from infer.artifact.manifest import MANIFEST_FILE, Manifest
 from infer.artifact.mapped import attach_weights, check_no_saved_weights, mark_weights
 from infer.artifact.runtime import Runtime
 from infer.artifact.schema import parse_document, schema, validate
+from infer.artifact.structures import StructureCache
 from infer.artifact.verify import FULL, check_verify_mode
 from infer.errors import ArtifactError, ArtifactErrorKind, ConfigError, EmbserveError
 from infer.planner.types import ShardingPlan
@@ -34,6 +35,7 @@ def load(
     threads: int | None = None,
     backend: str = "torchscript",
     verify: str = FULL,
+    structures: StructureCache | None = None,
 ) -> Runtime:
     """Verify and load an artifact; returns a ``Runtime`` with ``lookup`` and ``predict``.
 
@@ -59,6 +61,9 @@ def load(
     verified (by ``embserve inspect --verify``, or an earlier load). A mapped artifact's weight files
     (``export(..., weights="mapped")``) are mapped read-only, never copied: processes loading the same
     artifact share one copy of its weights in the page cache.
+
+    ``structures`` (``infer.artifact.structures.StructureCache``): a model file whose structure was loaded before
+    is a copy of it instead of another ``torch.jit.load`` (a server's repository swapping versions passes one).
     """
     if backend not in BACKENDS:
         raise ConfigError(f"unknown backend {backend!r}; choose one of {list(BACKENDS)}")
@@ -111,7 +116,11 @@ def load(
         )
     model_path = folder / manifest.model_file
     try:
-        module = torch.jit.load(str(model_path), map_location=_map_location(manifest.devices, mapping))
+        location = _map_location(manifest.devices, mapping)
+        if structures is not None:  # a copy of an equal structure loaded before (infer.artifact.structures)
+            module = structures.load(model_path, location)
+        else:
+            module = torch.jit.load(str(model_path), map_location=location)
     except Exception as err:  # noqa: BLE001 - torch raises RuntimeError and others for a bad archive
         verification.wait()  # a corrupted file explains a failed load better than TorchScript's message
         first_line = str(err).strip().splitlines()[0] if str(err).strip() else type(err).__name__

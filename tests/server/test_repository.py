@@ -370,8 +370,8 @@ def test_a_call_in_flight_ends_on_the_old_version_and_then_its_weight_files_are_
     assert old_weights, "the versions must be format 3 artifacts with mapped weight files"
     gate = Gate()
 
-    def load_gating_version_1(folder: Path, verify: str = "full") -> Runtime:
-        runtime = load(folder, verify=verify)
+    def load_gating_version_1(folder: Path, verify: str = "full", structures: Any = None) -> Runtime:
+        runtime = load(folder, verify=verify, structures=structures)
         return gate.wrap(runtime) if Path(folder).name == "1" else runtime
 
     monkeypatch.setattr(repository_module, "load", load_gating_version_1)
