@@ -62,8 +62,9 @@ def load(
     (``export(..., weights="mapped")``) are mapped read-only, never copied: processes loading the same
     artifact share one copy of its weights in the page cache.
 
-    ``structures`` (``infer.artifact.structures.StructureCache``): a model file whose structure was loaded before
-    is a copy of it instead of another ``torch.jit.load`` (a server's repository swapping versions passes one).
+    ``structures`` (``infer.artifact.structures.StructureCache``): a mapped artifact's model file (no tables inside)
+    whose structure was loaded before is a copy of it instead of another ``torch.jit.load`` (a server's
+    repository swapping versions passes one); other artifacts load as without it.
     """
     if backend not in BACKENDS:
         raise ConfigError(f"unknown backend {backend!r}; choose one of {list(BACKENDS)}")
@@ -117,7 +118,7 @@ def load(
     model_path = folder / manifest.model_file
     try:
         location = _map_location(manifest.devices, mapping)
-        if structures is not None:  # a copy of an equal structure loaded before (infer.artifact.structures)
+        if structures is not None and _structure_only(manifest):  # a copy of an equal one loaded before
             module = structures.load(model_path, location)
         else:
             module = torch.jit.load(str(model_path), map_location=location)
@@ -139,6 +140,12 @@ def load(
     runtime = Runtime(folder, manifest, module)
     runtime.set_threads(threads if threads is not None else runtime.thread_budget())
     return _timed(runtime, started, library_seconds)
+
+
+def _structure_only(manifest: Manifest) -> bool:
+    """Whether ``model.pt`` holds no tables (every kernel's weights mapped from a file): only then is a copy of it
+    cheap, and keeping one costs little (``infer.artifact.structures``)."""
+    return manifest.mapped and all(k.weights is not None for k in manifest.kernels)
 
 
 def attach_mapped_weights(

@@ -47,6 +47,9 @@ class StructureCache:
         self._pristine: OrderedDict[tuple[str, str], torch.jit.ScriptModule] = OrderedDict()
         self._lock = threading.Lock()
 
+    def __len__(self) -> int:
+        return len(self._pristine)
+
     def load(self, model_path: Path, map_location: Any = None) -> torch.jit.ScriptModule:
         """A module of ``model_path`` of its own: a copy of an equal structure loaded before, or a fresh load."""
         key = (structure_digest(model_path), repr(map_location))

@@ -67,3 +67,15 @@ def test_a_dense_part_with_other_weights_or_another_layout_is_loaded_afresh(vers
             expected = spec.dense_arch(dense, reference(batch))
         torch.testing.assert_close(runtime.predict(batch, dense), expected, rtol=1e-5, atol=1e-5)
     assert cache.hits == 0
+
+
+def test_an_embedded_artifact_never_enters_the_cache(versions, tmp_path):
+    """Its model file holds the tables: a copy would double them and keeping one would hold them for good."""
+    spec, model, _ = versions["a"]
+    embedded = export(model, tmp_path / "embedded", weights="embedded")
+    cache = StructureCache()
+    batch = random_batch(spec, batch_size=4, seed=10)
+    runtime = load(embedded, structures=cache)
+    reference = FloatEmbeddingBagCollection(spec, dequantized_weights(spec, model))
+    torch.testing.assert_close(runtime.lookup(batch), reference(batch), rtol=1e-5, atol=1e-5)
+    assert len(cache) == 0
