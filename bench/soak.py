@@ -14,8 +14,18 @@ and the last minute, and the server's exit code after SIGTERM (not run in CI).
 JSON line of every call's outcome (OK, UNAVAILABLE, HTTP 503, connection refused, CANCELLED, ...), the
 calls lost (anything but OK or a retryable refusal) and the exit code (``tests/support/stop_race.py``).
 
+``--swap`` measures the repository's hot swap instead: a server of a repository whose model (``--tables`` x
+``--rows`` x D=128 INT8, mapped: ~0.53 GB at the defaults) swaps ``--rounds`` times between two versions with
+different weights (each round a new version folder of hard links to one of the two exports, then an explicit
+RepositoryModelLoad), while ``--clients`` closed-loop OIP gRPC clients call it. A call starts in a swap window from
+the load's request until the old version's weight files are gone from the server's ``/proc/<pid>/maps`` (plus
+0.2 s); steady calls start at least 1 s after a window closes. One JSON line: steady p99, p99 during the swaps,
+their ratio (target <= 1.5), failed calls (an error, or an answer that differs from its version's in-process
+runtime; target 0), the load's and the unmap's median seconds, and the load average.
+
     python bench/soak.py --minutes 10
     python bench/soak.py --stop-rounds 5 --clients 16 -- --drain-grace-s 0.5
+    python bench/soak.py --swap --clients 16 --rounds 12          # --quick: 100,000 rows per table, 3 rounds
 """
 
 from __future__ import annotations
@@ -170,14 +180,178 @@ def stop_rounds(artifact: Path, runtime, rounds: int, clients: int, options: tup
     return 1 if total_lost else 0
 
 
+# ------------------------------------------------------------------------------------------------------- swap
+SWAP_MODEL = "emb"
+SWAP_DIM = 128
+SWAP_TARGET = 1.5  # p99 during the swaps / steady p99
+
+
+def swap_spec(tables: int, rows: int):  # type: ignore[no-untyped-def]
+    from infer.config import ModelSpec, TableConfig
+
+    return ModelSpec(tuple(TableConfig(f"t{i}", rows, SWAP_DIM, (f"f{i}",)) for i in range(tables)))
+
+
+def export_swap_version(spec, seed: int, out: Path) -> Path:  # type: ignore[no-untyped-def]
+    """A mapped export of random N(0,1) tables, made chunk by chunk (bounded memory), seeded per chunk."""
+    from infer.artifact.stream import export_streaming
+    from infer.storage.sources import CallableSource
+
+    def rows_of(table: int):  # type: ignore[no-untyped-def]
+        def rows(start: int, end: int) -> torch.Tensor:
+            generator = torch.Generator().manual_seed(seed * 1_000_003 + table * 10_007 + start)
+            return torch.randn(end - start, SWAP_DIM, generator=generator)
+
+        return rows
+
+    if not (out / "manifest.json").is_file():
+        export_streaming(spec, CallableSource(spec, {t.name: rows_of(i) for i, t in enumerate(spec.tables)}), out)
+    return out
+
+
+def link_version(source: Path, repo: Path, version: int) -> None:
+    """REPO/<model>/<version>/ as hard links to ``source``'s files (staged, then renamed in)."""
+    staging = repo / ".staging" / str(version)
+    for path in source.rglob("*"):
+        if path.is_file():
+            target = staging / path.relative_to(source)
+            target.parent.mkdir(parents=True, exist_ok=True)
+            os.link(path, target)
+    os.rename(staging, repo / SWAP_MODEL / str(version))
+
+
+def maps_under(pid: int, folder: Path) -> bool:
+    prefix = f"{folder.resolve()}/"
+    return prefix in Path(f"/proc/{pid}/maps").read_text()
+
+
+def p99(latencies: list[float]) -> float:
+    ordered = sorted(latencies)
+    return ordered[int(0.99 * (len(ordered) - 1))] if ordered else float("nan")
+
+
+def swap_case(args: argparse.Namespace) -> int:
+    from tritonclient.grpc import InferenceServerClient
+
+    from tests.server.oip_support import requested, triton_inputs
+
+    rows = 100_000 if args.quick else args.rows
+    rounds = 3 if args.quick else args.rounds
+    spec = swap_spec(args.tables, rows)
+    store = Path(args.workdir)
+    store.mkdir(parents=True, exist_ok=True)
+    sources = [export_swap_version(spec, seed, store / f"{args.tables}x{rows}-seed{seed}") for seed in (1, 2)]
+    weights_bytes = sum(p.stat().st_size for p in sources[0].glob("weights-*.bin"))
+    batches = [SparseFeatures.random(spec, batch_size=32, ids_per_bag=10, seed=seed) for seed in range(16)]
+    expected = []
+    for source in sources:
+        runtime = load(source, verify="none")
+        expected.append([runtime.lookup(b) for b in batches])
+        del runtime
+    with tempfile.TemporaryDirectory(dir=store) as folder:
+        repo = Path(folder) / "repo"
+        (repo / SWAP_MODEL).mkdir(parents=True)
+        link_version(sources[0], repo, 1)
+        server, port = spawn_server(repo, "--max-delay-us", "1000", *args.serve_options)
+        address = f"127.0.0.1:{port}"
+        calls: list[tuple[float, float]] = []  # (started, latency) of every answered call
+        failures: list[str] = []
+        lock = threading.Lock()
+        stop = threading.Event()
+        begin = time.perf_counter()
+
+        def worker(index: int) -> None:
+            with InferenceServerClient(address) as c:
+                step = index
+                while not stop.is_set():
+                    which = step % len(batches)
+                    step += 1
+                    started = time.perf_counter()
+                    try:
+                        result = c.infer(
+                            SWAP_MODEL, triton_inputs("grpc", batches[which]), outputs=requested("grpc", "embeddings")
+                        )
+                        version = int(result.get_response().model_version)
+                        got = torch.from_numpy(result.as_numpy("embeddings").copy())
+                        if not torch.equal(got, expected[(version - 1) % 2][which]):
+                            raise AssertionError(f"version {version}'s answer differs from its runtime's")
+                    except Exception as err:  # noqa: BLE001 - every failure is counted and the first ones printed
+                        with lock:
+                            failures.append(f"{type(err).__name__}: {str(err)[:200]}")
+                        continue
+                    with lock:
+                        calls.append((started - begin, time.perf_counter() - started))
+
+        threads = [threading.Thread(target=worker, args=(i,), daemon=True) for i in range(args.clients)]
+        windows: list[tuple[float, float]] = []
+        load_seconds, unmap_seconds = [], []
+        try:
+            for thread in threads:
+                thread.start()
+            with InferenceServerClient(address) as control:
+                for version in range(2, rounds + 2):
+                    time.sleep(args.steady_s)
+                    link_version(sources[(version - 1) % 2], repo, version)
+                    opened = time.perf_counter()
+                    control.load_model(SWAP_MODEL)  # returns once the new version serves
+                    loaded = time.perf_counter()
+                    old = repo / SWAP_MODEL / str(version - 1)
+                    while maps_under(server.pid, old):  # the old version goes when its last call is done
+                        time.sleep(0.005)
+                    unmapped = time.perf_counter()
+                    windows.append((opened - begin, unmapped - begin + 0.2))
+                    load_seconds.append(loaded - opened)
+                    unmap_seconds.append(unmapped - opened)
+            time.sleep(args.steady_s)
+        finally:
+            stop.set()
+            for thread in threads:
+                thread.join(60)
+            server.send_signal(signal.SIGTERM)
+            code = server.wait(timeout=120)
+
+    def in_swap(t: float) -> bool:
+        return any(lo <= t <= hi for lo, hi in windows)
+
+    def steady(t: float) -> bool:
+        return t >= 2.0 and not any(lo - 0.0 <= t <= hi + 1.0 for lo, hi in windows)
+
+    during = [latency for started, latency in calls if in_swap(started)]
+    before = [latency for started, latency in calls if steady(started)]
+    ratio = p99(during) / p99(before)
+    print(json.dumps({
+        "bench": "swap", "rounds": rounds, "clients": args.clients, "tables": args.tables, "rows": rows,
+        "weights_gb": round(weights_bytes / 1e9, 3), "calls_steady": len(before), "calls_swap": len(during),
+        "p50_steady_ms": round(1e3 * statistics.median(before), 3) if before else None,
+        "p99_steady_ms": round(1e3 * p99(before), 3), "p99_swap_ms": round(1e3 * p99(during), 3),
+        "p99_ratio": round(ratio, 3), "target_ratio": SWAP_TARGET, "failed_calls": len(failures),
+        "first_failures": failures[:3], "load_s_median": round(statistics.median(load_seconds), 3),
+        "unmap_s_median": round(statistics.median(unmap_seconds), 3), "server_exit_code": code,
+        "met": ratio <= SWAP_TARGET and not failures, "load_average": [round(v, 2) for v in os.getloadavg()],
+    }), flush=True)  # fmt: skip
+    return 0 if ratio <= SWAP_TARGET and not failures else 1
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--minutes", type=float, default=10.0)
     parser.add_argument("--clients", type=int, default=8)
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--stop-rounds", type=int, default=0, help="race the stop this many rounds instead")
-    parser.add_argument("serve_options", nargs="*", help="--stop-rounds: more `embserve serve` options (after --)")
+    parser.add_argument("--swap", action="store_true", help="measure the repository's hot swap instead")
+    parser.add_argument("--rounds", type=int, default=12, help="--swap: swaps")
+    parser.add_argument("--tables", type=int, default=4, help="--swap: tables of D=128 INT8")
+    parser.add_argument("--rows", type=int, default=1_000_000, help="--swap: rows per table")
+    parser.add_argument("--steady-s", type=float, default=3.0, help="--swap: seconds between swaps")
+    parser.add_argument("--quick", action="store_true", help="--swap: 100,000 rows per table, 3 rounds")
+    parser.add_argument("--workdir", default=os.path.join(tempfile.gettempdir(), "embserve-swap-bench"),
+                        help="--swap: where the two versions are exported (kept for the next run)")  # fmt: skip
+    parser.add_argument(
+        "serve_options", nargs="*", help="--stop-rounds, --swap: more `embserve serve` options (after --)"
+    )
     args = parser.parse_args()
+    if args.swap:
+        return swap_case(args)
     with tempfile.TemporaryDirectory() as folder:
         spec = demo_spec()
         artifact = export(quantize(spec, random_weights(spec, seed=1)), Path(folder) / "demo")

@@ -2,10 +2,11 @@
 
 A new version is loaded (checksums verified by ``load``), put behind batchers of its own and warmed up
 off the serving path; only then is it swapped in, in one step of the event loop. Calls already holding
-the old version (a lease, or a request in its batchers) finish on it; then its batchers stop and its
-memory goes. A version that fails to load or warm up is logged, counted in the metrics, reported in
-the model's metadata, and never replaces a good one. Before loading, the free memory must hold the
-new version beside the ones already loaded.
+the old version (a lease, or a request in its batchers) finish on it; then its batchers stop, and when the
+last call holding it returns its runtime is freed by reference count, which unmaps its weight files. A
+version that fails to load or warm up is logged with its error's type, counted in the metrics, reported in
+the model's metadata and the repository index, and never replaces a good one. Before loading, the free
+memory must hold the new version beside the ones already loaded.
 """
 
 from __future__ import annotations
@@ -13,10 +14,10 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import copy
-import gc
 import logging
 import os
 import threading
+import time
 from collections.abc import AsyncIterator, Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
@@ -28,7 +29,8 @@ import torch
 
 from infer.artifact.load import load
 from infer.artifact.manifest import MANIFEST_FILE, Manifest
-from infer.errors import ConfigError, EmbserveError
+from infer.artifact.structures import StructureCache
+from infer.errors import ArtifactError, ConfigError, EmbserveError
 from infer.features import SparseFeatures
 from server import codec
 from server.batcher import MAX_MERGE_EXAMPLES, DynamicBatcher
@@ -117,6 +119,16 @@ def artifact_bytes(folder: Path) -> int:
     return sum(
         p.stat().st_size for p in folder.rglob("*") if p.is_file() and p.relative_to(folder).as_posix() not in mapped
     )
+
+
+def describe_failure(err: BaseException) -> str:
+    """Why a version failed to load, typed: the message, then the error's class (and kind, for an artifact
+    error), as the log, the model's metadata and the repository index report it."""
+    if isinstance(err, ArtifactError):
+        return f"{err} [ArtifactError(kind={err.kind.value})]"
+    if isinstance(err, EmbserveError):
+        return f"{err} [{type(err).__name__}]"
+    return f"{type(err).__name__}: {err}"
 
 
 def _signature(folder: Path) -> tuple[int, int]:
@@ -222,6 +234,9 @@ class Repository:
         self._retiring: set[asyncio.Task[None]] = set()
         self._v1: InferenceServicer | None = None
         self._v1_model: str | None = None
+        # versions of one layout share their model's structure: a swap copies it instead of compiling it again
+        # while holding the GIL (infer.artifact.structures)
+        self.structures = StructureCache()
 
     # ---------------------------------------------------------------------------------- ModelSet
     def _versions_of(self, name: str) -> dict[str, _Loaded]:
@@ -375,7 +390,7 @@ class Repository:
             try:
                 entry = await self._load_version(name, version)
             except Exception as err:  # noqa: BLE001 - any failure of a new version leaves the good ones serving
-                message = str(err) if isinstance(err, EmbserveError) else f"{type(err).__name__}: {err}"
+                message = describe_failure(err)
                 self._failed[(name, version)] = (signature, message)
                 self.metrics.requests.labels("model load", "FAILED").inc()
                 logger.error("model %s version %s failed to load; the loaded versions keep serving: %s",
@@ -397,7 +412,10 @@ class Repository:
                 try:
                     entry = await self._load_version(name, str(older))
                 except Exception as err:  # noqa: BLE001 - as above: reported, and the next older one is tried
-                    self._failed[(name, str(older))] = (_signature(self.root / name / str(older)), str(err))
+                    self._failed[(name, str(older))] = (
+                        _signature(self.root / name / str(older)),
+                        describe_failure(err),
+                    )
                     continue
                 self._models[name] = {str(older): entry}
                 self._point_v1(name)
@@ -430,9 +448,10 @@ class Repository:
                 )
         # a thread of its own: its lowered priority must not stay with a pool thread that serves later
         loader = ThreadPoolExecutor(max_workers=1, thread_name_prefix="embserve-load")
+        started = time.perf_counter()
         try:
             runtime = await asyncio.get_running_loop().run_in_executor(
-                loader, _load_in_background, folder, self.settings.verify
+                loader, _load_in_background, folder, self.settings.verify, self.structures
             )
         finally:
             loader.shutdown(wait=False)
@@ -460,12 +479,15 @@ class Repository:
         entry = _Loaded(model, batchers)
         for b in batchers:
             b.start()
+        loaded = time.perf_counter()
         try:
             await _warm_up(model, settings.warmup_batches)
         except BaseException:
             for b in batchers:
                 await b.close()
             raise
+        logger.info("model %s version %s loaded in %.3f s (verify %s) and warmed up in %.3f s",
+                    name, version, loaded - started, settings.verify, time.perf_counter() - loaded)  # fmt: skip
         return entry
 
     def _retire(self, entry: _Loaded) -> None:
@@ -478,8 +500,10 @@ class Repository:
                 await b.close()
             entry.batchers.clear()
             logger.info("model %s version %s freed", entry.model.name, entry.model.version)
+            # the version's runtime (and with it the mapping of its weight files) goes by reference count when the
+            # last call holding it returns: no collection pass on the loop; run_both is the one cycle to break
+            entry.model.both = None
             del entry.model
-            gc.collect()
 
         task = asyncio.create_task(retire())
         self._retiring.add(task)
@@ -534,7 +558,7 @@ def _index_entry(name: str, version: str, state: str, reason: str) -> dict[str, 
     return {"name": name, "version": version, "state": state, "reason": reason}
 
 
-def _load_in_background(folder: Path, verify: str = "full") -> Any:
+def _load_in_background(folder: Path, verify: str = "full", structures: StructureCache | None = None) -> Any:
     """``load`` at the lowest CPU priority (this thread only, on Linux): the versions serving meanwhile
     keep the cores they need, and the new version takes longer to arrive instead."""
     try:
@@ -542,7 +566,7 @@ def _load_in_background(folder: Path, verify: str = "full") -> Any:
     except (AttributeError, OSError):  # not Linux, or not allowed: load at normal priority
         pass
     try:
-        return load(folder, verify=verify)
+        return load(folder, verify=verify, structures=structures)
     finally:
         try:
             os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), 0)

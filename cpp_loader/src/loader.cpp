@@ -1072,6 +1072,13 @@ void attach_weights(const torch::jit::Module& model, const schema::Document& dat
       if (!kernels[k].contains("weights")) continue;
       const auto& weights = kernels[k]["weights"];
       const auto name = weights["file"].get<std::string>();
+      // the mapping is the kernel's only source: a model file that still carries weights for it (re-saved after a
+      // load, rehashed) is refused, not silently overridden (infer.artifact.mapped.check_no_saved_weights)
+      const at::Tensor saved = tbes[k].attr("weights_host").toTensor();
+      if (const auto carried = saved.numel() * static_cast<int64_t>(saved.element_size()); carried > 0)
+        throw ModelError(model_path + " carries " + std::to_string(carried) + " bytes of weights for kernel " +
+                         std::to_string(k) + ", but the manifest maps them from " + name +
+                         "; re-export the artifact (embserve export / infer.export)");
       const auto mapping = mappings.get(name, data["files"][name]["bytes"].get<uint64_t>());
       tbes[k].setattr("weights_host", files::mapped_tensor(mapping, weights["offset"].get<int64_t>(),
                                                            weights["bytes"].get<int64_t>()));
@@ -1143,11 +1150,59 @@ double seconds_since(std::chrono::steady_clock::time_point started) {
   return std::chrono::duration<double>(std::chrono::steady_clock::now() - started).count();
 }
 
+// How a multi-host artifact is served (infer.artifact.hosts.whole_load_refused says the same to Python's load).
+std::string multi_host_serving(const fs::path& root, const std::string& count) {
+  return "Serve it on " + count + " hosts with `torchrun --nnodes " + count +
+         " --nproc-per-node 1 --rdzv-endpoint HOST0:PORT -m infer.cli serve " + root.string() +
+         "` (the same command on every host), or export a one-host artifact for the C++ loader (embserve export "
+         "with a one-host plan)";
+}
+
+// A multi-host artifact (infer/artifact/hosts.py) is one manifest and one part per host, hosts/<h>/ (model.pt and
+// weight files): each part holds only its host's shards, whose partial outputs the hosts exchange
+// (server/distributed.py), so no single process serves one. The C++ loader serves one-host artifacts: it refuses
+// the artifact's folder (ModelError, as Python's load) and a part's folder (ManifestError: it has no manifest of its
+// own), saying how to serve them.
+void refuse_multi_host(const fs::path& folder, const schema::Document* data) {
+  fs::path named = folder.lexically_normal();
+  if (named.filename().empty()) named = named.parent_path();
+  if (data != nullptr) {
+    if (!data->contains("hosts")) return;
+    const auto& hosts = (*data)["hosts"];
+    throw ModelError(  // Python's load: ArtifactError(kind=MODEL), the artifact is sound but not for one process
+        (folder / "manifest.json").string() + ": " + named.string() + " is a multi-host artifact (" +
+        std::to_string(hosts["count"].get<int64_t>()) + " hosts x " +
+        std::to_string(hosts["devices_per_host"].get<int64_t>()) + " devices): its model_file " +
+        (*data)["model_file"].get<std::string>() +
+        " is host 0's part, and each part under hosts/<h>/ holds one host's shards only; the C++ loader serves "
+        "one-host artifacts. " + multi_host_serving(named, std::to_string(hosts["count"].get<int64_t>())));
+  }
+  const fs::path parent = named.parent_path();
+  std::error_code ec;
+  const std::string host = named.filename().string();
+  if (parent.filename() != "hosts" || host.empty() ||
+      host.find_first_not_of("0123456789") != std::string::npos ||
+      !fs::is_regular_file(parent.parent_path() / "manifest.json", ec))
+    return;
+  std::string count = "H";  // the artifact's host count, when its manifest says it
+  try {
+    const auto root = read_document(parent.parent_path() / "manifest.json", "manifest");
+    if (!root.contains("hosts")) return;  // a one-host artifact up there: this folder is not one of its parts
+    count = std::to_string(root["hosts"]["count"].get<int64_t>());
+  } catch (const std::exception&) {  // a broken manifest up there: the refusal still says what this folder is
+  }
+  throw ManifestError((folder / "manifest.json").string() + " is missing: " + named.string() + " is host " + host +
+                      "'s part of the multi-host artifact " + parent.parent_path().string() +
+                      ", which holds that host's shards only; the C++ loader serves one-host artifacts. " +
+                      multi_host_serving(parent.parent_path(), count));
+}
+
 schema::Document read_checked_manifest(const fs::path& folder) {
   std::error_code ec;
   if (!fs::is_directory(folder, ec))
     throw ManifestError(folder.string() + " is not a folder; pass the artifact folder written by export");
   const fs::path manifest_path = folder / "manifest.json";
+  if (!fs::exists(manifest_path, ec)) refuse_multi_host(folder, nullptr);
   schema::Document data = read_document(manifest_path, "manifest");
   check_manifest(data, manifest_path.string());  // from here on every key exists with its type and range
   return data;
@@ -1169,6 +1224,7 @@ Model Model::load(const std::string& artifact_dir, const LoadOptions& options) {
   const auto started = std::chrono::steady_clock::now();
   const fs::path folder(artifact_dir);
   const schema::Document data = read_checked_manifest(folder);
+  refuse_multi_host(folder, &data);
   Model model;
   model.path_ = artifact_dir;
   const auto model_file = data["model_file"].get<std::string>();

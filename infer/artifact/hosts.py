@@ -187,7 +187,7 @@ def load_host_part(
     part_path = folder / manifest.host_parts[host]
     module = torchscript.read_model(part_path, manifest.devices, mapping)
     expected = [k for k in manifest.kernels if host_of_rank(plan, k.rank) == host]
-    torchscript.attach_mapped_weights(folder, module, manifest, expected)
+    torchscript.attach_mapped_weights(folder, module, manifest, expected, manifest.host_parts[host])
     torchscript.check_model_kernels(module, expected, part_path)
     check_routing(module, manifest.spec, plan, host_layouts(manifest.spec, plan, host))
     torchscript.remap_shard_devices(module, mapping)

@@ -16,6 +16,7 @@ from infer.artifact.kernels import check_routing, expected_kernels
 from infer.artifact.manifest import MANIFEST_FILE, Manifest
 from infer.artifact.runtime import Runtime
 from infer.artifact.schema import parse_document, schema, validate
+from infer.artifact.structures import StructureCache
 from infer.errors import ArtifactError, ArtifactErrorKind, ConfigError, EmbserveError
 from infer.planner.types import ShardingPlan
 from infer.shard.builder import check_plan
@@ -34,6 +35,7 @@ def load(
     threads: int | None = None,
     backend: str = "torchscript",
     verify: str = FULL,
+    structures: StructureCache | None = None,
 ) -> Runtime:
     """Verify and load an artifact; returns a ``Runtime`` with ``lookup`` and ``predict``.
 
@@ -59,6 +61,10 @@ def load(
     verified (by ``embserve inspect --verify``, or an earlier load). A mapped artifact's weight files
     (``export(..., weights="mapped")``) are mapped read-only, never copied: processes loading the same
     artifact share one copy of its weights in the page cache.
+
+    ``structures`` (``infer.artifact.structures.StructureCache``): a mapped artifact's model file (no tables inside)
+    whose structure was loaded before is a copy of it instead of another ``torch.jit.load`` (a server's
+    repository swapping versions passes one); other artifacts load as without it.
     """
     if backend not in BACKENDS:
         raise ConfigError(f"unknown backend {backend!r}; choose one of {list(BACKENDS)}")
@@ -108,7 +114,8 @@ def load(
             kind=MODEL,
         )
     model_path = folder / manifest.model_file
-    module = torchscript.read_model(model_path, manifest.devices, mapping, explain_failure=verification.wait)
+    cache = structures if structures is not None and _structure_only(manifest) else None
+    module = torchscript.read_model(model_path, manifest.devices, mapping, verification.wait, cache)
     try:
         torchscript.attach_mapped_weights(folder, module, manifest)
     finally:
@@ -121,6 +128,12 @@ def load(
     runtime = Runtime(folder, manifest, module)
     runtime.set_threads(threads if threads is not None else runtime.thread_budget())
     return _timed(runtime, started, library_seconds)
+
+
+def _structure_only(manifest: Manifest) -> bool:
+    """Whether ``model.pt`` holds no tables (every kernel's weights mapped from a file): only then is a copy of it
+    cheap, and keeping one costs little (``infer.artifact.structures``)."""
+    return manifest.mapped and all(k.weights is not None for k in manifest.kernels)
 
 
 def _timed(runtime: Runtime, started: float, library_seconds: float = 0.0) -> Runtime:

@@ -134,6 +134,22 @@ def mark_weights(scripted: Any, attached: bool) -> None:
         scripted.weights_attached = attached
 
 
+def check_no_saved_weights(model_path: Path, tbes: Sequence[Any], kernels: Sequence[Kernel]) -> None:
+    """A mapped kernel's weights come from its file alone: a ``model.pt`` that still carries some for it (edited,
+    or written by another tool) is refused rather than silently overridden by the mapping (``ArtifactError`` of
+    kind MODEL naming the file, the kernel and the weight file; the C++ loader says the same)."""
+    for index, (tbe, kernel) in enumerate(zip(tbes, kernels)):
+        saved = tbe.weights_host
+        carried = saved.numel() * saved.element_size()
+        if kernel.weights is not None and carried:
+            raise ArtifactError(
+                f"{model_path} carries {carried} bytes of weights for kernel {index}, but the manifest maps them "
+                f"from {kernel.weights.file}; re-export the artifact (embserve export / infer.export)",
+                path=str(model_path),
+                kind=ArtifactErrorKind.MODEL,
+            )
+
+
 def attach_weights(
     folder: Path, tbes: Sequence[Any], kernels: Sequence[Kernel], file_bytes: Mapping[str, int]
 ) -> dict[str, torch.Tensor]:

@@ -1,4 +1,6 @@
-"""A model repository behind the server: versions, policies, load/unload on demand, broken versions, memory check.
+"""A model repository behind the server: versions, policies, load/unload on demand, broken versions, memory check,
+and the hot swap of mapped versions (a call in flight ends on the old version, whose weight files are then unmapped,
+read from /proc/self/maps).
 
 Real servers on 127.0.0.1 port 0, talked to with tritonclient; expected values come from runtimes
 loaded in-process from the same version folders.
@@ -7,8 +9,11 @@ loaded in-process from the same version folders.
 from __future__ import annotations
 
 import json
+import logging
 import shutil
+import threading
 import urllib.request
+from concurrent.futures import Future
 from pathlib import Path
 from typing import Any
 
@@ -20,6 +25,7 @@ from tritonclient.utils import InferenceServerException
 
 from infer.artifact.export import export
 from infer.artifact.load import load
+from infer.artifact.manifest import Manifest
 from infer.artifact.runtime import Runtime
 from infer.errors import ConfigError
 from infer.quant.quantize import quantize
@@ -30,7 +36,7 @@ from server.metrics import ServerMetrics
 from server.repository import BatchSettings, Repository, VersionPolicy
 from tests.conftest import TinyOverArch, random_batch
 from tests.server.oip_support import client, requested, triton_inputs
-from tests.server.support import CALL_TIMEOUT, NUM_DENSE
+from tests.server.support import CALL_TIMEOUT, NUM_DENSE, GatedModule
 
 MODEL = "ctr"
 
@@ -320,3 +326,116 @@ def test_the_memory_a_version_needs_leaves_out_its_mapped_weight_files(tmp_path,
     every_file = sum(p.stat().st_size for p in mapped.iterdir())
     assert repository_module.artifact_bytes(mapped) == every_file - sum(p.stat().st_size for p in weight_files)
     assert repository_module.artifact_bytes(embedded) == sum(p.stat().st_size for p in embedded.iterdir())
+
+
+def mapped_files(folder: Path) -> set[str]:
+    """The files under ``folder`` that this process maps now."""
+    prefix = f"{folder.resolve()}/"
+    with open("/proc/self/maps") as handle:
+        paths = {line.split(maxsplit=5)[5].strip() for line in handle if len(line.split(maxsplit=5)) == 6}
+    return {p for p in paths if p.startswith(prefix)}
+
+
+def weight_files(folder: Path) -> set[str]:
+    manifest = Manifest.read(folder)
+    return {str((folder / k.weights.file).resolve()) for k in manifest.kernels if k.weights is not None}
+
+
+class Gate:
+    """Holds the forwards of one version's model (a ``GatedModule``) without holding the model itself, so the
+    test keeps no reference that would keep its mapping alive."""
+
+    def __init__(self) -> None:
+        self.gate = threading.Event()
+        self.gate.set()
+        self.entered = threading.Event()
+
+    def wrap(self, runtime: Runtime) -> Runtime:
+        gated = GatedModule(runtime.module)
+        gated.gate, gated.entered = self.gate, self.entered
+        return Runtime(runtime.path, runtime.manifest, gated)  # type: ignore[arg-type]
+
+
+def _infer(address: str, batch: Any) -> tuple[torch.Tensor, str]:
+    with client("grpc", address) as c:
+        return _embeddings(c, "grpc", batch)
+
+
+def test_a_call_in_flight_ends_on_the_old_version_and_then_its_weight_files_are_unmapped(
+    tmp_path, start_server, versions, runtimes, spec, monkeypatch
+):
+    root = make_repository(tmp_path / "repo", {MODEL: {"1": versions["1"]}})
+    old = root / MODEL / "1"
+    old_weights = weight_files(old)
+    assert old_weights, "the versions must be format 3 artifacts with mapped weight files"
+    gate = Gate()
+
+    def load_gating_version_1(folder: Path, verify: str = "full", structures: Any = None) -> Runtime:
+        runtime = load(folder, verify=verify, structures=structures)
+        return gate.wrap(runtime) if Path(folder).name == "1" else runtime
+
+    monkeypatch.setattr(repository_module, "load", load_gating_version_1)
+    served = start_server(root)
+    batch = random_batch(spec, batch_size=8, seed=60)
+    assert mapped_files(old) == old_weights
+    # embserve.v1 calls bind the version too (the default servicer and a per-version view)
+    for version in ("", "1"):
+        with EmbserveClient(served.address, timeout=CALL_TIMEOUT, model=MODEL, version=version) as v1:
+            assert torch.equal(v1.lookup(batch), runtimes["1"].lookup(batch))
+
+    gate.gate.clear()
+    gate.entered.clear()
+    in_flight: Future[tuple[torch.Tensor, str]] = Future()
+    caller = threading.Thread(target=lambda: in_flight.set_result(_infer(served.address, batch)), daemon=True)
+    caller.start()
+    assert gate.entered.wait(CALL_TIMEOUT), "the call never reached version 1's model"
+
+    shutil.copytree(versions["2"], root / MODEL / "2")
+    with client("grpc", served.address) as c:
+        c.load_model(MODEL)  # returns once version 2 serves (policy latest:1 retires version 1)
+        assert c.get_model_metadata(MODEL, as_json=True)["versions"] == ["2"]
+    got, version = _infer(served.address, batch)
+    assert version == "2" and torch.equal(got, runtimes["2"].lookup(batch))
+    assert mapped_files(old) == old_weights  # the call on version 1 still holds it
+    assert not in_flight.done()
+
+    gate.gate.set()
+    got, version = in_flight.result(CALL_TIMEOUT)
+    assert version == "1" and torch.equal(got, runtimes["1"].lookup(batch))
+    served.loop.run(served.running.oip.repository.retired())
+    assert mapped_files(old) == set()
+    assert mapped_files(root / MODEL / "2") == weight_files(root / MODEL / "2")
+    with EmbserveClient(served.address, timeout=CALL_TIMEOUT, model=MODEL) as v1:
+        assert torch.equal(v1.lookup(batch), runtimes["2"].lookup(batch))
+
+
+def corrupt_weight_file(source: Path, target: Path) -> Path:
+    """A copy of ``source`` one of whose mapped weight files no longer matches its manifest's checksum."""
+    shutil.copytree(source, target)
+    name = sorted(weight_files(target))[0]
+    data = bytearray(Path(name).read_bytes())
+    data[len(data) // 3] ^= 0xFF
+    Path(name).write_bytes(bytes(data))
+    return target
+
+
+def test_a_version_whose_weight_file_fails_its_checksum_leaves_the_old_one_serving(
+    tmp_path, start_server, versions, runtimes, spec, caplog
+):
+    root = make_repository(tmp_path / "repo", {MODEL: {"1": versions["1"]}})
+    served = start_server(root)
+    batch = random_batch(spec, batch_size=5, seed=61)
+    corrupt_weight_file(versions["2"], root / MODEL / "2")
+    broken_file = Path(sorted(weight_files(root / MODEL / "2"))[0]).relative_to(root).as_posix()
+    with caplog.at_level(logging.ERROR, logger=repository_module.__name__):
+        served.loop.run(served.running.oip.repository.poll_once())
+    logged = [r.getMessage() for r in caplog.records if r.name == repository_module.__name__]
+    assert any("ArtifactError(kind=checksum)" in line and broken_file in line for line in logged), logged
+    got, version = _infer(served.address, batch)
+    assert version == "1" and torch.equal(got, runtimes["1"].lookup(batch))
+    index = {(e["name"], e["version"]): e for e in served.running.oip.repository.index(ready_only=False)}
+    assert index[(MODEL, "1")]["state"] == "READY"
+    assert index[(MODEL, "2")]["state"] == "UNAVAILABLE"
+    assert "ArtifactError(kind=checksum)" in index[(MODEL, "2")]["reason"]
+    assert broken_file in index[(MODEL, "2")]["reason"]
+    assert mapped_files(root / MODEL / "2") == set()  # nothing of the failed version stays mapped

@@ -61,3 +61,28 @@ def rewrite_zip_entry(model: Path, name: str, data: bytes) -> None:
     with zipfile.ZipFile(model, "w") as target:
         for info, content in entries:
             target.writestr(info, data if info.filename == name else content)
+
+
+def save_weights_in_model(artifact: Path, folder: Path, model_file: str = "model.pt", kernel: int = 0) -> Path:
+    """A copy of a mapped artifact whose ``model_file`` carries kernel ``kernel``'s weight buffer again (the bytes
+    of its weight file, saved in ``weights_host``), rehashed: what a tool that re-saves a loaded model leaves."""
+    import torch
+
+    from infer.artifact.fbgemm_libs import load_fbgemm
+    from infer.artifact.kernels import model_tbes
+
+    load_fbgemm()
+    copy = copy_artifact(artifact, folder)
+    part = Path(model_file).parent.as_posix()  # "." or hosts/<h>, whose kernels' files lie in it
+    own = [
+        k["weights"]
+        for k in json.loads((copy / "manifest.json").read_text())["kernels"]
+        if "weights" in k and (part == "." or k["weights"]["file"].startswith(f"{part}/"))
+    ]
+    weights = own[kernel]
+    data = (copy / weights["file"]).read_bytes()[weights["offset"] : weights["offset"] + weights["bytes"]]
+    module = torch.jit.load(str(copy / model_file))
+    model_tbes(module)[kernel].weights_host = torch.frombuffer(bytearray(data), dtype=torch.uint8)
+    module.save(str(copy / model_file))
+    rehash(copy, model_file)
+    return copy

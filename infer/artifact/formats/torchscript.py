@@ -11,7 +11,8 @@ import torch
 
 from infer.artifact.kernels import Kernel, check_kernel, kernel_holders, model_tbes
 from infer.artifact.manifest import MANIFEST_FILE, MODEL_FILE, PLAN_FILE, FileEntry, Manifest
-from infer.artifact.mapped import attach_weights, mark_weights
+from infer.artifact.mapped import attach_weights, check_no_saved_weights, mark_weights
+from infer.artifact.structures import StructureCache
 from infer.errors import ArtifactError, ArtifactErrorKind, ConfigError
 from infer.planner.types import ShardingPlan
 
@@ -43,11 +44,18 @@ def read_model(
     devices: Sequence[str],
     mapping: Mapping[str, str],
     explain_failure: Callable[[], None] | None = None,
+    structures: StructureCache | None = None,
 ) -> torch.jit.ScriptModule:
     """``torch.jit.load`` of ``path`` onto the mapped devices, in eval mode. A failed load first calls
-    ``explain_failure`` (waiting for the checksums: a corrupted file explains it better than TorchScript)."""
+    ``explain_failure`` (waiting for the checksums: a corrupted file explains it better than TorchScript).
+    ``structures``: a cache of model structures (no tables inside) handing out a copy of an equal one loaded
+    before, instead of loading it again (``infer.artifact.structures``)."""
+    location = map_location(devices, mapping)
     try:
-        module = torch.jit.load(str(path), map_location=map_location(devices, mapping))
+        if structures is not None:
+            module = structures.load(path, location)
+        else:
+            module = torch.jit.load(str(path), map_location=location)
     except Exception as err:  # noqa: BLE001 - torch raises RuntimeError and others for a bad archive
         if explain_failure is not None:
             explain_failure()
@@ -60,10 +68,15 @@ def read_model(
 
 
 def attach_mapped_weights(
-    folder: Path, module: torch.jit.ScriptModule, manifest: Manifest, kernels: Sequence[Kernel] | None = None
+    folder: Path,
+    module: torch.jit.ScriptModule,
+    manifest: Manifest,
+    kernels: Sequence[Kernel] | None = None,
+    model_file: str | None = None,
 ) -> None:
     """Hand every mapped kernel of a loaded model (of a mapped artifact) its buffer's view of its weight file;
-    ``kernels``: the model's kernels in the manifest (default all; one host's for a host part)."""
+    ``kernels``: the model's kernels in the manifest (default all; one host's for a host part), ``model_file``
+    the file the model came from (default the manifest's): it must not carry the mapped weights itself."""
     if not manifest.mapped:
         return
     kernels = manifest.kernels if kernels is None else kernels
@@ -73,6 +86,7 @@ def attach_mapped_weights(
         raise ArtifactError("the model has no embedding kernels where embserve puts them", kind=MODEL) from None
     if len(tbes) != len(kernels):
         raise ArtifactError(f"the model has {len(tbes)} kernels, {MANIFEST_FILE} lists {len(kernels)}", kind=MODEL)
+    check_no_saved_weights(folder / (model_file or manifest.model_file), tbes, kernels)
     attach_weights(folder, tbes, kernels, {e.name: e.bytes for e in manifest.files})
     mark_weights(module, attached=True)
 
