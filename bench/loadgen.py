@@ -88,6 +88,7 @@ MULTI_HOT = {
 }
 DEFAULT_MULTI_HOT = 4
 WARMUP_QUERIES = 8
+MAX_DURATION_FACTOR = 3  # a Server run issues for at most 3x its minimum duration
 START_FRACTION_OF_CEILING = 20  # the first Server probe: ceiling / 20 (today's server is near ceiling / 25)
 TARGET_RATIO_TO_CEILING = 0.6  # issue 27, the combined work: >= 0.6x the in-process ceiling, VALID
 TARGET_RATIO_TO_BASELINE = 2.0  # and >= 2x today's QPS (``--baseline``: today's lines)
@@ -276,6 +277,9 @@ class RunSettings:
     min_query_count: int
     p99_ms: float
     log_responses: bool  # every response into LoadGen's accuracy log (checked against the runtime afterwards)
+    # LoadGen stops issuing here even when min_query_count is not reached yet (the verdict then says so): at a
+    # low QPS the query count would otherwise stretch a run to minutes
+    max_duration_s: float = 0.0
 
 
 @dataclass(frozen=True)
@@ -291,7 +295,7 @@ class RunResult:
     scheduled_qps: float | None
     p50_ms: float
     p99_ms: float
-    loadgen_samples: int  # what LoadGen issued: queries x samples per query
+    loadgen_samples: int  # what LoadGen issued: queries (not those a max duration cut off) x samples per query
     issued: int
     completed: int
     errors: dict[str, int]
@@ -351,6 +355,7 @@ def run_loadgen(
     test.mode = lg.TestMode.PerformanceOnly
     test.min_duration_ms = round(1000 * settings.min_duration_s)
     test.min_query_count = settings.min_query_count
+    test.max_duration_ms = round(1000 * settings.max_duration_s)
     if settings.scenario == "server":
         test.scenario = lg.TestScenario.Server
         test.server_target_qps = settings.qps
@@ -389,7 +394,7 @@ def run_loadgen(
         scheduled_qps=detail.get("result_scheduled_samples_per_sec"),
         p50_ms=float(detail.get("result_50.00_percentile_latency_ns", float("nan"))) / 1e6,
         p99_ms=float(detail.get("result_99.00_percentile_latency_ns", float("nan"))) / 1e6,
-        loadgen_samples=int(detail.get("generated_query_count", 0)) * int(detail.get("generated_samples_per_query", 0)),
+        loadgen_samples=int(detail.get("result_query_count", 0)) * int(detail.get("generated_samples_per_query", 0)),
         issued=sut.issued - issued_before,
         completed=sut.completed - completed_before,
         errors=dict(collections.Counter(sut.errors) - errors_before),
@@ -552,7 +557,15 @@ class Case:
             start = plan.start_qps or max(1.0, ceiling["ceiling_qps"] / START_FRACTION_OF_CEILING)
             search = search_server_qps(
                 lambda q: self.run(
-                    RunSettings("server", q, plan.min_duration_s, plan.min_query_count, plan.p99_ms, False)
+                    RunSettings(
+                        "server",
+                        q,
+                        plan.min_duration_s,
+                        plan.min_query_count,
+                        plan.p99_ms,
+                        False,
+                        MAX_DURATION_FACTOR * plan.min_duration_s,
+                    )
                 ),
                 start,
                 plan.tolerance,
@@ -562,7 +575,15 @@ class Case:
         confirm = None
         for _ in range(plan.confirm_attempts if qps > 0 else 0):
             confirm = self.run(
-                RunSettings("server", qps, plan.confirm_duration_s, plan.confirm_min_queries, plan.p99_ms, True)
+                RunSettings(
+                    "server",
+                    qps,
+                    plan.confirm_duration_s,
+                    plan.confirm_min_queries,
+                    plan.p99_ms,
+                    True,
+                    MAX_DURATION_FACTOR * plan.confirm_duration_s,
+                )
             )
             if (confirm.valid and confirm.meets_bound) or plan.server_qps > 0:
                 break
