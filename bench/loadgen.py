@@ -88,6 +88,7 @@ MULTI_HOT = {
 }
 DEFAULT_MULTI_HOT = 4
 WARMUP_QUERIES = 8
+MIN_SEARCH_QPS = 1.0  # a search that misses the bound even below 1 query/s stops: the host is the limit
 MAX_DURATION_FACTOR = 3  # a Server run issues for at most 3x its minimum duration
 START_FRACTION_OF_CEILING = 20  # the first Server probe: ceiling / 20 (today's server is near ceiling / 25)
 TARGET_RATIO_TO_CEILING = 0.6  # issue 27, the combined work: >= 0.6x the in-process ceiling, VALID
@@ -434,7 +435,8 @@ def search_server_qps(
     probe: Callable[[float], RunResult], start_qps: float, tolerance: float, max_probes: int
 ) -> Search:
     """Double the target QPS from ``start_qps`` until a probe misses the p99 bound, then bisect between the highest
-    pass and the lowest miss until they are within ``tolerance`` (relative) or ``max_probes`` ran."""
+    pass and the lowest miss until they are within ``tolerance`` (relative) or ``max_probes`` ran; halving stops
+    below ``MIN_SEARCH_QPS``."""
     search = Search()
     low, high = 0.0, float("inf")
     qps = start_qps
@@ -446,7 +448,7 @@ def search_server_qps(
             low = qps
         else:
             high = qps
-        if high - low <= tolerance * high:
+        if high - low <= tolerance * high or (low == 0 and qps / 2 < MIN_SEARCH_QPS):
             break
         qps = qps * 2 if high == float("inf") else (low + high) / 2 if low > 0 else qps / 2
     search.best = low
