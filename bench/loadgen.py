@@ -17,12 +17,12 @@ Server scenario (Poisson arrivals, one sample per query): probes of ``--min-dura
 ``server_target_qps`` until LoadGen says the p99 bound (``--p99-ms``) is missed, then bisect; one confirmation run
 of ``--confirm-duration-s`` at the highest passing QPS gives LoadGen's verdict ("Result is : VALID", early stopping
 included); an INVALID confirmation steps the QPS down and tries again (``--confirm-attempts``). Offline: every
-sample in one query, as fast as the server answers. Before each case the in-process runtime (``infer.load`` of
-the same artifact) runs the same queries back to back on 1 and on every core's threads: the best is the
-ceiling. Each case prints one JSON line (qps, p99_ms, valid, ceiling_qps, ratio_to_ceiling, load_avg, ...);
-confirmation and Offline runs log every response (LoadGen's accuracy log) and compare it with the in-process
-runtime on the same query (lookups bit for bit, scores to fp32 rounding: merged batches may block the dense
-GEMMs differently).
+sample in one query, as fast as the server answers. Before each case and after its last run the in-process
+runtime (``infer.load`` of the same artifact) runs the same queries back to back on 1 and on every core's threads:
+the best of each, averaged, is the ceiling. Each case prints one JSON line (qps, p99_ms, valid, ceiling_qps,
+ratio_to_ceiling, server and client CPU per query, load_avg, ...); confirmation and Offline runs log every response
+(LoadGen's accuracy log) and compare it with the in-process runtime on the same query (lookups bit for bit, scores
+to fp32 rounding: merged batches may block the dense GEMMs differently).
 
     python bench/loadgen.py                                  # both protocols, Server and Offline
     python bench/loadgen.py --quick                          # a short smoke run
@@ -90,7 +90,7 @@ DEFAULT_MULTI_HOT = 4
 WARMUP_QUERIES = 8
 MIN_SEARCH_QPS = 1.0  # a search that misses the bound even below 1 query/s stops: the host is the limit
 MAX_DURATION_FACTOR = 3  # a Server run issues for at most 3x its minimum duration
-START_FRACTION_OF_CEILING = 20  # the first Server probe: ceiling / 20 (today's server is near ceiling / 25)
+START_FRACTION_OF_CEILING = 20  # the first Server probe: ceiling / 20, below today's server; probes double from it
 TARGET_RATIO_TO_CEILING = 0.6  # issue 27, the combined work: >= 0.6x the in-process ceiling, VALID
 TARGET_RATIO_TO_BASELINE = 2.0  # and >= 2x today's QPS (``--baseline``: today's lines)
 SCORE_RTOL, SCORE_ATOL = 1e-5, 1e-6  # scores of a merged batch: fp32 rounding of the dense GEMMs
