@@ -669,7 +669,7 @@ def read_baseline(path: Path) -> dict[tuple[str, str, str, int], float]:
     for line in path.read_text().splitlines():
         if line.startswith("{"):
             row = json.loads(line)
-            if row.get("bench") == "loadgen":
+            if row.get("bench") == "loadgen" and row.get("valid"):  # an INVALID run is no baseline
                 baseline[(row["protocol"], row["scenario"], row["method"], row["batch_size"])] = float(row["qps"])
     return baseline
 
