@@ -1,0 +1,155 @@
+"""Reading a batch's pages of mapped tables ahead of the kernel: the pages its ids will touch are asked of the
+kernel (``madvise(MADV_WILLNEED)``: asynchronous reads, many in flight) before the lookup runs, so the lookup's
+page faults find them read or reading instead of each waiting for one synchronous read.
+
+A table's mapping is advised ``MADV_RANDOM`` first: a fault then reads the page it needs, not a readahead window
+around it (measured on DLRM-v2 INT8: 44-93 KB read per lookup without it). ``madvise`` releases the GIL (ctypes
+drops it for the call), so a thread pool keeps several calls going while Python prepares the next.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import ctypes.util
+import logging
+import mmap
+import os
+from collections.abc import Sequence
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+
+from infer.storage.layout import PAGE_BYTES
+
+logger = logging.getLogger(__name__)
+
+MADV_RANDOM = getattr(mmap, "MADV_RANDOM", 1)
+MADV_WILLNEED = getattr(mmap, "MADV_WILLNEED", 3)
+# one madvise call per run of pages; runs are split between the pool's threads in pieces of at least this many
+MIN_RUNS_PER_TASK = 256
+
+_libc: ctypes.CDLL | None = None
+
+
+def _c() -> ctypes.CDLL:
+    global _libc
+    if _libc is None:
+        libc = ctypes.CDLL(ctypes.util.find_library("c") or None, use_errno=True)
+        libc.madvise.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int]
+        libc.madvise.restype = ctypes.c_int
+        libc.mincore.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_void_p]
+        libc.mincore.restype = ctypes.c_int
+        _libc = libc
+    return _libc
+
+
+def advise(address: int, length: int, advice: int) -> None:
+    """``madvise`` on the pages covering ``[address, address + length)``; an error is logged, never raised (advice
+    only changes speed)."""
+    first = address // PAGE_BYTES * PAGE_BYTES
+    if _c().madvise(first, address + length - first, advice) != 0:
+        error = ctypes.get_errno()
+        logger.warning("madvise(%d) of %d bytes failed: %s", advice, length, os.strerror(error))
+
+
+def resident_pages(tensor: torch.Tensor) -> np.ndarray:
+    """Per page of ``tensor``'s bytes (its first byte's page to its last's), whether it is in memory (``mincore``)."""
+    start = tensor.data_ptr() // PAGE_BYTES * PAGE_BYTES
+    length = tensor.data_ptr() + tensor.numel() * tensor.element_size() - start
+    pages = -(-length // PAGE_BYTES)
+    status = np.zeros(pages, dtype=np.uint8)
+    if pages and _c().mincore(start, length, status.ctypes.data) != 0:
+        raise OSError(ctypes.get_errno(), os.strerror(ctypes.get_errno()))
+    return (status & 1).astype(bool)
+
+
+@dataclass(frozen=True)
+class RowRegion:
+    """Where feature ``feature``'s rows ``lo .. hi`` lie in memory: row ``r`` at ``address + (r - lo) * row_bytes``
+    (a table, or one row block or column slice of it, of a mapped weight buffer)."""
+
+    feature: int
+    address: int
+    row_bytes: int
+    lo: int
+    hi: int
+
+
+class Prefetcher:
+    """Asks for the pages a batch of ids will read, ahead of the kernel. ``regions``: every place a feature's ids
+    are read from (a feature may have several: row blocks, column slices)."""
+
+    def __init__(self, regions: Sequence[RowRegion], num_features: int, threads: int = 4) -> None:
+        self.num_features = num_features
+        self.by_feature: list[list[RowRegion]] = [[] for _ in range(num_features)]
+        for region in regions:
+            self.by_feature[region.feature].append(region)
+        self.threads = max(1, threads)
+        self._pool: ThreadPoolExecutor | None = None
+        self.pages_requested = 0  # distinct pages asked for, over all batches (a count for benchmarks)
+
+    def advise_random(self) -> None:
+        """``MADV_RANDOM`` on every region: a page fault reads its own page only."""
+        for regions in self.by_feature:
+            for region in regions:
+                advise(region.address, (region.hi - region.lo) * region.row_bytes, MADV_RANDOM)
+
+    def pages(self, values: torch.Tensor, lengths: torch.Tensor) -> np.ndarray:
+        """The distinct pages (address // 4096, sorted) that the ids ``values`` (feature-major, ``lengths`` per
+        feature and bag) read."""
+        batch = lengths.numel() // self.num_features if self.num_features else 0
+        counts = lengths.view(self.num_features, batch).sum(1).tolist() if batch else [0] * self.num_features
+        ids = values.numpy() if values.dtype == torch.int64 else values.to(torch.int64).numpy()
+        found: list[np.ndarray] = []
+        start = 0
+        for feature, count in enumerate(counts):
+            end = start + int(count)
+            regions = self.by_feature[feature]
+            if regions and end > start:
+                chunk = ids[start:end]
+                for region in regions:
+                    rows = chunk
+                    if int(chunk.min()) < region.lo or int(chunk.max()) >= region.hi:
+                        rows = chunk[(chunk >= region.lo) & (chunk < region.hi)]
+                    first = region.address + (rows - region.lo) * region.row_bytes
+                    found.append(first // PAGE_BYTES)
+                    found.append((first + (region.row_bytes - 1)) // PAGE_BYTES)
+            start = end
+        if not found:
+            return np.empty(0, dtype=np.int64)
+        return np.unique(np.concatenate(found))
+
+    def prefetch(self, values: torch.Tensor, lengths: torch.Tensor) -> int:
+        """Ask for every page the batch reads (``MADV_WILLNEED``, one call per run of consecutive pages, the runs
+        spread over the pool); returns when all are asked for, not read. Returns the pages asked for."""
+        pages = self.pages(values, lengths)
+        if pages.size == 0:
+            return 0
+        breaks = np.flatnonzero(np.diff(pages) != 1) + 1
+        starts = np.concatenate(([0], breaks))
+        ends = np.concatenate((breaks, [pages.size]))
+        runs = list(zip((pages[starts] * PAGE_BYTES).tolist(), ((ends - starts) * PAGE_BYTES).tolist()))
+        tasks = min(self.threads, max(1, len(runs) // MIN_RUNS_PER_TASK))
+        if tasks == 1:
+            _advise_runs(runs)
+        else:
+            if self._pool is None:
+                self._pool = ThreadPoolExecutor(self.threads, thread_name_prefix="embserve-prefetch")
+            step = -(-len(runs) // tasks)
+            for future in [self._pool.submit(_advise_runs, runs[i : i + step]) for i in range(0, len(runs), step)]:
+                future.result()
+        self.pages_requested += int(pages.size)
+        return int(pages.size)
+
+    def close(self) -> None:
+        if self._pool is not None:
+            self._pool.shutdown(wait=True)
+            self._pool = None
+
+
+def _advise_runs(runs: list[tuple[int, int]]) -> None:
+    madvise = _c().madvise
+    for address, length in runs:
+        madvise(address, length, MADV_WILLNEED)  # an error only costs the read ahead; the fault reads the page
