@@ -79,26 +79,37 @@ class RowRegion:
 
 class Prefetcher:
     """Asks for the pages a batch of ids will read, ahead of the kernel. ``regions``: every place a feature's ids
-    are read from (a feature may have several: row blocks, column slices)."""
+    are read from (a feature may have several: row blocks, column slices).
 
-    def __init__(self, regions: Sequence[RowRegion], num_features: int, threads: int = 4) -> None:
+    A page asked for once is not asked for again until ``forget_after`` batches have passed (then every page is
+    asked for anew): ``madvise`` is a system call per run of pages (~0.5 us), which on resident tables would cost
+    more than the lookup; a page the kernel evicted meanwhile is read by the fault, as without prefetch."""
+
+    def __init__(
+        self, regions: Sequence[RowRegion], num_features: int, threads: int = 4, forget_after: int = 64
+    ) -> None:
         self.num_features = num_features
-        self.by_feature: list[list[RowRegion]] = [[] for _ in range(num_features)]
-        for region in regions:
-            self.by_feature[region.feature].append(region)
+        self.forget_after = forget_after
+        self.regions = list(dict.fromkeys(regions))
+        self.by_feature: list[list[int]] = [[] for _ in range(num_features)]
+        for index, region in enumerate(self.regions):
+            self.by_feature[region.feature].append(index)
+        # per region, the pages asked for since the last reset (page 0: the page of the region's first byte)
+        self._asked = [np.zeros(_pages_of(r)[1] - _pages_of(r)[0], dtype=bool) for r in self.regions]
+        self._batches = 0
         self.threads = max(1, threads)
         self._pool: ThreadPoolExecutor | None = None
-        self.pages_requested = 0  # distinct pages asked for, over all batches (a count for benchmarks)
+        self.pages_requested = 0  # pages asked for, over all batches (a count for benchmarks)
 
     def advise_random(self) -> None:
         """``MADV_RANDOM`` on every region: a page fault reads its own page only."""
-        for regions in self.by_feature:
-            for region in regions:
-                advise(region.address, (region.hi - region.lo) * region.row_bytes, MADV_RANDOM)
+        for region in self.regions:
+            advise(region.address, (region.hi - region.lo) * region.row_bytes, MADV_RANDOM)
 
-    def pages(self, values: torch.Tensor, lengths: torch.Tensor) -> np.ndarray:
+    def pages(self, values: torch.Tensor, lengths: torch.Tensor, skip_asked: bool = False) -> np.ndarray:
         """The distinct pages (address // 4096, sorted) that the ids ``values`` (feature-major, ``lengths`` per
-        feature and bag) read."""
+        feature and bag) read; with ``skip_asked``, only those not asked for since the last reset (and they are
+        marked asked)."""
         batch = lengths.numel() // self.num_features if self.num_features else 0
         counts = lengths.view(self.num_features, batch).sum(1).tolist() if batch else [0] * self.num_features
         ids = values.numpy() if values.dtype == torch.int64 else values.to(torch.int64).numpy()
@@ -106,25 +117,38 @@ class Prefetcher:
         start = 0
         for feature, count in enumerate(counts):
             end = start + int(count)
-            regions = self.by_feature[feature]
-            if regions and end > start:
+            if self.by_feature[feature] and end > start:
                 chunk = ids[start:end]
-                for region in regions:
+                for index in self.by_feature[feature]:
+                    region = self.regions[index]
                     rows = chunk
                     if int(chunk.min()) < region.lo or int(chunk.max()) >= region.hi:
                         rows = chunk[(chunk >= region.lo) & (chunk < region.hi)]
                     first = region.address + (rows - region.lo) * region.row_bytes
-                    found.append(first // PAGE_BYTES)
-                    found.append((first + (region.row_bytes - 1)) // PAGE_BYTES)
+                    pages = np.unique(
+                        np.concatenate((first // PAGE_BYTES, (first + region.row_bytes - 1) // PAGE_BYTES))
+                    )
+                    if skip_asked:
+                        asked = self._asked[index]
+                        local = pages - region.address // PAGE_BYTES
+                        pages = pages[~asked[local]]
+                        asked[local] = True
+                    found.append(pages)
             start = end
         if not found:
             return np.empty(0, dtype=np.int64)
         return np.unique(np.concatenate(found))
 
     def prefetch(self, values: torch.Tensor, lengths: torch.Tensor) -> int:
-        """Ask for every page the batch reads (``MADV_WILLNEED``, one call per run of consecutive pages, the runs
-        spread over the pool); returns when all are asked for, not read. Returns the pages asked for."""
-        pages = self.pages(values, lengths)
+        """Ask for every page the batch reads that was not asked for lately (``MADV_WILLNEED``, one call per run of
+        consecutive pages, the runs spread over the pool); returns when all are asked for, not read. Returns the
+        pages asked for."""
+        self._batches += 1
+        if self._batches > self.forget_after:
+            for asked in self._asked:
+                asked[:] = False
+            self._batches = 1
+        pages = self.pages(values, lengths, skip_asked=True)
         if pages.size == 0:
             return 0
         breaks = np.flatnonzero(np.diff(pages) != 1) + 1
@@ -147,6 +171,12 @@ class Prefetcher:
         if self._pool is not None:
             self._pool.shutdown(wait=True)
             self._pool = None
+
+
+def _pages_of(region: RowRegion) -> tuple[int, int]:
+    """The region's first page and the page after its last byte."""
+    end = region.address + (region.hi - region.lo) * region.row_bytes
+    return region.address // PAGE_BYTES, -(-end // PAGE_BYTES)
 
 
 def _advise_runs(runs: list[tuple[int, int]]) -> None:

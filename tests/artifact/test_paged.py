@@ -145,15 +145,15 @@ def test_hot_row_cache_reports_bad_ids_like_the_model(model, mapped):
 def test_bad_sample_ids_are_a_config_error_naming_the_table(model, mapped, sample, named):
     spec, _, _ = model
     with pytest.raises(ConfigError, match=named):
-        choose_hot_rows(spec, sample, rows_per_table=4)
+        choose_hot_rows(spec, sample, max_rows=4)
     with pytest.raises(ConfigError, match=named):
         load(mapped, verify="none", hot_rows=sample)
 
 
 def test_choose_hot_rows_takes_the_most_frequent(model):
     spec, _, _ = model
-    chosen = choose_hot_rows(spec, {"t_int8": [5, 9, 9, 7, 9, 5]}, rows_per_table=2)
-    assert chosen["t_int8"].tolist() == [9, 5]
+    chosen = choose_hot_rows(spec, {"t_int8": [5, 9, 9, 7, 9, 5], "t_int4": [4, 4, 4, 4, 1]}, max_rows=3)
+    assert {name: rows.tolist() for name, rows in chosen.items()} == {"t_int8": [9, 5], "t_int4": [4]}
 
 
 def test_unknown_prefetch_mode_is_refused(mapped):
@@ -171,7 +171,7 @@ def test_prefetch_makes_a_batchs_pages_resident_after_eviction(model, tmp_path):
     export(quantize(spec, random_weights(spec, seed=3)), folder, weights="mapped")
     runtime = load(folder, verify="none", prefetch="on")
     paged = runtime.module
-    (place,) = paged.prefetcher.by_feature[0]
+    (place,) = paged.prefetcher.regions
     table = paged.embeddings.tbe.weights_host
     weights = folder / "weights-0.bin"
     fd = os.open(weights, os.O_RDONLY)
