@@ -28,7 +28,7 @@ from infer.config import DataType, ModelSpec, PoolingType
 from infer.errors import ConfigError
 from infer.planner.types import MemoryTier, ShardingPlan
 from infer.quant.rowwise import row_bytes, unpadded_row_bytes
-from infer.storage.prefetch import Prefetcher, RowRegion
+from infer.storage.prefetch import MADV_DONTNEED, Prefetcher, RowRegion, advise
 
 logger = logging.getLogger(__name__)
 
@@ -197,6 +197,11 @@ class HotRowCache:
             for place in full:
                 inside = (rows >= place.region.lo) & (rows < place.region.hi)
                 target[inside, :width] = place.rows[rows[inside] - place.region.lo, :width]
+                # the copy mapped the hot rows' pages into this process: unmap them (they stay in the page cache,
+                # reclaimable like any page the kernels do not read), so they do not count as resident here
+                advise(
+                    place.region.address, (place.region.hi - place.region.lo) * place.region.row_bytes, MADV_DONTNEED
+                )
 
     def split(self, values: torch.Tensor, lengths: torch.Tensor, weights: torch.Tensor | None) -> tuple[Any, Any]:
         """``(model's ids, lengths, weights)`` and ``(cache's slots, lengths, weights)`` of a validated batch (numpy
@@ -305,7 +310,7 @@ def page_model(
     kernels: Sequence[Kernel],
     prefetch: bool,
     hot_rows: Mapping[str, Any] | None,
-    threads: int = 4,
+    threads: int = 16,
 ) -> Any:
     """``module`` itself when neither is asked for, else wrapped: pages read ahead (``MADV_RANDOM`` on the
     mappings, ``MADV_WILLNEED`` per batch) and/or ``hot_rows`` served from a resident cache."""
