@@ -11,13 +11,18 @@ made again to check what the artifact serves. Cases, one JSON line each, every l
 - ``load``: ``infer.load`` with ``verify="none"`` (load to ready) and ``"full"`` (every chunk hashed), the resident
   set after load (anonymous and file-backed), with the weight file's pages dropped from the page cache first
   (``posix_fadvise(DONTNEED)`` after ``fsync``: the serving passes start cold);
-- ``lookups_cold`` / ``lookups_warm``: batches of 64 samples, each feature's bag as long as DLRM-v2's multi-hot
-  size, ids Zipf(1.05) over a per-table permutation of the rows (hot rows scattered, as hashed ids are; the
-  permutation is ``(a * rank + b) mod rows`` with ``a`` coprime to ``rows``), all batches made before timing; the
-  same batches twice (the second pass finds the rows the first one faulted in, unless evicted): lookups/s, major
-  page faults (``getrusage``) per lookup, bytes read from storage (``/proc/self/io``: a fault reads a readahead
-  window, not a page, while the mapping is not ``MADV_RANDOM``), and the bound ``min(warm lookups/s, disk
-  reads/s at depth 16 / faults per lookup)`` with the cold pass's ratio to it;
+- ``lookups_<mode>_<pass>``: batches of 64 samples, each feature's bag as long as DLRM-v2's multi-hot size, ids
+  Zipf(1.05) over a per-table permutation of the rows (hot rows scattered, as hashed ids are; the permutation is
+  ``(a * rank + b) mod rows`` with ``a`` coprime to ``rows``), all batches made before timing; each serving mode in
+  a process of its own, from an evicted page cache, the same batches twice (``cold``, then ``warm``): lookups/s,
+  major faults and pages read from storage per lookup (``/proc/self/io``: the misses, readahead included).
+  Modes: ``plain`` (the mapping as is: prefetch off), ``prefetch`` (``prefetch="on"``), ``cache`` (prefetch and a
+  ``--cache-mib`` hot-row cache chosen from ``--sample-batches`` other batches of the same law), ``resident`` (the
+  plain kernel on pages made resident first: the resident rate). ``--ram-budget-mib`` runs every mode but
+  ``resident`` in a memory cgroup of that size (page cache included: the RAM budget);
+- ``target_prefetch``: the prefetch mode's cold rate against the bound ``min(resident lookups/s, disk reads/s at
+  depth 16 / misses per lookup)`` (target >= 0.5); ``target_cache``: misses per lookup of the warm pass with the
+  cache over those of the same mapping without it (target <= 0.5 at the same RAM budget);
 - ``disk``: the weight file's disk, read ``O_DIRECT`` (no page cache): random 4 KiB reads/s at queue depth 1 and
   16 (threads calling ``os.preadv`` into page-aligned buffers), sequential GB/s in 1 MiB reads;
 - ``spot_check``: rows served (one-id bags) against the row made again and quantized by the row codec (must be

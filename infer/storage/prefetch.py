@@ -15,6 +15,7 @@ import ctypes.util
 import logging
 import mmap
 import os
+import threading
 from collections.abc import Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
@@ -101,6 +102,7 @@ class Prefetcher:
         self._batches = 0
         self.threads = max(1, threads)
         self._pool: ThreadPoolExecutor | None = None
+        self._pool_lock = threading.Lock()
         self.pages_requested = 0  # pages asked for, over all batches (a count for benchmarks)
 
     def advise_random(self) -> None:
@@ -161,8 +163,9 @@ class Prefetcher:
         if tasks == 1:
             _advise_runs(runs)
         else:
-            if self._pool is None:
-                self._pool = ThreadPoolExecutor(self.threads, thread_name_prefix="embserve-prefetch")
+            with self._pool_lock:
+                if self._pool is None:
+                    self._pool = ThreadPoolExecutor(self.threads, thread_name_prefix="embserve-prefetch")
             step = -(-len(runs) // tasks)
             for future in [self._pool.submit(_advise_runs, runs[i : i + step]) for i in range(0, len(runs), step)]:
                 future.result()

@@ -156,6 +156,25 @@ def test_choose_hot_rows_takes_the_most_frequent(model):
     assert {name: rows.tolist() for name, rows in chosen.items()} == {"t_int8": [9, 5], "t_int4": [4]}
 
 
+def test_auto_prefetch_follows_the_plans_memory_tiers(model):
+    import dataclasses
+
+    from infer.artifact.paged import prefetch_wanted
+    from infer.planner.types import MemoryTier
+
+    spec, _, _ = model
+    plan = make_plan(spec, 2, {t.name: (RW, (0, 1)) for t in spec.tables})
+    assert all(s.tier == MemoryTier.RESIDENT for t in plan.tables for s in t.shards)
+    first = plan.tables[0]
+    paged_shard = dataclasses.replace(first.shards[0], tier=MemoryTier.PAGED)
+    paged = dataclasses.replace(plan, tables=(dataclasses.replace(first, shards=(paged_shard, *first.shards[1:])),))
+    assert not prefetch_wanted("auto", True, plan)
+    assert not prefetch_wanted("auto", True, None)
+    assert prefetch_wanted("auto", True, paged)
+    assert not prefetch_wanted("auto", False, paged)  # embedded weights: nothing to read ahead
+    assert prefetch_wanted("on", True, None) and not prefetch_wanted("off", True, paged)
+
+
 def test_unknown_prefetch_mode_is_refused(mapped):
     with pytest.raises(ConfigError, match="prefetch"):
         load(mapped, verify="none", prefetch="always")
