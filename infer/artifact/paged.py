@@ -33,6 +33,7 @@ from infer.storage.prefetch import MADV_DONTNEED, Prefetcher, RowRegion, advise
 logger = logging.getLogger(__name__)
 
 PREFETCH_MODES = ("auto", "on", "off")
+FILL_ROWS = 16384  # hot rows copied per piece at load
 READ_ROW_BLOCK = 1  # infer.modules.sharded.READ_ROW_BLOCK (that module imports fbgemm-facing code; not here)
 
 
@@ -180,6 +181,7 @@ class HotRowCache:
     def _fill(self, places: Sequence[TablePlace]) -> None:
         """Copy each hot row's bytes from the mapping into the cache's table (the kernel's own row codec)."""
         weights = self.tbe.weights_host
+        reader = Prefetcher([p.region for p in places], self.num_features)
         for slot, (name, rows) in enumerate(zip(self.tables, self.hot)):
             feature = next(f for f in self.features if self.feature_slot[f] == slot)
             info = self.spec.features[feature]
@@ -195,8 +197,13 @@ class HotRowCache:
             start = int(self.tbe.weights_physical_offsets[slot])
             target = weights[start : start + rows.numel() * size].view(rows.numel(), size)
             for place in full:
-                inside = (rows >= place.region.lo) & (rows < place.region.hi)
-                target[inside, :width] = place.rows[rows[inside] - place.region.lo, :width]
+                inside = torch.nonzero((rows >= place.region.lo) & (rows < place.region.hi)).flatten()
+                # in pieces, each piece's pages asked for ahead: a copy faulting one page at a time would read
+                # at the disk's depth-1 rate (and a budget smaller than all the pages would evict them first)
+                for piece in torch.split(inside, FILL_ROWS):
+                    wanted = rows[piece]
+                    reader.ask_rows(place.region, wanted.numpy())
+                    target[piece, :width] = place.rows[wanted - place.region.lo, :width]
                 # the copy mapped the hot rows' pages into this process: unmap them (they stay in the page cache,
                 # reclaimable like any page the kernels do not read), so they do not count as resident here
                 advise(

@@ -152,7 +152,11 @@ class Prefetcher:
             for asked in self._asked:
                 asked[:] = False
             self._batches = 1
-        pages = self.pages(values, lengths, skip_asked=True)
+        return self.ask(self.pages(values, lengths, skip_asked=True))
+
+    def ask(self, pages: np.ndarray) -> int:
+        """``MADV_WILLNEED`` on ``pages`` (sorted distinct page numbers: address // 4096), one call per run of
+        consecutive pages, the runs spread over the pool; returns the pages asked for."""
         if pages.size == 0:
             return 0
         breaks = np.flatnonzero(np.diff(pages) != 1) + 1
@@ -171,6 +175,11 @@ class Prefetcher:
                 future.result()
         self.pages_requested += int(pages.size)
         return int(pages.size)
+
+    def ask_rows(self, region: RowRegion, rows: np.ndarray) -> int:
+        """Ask for the pages of rows ``rows`` (inside ``region``), e.g. before copying them out."""
+        first = region.address + (rows - region.lo) * region.row_bytes
+        return self.ask(np.unique(np.concatenate((first // PAGE_BYTES, (first + region.row_bytes - 1) // PAGE_BYTES))))
 
     def close(self) -> None:
         if self._pool is not None:
