@@ -11,13 +11,18 @@ made again to check what the artifact serves. Cases, one JSON line each, every l
 - ``load``: ``infer.load`` with ``verify="none"`` (load to ready) and ``"full"`` (every chunk hashed), the resident
   set after load (anonymous and file-backed), with the weight file's pages dropped from the page cache first
   (``posix_fadvise(DONTNEED)`` after ``fsync``: the serving passes start cold);
-- ``lookups_cold`` / ``lookups_warm``: batches of 64 samples, each feature's bag as long as DLRM-v2's multi-hot
-  size, ids Zipf(1.05) over a per-table permutation of the rows (hot rows scattered, as hashed ids are; the
-  permutation is ``(a * rank + b) mod rows`` with ``a`` coprime to ``rows``), all batches made before timing; the
-  same batches twice (the second pass finds the rows the first one faulted in, unless evicted): lookups/s, major
-  page faults (``getrusage``) per lookup, bytes read from storage (``/proc/self/io``: a fault reads a readahead
-  window, not a page, while the mapping is not ``MADV_RANDOM``), and the bound ``min(warm lookups/s, disk
-  reads/s at depth 16 / faults per lookup)`` with the cold pass's ratio to it;
+- ``lookups_<mode>_<pass>``: batches of 64 samples, each feature's bag as long as DLRM-v2's multi-hot size, ids
+  Zipf(1.05) over a per-table permutation of the rows (hot rows scattered, as hashed ids are; the permutation is
+  ``(a * rank + b) mod rows`` with ``a`` coprime to ``rows``), all batches made before timing; each serving mode in
+  a process of its own, from an evicted page cache, the same batches twice (``cold``, then ``warm``): lookups/s,
+  major faults and pages read from storage per lookup (``/proc/self/io``: the misses, readahead included).
+  Modes: ``plain`` (the mapping as is: prefetch off), ``prefetch`` (``prefetch="on"``), ``cache`` (prefetch and a
+  ``--cache-mib`` hot-row cache chosen from ``--sample-batches`` other batches of the same law), ``resident`` (the
+  plain kernel on pages made resident first: the resident rate). ``--ram-budget-mib`` runs every mode but
+  ``resident`` in a memory cgroup of that size (page cache included: the RAM budget);
+- ``target_prefetch``: the prefetch mode's cold rate against the bound ``min(resident lookups/s, disk reads/s at
+  depth 16 / misses per lookup)`` (target >= 0.5); ``target_cache``: misses per lookup of the warm pass with the
+  cache over those of the same mapping without it (target <= 0.5 at the same RAM budget);
 - ``disk``: the weight file's disk, read ``O_DIRECT`` (no page cache): random 4 KiB reads/s at queue depth 1 and
   16 (threads calling ``os.preadv`` into page-aligned buffers), sequential GB/s in 1 MiB reads;
 - ``spot_check``: rows served (one-id bags) against the row made again and quantized by the row codec (must be
@@ -182,11 +187,15 @@ def permutation(rng: np.random.Generator, rows: int) -> tuple[int, int]:
             return a, int(rng.integers(0, rows))
 
 
-def make_batches(spec: Any, count: int, seed: int) -> list[Any]:
+def make_batches(spec: Any, count: int, seed: int, ids_seed: int | None = None) -> list[Any]:
+    """``count`` batches; the tables' permutations come from ``seed``, the ids from ``ids_seed`` (default the same:
+    a sample of requests for the hot-row cache uses another ``ids_seed``, the same permutations)."""
     from infer.features import SparseFeatures
 
     rng = np.random.default_rng(seed)
     perms = [permutation(rng, t.num_embeddings) for t in spec.tables]
+    if ids_seed is not None:
+        rng = np.random.default_rng(ids_seed)
     names = [f.name for f in spec.features]
     batches = []
     for _ in range(count):
@@ -305,6 +314,104 @@ def spot_check(runtime: Any, spec: Any, seed: int, count: int) -> dict[str, Any]
     return {"rows": count, "equal_to_dequantized": equal, "max_abs_error_vs_fp32": round(worst, 5)}
 
 
+MODES = ("resident", "plain", "prefetch", "cache")
+
+
+def memory_cgroup(limit_bytes: int) -> Path | None:
+    """A new memory cgroup below this process's own, limited to ``limit_bytes`` (page cache included): cgroup v2
+    ``memory.max`` or v1 ``memory.limit_in_bytes``; None where neither can be made here."""
+    for line in Path("/proc/self/cgroup").read_text().splitlines():
+        _, controllers, where = line.split(":", 2)
+        if controllers == "memory":
+            parent, limit_file = Path("/sys/fs/cgroup/memory") / where.lstrip("/"), "memory.limit_in_bytes"
+            break
+    else:
+        where = Path("/proc/self/cgroup").read_text().splitlines()[-1].split(":", 2)[2]
+        parent, limit_file = Path("/sys/fs/cgroup") / where.lstrip("/"), "memory.max"
+    group = parent / f"embserve-large-{os.getpid()}"
+    try:
+        group.mkdir()
+        (group / limit_file).write_text(str(limit_bytes))
+    except OSError as err:
+        print(f"no memory cgroup ({err}); the RAM budget is the host's", file=sys.stderr)
+        return None
+    return group
+
+
+def serve_child(args: argparse.Namespace) -> int:
+    """One serving mode in a process of its own (its own memory cgroup when ``--cgroup``): two passes over the
+    same batches from an evicted page cache; prints one JSON line per pass."""
+    if args.cgroup:
+        (Path(args.cgroup) / "cgroup.procs").write_text(str(os.getpid()))
+    import infer
+    from infer.artifact.fbgemm_libs import load_fbgemm
+    from infer.artifact.paged import choose_hot_rows
+    from infer.storage.memory import memory_use
+
+    load_fbgemm()
+    path = Path(args.out)
+    spec = dlrm_spec(args.scale)
+    batches = make_batches(spec, args.batches, args.seed + 1)
+    hot_rows = None
+    if args.mode == "cache":
+        sample = make_batches(spec, args.sample_batches, args.seed + 1, ids_seed=args.seed + 2)
+        ids: dict[str, list[torch.Tensor]] = {}
+        for batch in sample:
+            per_feature = batch.lengths.view(len(spec.features), -1).sum(1).tolist()
+            for feature, piece in zip(spec.features, torch.split(batch.values, [int(n) for n in per_feature])):
+                ids.setdefault(feature.table, []).append(piece)
+        max_rows = (args.cache_mib << 20) // (DIM + 4)
+        hot_rows = choose_hot_rows(spec, {name: torch.cat(pieces) for name, pieces in ids.items()}, max_rows)
+    prefetch = "off" if args.mode == "plain" else "on"
+    runtime = infer.load(path, verify="none", prefetch=prefetch, hot_rows=hot_rows)
+    for file in sorted(path.glob("weights-*.bin")):
+        drop_from_page_cache(file)
+    passes = ("cold", "warm")
+    if args.mode == "resident":  # warm the pages with prefetch, then time the plain kernel on them
+        run_pass(runtime, batches)
+        runtime.module.prefetcher = None
+        passes = ("resident",)
+    for name in passes:
+        seconds, ids_done, faults, read = run_pass(runtime, batches)
+        memory = memory_use()
+        print(
+            json.dumps(
+                {
+                    "mode": args.mode,
+                    "pass": name,
+                    "lookups": ids_done,
+                    "lookups_per_s": round(ids_done / seconds),
+                    "major_faults_per_lookup": round(faults / ids_done, 5),
+                    "pages_read_per_lookup": round(read / PAGE / ids_done, 5),
+                    "storage_read_gb": round(read / 1e9, 3),
+                    "rss_anon_gb": round(memory.rss_anon / 1e9, 3),
+                    "rss_file_gb": round(memory.rss_file / 1e9, 3),
+                    "cache_rows": int(sum(h.numel() for h in hot_rows.values())) if hot_rows else 0,
+                    "cache_mb": round(runtime.module.cache.weight_bytes / 1e6, 1) if hot_rows else 0,
+                }
+            ),
+            flush=True,
+        )
+    return 0
+
+
+def run_mode(args: argparse.Namespace, path: Path, mode: str, cgroup: Path | None) -> dict[str, dict[str, Any]]:
+    command = [sys.executable, __file__, "--phase", "serve", "--mode", mode, "--out", str(path)]
+    command += ["--scale", str(args.scale), "--seed", str(args.seed), "--batches", str(args.batches)]
+    command += ["--sample-batches", str(args.sample_batches), "--cache-mib", str(args.cache_mib)]
+    if cgroup is not None and mode != "resident":
+        command += ["--cgroup", str(cgroup)]
+    done = subprocess.run(command, stdout=subprocess.PIPE, text=True)
+    if done.returncode != 0:
+        raise SystemExit(f"serving mode {mode} failed (status {done.returncode})")
+    results = {}
+    for line in done.stdout.strip().splitlines():
+        result = json.loads(line)
+        results[result["pass"]] = result
+        emit(f"lookups_{mode}_{result['pass']}", scale=args.scale, batch=BATCH, batches=args.batches, **result)
+    return results
+
+
 def serve(args: argparse.Namespace, path: Path) -> None:
     import infer
     from infer.artifact.fbgemm_libs import load_fbgemm
@@ -333,7 +440,6 @@ def serve(args: argparse.Namespace, path: Path) -> None:
         rss_anon_gb=round(after.rss_anon / 1e9, 3),
         rss_file_gb=round(after.rss_file / 1e9, 3),
     )
-    batches = make_batches(spec, args.batches, args.seed + 1)
     depth1 = random_reads(weights[0], 1, args.probe_seconds)
     depth16 = random_reads(weights[0], 16, args.probe_seconds)
     sequential = sequential_read(weights[0], args.probe_seconds)
@@ -344,38 +450,49 @@ def serve(args: argparse.Namespace, path: Path) -> None:
         random_4k_reads_per_s_qd16=round(depth16),
         sequential_gb_per_s=round(sequential, 3),
     )
-    for file in weights:
-        drop_from_page_cache(file)
-    results = {}
-    for name in ("lookups_cold", "lookups_warm"):
-        seconds, ids, faults, read = run_pass(runtime, batches)
-        results[name] = (ids / seconds, faults / ids)
-        memory = memory_use()
+    cgroup = memory_cgroup(args.ram_budget_mib << 20) if args.ram_budget_mib else None
+    try:
+        runs = {mode: run_mode(args, path, mode, cgroup) for mode in args.modes.split(",")}
+    finally:
+        if cgroup is not None:
+            cgroup.rmdir()
+    budget = f"{args.ram_budget_mib} MiB memory cgroup" if cgroup is not None else "the host's RAM"
+    if "resident" in runs and "prefetch" in runs:
+        resident = runs["resident"]["resident"]
+        cold = runs["prefetch"]["cold"]
+        misses = cold["pages_read_per_lookup"]
+        bound = min(resident["lookups_per_s"], depth16 / misses) if misses > 0 else resident["lookups_per_s"]
         emit(
-            name,
+            "target_prefetch",
             scale=args.scale,
-            batch=BATCH,
-            batches=len(batches),
-            lookups=ids,
-            lookups_per_s=round(ids / seconds),
-            major_faults=faults,
-            faults_per_lookup=round(faults / ids, 5),
-            storage_read_gb=round(read / 1e9, 3),
-            storage_read_bytes_per_lookup=round(read / ids),
-            rss_gb=round(memory.rss / 1e9, 3),
-            rss_file_gb=round(memory.rss_file / 1e9, 3),
+            ram_budget=budget,
+            resident_lookups_per_s=resident["lookups_per_s"],
+            resident_pass_read_nothing=resident["storage_read_gb"] == 0,
+            disk_qd16_reads_per_s=round(depth16),
+            misses_per_lookup=misses,
+            bound_lookups_per_s=round(bound),
+            prefetch_cold_lookups_per_s=cold["lookups_per_s"],
+            plain_cold_lookups_per_s=runs["plain"]["cold"]["lookups_per_s"] if "plain" in runs else None,
+            ratio_to_bound=round(cold["lookups_per_s"] / bound, 3),
+            target=0.5,
         )
-    warm_rate, warm_faults = results["lookups_warm"]
-    cold_rate, cold_faults = results["lookups_cold"]
-    bound = min(warm_rate, depth16 / cold_faults) if cold_faults > 0 else warm_rate
-    emit(
-        "bound",
-        resident_lookups_per_s=round(warm_rate),
-        warm_pass_resident=warm_faults == 0,  # else the warm pass faulted too and the bound is not a resident rate
-        disk_bound_lookups_per_s=round(depth16 / cold_faults) if cold_faults > 0 else None,
-        bound_lookups_per_s=round(bound),
-        cold_over_bound=round(cold_rate / bound, 3),
-    )
+    if "cache" in runs and "prefetch" in runs:
+        cached = runs["cache"]["warm"]["pages_read_per_lookup"]
+        paged = runs["prefetch"]["warm"]["pages_read_per_lookup"]
+        plain = runs["plain"]["warm"]["pages_read_per_lookup"] if "plain" in runs else None
+        emit(
+            "target_cache",
+            scale=args.scale,
+            ram_budget=budget,
+            cache_mb=runs["cache"]["warm"]["cache_mb"],
+            misses_per_lookup_cache=cached,
+            misses_per_lookup_page_cache=paged,  # the same mapping with MADV_RANDOM, no cache
+            misses_per_lookup_plain=plain,  # no advice: each fault reads a readahead window
+            cache_lookups_per_s=runs["cache"]["warm"]["lookups_per_s"],
+            page_cache_lookups_per_s=runs["prefetch"]["warm"]["lookups_per_s"],
+            ratio=round(cached / paged, 3) if paged > 0 else None,
+            target=0.5,
+        )
     emit("spot_check", scale=args.scale, **spot_check(runtime, spec, args.seed, args.spot_checks))
 
 
@@ -389,16 +506,28 @@ def main() -> int:
     parser.add_argument("--spot-checks", type=int, default=64)
     parser.add_argument("--skip-full-verify", action="store_true", help="load with verify='none' only")
     parser.add_argument("--out", default=None, help="artifact folder (default: a temporary folder here)")
+    parser.add_argument("--reuse", action="store_true", help="serve the artifact already in --out (no export)")
     parser.add_argument("--keep", action="store_true", help="keep the artifact")
-    parser.add_argument("--phase", choices=("all", "export"), default="all", help=argparse.SUPPRESS)
+    parser.add_argument("--modes", default=",".join(MODES), help=f"serving modes, of {list(MODES)}")
+    parser.add_argument("--ram-budget-mib", type=int, default=0, help="serve in a memory cgroup this size (0: none)")
+    parser.add_argument("--cache-mib", type=int, default=256, help="hot-row cache size (mode 'cache')")
+    parser.add_argument(
+        "--sample-batches", type=int, default=200, help="batches of the sample the cache is chosen from"
+    )
+    parser.add_argument("--phase", choices=("all", "export", "serve"), default="all", help=argparse.SUPPRESS)
+    parser.add_argument("--mode", choices=MODES, default="plain", help=argparse.SUPPRESS)
+    parser.add_argument("--cgroup", default=None, help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.phase == "export":
         return export_child(args)
+    if args.phase == "serve":
+        return serve_child(args)
     folder = Path(args.out) if args.out else Path(tempfile.mkdtemp(prefix="embserve-large-"))
     out = folder / "artifact"
     try:
-        exported = run_export(args, out)
-        emit("export", scale=args.scale, tables=len(DLRM_V2_ROWS), dtype="int8", **exported)
+        if not (args.reuse and (out / "manifest.json").exists()):
+            exported = run_export(args, out)
+            emit("export", scale=args.scale, tables=len(DLRM_V2_ROWS), dtype="int8", **exported)
         serve(args, out)
     finally:
         if not args.keep:

@@ -7,6 +7,7 @@ import os
 import time
 from collections.abc import Mapping, Sequence
 from pathlib import Path
+from typing import Any
 
 import torch
 
@@ -14,6 +15,7 @@ from infer.artifact.fbgemm_libs import load_fbgemm
 from infer.artifact.formats import torchscript
 from infer.artifact.kernels import check_routing, expected_kernels
 from infer.artifact.manifest import MANIFEST_FILE, Manifest
+from infer.artifact.paged import check_prefetch_mode, page_model, prefetch_wanted
 from infer.artifact.runtime import Runtime
 from infer.artifact.schema import parse_document, schema, validate
 from infer.artifact.structures import StructureCache
@@ -36,6 +38,8 @@ def load(
     backend: str = "torchscript",
     verify: str = FULL,
     structures: StructureCache | None = None,
+    prefetch: str = "auto",
+    hot_rows: Mapping[str, Any] | None = None,
 ) -> Runtime:
     """Verify and load an artifact; returns a ``Runtime`` with ``lookup`` and ``predict``.
 
@@ -65,9 +69,17 @@ def load(
     ``structures`` (``infer.artifact.structures.StructureCache``): a mapped artifact's model file (no tables inside)
     whose structure was loaded before is a copy of it instead of another ``torch.jit.load`` (a server's
     repository swapping versions passes one); other artifacts load as without it.
+    Serving larger than RAM (a mapped artifact, torchscript backend; ``infer.artifact.paged``): ``prefetch="on"``
+    reads each batch's missing pages ahead of the kernel, many in flight (``MADV_WILLNEED``; the mappings are
+    advised ``MADV_RANDOM``); ``"auto"`` (the default) turns it on when the plan puts a shard in the paged tier,
+    ``"off"`` never. ``hot_rows`` (table name -> row ids, e.g. ``choose_hot_rows`` of a sample of requests) keeps
+    those rows in a resident cache in front of the mapped tables.
     """
     if backend not in BACKENDS:
         raise ConfigError(f"unknown backend {backend!r}; choose one of {list(BACKENDS)}")
+    check_prefetch_mode(prefetch)
+    if hot_rows and backend != "torchscript":
+        raise ConfigError(f"hot_rows applies to the torchscript backend, not {backend!r}")
     check_verify_mode(verify)
     started = time.perf_counter()
     folder = Path(artifact_dir)
@@ -125,7 +137,8 @@ def load(
         check_routing(module, manifest.spec, plan)
     torchscript.remap_shard_devices(module, mapping)
     _set_intra_op_threads(manifest, targets, intra_op_threads)
-    runtime = Runtime(folder, manifest, module)
+    paged = prefetch_wanted(prefetch, manifest.mapped, plan)
+    runtime = Runtime(folder, manifest, page_model(module, manifest.spec, manifest.kernels, paged, hot_rows))
     runtime.set_threads(threads if threads is not None else runtime.thread_budget())
     return _timed(runtime, started, library_seconds)
 
