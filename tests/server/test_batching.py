@@ -148,11 +148,24 @@ def test_full_queue_is_resource_exhausted(start_server, gated, dense_runtime, sp
     assert served.metric("embserve_requests_total", {"method": "Lookup", "code": "RESOURCE_EXHAUSTED"}) == 1
 
 
-def test_deadline_while_waiting_for_a_batch(start_server, dense_artifact, dense_runtime, spec):
+def test_deadline_while_waiting_for_a_batch(start_server, gated, dense_runtime, spec):
     # one worker, a 1 s batching window: a 300 ms deadline expires while the request waits for company
-    served = start_server(dense_artifact, max_delay_us=1_000_000, workers=1, warmup_batches=0)
+    runtime, gate = gated
+    served = start_server(runtime, max_delay_us=1_000_000, workers=1, warmup_batches=0)
     stub = served.stub()
     stub.GetModelMetadata(pb.GetModelMetadataRequest(), timeout=CALL_TIMEOUT)
+    # a lone caller is served at once; callers that overlap (one queued while another runs) make the server
+    # wait for company from then on
+    pair = [random_batch(spec, batch_size=1, seed=498 + i) for i in range(2)]
+    gate.hold()
+    running = stub.Lookup.future(lookup_request(pair[0]), timeout=CALL_TIMEOUT)
+    gate.wait_entered()
+    queued = stub.Lookup.future(lookup_request(pair[1]), timeout=CALL_TIMEOUT)
+    wait_until(lambda: served.metric("embserve_queue_depth") == 1, what="the second call to queue")
+    gate.release()
+    for call, b in zip((running, queued), pair):
+        assert torch.equal(codec.decode_embeddings(call.result()), dense_runtime.lookup(b))
+    merged_before = served.metric("embserve_batch_requests_sum")
     batch = random_batch(spec, batch_size=4, seed=500)
     error = rpc_error(lambda: stub.Lookup(lookup_request(batch), timeout=0.3))
     assert error.code() == grpc.StatusCode.DEADLINE_EXCEEDED
@@ -163,9 +176,20 @@ def test_deadline_while_waiting_for_a_batch(start_server, dense_artifact, dense_
     labels = {"method": "Lookup", "code": "DEADLINE_EXCEEDED"}
     wait_until(lambda: served.metric("embserve_requests_total", labels) == 1, what="the expired call's metric")
     # the expired request was dropped before the merge: only `later` reached the model
-    assert served.metric("embserve_batch_requests_sum") == 1
-    assert served.metric("embserve_batch_examples_sum") == 6
+    assert served.metric("embserve_batch_requests_sum") == merged_before + 1
+    assert served.metric("embserve_batch_examples_sum") == 2 + 6
     assert served.health() == health_pb2.HealthCheckResponse.SERVING
+
+
+def test_a_lone_caller_does_not_wait_out_the_batching_window(start_server, dense_artifact, dense_runtime, spec):
+    # a 60 s window and calls with a much shorter deadline: a lone closed-loop caller has no company to wait for
+    served = start_server(dense_artifact, max_delay_us=60_000_000, workers=1, warmup_batches=0)
+    stub = served.stub()
+    for seed in range(3):
+        batch = random_batch(spec, batch_size=2, seed=700 + seed)
+        response = stub.Lookup(lookup_request(batch), timeout=CALL_TIMEOUT)
+        assert torch.equal(codec.decode_embeddings(response), dense_runtime.lookup(batch))
+    assert served.metric("embserve_batch_requests_sum") == 3
 
 
 def test_deadline_during_the_forward(start_server, gated, dense_runtime, spec):
