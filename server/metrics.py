@@ -31,6 +31,22 @@ class _QuietHandler(WSGIRequestHandler):
         pass
 
 
+StageTotals = dict[str, tuple[float, float]]  # stage -> (observations, seconds)
+
+
+def profile_line(before: StageTotals, after: StageTotals, seconds: float) -> str:
+    """The ``--profile`` breakdown of one interval: per stage, observations, mean milliseconds and the share of
+    the interval's wall time it took (stages overlap across threads, so shares may add up past 100 %)."""
+    parts = []
+    for stage in STAGES:
+        count = after[stage][0] - before[stage][0]
+        spent = after[stage][1] - before[stage][1]
+        mean_ms = 1e3 * spent / count if count else 0.0
+        share = 100.0 * spent / seconds if seconds > 0 else 0.0
+        parts.append(f"{stage} {int(count)}x {mean_ms:.3f} ms ({share:.1f} %)")
+    return f"profile over {seconds:.1f} s: " + ", ".join(parts)
+
+
 class ServerMetrics:
     """One registry per server, so several servers (tests) never share counters."""
 
@@ -78,7 +94,7 @@ class ServerMetrics:
             "embserve_in_flight", "gRPC model calls accepted and not yet answered", registry=self.registry
         )
 
-    def stage_totals(self) -> dict[str, tuple[float, float]]:
+    def stage_totals(self) -> StageTotals:
         """stage -> (observations, seconds) so far (``embserve serve --profile`` prints their differences)."""
         totals = {stage: [0.0, 0.0] for stage in STAGES}
         for metric in self.stage_seconds.collect():

@@ -255,7 +255,7 @@ class OpenInference:
         self.repository = repository  # server.repository.Repository, closed with the protocol
         self.is_ready = False
         self._own_batchers = list(stop_batchers)
-        self.http: Any = None  # the REST server, when one runs (server.oip_http.RestServer)
+        self.http: Any = None  # the REST server, when one runs (server.oip_http.RestServer, set by server.app)
 
     @classmethod
     def for_servicer(cls, v1: InferenceServicer, name: str, max_queue: int) -> OpenInference:
@@ -274,13 +274,6 @@ class OpenInference:
     def start(self) -> None:
         for batcher in self._own_batchers:
             batcher.start()
-
-    async def serve_http(self, host: str, port: int, config: Any) -> int:
-        """Start the REST endpoint (``server.oip_http``) on the server's loop; returns its port."""
-        from server.oip_http import RestServer
-
-        self.http = RestServer(self, config)
-        return await self.http.start(host, port)
 
     def stop_accepting(self) -> None:
         """The REST endpoint refuses new connections and closes each one after its next answer
