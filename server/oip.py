@@ -24,6 +24,7 @@ from infer.artifact.runtime import Runtime
 from infer.errors import RequestError
 from infer.version import __version__
 from server import oip_codec as oc
+from server import wire
 from server.batcher import DynamicBatcher
 from server.proto import open_inference_grpc_pb2 as pb
 from server.proto import open_inference_grpc_pb2_grpc as pb_grpc
@@ -33,6 +34,7 @@ from server.validated import RequestLayout, ValidatedBatch
 logger = logging.getLogger(__name__)
 
 SERVICE_NAME = pb.DESCRIPTOR.services_by_name["GRPCInferenceService"].full_name
+_RAW_OUTPUTS_FIELD = wire.field_number(pb.ModelInferResponse, "raw_output_contents")
 SERVER_NAME = "embserve"
 PLATFORM = "embserve_torchscript"
 EXTENSIONS = ("binary_tensor_data", "model_repository")
@@ -439,8 +441,9 @@ class OpenInferenceServicer(pb_grpc.GRPCInferenceServiceServicer):
         )
         for output in result.outputs:
             response.outputs.add(name=output.name, datatype=output.datatype, shape=output.shape)
-            response.raw_output_contents.append(output.raw())
-        return response
+        raw = [wire.payload(output.data) for output in result.outputs]
+        # the raw contents written once, straight from the outputs (server.wire)
+        return wire.with_bytes_fields(response.SerializeToString(), _RAW_OUTPUTS_FIELD, raw)  # type: ignore[return-value]
 
     async def RepositoryIndex(self, request: pb.RepositoryIndexRequest, context: Any) -> pb.RepositoryIndexResponse:
         async def work() -> pb.RepositoryIndexResponse:
@@ -496,7 +499,7 @@ def add_to_server(
         method.name: grpc.unary_unary_rpc_method_handler(
             getattr(servicer, method.name),
             request_deserializer=lenient(_MESSAGES[method.input_type.name]),
-            response_serializer=_MESSAGES[method.output_type.name].SerializeToString,
+            response_serializer=wire.serialize,
         )
         for method in service.methods
     }

@@ -22,7 +22,7 @@ from infer import request_rules as rules
 from infer.artifact.runtime import Runtime
 from infer.errors import RequestError
 from infer.version import __version__
-from server import codec
+from server import codec, wire
 from server.batcher import MAX_MERGE_EXAMPLES, DynamicBatcher, QueueFullError, Runner
 from server.metrics import ServerMetrics
 from server.proto import inference_pb2 as pb
@@ -32,6 +32,7 @@ from server.validated import RequestLayout, ValidatedBatch
 logger = logging.getLogger(__name__)
 
 SERVICE_NAME = pb.DESCRIPTOR.services_by_name["InferenceService"].full_name
+_EMBEDDINGS_FIELD = wire.field_number(pb.LookupResponse, "embeddings")
 
 
 class Undecodable:
@@ -62,7 +63,7 @@ def add_to_server(servicer: InferenceServicer, server: grpc.aio.Server) -> None:
     }
     handlers = {
         name: grpc.unary_unary_rpc_method_handler(
-            method, request_deserializer=lenient(request), response_serializer=response.SerializeToString
+            method, request_deserializer=lenient(request), response_serializer=wire.serialize
         )
         for name, (method, request, response) in methods.items()
     }
@@ -252,16 +253,17 @@ class InferenceServicer(pb_grpc.InferenceServiceServicer):
         _check_deadline(context)
         pooled = await target._submit(target.lookups, batch)
         started = time.perf_counter()
-        response = pb.LookupResponse(
+        head = pb.LookupResponse(
             batch_size=pooled.shape[0],
             dim=pooled.shape[1],
             output_type=request.output_type,
-            embeddings=codec.encode_embeddings(pooled, request.output_type),
             columns=target._columns,
             model_version=target.version,
-        )
+        ).SerializeToString()
+        embeddings = pooled.to(torch.float16) if request.output_type == pb.OUTPUT_TYPE_FP16 else pooled
+        response = wire.with_bytes_fields(head, _EMBEDDINGS_FIELD, [wire.payload(embeddings)])
         self.metrics.observe_stage("encode", time.perf_counter() - started)
-        return response
+        return response  # type: ignore[return-value]  # LookupResponse bytes, written once (server.wire)
 
     async def _predict(self, request: pb.PredictRequest, context: grpc.aio.ServicerContext) -> pb.PredictResponse:
         self._accept(request)
