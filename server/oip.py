@@ -109,14 +109,20 @@ class ServedModel:
         inputs: Callable[[], Sequence[oc.InputTensor]],
         requested: Sequence[oc.RequestedOutput],
         fp16: bool = False,
-        raw: Callable[[], Iterable[tuple[str, str, Sequence[int], bytes]] | None] | None = None,
+        raw: Callable[[], Iterable[oc.RawInput] | None] | None = None,
     ) -> oc.Decoded:
-        """Decode and validate once: ``raw`` inputs (when the request has them) read in place if plainly valid,
-        else ``inputs`` through ``oip_codec.decode_inputs``, which names what is wrong."""
-        raw_inputs = raw() if raw is not None else None
+        """Decode and validate once: ``raw`` inputs (gRPC, when the request has them; else ``inputs``, e.g. REST's)
+        read in place if plainly valid, else ``inputs`` through ``oip_codec.decode_inputs``, which names what is
+        wrong."""
+        decoded_inputs = None
+        if raw is not None:
+            raw_inputs = raw()
+        else:  # REST: inputs already decoded from JSON or binary data
+            decoded_inputs = inputs()
+            raw_inputs = [(t.name, t.datatype, t.shape, t.data.numpy()) for t in decoded_inputs]
         batch = oc.accept_raw(raw_inputs, self.layout) if raw_inputs is not None else None
         if batch is None:
-            features, dense = oc.decode_inputs(inputs(), self.spec)
+            features, dense = oc.decode_inputs(decoded_inputs or inputs(), self.spec)
             if dense is not None and not self.has_dense:
                 raise RequestError(f"this model has no dense part; drop the input {oc.DENSE!r}")
             batch = ValidatedBatch.of_features(features, dense)
@@ -318,7 +324,7 @@ class OpenInference:
         inputs: Callable[[], Sequence[oc.InputTensor]],
         requested: Sequence[oc.RequestedOutput],
         fp16: bool = False,
-        raw: Callable[[], Iterable[tuple[str, str, Sequence[int], bytes]] | None] | None = None,
+        raw: Callable[[], Iterable[oc.RawInput] | None] | None = None,
     ) -> InferResult:
         """Decode and validate once (``ServedModel.decode``: ``raw`` or ``inputs``, called once the model is
         known), batch, run and encode.
@@ -365,7 +371,7 @@ def grpc_inputs(request: pb.ModelInferRequest) -> list[oc.InputTensor]:
     return tensors
 
 
-def grpc_raw_inputs(request: pb.ModelInferRequest) -> list[tuple[str, str, Sequence[int], bytes]] | None:
+def grpc_raw_inputs(request: pb.ModelInferRequest) -> list[oc.RawInput] | None:
     """(name, datatype, shape, bytes) of every input when all travel raw (tritonclient's way), else None."""
     raw = request.raw_input_contents
     if not raw or len(raw) != len(request.inputs):

@@ -175,26 +175,36 @@ def _exact_integers(data: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
 _NUMPY: dict[str, np.dtype[Any]] = {"INT64": np.dtype("<i8"), "INT32": np.dtype("<i4"), "FP32": np.dtype("<f4")}
 
 
-RawInput = tuple[str, str, Sequence[int], bytes]  # name, datatype, shape, data
+# name, datatype, shape, data: raw little-endian bytes (gRPC raw_input_contents) or an array (REST, decoded)
+RawInput = tuple[str, str, Sequence[int], "bytes | np.ndarray"]
+
+
+def _flat(data: bytes | np.ndarray, dtype: np.dtype[Any], count: int) -> np.ndarray | None:
+    if isinstance(data, np.ndarray):
+        return data.reshape(-1) if data.dtype == dtype and data.size == count else None
+    if len(data) != count * dtype.itemsize:
+        return None
+    return np.frombuffer(data, dtype=dtype)
 
 
 def accept_raw(tensors: Iterable[RawInput], layout: RequestLayout) -> ValidatedBatch | None:
-    """The batch of raw inputs (name, datatype, shape, bytes) read in place, when ``validated.accept`` finds it
-    plainly valid; None sends the request to ``decode_inputs``, which explains (or accepts) it."""
+    """The batch of inputs (name, datatype, shape, bytes or array) read in place, when ``validated.accept`` finds
+    it plainly valid; None sends the request to ``decode_inputs``, which explains (or accepts) it."""
     count = layout.num_features
     values: list[np.ndarray | None] = [None] * count
     lengths: list[np.ndarray | None] = [None] * count
     offsets: list[np.ndarray | None] = [None] * count
     weights: list[np.ndarray | None] = [None] * count
     dense = None
-    for name, datatype, shape, raw in tensors:
+    for name, datatype, shape, data in tensors:
         dtype = _NUMPY.get(datatype)
-        if dtype is None or len(raw) != math.prod(shape) * dtype.itemsize:
+        array = _flat(data, dtype, math.prod(shape)) if dtype is not None else None
+        if array is None:
             return None
         if name == DENSE:
             if datatype != "FP32" or len(shape) != 2 or dense is not None:
                 return None
-            dense = np.frombuffer(raw, dtype=dtype).reshape(shape[0], shape[1])
+            dense = array.reshape(shape[0], shape[1])
             continue
         feature, _, role = name.rpartition(SEPARATOR)
         position = layout.feature_index.get(feature)
@@ -203,7 +213,7 @@ def accept_raw(tensors: Iterable[RawInput], layout: RequestLayout) -> ValidatedB
         slot = {VALUES: values, LENGTHS: lengths, OFFSETS: offsets, WEIGHTS: weights}.get(role)
         if slot is None or slot[position] is not None or (datatype == "FP32") != (role == WEIGHTS):
             return None
-        slot[position] = np.frombuffer(raw, dtype=dtype)
+        slot[position] = array
     for position in range(count):
         feature_values, given = values[position], offsets[position]
         if feature_values is None:

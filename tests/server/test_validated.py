@@ -80,3 +80,44 @@ def test_dense_features_must_match_the_batch():
     assert accept(layout, values, lengths, None, np.zeros((1, 3), dtype=np.float32)) is not None
     assert accept(layout, values, lengths, None, np.zeros((2, 3), dtype=np.float32)) is None
     assert accept(layout, values, lengths, None, np.zeros((1, 2), dtype=np.float32)) is None
+
+
+def _raw_inputs(batch: SparseFeatures, offsets: bool = False) -> list:  # type: ignore[type-arg]
+    """The OIP per-feature inputs of a batch, as tritonclient sends them (raw little-endian bytes)."""
+    inputs = []
+    per_feature = batch.lengths.view(len(batch.keys), -1)
+    for key, ids, lengths in zip(batch.keys, batch.values.split(per_feature.sum(1).tolist()), per_feature):
+        inputs.append((f"{key}__values", "INT64", [ids.numel()], ids.to(torch.int64).numpy().tobytes()))
+        if offsets:
+            bounds = torch.cat([torch.zeros(1, dtype=torch.int64), lengths.to(torch.int64).cumsum(0)])
+            inputs.append((f"{key}__offsets", "INT64", [bounds.numel()], bounds.numpy().tobytes()))
+        else:
+            inputs.append((f"{key}__lengths", "INT32", [lengths.numel()], lengths.numpy().tobytes()))
+    return inputs
+
+
+def test_oip_inputs_in_any_order_as_lengths_or_offsets_bytes_or_arrays():
+    from server.oip_codec import accept_raw
+
+    batch = random_batch(CORPUS_SPEC, batch_size=5, seed=11)
+    expected = batch.validate(CORPUS_SPEC)
+    as_lengths = _raw_inputs(batch)
+    as_offsets = _raw_inputs(batch, offsets=True)
+    as_arrays = [(n, d, s, np.frombuffer(b, dtype="<i8" if d == "INT64" else "<i4")) for n, d, s, b in as_lengths]
+    for form in (as_lengths, list(reversed(as_lengths)), as_offsets, as_arrays):
+        got = accept_raw(form, LAYOUT)
+        assert got is not None
+        assert torch.equal(got.values, expected.values) and torch.equal(got.lengths, expected.lengths.to(torch.int32))
+
+
+def test_oip_inputs_the_fast_path_leaves_to_the_explaining_one():
+    from server.oip_codec import accept_raw
+
+    batch = random_batch(CORPUS_SPEC, batch_size=3, seed=12)
+    inputs = _raw_inputs(batch)
+    name, _, shape, data = inputs[0]
+    assert accept_raw(inputs[1:], LAYOUT) is None  # f0's values missing
+    assert accept_raw([(name, "FP32", shape, data)] + inputs[1:], LAYOUT) is None  # ids as floats
+    assert accept_raw([(name, "INT64", shape, data[:-1])] + inputs[1:], LAYOUT) is None  # bytes short of the shape
+    assert accept_raw(inputs + _raw_inputs(batch, offsets=True)[1:2], LAYOUT) is None  # lengths and offsets
+    assert accept_raw(inputs + [("f9__values", "INT64", [0], b"")], LAYOUT) is None  # an unknown feature
