@@ -77,6 +77,7 @@ class ServerConfig:
     poll_s: float | None = None  # a repository: look for new versions this often (None: only on load calls)
     version_policy: str = "latest:1"  # a repository: "latest:N" or "versions:1,3"
     verify: str = "full"  # checksums at load: "full" (every file's sha256) or "none" (sizes only)
+    batch_wait: str = "overlap"  # "overlap": wait max_delay_us only while callers overlap; "always": every request
     profile_s: float | None = None  # log the pipeline's per-stage breakdown every this many seconds (--profile)
 
 
@@ -219,6 +220,12 @@ async def _warm_up(servicer: InferenceServicer, batches: int) -> None:
             await servicer.predictions.run_now(features, dense)
 
 
+def _always_wait(config: ServerConfig) -> bool:
+    if config.batch_wait not in ("overlap", "always"):
+        raise ConfigError(f"batch_wait {config.batch_wait!r}: use 'overlap' or 'always'")
+    return config.batch_wait == "always"
+
+
 async def _log_profile(metrics: ServerMetrics, every_s: float) -> None:
     """``--profile``: every ``every_s`` seconds, log where the requests of that interval spent their time."""
     before, started = metrics.stage_totals(), time.monotonic()
@@ -284,6 +291,7 @@ async def create_server(artifact: str | Path | Runtime, config: ServerConfig = S
         max_queue=config.max_queue,
         workers=workers,
         max_merge_examples=config.max_merge_examples,
+        always_wait=_always_wait(config),
     )
     metrics.in_flight.set_function(lambda: servicer.in_flight)
     interceptors = [BearerTokenInterceptor(config.auth_token)] if config.auth_token else []

@@ -107,6 +107,7 @@ class DynamicBatcher:
         max_merge_examples: int = MAX_MERGE_EXAMPLES,
         on_stage: StageObserver | None = None,
         arriving: Callable[[], int] | None = None,
+        always_wait: bool = False,
     ) -> None:
         if max_batch_size < 1 or max_queue < 1 or workers < 1 or max_delay_s < 0 or max_merge_examples < 1:
             raise ConfigError(
@@ -124,6 +125,7 @@ class DynamicBatcher:
         self.on_stage = on_stage
         # calls accepted but not yet queued (None: unknown, so always wait up to the delay)
         self.arriving = arriving
+        self.always_wait = always_wait  # --batch-wait always: every request waits the delay for company
         self._queue: asyncio.Queue[_Pending] = asyncio.Queue(maxsize=max_queue)
         self._executor = ThreadPoolExecutor(max_workers=workers, thread_name_prefix="embserve-forward")
         self._tasks: list[asyncio.Task[None]] = []
@@ -173,7 +175,7 @@ class DynamicBatcher:
     def _expecting_more(self) -> bool:
         """Worth waiting for: callers have overlapped lately, or calls are accepted and not yet queued."""
         memory = max(CONCURRENCY_MEMORY_S, 2 * self.max_delay_s)
-        if self.arriving is None or time.monotonic() - self._concurrent_at < memory:
+        if self.always_wait or self.arriving is None or time.monotonic() - self._concurrent_at < memory:
             return True
         return self.arriving() > 0
 

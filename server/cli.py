@@ -50,6 +50,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
         version_policy=args.version_policy,
         verify=args.verify,
         profile_s=args.profile,
+        batch_wait=args.batch_wait,
         **({"max_merge_examples": args.max_merge_examples} if args.max_merge_examples else {}),
     )
     from server.distributed import GroupConfig, is_multi_host, serve_distributed
@@ -198,6 +199,13 @@ def add_subcommands(subcommands: Any) -> None:
         type=int,
         default=0,
         help="requests merge into one forward up to this many examples (0: the server's default)",
+    )
+    srv.add_argument(
+        "--batch-wait",
+        choices=("overlap", "always"),
+        default="overlap",
+        help="overlap: a request waits --max-delay-us for company only while callers overlap (a lone caller is "
+        "served at once); always: every request waits",
     )
     srv.add_argument(
         "--profile",

@@ -89,8 +89,10 @@ class InferenceServicer(pb_grpc.InferenceServiceServicer):
         max_queue: int,
         workers: int,
         max_merge_examples: int = MAX_MERGE_EXAMPLES,
+        always_wait: bool = False,
     ) -> None:
         self.runtime = runtime
+        self.always_wait = always_wait
         self.spec = runtime.spec
         self.metrics = metrics
         manifest = runtime.manifest
@@ -133,6 +135,7 @@ class InferenceServicer(pb_grpc.InferenceServiceServicer):
             max_merge_examples,
             self.metrics.observe_stage,
             self._arriving,
+            self.always_wait,
         )
         self._batchers.append(batcher)
         return batcher

@@ -96,10 +96,8 @@ class Runtime:
         """``lookup`` of a batch the caller validated already (``SparseFeatures.validate``: model feature order,
         ids in range), in the tensors the kernel takes: the model's own request checks are skipped where the
         backend has an unchecked entry (a TorchScript model exported by this version); others check again."""
-        method = getattr(self.module, "lookup_unchecked", None)
+        method = getattr(self.module, "lookup_unchecked", None) or self.module  # else the checked call
         with torch.inference_mode():
-            if method is None:
-                return self._call(self.module.forward, values, lengths, weights).cpu()
             return self._call(method, values, lengths, weights).cpu()
 
     def lookup_and_predict_unchecked(

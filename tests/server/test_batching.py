@@ -21,7 +21,7 @@ NUM_CLIENTS = 32
 
 def test_concurrent_clients_each_get_their_own_rows(start_server, dense_artifact, dense_runtime, spec):
     # a 100 ms batching window and a barrier: the 32 requests arrive well inside one window
-    served = start_server(dense_artifact, max_delay_us=100_000)
+    served = start_server(dense_artifact, max_delay_us=100_000, batch_wait="always")
     batches = [
         random_batch(
             spec,
@@ -70,7 +70,7 @@ def test_concurrent_clients_each_get_their_own_rows(start_server, dense_artifact
 
 
 def test_concurrent_predictions_are_batched_too(start_server, dense_artifact, dense_runtime, spec):
-    served = start_server(dense_artifact, max_delay_us=100_000)
+    served = start_server(dense_artifact, max_delay_us=100_000, batch_wait="always")
     stub = served.stub()
     stub.GetModelMetadata(pb.GetModelMetadataRequest(), timeout=CALL_TIMEOUT)
     generator = torch.Generator().manual_seed(3)
@@ -92,7 +92,7 @@ def test_concurrent_predictions_are_batched_too(start_server, dense_artifact, de
 
 def test_requests_over_the_batch_limit_together_are_split(start_server, dense_artifact, dense_runtime, spec):
     # 5-example requests against a limit of 8: never two in one batch
-    served = start_server(dense_artifact, max_delay_us=50_000, max_batch_size=8, warmup_batches=0)
+    served = start_server(dense_artifact, max_delay_us=50_000, max_batch_size=8, warmup_batches=0, batch_wait="always")
     stub = served.stub()
     stub.GetModelMetadata(pb.GetModelMetadataRequest(), timeout=CALL_TIMEOUT)
     batches = [random_batch(spec, batch_size=5, seed=300 + i) for i in range(4)]
@@ -109,7 +109,12 @@ def test_merging_stops_at_max_merge_examples_and_larger_requests_run_alone(
     # a merge limit of 8 under a batch limit of 64: 5-example requests never share a forward, and a
     # 20-example request (over the merge limit, under the batch limit) is served, alone
     served = start_server(
-        dense_artifact, max_delay_us=50_000, max_batch_size=64, max_merge_examples=8, warmup_batches=0
+        dense_artifact,
+        max_delay_us=50_000,
+        max_batch_size=64,
+        max_merge_examples=8,
+        warmup_batches=0,
+        batch_wait="always",
     )
     stub = served.stub()
     stub.GetModelMetadata(pb.GetModelMetadataRequest(), timeout=CALL_TIMEOUT)
