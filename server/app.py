@@ -31,9 +31,10 @@ from infer.features import SparseFeatures
 from server.auth import BearerTokenInterceptor
 from server.batcher import MAX_MERGE_EXAMPLES
 from server.health import DrainingHealthServicer
-from server.metrics import ServerMetrics
+from server.metrics import ServerMetrics, profile_line
 from server.oip import OpenInference
 from server.oip import add_to_server as add_open_inference
+from server.oip_http import RestServer
 from server.ports import Port, cannot_bind, probe
 from server.repository import is_repository, open_repository
 from server.service import SERVICE_NAME, InferenceServicer, add_to_server
@@ -76,6 +77,8 @@ class ServerConfig:
     poll_s: float | None = None  # a repository: look for new versions this often (None: only on load calls)
     version_policy: str = "latest:1"  # a repository: "latest:N" or "versions:1,3"
     verify: str = "full"  # checksums at load: "full" (every file's sha256) or "none" (sizes only)
+    batch_wait: str = "overlap"  # "overlap": wait max_delay_us only while callers overlap; "always": every request
+    profile_s: float | None = None  # log the pipeline's per-stage breakdown every this many seconds (--profile)
 
 
 @dataclass
@@ -89,6 +92,7 @@ class RunningServer:
     stopped: asyncio.Event = field(default_factory=asyncio.Event)
     oip: OpenInference | None = None
     http_port: int | None = None
+    profiler: asyncio.Task[None] | None = None
 
     async def drain(self, grace_s: float, timeout_s: float, quiet_s: float = 0.0, exiting: bool = False) -> None:
         """NOT_SERVING now; keep serving for ``grace_s``, or until no call arrived for ``quiet_s`` and
@@ -137,6 +141,8 @@ class RunningServer:
         """
         if self.stopped.is_set():
             return
+        if self.profiler is not None:
+            self.profiler.cancel()
         await self.health.enter_graceful_shutdown()
         if self.oip is not None:
             self.oip.is_ready = False
@@ -214,6 +220,22 @@ async def _warm_up(servicer: InferenceServicer, batches: int) -> None:
             await servicer.predictions.run_now(features, dense)
 
 
+def _always_wait(config: ServerConfig) -> bool:
+    if config.batch_wait not in ("overlap", "always"):
+        raise ConfigError(f"batch_wait {config.batch_wait!r}: use 'overlap' or 'always'")
+    return config.batch_wait == "always"
+
+
+async def _log_profile(metrics: ServerMetrics, every_s: float) -> None:
+    """``--profile``: every ``every_s`` seconds, log where the requests of that interval spent their time."""
+    before, started = metrics.stage_totals(), time.monotonic()
+    while True:
+        await asyncio.sleep(every_s)
+        after, now = metrics.stage_totals(), time.monotonic()
+        logger.info("%s", profile_line(before, after, now - started))
+        before, started = after, now
+
+
 def _ports(config: ServerConfig) -> list[Port]:
     ports = [Port("gRPC", config.host, config.port, "--port")]
     if config.http_port is not None:
@@ -269,6 +291,7 @@ async def create_server(artifact: str | Path | Runtime, config: ServerConfig = S
         max_queue=config.max_queue,
         workers=workers,
         max_merge_examples=config.max_merge_examples,
+        always_wait=_always_wait(config),
     )
     metrics.in_flight.set_function(lambda: servicer.in_flight)
     interceptors = [BearerTokenInterceptor(config.auth_token)] if config.auth_token else []
@@ -305,7 +328,8 @@ async def create_server(artifact: str | Path | Runtime, config: ServerConfig = S
         if config.metrics_port is not None:
             running.metrics_port = metrics.serve_http(config.metrics_port, config.metrics_host or config.host)
         if config.http_port is not None:
-            running.http_port = await oip.serve_http(config.http_host or config.host, config.http_port, config)
+            oip.http = RestServer(oip, config)  # REST -> the protocol's calls, never the other way round
+            running.http_port = await oip.http.start(config.http_host or config.host, config.http_port)
         logger.info("warming up on port %d (%d batches)", port, config.warmup_batches)
         await _warm_up(servicer, config.warmup_batches)
     except BaseException:
@@ -314,6 +338,8 @@ async def create_server(artifact: str | Path | Runtime, config: ServerConfig = S
         raise
     servicer.ready = True
     oip.is_ready = True
+    if config.profile_s is not None:
+        running.profiler = asyncio.create_task(_log_profile(metrics, config.profile_s))
     metrics_port = running.metrics_port
     for name in ("", SERVICE_NAME):
         await health.set(name, health_pb2.HealthCheckResponse.SERVING)

@@ -49,6 +49,8 @@ def cmd_serve(args: argparse.Namespace) -> int:
         poll_s=args.poll_s,
         version_policy=args.version_policy,
         verify=args.verify,
+        profile_s=args.profile,
+        batch_wait=args.batch_wait,
         **({"max_merge_examples": args.max_merge_examples} if args.max_merge_examples else {}),
     )
     from server.distributed import GroupConfig, is_multi_host, serve_distributed
@@ -197,6 +199,22 @@ def add_subcommands(subcommands: Any) -> None:
         type=int,
         default=0,
         help="requests merge into one forward up to this many examples (0: the server's default)",
+    )
+    srv.add_argument(
+        "--batch-wait",
+        choices=("overlap", "always"),
+        default="overlap",
+        help="overlap: a request waits --max-delay-us for company only while callers overlap (a lone caller is "
+        "served at once); always: every request waits",
+    )
+    srv.add_argument(
+        "--profile",
+        type=float,
+        nargs="?",
+        const=10.0,
+        default=None,
+        metavar="N",
+        help="log the pipeline's time per stage (decode, queue, merge, lookup, split, encode) every N s (10)",
     )
     srv.add_argument("--max-queue", type=int, default=1024, help="queued requests before RESOURCE_EXHAUSTED")
     srv.add_argument("--workers", type=int, default=0, help="concurrent forwards (0: cores / CPU shards)")

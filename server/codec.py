@@ -7,7 +7,9 @@ bad request is a ``RequestError`` naming the feature before any kernel runs.
 from __future__ import annotations
 
 import sys
+from typing import Any
 
+import numpy as np
 import torch
 
 from infer import request_rules as rules
@@ -15,11 +17,51 @@ from infer.config import ModelSpec
 from infer.errors import RequestError
 from infer.features import SparseFeatures
 from server.proto import inference_pb2 as pb
+from server.validated import RequestLayout, ValidatedBatch, accept
 
 if sys.byteorder != "little":  # pragma: no cover - every supported host is little-endian
     raise ImportError("embserve's packed wire format is little-endian; this host is not")
 
 _ID_WIDTH = {pb.ID_TYPE_INT64: (8, torch.int64), pb.ID_TYPE_INT32: (4, torch.int32)}
+_ID_NUMPY: dict[int, np.dtype[Any]] = {pb.ID_TYPE_INT64: np.dtype("<i8"), pb.ID_TYPE_INT32: np.dtype("<i4")}
+
+
+def decode_batch(
+    message: pb.SparseFeatures, dense: bytes | None, layout: RequestLayout, spec: ModelSpec
+) -> ValidatedBatch:
+    """A request's sparse part (and ``dense``: the Predict's dense_features bytes), validated once: the packed
+    form in the model's feature order is read in place (``validated.accept``); anything else, or anything it
+    does not plainly accept, takes ``decode_sparse``, which names what is wrong."""
+    fast = _accept_packed(message, dense, layout)
+    if fast is not None:
+        return fast
+    features = decode_sparse(message, spec)
+    dense_features = None if dense is None else decode_dense(dense, features.batch_size, spec.num_dense_features)
+    return ValidatedBatch.of_features(features, dense_features)
+
+
+def _accept_packed(message: pb.SparseFeatures, dense: bytes | None, layout: RequestLayout) -> ValidatedBatch | None:
+    if message.WhichOneof("form") != "packed":
+        return None
+    packed = message.packed
+    id_dtype = _ID_NUMPY.get(packed.id_type)
+    if id_dtype is None or tuple(packed.feature_order) != layout.feature_names:
+        return None
+    ids, lengths, weights = packed.ids, packed.lengths, packed.weights
+    if len(ids) % id_dtype.itemsize or len(lengths) % 4 or len(weights) % 4:
+        return None
+    dense_array = None
+    if dense is not None:
+        if len(dense) % 4 or not layout.num_dense_features or (len(dense) // 4) % layout.num_dense_features:
+            return None
+        dense_array = np.frombuffer(dense, dtype="<f4").reshape(-1, layout.num_dense_features)
+    return accept(
+        layout,
+        [np.frombuffer(ids, dtype=id_dtype)],
+        [np.frombuffer(lengths, dtype="<i4")],
+        [np.frombuffer(weights, dtype="<f4")] if weights else None,
+        dense_array,
+    )
 
 
 def _array(data: bytes, dtype: torch.dtype, width: int, what: str) -> torch.Tensor:

@@ -13,6 +13,9 @@ from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, make
 from server.ports import Port, bind_error
 
 LATENCY_BUCKETS = (0.0005, 0.001, 0.002, 0.005, 0.01, 0.02, 0.05, 0.1, 0.2, 0.5, 1.0, 2.0, 5.0)
+# per-stage costs: tens of microseconds (decode, encode of small requests) to tens of milliseconds (big lookups)
+STAGE_BUCKETS = (1e-5, 2e-5, 5e-5, 1e-4, 2e-4, 5e-4, 0.001, 0.002, 0.005, 0.01, 0.02, 0.05, 0.1, 0.5)
+STAGES = ("decode", "queue", "merge", "lookup", "split", "encode")
 BATCH_BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 1024, 2048, 4096, 8192)
 # how often the /metrics thread looks for a stop: prometheus_client's own server polls every 0.5 s,
 # which alone made a stop take half a second
@@ -26,6 +29,22 @@ class _ThreadingWSGIServer(ThreadingMixIn, WSGIServer):
 class _QuietHandler(WSGIRequestHandler):
     def log_message(self, format: str, *args: Any) -> None:  # scrapes are not worth a log line each
         pass
+
+
+StageTotals = dict[str, tuple[float, float]]  # stage -> (observations, seconds)
+
+
+def profile_line(before: StageTotals, after: StageTotals, seconds: float) -> str:
+    """The ``--profile`` breakdown of one interval: per stage, observations, mean milliseconds and the share of
+    the interval's wall time it took (stages overlap across threads, so shares may add up past 100 %)."""
+    parts = []
+    for stage in STAGES:
+        count = after[stage][0] - before[stage][0]
+        spent = after[stage][1] - before[stage][1]
+        mean_ms = 1e3 * spent / count if count else 0.0
+        share = 100.0 * spent / seconds if seconds > 0 else 0.0
+        parts.append(f"{stage} {int(count)}x {mean_ms:.3f} ms ({share:.1f} %)")
+    return f"profile over {seconds:.1f} s: " + ", ".join(parts)
 
 
 class ServerMetrics:
@@ -59,10 +78,49 @@ class ServerMetrics:
             ["reason"],
             registry=self.registry,
         )
+        self.stage_seconds = Histogram(
+            "embserve_stage_seconds",
+            "time in each stage of the request pipeline: decode (+validate), queue (wait for a batch), merge, "
+            "lookup (the forward), split (per batch), encode (per request)",
+            ["stage"],
+            buckets=STAGE_BUCKETS,
+            registry=self.registry,
+        )
+        self._calls: dict[tuple[str, str], Any] = {}  # labelled children, looked up once
+        self._latencies: dict[str, Any] = {}
+        self._stages = {stage: self.stage_seconds.labels(stage) for stage in STAGES}  # labels() costs a lookup
         self.queue_depth = Gauge("embserve_queue_depth", "requests waiting to be batched", registry=self.registry)
         self.in_flight = Gauge(
             "embserve_in_flight", "gRPC model calls accepted and not yet answered", registry=self.registry
         )
+
+    def stage_totals(self) -> StageTotals:
+        """stage -> (observations, seconds) so far (``embserve serve --profile`` prints their differences)."""
+        totals = {stage: [0.0, 0.0] for stage in STAGES}
+        for metric in self.stage_seconds.collect():
+            for sample in metric.samples:
+                stage = sample.labels.get("stage", "")
+                if stage in totals and sample.name.endswith("_count"):
+                    totals[stage][0] = sample.value
+                elif stage in totals and sample.name.endswith("_sum"):
+                    totals[stage][1] = sample.value
+        return {stage: (count, seconds) for stage, (count, seconds) in totals.items()}
+
+    def observe_stage(self, stage: str, seconds: float) -> None:
+        """One stage of the pipeline (``STAGES``): decode and encode per request, queue wait per request,
+        merge, lookup and split per batched forward."""
+        self._stages[stage].observe(seconds)
+
+    def observe_call(self, method: str, code: str, seconds: float) -> None:
+        """One answered call: its count by method and status code, and its latency."""
+        counter = self._calls.get((method, code))
+        if counter is None:
+            counter = self._calls[(method, code)] = self.requests.labels(method, code)
+        counter.inc()
+        latency = self._latencies.get(method)
+        if latency is None:
+            latency = self._latencies[method] = self.latency.labels(method)
+        latency.observe(seconds)
 
     def observe_batch(self, requests: int, examples: int) -> None:
         self.batch_requests.observe(requests)

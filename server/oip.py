@@ -12,7 +12,8 @@ from __future__ import annotations
 import contextlib
 import json
 import logging
-from collections.abc import AsyncIterator, Callable, Sequence
+import time
+from collections.abc import AsyncIterator, Callable, Iterable, Sequence
 from dataclasses import dataclass
 from typing import Any, Protocol
 
@@ -23,14 +24,17 @@ from infer.artifact.runtime import Runtime
 from infer.errors import RequestError
 from infer.version import __version__
 from server import oip_codec as oc
+from server import wire
 from server.batcher import DynamicBatcher
 from server.proto import open_inference_grpc_pb2 as pb
 from server.proto import open_inference_grpc_pb2_grpc as pb_grpc
-from server.service import InferenceServicer, Undecodable, _Failure, lenient
+from server.service import InferenceServicer, Undecodable, _Failure, lenient, too_large
+from server.validated import RequestLayout, ValidatedBatch
 
 logger = logging.getLogger(__name__)
 
 SERVICE_NAME = pb.DESCRIPTOR.services_by_name["GRPCInferenceService"].full_name
+_RAW_OUTPUTS_FIELD = wire.field_number(pb.ModelInferResponse, "raw_output_contents")
 SERVER_NAME = "embserve"
 PLATFORM = "embserve_torchscript"
 EXTENSIONS = ("binary_tensor_data", "model_repository")
@@ -66,6 +70,7 @@ class ServedModel:
         self.both = both
         self.max_batch_size = max_batch_size
         self.sha256 = runtime.manifest.file(runtime.manifest.model_file).sha256
+        self._layout: RequestLayout | None = None
 
     @property
     def has_dense(self) -> bool:
@@ -76,36 +81,53 @@ class ServedModel:
     ) -> torch.Tensor:
         """Embeddings and scores of one forward, as columns ``[embeddings..., score]`` (the batcher splits rows)."""
         assert dense is not None
-        with torch.inference_mode():
-            pooled, scores = self.runtime.module.lookup_and_predict(dense, values, lengths, weights)
-        scores = self.runtime.scores(scores.cpu(), pooled.shape[0])  # float32 [batch], every backend
-        return torch.cat([pooled.cpu(), scores.unsqueeze(1)], dim=1)
+        pooled, scores = self.runtime.lookup_and_predict_unchecked(dense, values, lengths, weights)
+        return torch.cat([pooled, scores.unsqueeze(1)], dim=1)
 
     async def infer(self, decoded: oc.Decoded) -> tuple[torch.Tensor | None, torch.Tensor | None]:
         """(embeddings, scores) of a validated request, through the shared batchers."""
-        features = decoded.features
-        if features.batch_size > self.max_batch_size:
-            raise RequestError(
-                f"batch of {features.batch_size} examples exceeds the server's max batch size {self.max_batch_size}; "
-                "split the request"
-            )
+        batch = decoded.batch
+        if batch.batch_size > self.max_batch_size:
+            raise RequestError(too_large(batch.batch_size, self.max_batch_size))
         if decoded.mode is oc.Mode.LOOKUP:
-            return await self.lookups.submit(features, None), None
+            return await self.lookups.submit(batch), None
         if decoded.mode is oc.Mode.PREDICT:
             assert self.predictions is not None
-            return None, await self.predictions.submit(features, decoded.dense)
+            return None, await self.predictions.submit(batch)
         assert self.both is not None
-        out = await self.both.submit(features, decoded.dense)
+        out = await self.both.submit(batch)
         return out[:, :-1], out[:, -1]
 
+    @property
+    def layout(self) -> RequestLayout:
+        if self._layout is None:
+            self._layout = RequestLayout.of(self.spec)
+        return self._layout
+
     def decode(
-        self, inputs: Sequence[oc.InputTensor], requested: Sequence[oc.RequestedOutput], fp16: bool = False
+        self,
+        inputs: Callable[[], Sequence[oc.InputTensor]],
+        requested: Sequence[oc.RequestedOutput],
+        fp16: bool = False,
+        raw: Callable[[], Iterable[oc.RawInput] | None] | None = None,
     ) -> oc.Decoded:
-        features, dense = oc.decode_inputs(inputs, self.spec)
-        if dense is not None and not self.has_dense:
-            raise RequestError(f"this model has no dense part; drop the input {oc.DENSE!r}")
-        outputs, mode = oc.choose_outputs(requested, self.has_dense, dense is not None, fp16)
-        return oc.Decoded(features, dense, outputs, mode)
+        """Decode and validate once: ``raw`` inputs (gRPC, when the request has them; else ``inputs``, e.g. REST's)
+        read in place if plainly valid, else ``inputs`` through ``oip_codec.decode_inputs``, which names what is
+        wrong."""
+        decoded_inputs = None
+        if raw is not None:
+            raw_inputs = raw()
+        else:  # REST: inputs already decoded from JSON or binary data
+            decoded_inputs = inputs()
+            raw_inputs = [(t.name, t.datatype, t.shape, t.data.numpy()) for t in decoded_inputs]
+        batch = oc.accept_raw(raw_inputs, self.layout) if raw_inputs is not None else None
+        if batch is None:
+            features, dense = oc.decode_inputs(decoded_inputs or inputs(), self.spec)
+            if dense is not None and not self.has_dense:
+                raise RequestError(f"this model has no dense part; drop the input {oc.DENSE!r}")
+            batch = ValidatedBatch.of_features(features, dense)
+        outputs, mode = oc.choose_outputs(requested, self.has_dense, batch.dense is not None, fp16)
+        return oc.Decoded(batch, outputs, mode)
 
     def metadata(self, versions: Sequence[str]) -> dict[str, Any]:
         """The protocol's model metadata (JSON shape); gRPC converts it to ``ModelMetadataResponse``."""
@@ -241,7 +263,7 @@ class OpenInference:
         self.repository = repository  # server.repository.Repository, closed with the protocol
         self.is_ready = False
         self._own_batchers = list(stop_batchers)
-        self.http: Any = None  # the REST server, when one runs (server.oip_http.RestServer)
+        self.http: Any = None  # the REST server, when one runs (server.oip_http.RestServer, set by server.app)
 
     @classmethod
     def for_servicer(cls, v1: InferenceServicer, name: str, max_queue: int) -> OpenInference:
@@ -251,14 +273,8 @@ class OpenInference:
         model = ServedModel(name, SingleModel.VERSION, v1.runtime, lookups, v1.predictions, None, v1.max_batch_size)
         if v1.predictions is not None:
             # embeddings and scores from one forward: a batcher of its own (its rows carry both)
-            both = DynamicBatcher(
-                model.run_both,
-                lookups.max_batch_size,
-                lookups.max_delay_s,
-                max_queue,
-                lookups.workers,
-                v1.metrics.observe_batch,
-                lookups.max_merge_examples,
+            both = v1.batcher(
+                model.run_both, max_queue, lookups.workers, lookups.max_delay_s, lookups.max_merge_examples
             )
             model.both = both
         return cls(v1, SingleModel(model), [both] if both is not None else [])
@@ -266,13 +282,6 @@ class OpenInference:
     def start(self) -> None:
         for batcher in self._own_batchers:
             batcher.start()
-
-    async def serve_http(self, host: str, port: int, config: Any) -> int:
-        """Start the REST endpoint (``server.oip_http``) on the server's loop; returns its port."""
-        from server.oip_http import RestServer
-
-        self.http = RestServer(self, config)
-        return await self.http.start(host, port)
 
     def stop_accepting(self) -> None:
         """The REST endpoint refuses new connections and closes each one after its next answer
@@ -315,8 +324,10 @@ class OpenInference:
         inputs: Callable[[], Sequence[oc.InputTensor]],
         requested: Sequence[oc.RequestedOutput],
         fp16: bool = False,
+        raw: Callable[[], Iterable[oc.RawInput] | None] | None = None,
     ) -> InferResult:
-        """Decode (``inputs`` is called once the model is known), validate, batch, run and encode.
+        """Decode and validate once (``ServedModel.decode``: ``raw`` or ``inputs``, called once the model is
+        known), batch, run and encode.
 
         ``fp16``: the request-level ``output_fp16`` (embeddings as FP16 unless an output says otherwise)."""
         if not self.v1.ready:
@@ -326,9 +337,14 @@ class OpenInference:
                 grpc.StatusCode.UNAVAILABLE, "the server is shutting down; retry on another replica", "draining"
             )
         async with self.models.lease(name, version) as model:
-            decoded = model.decode(inputs(), requested, fp16)
+            started = time.perf_counter()
+            decoded = model.decode(inputs, requested, fp16, raw)
+            self.metrics.observe_stage("decode", time.perf_counter() - started)
             embeddings, scores = await model.infer(decoded)
-            return InferResult(model, oc.encode_outputs(decoded.outputs, embeddings, scores))
+            started = time.perf_counter()
+            outputs = oc.encode_outputs(decoded.outputs, embeddings, scores)
+            self.metrics.observe_stage("encode", time.perf_counter() - started)
+            return InferResult(model, outputs)
 
 
 # ---------------------------------------------------------------------------------------- gRPC
@@ -353,6 +369,14 @@ def grpc_inputs(request: pb.ModelInferRequest) -> list[oc.InputTensor]:
         values = getattr(tensor.contents, field)
         tensors.append(oc.tensor_from_values(tensor.name, tensor.datatype, tensor.shape, values))
     return tensors
+
+
+def grpc_raw_inputs(request: pb.ModelInferRequest) -> list[oc.RawInput] | None:
+    """(name, datatype, shape, bytes) of every input when all travel raw (tritonclient's way), else None."""
+    raw = request.raw_input_contents
+    if not raw or len(raw) != len(request.inputs):
+        return None
+    return [(tensor.name, tensor.datatype, tensor.shape, data) for tensor, data in zip(request.inputs, raw)]
 
 
 def grpc_requested_outputs(request: pb.ModelInferRequest, fp16: bool) -> list[oc.RequestedOutput]:
@@ -416,14 +440,16 @@ class OpenInferenceServicer(pb_grpc.GRPCInferenceServiceServicer):
             lambda: grpc_inputs(request),
             grpc_requested_outputs(request, fp16),
             fp16,
+            lambda: grpc_raw_inputs(request),
         )
         response = pb.ModelInferResponse(
             model_name=result.model.name, model_version=result.model.version, id=request.id
         )
         for output in result.outputs:
             response.outputs.add(name=output.name, datatype=output.datatype, shape=output.shape)
-            response.raw_output_contents.append(output.raw())
-        return response
+        raw = [wire.payload(output.data) for output in result.outputs]
+        # the raw contents written once, straight from the outputs (server.wire)
+        return wire.with_bytes_fields(response.SerializeToString(), _RAW_OUTPUTS_FIELD, raw)  # type: ignore[return-value]
 
     async def RepositoryIndex(self, request: pb.RepositoryIndexRequest, context: Any) -> pb.RepositoryIndexResponse:
         async def work() -> pb.RepositoryIndexResponse:
@@ -479,7 +505,7 @@ def add_to_server(
         method.name: grpc.unary_unary_rpc_method_handler(
             getattr(servicer, method.name),
             request_deserializer=lenient(_MESSAGES[method.input_type.name]),
-            response_serializer=_MESSAGES[method.output_type.name].SerializeToString,
+            response_serializer=wire.serialize,
         )
         for method in service.methods
     }

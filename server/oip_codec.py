@@ -17,12 +17,14 @@ from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
+import numpy as np
 import torch
 
 from infer import request_rules as rules
 from infer.config import ModelSpec
 from infer.errors import RequestError
 from infer.features import SparseFeatures
+from server.validated import RequestLayout, ValidatedBatch, accept
 
 if sys.byteorder != "little":  # pragma: no cover - every supported host is little-endian
     raise ImportError("the Open Inference Protocol's raw tensors are little-endian; this host is not")
@@ -97,10 +99,9 @@ class RequestedOutput:
 
 @dataclass(frozen=True)
 class Decoded:
-    """A validated request: the sparse batch (model order), dense features and what to compute."""
+    """A validated request: the batch (model order, dense features included) and what to compute."""
 
-    features: SparseFeatures
-    dense: torch.Tensor | None
+    batch: ValidatedBatch
     outputs: tuple[RequestedOutput, ...]
     mode: Mode
 
@@ -170,6 +171,63 @@ def _exact_integers(data: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
 
 
 # ------------------------------------------------------------------------------------------ inputs
+# the input datatypes read in place (no input takes FP16)
+_NUMPY: dict[str, np.dtype[Any]] = {"INT64": np.dtype("<i8"), "INT32": np.dtype("<i4"), "FP32": np.dtype("<f4")}
+
+
+# name, datatype, shape, data: raw little-endian bytes (gRPC raw_input_contents) or an array (REST, decoded)
+RawInput = tuple[str, str, Sequence[int], "bytes | np.ndarray"]
+
+
+def _flat(data: bytes | np.ndarray, dtype: np.dtype[Any], count: int) -> np.ndarray | None:
+    if isinstance(data, np.ndarray):
+        return data.reshape(-1) if data.dtype == dtype and data.size == count else None
+    if len(data) != count * dtype.itemsize:
+        return None
+    return np.frombuffer(data, dtype=dtype)
+
+
+def accept_raw(tensors: Iterable[RawInput], layout: RequestLayout) -> ValidatedBatch | None:
+    """The batch of inputs (name, datatype, shape, bytes or array) read in place, when ``validated.accept`` finds
+    it plainly valid; None sends the request to ``decode_inputs``, which explains (or accepts) it."""
+    count = layout.num_features
+    values: list[np.ndarray | None] = [None] * count
+    lengths: list[np.ndarray | None] = [None] * count
+    offsets: list[np.ndarray | None] = [None] * count
+    weights: list[np.ndarray | None] = [None] * count
+    dense = None
+    for name, datatype, shape, data in tensors:
+        dtype = _NUMPY.get(datatype)
+        array = _flat(data, dtype, math.prod(shape)) if dtype is not None else None
+        if array is None:
+            return None
+        if name == DENSE:
+            if datatype != "FP32" or len(shape) != 2 or dense is not None:
+                return None
+            dense = array.reshape(shape[0], shape[1])
+            continue
+        feature, _, role = name.rpartition(SEPARATOR)
+        position = layout.feature_index.get(feature)
+        if position is None or len(shape) != 1:
+            return None
+        slot = {VALUES: values, LENGTHS: lengths, OFFSETS: offsets, WEIGHTS: weights}.get(role)
+        if slot is None or slot[position] is not None or (datatype == "FP32") != (role == WEIGHTS):
+            return None
+        slot[position] = array
+    for position in range(count):
+        feature_values, given = values[position], offsets[position]
+        if feature_values is None:
+            return None
+        if given is not None:
+            if lengths[position] is not None or not given.size or given[0] != 0 or given[-1] != feature_values.size:
+                return None
+            lengths[position] = np.diff(given)
+        elif lengths[position] is None:
+            return None
+    weighted = any(w is not None for w in weights)
+    return accept(layout, values, lengths, weights if weighted else None, dense)  # type: ignore[arg-type]
+
+
 def _split_name(name: str) -> tuple[str, str]:
     if name == DENSE:
         return DENSE, DENSE

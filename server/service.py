@@ -22,15 +22,17 @@ from infer import request_rules as rules
 from infer.artifact.runtime import Runtime
 from infer.errors import RequestError
 from infer.version import __version__
-from server import codec
-from server.batcher import MAX_MERGE_EXAMPLES, DynamicBatcher, QueueFullError
+from server import codec, wire
+from server.batcher import MAX_MERGE_EXAMPLES, DynamicBatcher, QueueFullError, Runner
 from server.metrics import ServerMetrics
 from server.proto import inference_pb2 as pb
 from server.proto import inference_pb2_grpc as pb_grpc
+from server.validated import RequestLayout, ValidatedBatch
 
 logger = logging.getLogger(__name__)
 
 SERVICE_NAME = pb.DESCRIPTOR.services_by_name["InferenceService"].full_name
+_EMBEDDINGS_FIELD = wire.field_number(pb.LookupResponse, "embeddings")
 
 
 class Undecodable:
@@ -61,7 +63,7 @@ def add_to_server(servicer: InferenceServicer, server: grpc.aio.Server) -> None:
     }
     handlers = {
         name: grpc.unary_unary_rpc_method_handler(
-            method, request_deserializer=lenient(request), response_serializer=response.SerializeToString
+            method, request_deserializer=lenient(request), response_serializer=wire.serialize
         )
         for name, (method, request, response) in methods.items()
     }
@@ -87,26 +89,22 @@ class InferenceServicer(pb_grpc.InferenceServiceServicer):
         max_queue: int,
         workers: int,
         max_merge_examples: int = MAX_MERGE_EXAMPLES,
+        always_wait: bool = False,
     ) -> None:
         self.runtime = runtime
+        self.always_wait = always_wait
         self.spec = runtime.spec
         self.metrics = metrics
         manifest = runtime.manifest
         self.version = manifest.file(manifest.model_file).sha256[:16]
         self.max_batch_size = max_batch_size
-        self.lookups = DynamicBatcher(
-            self._run_lookup, max_batch_size, max_delay_s, max_queue, workers, metrics.observe_batch, max_merge_examples
-        )
+        self._batchers: list[DynamicBatcher] = []
+        self._in_flight = 0
+        self._layout = RequestLayout.of(self.spec)
+        self._layout_spec = self.spec
+        self.lookups = self.batcher(self._run_lookup, max_queue, workers, max_delay_s, max_merge_examples)
         self.predictions = (
-            DynamicBatcher(
-                self._run_predict,
-                max_batch_size,
-                max_delay_s,
-                max_queue,
-                workers,
-                metrics.observe_batch,
-                max_merge_examples,
-            )
+            self.batcher(self._run_predict, max_queue, workers, max_delay_s, max_merge_examples)
             if runtime.has_dense
             else None
         )
@@ -116,13 +114,43 @@ class InferenceServicer(pb_grpc.InferenceServiceServicer):
         metrics.queue_depth.set_function(
             lambda: self.lookups.depth + (self.predictions.depth if self.predictions is not None else 0)
         )
-        self._in_flight = 0
         self._idle = asyncio.Event()
         self._idle.set()
         self.ready = False  # Lookup/Predict answer UNAVAILABLE until the server finished warming up
         self.closing = False  # ... and again once the server stops taking calls (see RunningServer.stop)
         self.last_arrival = time.monotonic()
         self._internal_errors: Counter[str] = Counter()
+
+    def batcher(
+        self, run: Runner, max_queue: int, workers: int, max_delay_s: float, max_merge_examples: int
+    ) -> DynamicBatcher:
+        """A batcher of this server: its stages measured, its delay spent only while more calls are arriving."""
+        batcher = DynamicBatcher(
+            run,
+            self.max_batch_size,
+            max_delay_s,
+            max_queue,
+            workers,
+            self.metrics.observe_batch,
+            max_merge_examples,
+            self.metrics.observe_stage,
+            self._arriving,
+            self.always_wait,
+        )
+        self._batchers.append(batcher)
+        return batcher
+
+    @property
+    def layout(self) -> RequestLayout:
+        """The served spec's request layout (a repository may point this servicer at another version's spec)."""
+        if self._layout.feature_names != self.spec.feature_names or self._layout_spec is not self.spec:
+            self._layout = RequestLayout.of(self.spec)
+            self._layout_spec = self.spec
+        return self._layout
+
+    def _arriving(self) -> int:
+        """Model calls accepted (in flight) but not queued in a batcher: the ones a batch could still take."""
+        return self._in_flight - sum(b.held for b in self._batchers)
 
     @property
     def in_flight(self) -> int:
@@ -154,15 +182,13 @@ class InferenceServicer(pb_grpc.InferenceServiceServicer):
     def _run_lookup(
         self, values: torch.Tensor, lengths: torch.Tensor, weights: torch.Tensor | None, dense: torch.Tensor | None
     ) -> torch.Tensor:
-        with torch.inference_mode():
-            return self.runtime.module(values, lengths, weights).cpu()
+        return self.runtime.lookup_unchecked(values, lengths, weights)  # validated once, on decode
 
     def _run_predict(
         self, values: torch.Tensor, lengths: torch.Tensor, weights: torch.Tensor | None, dense: torch.Tensor | None
     ) -> torch.Tensor:
-        with torch.inference_mode():
-            scores = self.runtime.module.predict(dense, values, lengths, weights).cpu()
-        return self.runtime.scores(scores, lengths.numel() // len(self.runtime.spec.features))  # float32 [batch]
+        assert dense is not None
+        return self.runtime.lookup_and_predict_unchecked(dense, values, lengths, weights)[1]  # float32 [batch]
 
     def start(self) -> None:
         self.lookups.start()
@@ -224,17 +250,23 @@ class InferenceServicer(pb_grpc.InferenceServiceServicer):
         if request.output_type not in (pb.OUTPUT_TYPE_FP32, pb.OUTPUT_TYPE_FP16):
             raise RequestError(f"unknown output_type {request.output_type}")
         target = self._target(request)
-        features = codec.decode_sparse(request.sparse, target.spec)
+        started = time.perf_counter()
+        batch = codec.decode_batch(request.sparse, None, target.layout, target.spec)
+        self.metrics.observe_stage("decode", time.perf_counter() - started)
         _check_deadline(context)
-        pooled = await target._submit(target.lookups, features, None)
-        return pb.LookupResponse(
+        pooled = await target._submit(target.lookups, batch)
+        started = time.perf_counter()
+        head = pb.LookupResponse(
             batch_size=pooled.shape[0],
             dim=pooled.shape[1],
             output_type=request.output_type,
-            embeddings=codec.encode_embeddings(pooled, request.output_type),
             columns=target._columns,
             model_version=target.version,
-        )
+        ).SerializeToString()
+        embeddings = pooled.to(torch.float16) if request.output_type == pb.OUTPUT_TYPE_FP16 else pooled
+        response = wire.with_bytes_fields(head, _EMBEDDINGS_FIELD, [wire.payload(embeddings)])
+        self.metrics.observe_stage("encode", time.perf_counter() - started)
+        return response  # type: ignore[return-value]  # LookupResponse bytes, written once (server.wire)
 
     async def _predict(self, request: pb.PredictRequest, context: grpc.aio.ServicerContext) -> pb.PredictResponse:
         self._accept(request)
@@ -243,23 +275,21 @@ class InferenceServicer(pb_grpc.InferenceServiceServicer):
             raise _Failure(
                 grpc.StatusCode.FAILED_PRECONDITION, "this model has no dense part; call Lookup", "no_dense_part"
             )
-        features = codec.decode_sparse(request.sparse, target.spec)
-        dense = codec.decode_dense(request.dense_features, features.batch_size, target.spec.num_dense_features)
+        started = time.perf_counter()
+        batch = codec.decode_batch(request.sparse, request.dense_features, target.layout, target.spec)
+        self.metrics.observe_stage("decode", time.perf_counter() - started)
         _check_deadline(context)
-        scores = await target._submit(target.predictions, features, dense)
+        scores = await target._submit(target.predictions, batch)
         return pb.PredictResponse(
             batch_size=scores.shape[0],
-            scores=scores.to(torch.float32).contiguous().numpy().tobytes(),
+            scores=scores.numpy().tobytes(),  # float32 [batch] (Runtime.scores)
             model_version=target.version,
         )
 
-    async def _submit(self, batcher: DynamicBatcher, features: Any, dense: torch.Tensor | None) -> torch.Tensor:
-        if features.batch_size > self.max_batch_size:
-            raise RequestError(
-                f"batch of {features.batch_size} examples exceeds the server's max batch size {self.max_batch_size}; "
-                "split the request"
-            )
-        return await batcher.submit(features, dense)
+    async def _submit(self, batcher: DynamicBatcher, batch: ValidatedBatch) -> torch.Tensor:
+        if batch.batch_size > self.max_batch_size:
+            raise RequestError(too_large(batch.batch_size, self.max_batch_size))
+        return await batcher.submit(batch)
 
     async def _handle(self, method: str, context: grpc.aio.ServicerContext, work: Awaitable[Any]) -> Any:
         started = time.perf_counter()
@@ -286,8 +316,7 @@ class InferenceServicer(pb_grpc.InferenceServiceServicer):
         finally:
             if reason:
                 self.metrics.rejected.labels(reason).inc()
-            self.metrics.requests.labels(method, code.name).inc()
-            self.metrics.latency.labels(method).observe(time.perf_counter() - started)
+            self.metrics.observe_call(method, code.name, time.perf_counter() - started)
             self._in_flight -= 1
             if not self._in_flight:
                 self._idle.set()
@@ -354,6 +383,11 @@ def rejection(err: Exception) -> tuple[grpc.StatusCode, str, str]:
     if isinstance(err, QueueFullError):
         return grpc.StatusCode.RESOURCE_EXHAUSTED, str(err), "queue_full"
     return grpc.StatusCode.INVALID_ARGUMENT, str(err), "invalid"
+
+
+def too_large(batch_size: int, max_batch_size: int) -> str:
+    """The one wording of a request larger than the server's batches (every protocol)."""
+    return f"batch of {batch_size} examples exceeds the server's max batch size {max_batch_size}; split the request"
 
 
 def _check_deadline(context: grpc.aio.ServicerContext) -> None:

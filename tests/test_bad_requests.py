@@ -174,3 +174,16 @@ def test_int64_lengths_whose_sum_wraps_are_rejected(runtime, lengths, num_ids, e
     with pytest.raises(torch.jit.Error, match=r"embserve\.RequestError: .*has (length|negative length)"):
         runtime.module(values, lengths_tensor, None)
     torch.testing.assert_close(runtime.lookup(GOOD), expected_good, rtol=1e-5, atol=1e-5)
+
+
+def test_the_unchecked_entry_matches_the_reference_and_the_checked_one_still_refuses(runtime, expected_good):
+    """The server validates once and calls ``lookup_unchecked``; every other caller gets ``forward``'s checks."""
+    unchecked = runtime.module.lookup_unchecked(GOOD.values, GOOD.lengths, None)
+    torch.testing.assert_close(unchecked, expected_good, rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(
+        runtime.lookup_unchecked(GOOD.values, GOOD.lengths, None), expected_good, rtol=1e-5, atol=1e-5
+    )
+    case = next(c for c in BAD_REQUESTS if c.name == "id_legal_elsewhere")  # the kernel's bounds check allows it
+    with pytest.raises(torch.jit.Error) as info:
+        runtime.module(case.values, case.lengths, case.weights)
+    assert REQUEST_ERROR_PREFIX + case.fragment in str(info.value)

@@ -90,6 +90,27 @@ class Runtime:
             scores = self._call(self.module.predict, dense, features.values, features.lengths, features.weights)
         return self.scores(scores.cpu(), features.batch_size)
 
+    def lookup_unchecked(
+        self, values: torch.Tensor, lengths: torch.Tensor, weights: torch.Tensor | None
+    ) -> torch.Tensor:
+        """``lookup`` of a batch the caller validated already (``SparseFeatures.validate``: model feature order,
+        ids in range), in the tensors the kernel takes: the model's own request checks are skipped where the
+        backend has an unchecked entry (a TorchScript model exported by this version); others check again."""
+        method = getattr(self.module, "lookup_unchecked", None) or self.module  # else the checked call
+        with torch.inference_mode():
+            return self._call(method, values, lengths, weights).cpu()
+
+    def lookup_and_predict_unchecked(
+        self, dense: torch.Tensor, values: torch.Tensor, lengths: torch.Tensor, weights: torch.Tensor | None
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """Pooled embeddings and float32 scores ``[batch]`` of one forward of a validated batch
+        (``lookup_unchecked``)."""
+        method = getattr(self.module, "lookup_and_predict_unchecked", None) or self.module.lookup_and_predict
+        with torch.inference_mode():
+            pooled, scores = self._call_pair(method, dense, values, lengths, weights)
+        pooled = pooled.cpu()
+        return pooled, self.scores(scores.cpu(), pooled.shape[0])
+
     def scores(self, out: torch.Tensor, batch: int) -> torch.Tensor:
         """``out`` of a backend's predict as the call contract returns it: float32 ``[batch]`` (an artifact
         exported before the contract may still give ``[batch, 1]``); anything else is the model's fault."""
@@ -99,6 +120,11 @@ class Runtime:
             raise ArtifactError(
                 f"{self.path}: {err}; re-export the artifact", path=str(self.path), kind=ArtifactErrorKind.MODEL
             ) from None
+
+    @staticmethod
+    def _call_pair(method: Any, *args: Any) -> tuple[torch.Tensor, torch.Tensor]:
+        pair: tuple[torch.Tensor, torch.Tensor] = Runtime._call(method, *args)  # type: ignore[assignment]
+        return pair
 
     @staticmethod
     def _call(method: Any, *args: Any) -> torch.Tensor:

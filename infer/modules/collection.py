@@ -172,7 +172,7 @@ class QuantizedEmbeddingBagCollection(ValidatingCollection, KernelRunner):
     def lookup_validated(self, values: Tensor, lengths: Tensor, weights: Optional[Tensor] = None) -> Tensor:
         """Pooled lookups of an already validated request: ``[batch, output_dim]`` fp32.
 
-        Not exported from the scripted module: outside callers always go through ``forward``.
+        Reached from outside only through ``EmbserveModel.lookup_unchecked`` (a host that validated already).
         """
         return self.apply_mean(self.run_kernel(values, lengths, weights), lengths)
 
@@ -212,6 +212,26 @@ class EmbserveModel(nn.Module):
     def forward(self, values: Tensor, lengths: Tensor, weights: Optional[Tensor] = None) -> Tensor:
         self.check_weights_attached()
         return self.embeddings(values, lengths, weights)
+
+    @torch.jit.export
+    def lookup_unchecked(self, values: Tensor, lengths: Tensor, weights: Optional[Tensor] = None) -> Tensor:
+        """``forward`` without the request checks, for a host that ran them already (``embserve serve`` validates
+        every request once with ``infer.request_rules``). Anything else must call ``forward``: an unchecked bad
+        request reaches the kernel, whose FATAL bounds check is then the only guard."""
+        self.check_weights_attached()
+        return self.embeddings.lookup_validated(values, lengths, weights)  # type: ignore[operator]
+
+    @torch.jit.export
+    def lookup_and_predict_unchecked(
+        self, dense_features: Tensor, values: Tensor, lengths: Tensor, weights: Optional[Tensor] = None
+    ) -> Tuple[Tensor, Tensor]:
+        """``lookup_and_predict`` without the sparse request checks (see ``lookup_unchecked``); the dense
+        features' shape is still checked (two comparisons)."""
+        if not self.has_dense:
+            raise RuntimeError(self.request_error_prefix + rules.NO_DENSE_PART)
+        self.check_weights_attached()
+        pooled = self.embeddings.lookup_validated(values, lengths, weights)  # type: ignore[operator]
+        return pooled, self.score(dense_features, pooled)
 
     def check_weights_attached(self) -> None:
         if not self.weights_attached:

@@ -119,6 +119,14 @@ class GatedModule:
         self._wait()
         return self.module.lookup_and_predict(*args)
 
+    def lookup_unchecked(self, *args: Any) -> torch.Tensor:  # the server's entry (it validated already)
+        self._wait()
+        return self.module.lookup_unchecked(*args)
+
+    def lookup_and_predict_unchecked(self, *args: Any) -> tuple[torch.Tensor, torch.Tensor]:
+        self._wait()
+        return self.module.lookup_and_predict_unchecked(*args)
+
     def __getattr__(self, name: str) -> Any:  # the model's attributes (embeddings, ...) as they are
         return getattr(self.module, name)
 

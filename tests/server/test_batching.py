@@ -21,7 +21,7 @@ NUM_CLIENTS = 32
 
 def test_concurrent_clients_each_get_their_own_rows(start_server, dense_artifact, dense_runtime, spec):
     # a 100 ms batching window and a barrier: the 32 requests arrive well inside one window
-    served = start_server(dense_artifact, max_delay_us=100_000)
+    served = start_server(dense_artifact, max_delay_us=100_000, batch_wait="always")
     batches = [
         random_batch(
             spec,
@@ -70,7 +70,7 @@ def test_concurrent_clients_each_get_their_own_rows(start_server, dense_artifact
 
 
 def test_concurrent_predictions_are_batched_too(start_server, dense_artifact, dense_runtime, spec):
-    served = start_server(dense_artifact, max_delay_us=100_000)
+    served = start_server(dense_artifact, max_delay_us=100_000, batch_wait="always")
     stub = served.stub()
     stub.GetModelMetadata(pb.GetModelMetadataRequest(), timeout=CALL_TIMEOUT)
     generator = torch.Generator().manual_seed(3)
@@ -92,7 +92,7 @@ def test_concurrent_predictions_are_batched_too(start_server, dense_artifact, de
 
 def test_requests_over_the_batch_limit_together_are_split(start_server, dense_artifact, dense_runtime, spec):
     # 5-example requests against a limit of 8: never two in one batch
-    served = start_server(dense_artifact, max_delay_us=50_000, max_batch_size=8, warmup_batches=0)
+    served = start_server(dense_artifact, max_delay_us=50_000, max_batch_size=8, warmup_batches=0, batch_wait="always")
     stub = served.stub()
     stub.GetModelMetadata(pb.GetModelMetadataRequest(), timeout=CALL_TIMEOUT)
     batches = [random_batch(spec, batch_size=5, seed=300 + i) for i in range(4)]
@@ -109,7 +109,12 @@ def test_merging_stops_at_max_merge_examples_and_larger_requests_run_alone(
     # a merge limit of 8 under a batch limit of 64: 5-example requests never share a forward, and a
     # 20-example request (over the merge limit, under the batch limit) is served, alone
     served = start_server(
-        dense_artifact, max_delay_us=50_000, max_batch_size=64, max_merge_examples=8, warmup_batches=0
+        dense_artifact,
+        max_delay_us=50_000,
+        max_batch_size=64,
+        max_merge_examples=8,
+        warmup_batches=0,
+        batch_wait="always",
     )
     stub = served.stub()
     stub.GetModelMetadata(pb.GetModelMetadataRequest(), timeout=CALL_TIMEOUT)
@@ -148,11 +153,24 @@ def test_full_queue_is_resource_exhausted(start_server, gated, dense_runtime, sp
     assert served.metric("embserve_requests_total", {"method": "Lookup", "code": "RESOURCE_EXHAUSTED"}) == 1
 
 
-def test_deadline_while_waiting_for_a_batch(start_server, dense_artifact, dense_runtime, spec):
+def test_deadline_while_waiting_for_a_batch(start_server, gated, dense_runtime, spec):
     # one worker, a 1 s batching window: a 300 ms deadline expires while the request waits for company
-    served = start_server(dense_artifact, max_delay_us=1_000_000, workers=1, warmup_batches=0)
+    runtime, gate = gated
+    served = start_server(runtime, max_delay_us=1_000_000, workers=1, warmup_batches=0)
     stub = served.stub()
     stub.GetModelMetadata(pb.GetModelMetadataRequest(), timeout=CALL_TIMEOUT)
+    # a lone caller is served at once; callers that overlap (one queued while another runs) make the server
+    # wait for company from then on
+    pair = [random_batch(spec, batch_size=1, seed=498 + i) for i in range(2)]
+    gate.hold()
+    running = stub.Lookup.future(lookup_request(pair[0]), timeout=CALL_TIMEOUT)
+    gate.wait_entered()
+    queued = stub.Lookup.future(lookup_request(pair[1]), timeout=CALL_TIMEOUT)
+    wait_until(lambda: served.metric("embserve_queue_depth") == 1, what="the second call to queue")
+    gate.release()
+    for call, b in zip((running, queued), pair):
+        assert torch.equal(codec.decode_embeddings(call.result()), dense_runtime.lookup(b))
+    merged_before = served.metric("embserve_batch_requests_sum")
     batch = random_batch(spec, batch_size=4, seed=500)
     error = rpc_error(lambda: stub.Lookup(lookup_request(batch), timeout=0.3))
     assert error.code() == grpc.StatusCode.DEADLINE_EXCEEDED
@@ -163,9 +181,20 @@ def test_deadline_while_waiting_for_a_batch(start_server, dense_artifact, dense_
     labels = {"method": "Lookup", "code": "DEADLINE_EXCEEDED"}
     wait_until(lambda: served.metric("embserve_requests_total", labels) == 1, what="the expired call's metric")
     # the expired request was dropped before the merge: only `later` reached the model
-    assert served.metric("embserve_batch_requests_sum") == 1
-    assert served.metric("embserve_batch_examples_sum") == 6
+    assert served.metric("embserve_batch_requests_sum") == merged_before + 1
+    assert served.metric("embserve_batch_examples_sum") == 2 + 6
     assert served.health() == health_pb2.HealthCheckResponse.SERVING
+
+
+def test_a_lone_caller_does_not_wait_out_the_batching_window(start_server, dense_artifact, dense_runtime, spec):
+    # a 60 s window and calls with a much shorter deadline: a lone closed-loop caller has no company to wait for
+    served = start_server(dense_artifact, max_delay_us=60_000_000, workers=1, warmup_batches=0)
+    stub = served.stub()
+    for seed in range(3):
+        batch = random_batch(spec, batch_size=2, seed=700 + seed)
+        response = stub.Lookup(lookup_request(batch), timeout=CALL_TIMEOUT)
+        assert torch.equal(codec.decode_embeddings(response), dense_runtime.lookup(batch))
+    assert served.metric("embserve_batch_requests_sum") == 3
 
 
 def test_deadline_during_the_forward(start_server, gated, dense_runtime, spec):

@@ -188,6 +188,7 @@ def test_sigterm_loses_no_request_in_flight(sparse_artifact, sparse_runtime, spe
     stderr = (tmp_path / "stderr.txt").open("w")
     command = [sys.executable, "-m", "infer.cli", "serve", str(sparse_artifact), "--host", "127.0.0.1"]
     command += ["--port", "0", "--max-delay-us", "2000000", "--drain-seconds", "20", "--metrics-port", "0"]
+    command += ["--batch-wait", "always"]  # even the first request waits out the window
     process = subprocess.Popen(command, cwd=REPO, stdout=subprocess.PIPE, stderr=stderr, text=True)
     channel = None
     try:

@@ -12,7 +12,7 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from server.client import EmbserveClient
 from tests.conftest import random_batch
-from tests.server.support import CALL_TIMEOUT, rpc_error
+from tests.server.support import CALL_TIMEOUT, rpc_error, wait_until
 
 
 def _scrape(port: int) -> dict[str, list]:
@@ -77,3 +77,42 @@ def test_metrics_endpoint_closes_with_the_server(start_server, dense_artifact):
 
 def test_no_metrics_endpoint_by_default(dense_server):
     assert dense_server.running.metrics_port is None
+
+
+def test_every_stage_of_the_pipeline_is_measured_per_request(start_server, dense_artifact, dense_runtime, spec):
+    served = start_server(dense_artifact, metrics_port=0, workers=1)
+    port = served.running.metrics_port
+    assert port
+    requests = 3
+    with EmbserveClient(served.address, timeout=CALL_TIMEOUT) as client:  # one at a time: one batch each
+        for seed in range(requests):
+            batch = random_batch(spec, batch_size=2, seed=seed)
+            assert torch.equal(client.lookup(batch), dense_runtime.lookup(batch))
+    samples = _scrape(port)["embserve_stage_seconds"]
+    for stage in ("decode", "queue", "merge", "lookup", "split", "encode"):
+        assert _value(samples, "embserve_stage_seconds_count", stage=stage) == requests, stage
+        assert _value(samples, "embserve_stage_seconds_sum", stage=stage) > 0, stage
+
+
+def test_profile_line_is_the_difference_of_two_snapshots():
+    from server.metrics import STAGES, profile_line
+
+    before = {stage: (0.0, 0.0) for stage in STAGES}
+    after = {**before, "decode": (4.0, 0.002), "lookup": (2.0, 0.5)}
+    line = profile_line(before, after, 2.0)
+    # by hand: decode 2 ms / 4 = 0.5 ms each, 0.1 % of 2 s; lookup 0.5 s / 2 = 250 ms, 25 % of 2 s
+    assert "decode 4x 0.500 ms (0.1 %)" in line
+    assert "lookup 2x 250.000 ms (25.0 %)" in line
+    assert "queue 0x 0.000 ms (0.0 %)" in line
+
+
+def test_serve_profile_logs_the_breakdown(start_server, dense_artifact, dense_runtime, spec, caplog):
+    with caplog.at_level("INFO", logger="server.app"):
+        served = start_server(dense_artifact, profile_s=0.05)
+        batch = random_batch(spec, batch_size=2, seed=9)
+        with EmbserveClient(served.address, timeout=CALL_TIMEOUT) as client:
+            assert torch.equal(client.lookup(batch), dense_runtime.lookup(batch))
+        wait_until(
+            lambda: any("decode 1x" in r.getMessage() for r in caplog.records if "profile over" in r.getMessage()),
+            what="a profile line with the lookup",
+        )
