@@ -289,6 +289,24 @@ class PagedModel:
         self.cache.add(out, lengths, cold_lengths, cache_input)
         return out
 
+    def lookup_unchecked(self, values: torch.Tensor, lengths: torch.Tensor, weights: torch.Tensor | None = None) -> Any:
+        """The server's entry for a batch it validated already (``Runtime.lookup_unchecked``): through the
+        prefetch and the cache as ``forward``; without a cache, the model's unchecked entry after the prefetch.
+        (Without this method ``__getattr__`` would hand out the model's own entry and skip both.)"""
+        if self.cache is not None:
+            return self.forward(values, lengths, weights)
+        self._prefetch(values, lengths)
+        entry = getattr(self.module, "lookup_unchecked", None) or self.module.forward
+        return entry(values, lengths, weights)
+
+    def lookup_and_predict_unchecked(
+        self, dense: torch.Tensor, values: torch.Tensor, lengths: torch.Tensor, weights: torch.Tensor | None = None
+    ) -> Any:
+        if not self.module.has_dense:  # the model's own refusal, before any lookup
+            return self.module.lookup_and_predict(dense, values, lengths, weights)
+        pooled = self.lookup_unchecked(values, lengths, weights)
+        return pooled, self.module.score(dense, pooled)
+
     def _prefetch(self, values: torch.Tensor, lengths: torch.Tensor) -> None:
         if self.prefetcher is None:
             return

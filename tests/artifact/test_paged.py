@@ -83,6 +83,21 @@ def test_prefetch_on_and_off_give_identical_outputs(model, mapped, weighted):
     assert ahead.module.prefetcher.pages_requested > 0
 
 
+@pytest.mark.parametrize("cached", [False, True])
+def test_the_servers_unchecked_entry_goes_through_prefetch_and_cache(model, mapped, cached):
+    """The server calls ``Runtime.lookup_unchecked`` / ``lookup_and_predict_unchecked``: a paged model must
+    prefetch (pages asked for) and use its cache there too, with the fp32 reference's answer."""
+    spec, _, reference = model
+    runtime = load(mapped, verify="none", prefetch="on", hot_rows=_some_rows(spec) if cached else None)
+    batch = random_batch(spec, batch_size=32, seed=7)
+    before = runtime.module.prefetcher.pages_requested
+    _close(runtime.lookup_unchecked(batch.values, batch.lengths, batch.weights), reference(batch))
+    assert runtime.module.prefetcher.pages_requested > before
+    dense = torch.rand(batch.batch_size, spec.num_dense_features)
+    pooled, _ = runtime.lookup_and_predict_unchecked(dense, batch.values, batch.lengths, batch.weights)
+    _close(pooled, reference(batch))
+
+
 @pytest.mark.parametrize("hot", ["all", "none", "mixed"])
 @pytest.mark.parametrize("weighted", [False, True])
 def test_hot_row_cache_equals_the_fp32_reference(model, mapped, hot, weighted):
