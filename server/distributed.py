@@ -2,9 +2,12 @@
 
 Every rank loads its own part (``infer.artifact.hosts.load_host_part``). Rank 0 runs the gRPC front end
 (``server.app``: validation, batching, health, drain) on a ``Runtime`` whose module does the distributed
-forward: per merged batch it broadcasts a small header, then the ids, lengths and weights; every rank runs its
-partial forward; the partial outputs are summed on rank 0 (``reduce``), which divides MEAN features by their
-bag lengths and runs the dense part. Collectives must be issued in the same order on every rank, so rank 0
+forward: per merged batch it broadcasts a small header (with the bytes each host gets), then sends every host
+only the ids its shards own (``server.group``: one all-to-all), runs its own part meanwhile, and receives back
+only the pooled columns each host computes (a second all-to-all); it adds them into its output, divides MEAN
+features by their full bag lengths and runs the dense part. The previous design (every id broadcast to every
+host, whole partial outputs summed by ``reduce`` or ``gather``) stays as ``combine`` modes: the baseline of
+``bench/multihost.py``. Collectives must be issued in the same order on every rank, so rank 0
 serialises them with one lock (forwards come from the batcher's worker threads, pings from a heartbeat thread).
 
 Failure: every collective has the group's timeout. When one fails (a rank died or hangs), rank 0 reports
@@ -38,18 +41,24 @@ from infer.errors import ArtifactError, EmbserveError, RequestError
 from infer.features import check_dense_features
 from infer.shard.hosts import finish_partial
 from server.app import SERVING_LINE, ServerConfig, check_ports, create_server, exit_process
+from server.group.exchange import Exchange
+from server.group.routing import full_request, group_routing, split_request
 from server.service import SERVICE_NAME, _Failure
 
 logger = logging.getLogger(__name__)
 
 # Header broadcast before every message: [op, num_ids, num_lengths, weighted, combine, values dtype, lengths dtype]
+# followed by, per host, the bytes of its ids (all-to-all mode)
 OP_STOP = 0
 OP_FORWARD = 1
 OP_PING = 2
 HEADER_SIZE = 7
-# How the partial outputs reach rank 0: summed on the way (reduce) or gathered whole and summed by rank 0.
+# How ids reach the hosts and outputs come back: every id broadcast and the partial outputs summed on the way
+# (reduce) or gathered whole and summed by rank 0 (the first design, kept as a baseline); or each host's own
+# ids and columns only (all-to-all, the default).
 COMBINE_REDUCE = 0
 COMBINE_GATHER = 1
+COMBINE_ALL_TO_ALL = 2
 _DTYPES = (torch.int64, torch.int32)
 # printed by every rank other than 0 once it joined the group (tests and logs wait for it)
 JOINED_LINE = "embserve: joined the group as rank"
@@ -64,7 +73,7 @@ class GroupConfig:
     collective_timeout_s: float = 30.0  # every collective (and joining the group) fails after this long
     failure_grace_s: float = 2.0  # after a failure: NOT_SERVING and UNAVAILABLE this long, then exit 1
     ping_interval_s: float = 0.0  # an idle rank 0 pings the group this often; 0 -> timeout / 3
-    combine: int = COMBINE_REDUCE  # COMBINE_GATHER: bench/multihost.py compares both
+    combine: int = COMBINE_ALL_TO_ALL  # the broadcast modes: bench/multihost.py compares them
 
 
 def is_multi_host(artifact: str | Path) -> bool:
@@ -90,13 +99,23 @@ def request_bytes(num_ids: int, num_lengths: int, batch: int, output_dim: int, w
 class _Collectives:
     """The tensors both sides exchange, on the group's device (cpu for gloo, cuda for NCCL)."""
 
-    def __init__(self, device: str) -> None:
+    def __init__(self, device: str, num_hosts: int) -> None:
         self.device = device
+        self.num_hosts = num_hosts
+        self.header_bytes = (HEADER_SIZE + num_hosts) * 8
 
     def send_header(
-        self, op: int, values: torch.Tensor | None, lengths: torch.Tensor | None, weighted: bool, combine: int = 0
+        self,
+        op: int,
+        values: torch.Tensor | None,
+        lengths: torch.Tensor | None,
+        weighted: bool,
+        combine: int = 0,
+        host_bytes: list[int] | None = None,
     ) -> None:
-        header = torch.zeros(HEADER_SIZE, dtype=torch.int64)
+        header = torch.zeros(HEADER_SIZE + self.num_hosts, dtype=torch.int64)
+        if host_bytes is not None:
+            header[HEADER_SIZE:] = torch.tensor(host_bytes, dtype=torch.int64)
         header[0] = op
         header[4] = combine
         if values is not None and lengths is not None:
@@ -108,7 +127,7 @@ class _Collectives:
         dist.broadcast(header.to(self.device), src=0)
 
     def recv_header(self) -> list[int]:
-        header = torch.zeros(HEADER_SIZE, dtype=torch.int64, device=self.device)
+        header = torch.zeros(HEADER_SIZE + self.num_hosts, dtype=torch.int64, device=self.device)
         dist.broadcast(header, src=0)
         return [int(x) for x in header.cpu().tolist()]
 
@@ -149,7 +168,9 @@ class DistributedModel:
         self.part = part
         self.spec = part.manifest.spec
         self.config = config
-        self._comm = _Collectives(comm_device)
+        self._comm = _Collectives(comm_device, part.num_hosts)
+        self.routing = group_routing(self.spec, part.plan)
+        self.exchange = Exchange(self.routing, 0, comm_device)
         self._lock = threading.Lock()
         self._last_collective = time.monotonic()
         self.failed = threading.Event()
@@ -202,6 +223,10 @@ class DistributedModel:
             if self.failed.is_set():
                 raise self._unavailable()
             try:
+                if self.config.combine == COMBINE_ALL_TO_ALL:
+                    summed = self._forward_all_to_all(values, lengths, weights)
+                    self.forwards += 1
+                    return summed
                 self._comm.send_header(OP_FORWARD, values, lengths, weights is not None, self.config.combine)
                 self._comm.broadcast(values)
                 self._comm.broadcast(lengths)
@@ -219,6 +244,28 @@ class DistributedModel:
                 self._last_collective = time.monotonic()
             self.forwards += 1
         return summed.to(partial.device)
+
+    def _forward_all_to_all(
+        self, values: torch.Tensor, lengths: torch.Tensor, weights: torch.Tensor | None
+    ) -> torch.Tensor:
+        """Each host's ids out, this host's part meanwhile, each host's columns back (see the module docstring)."""
+        exchange = self.exchange
+        hosts = self.part.num_hosts
+        batch = lengths.numel() // len(self.spec.features)
+        subs = split_request(self.routing, values, lengths, weights)
+        empty = torch.empty(0, dtype=torch.uint8)
+        packed = [empty] + [exchange.pack(sub) for sub in subs[1:]]
+        self._comm.send_header(
+            OP_FORWARD, values, lengths, weights is not None, COMBINE_ALL_TO_ALL, [int(p.numel()) for p in packed]
+        )
+        exchange.bytes_sent += self._comm.header_bytes * (hosts - 1)
+        exchange.all_to_all(packed, [0] * hosts)
+        partial = self.part.module(values, lengths, weights)
+        sizes = [0] + [exchange.output_bytes(h, batch) for h in range(1, hosts)]
+        pieces = exchange.all_to_all([empty] * hosts, sizes)
+        for host in range(1, hosts):
+            exchange.add_columns(partial, host, pieces[host])
+        return partial
 
     def _fail(self, err: BaseException) -> None:
         if not self.failed.is_set():
@@ -272,20 +319,30 @@ class DistributedModel:
         return True
 
 
-def follow(part: HostPart, comm_device: str = "cpu") -> int:
-    """A rank other than 0: run partial forwards for rank 0 until it sends stop (0) or the group fails (1)."""
-    comm = _Collectives(comm_device)
+def follow(part: HostPart, comm_device: str = "cpu", exchange: Exchange | None = None) -> int:
+    """A rank other than 0: run partial forwards for rank 0 until it sends stop (0) or the group fails (1).
+    ``exchange``: this rank's side of the all-to-all (made here when None; passed in to read its counters)."""
+    comm = _Collectives(comm_device, part.num_hosts)
     module = part.module
+    if exchange is None:
+        exchange = Exchange(group_routing(part.manifest.spec, part.plan), part.host, comm_device)
+    num_features = len(part.manifest.spec.features)
     forwards = 0
     with torch.inference_mode():
         while True:
             try:
-                op, num_ids, num_lengths, weighted, combine, values_code, lengths_code = comm.recv_header()
+                header = comm.recv_header()
+                op, num_ids, num_lengths, weighted, combine, values_code, lengths_code = header[:HEADER_SIZE]
                 if op == OP_STOP:
                     logger.info("rank %d: stop from rank 0 after %d forwards", part.host, forwards)
                     return 0
                 if op == OP_PING:
                     comm.reduce(torch.zeros(1))
+                    continue
+                if combine == COMBINE_ALL_TO_ALL:
+                    exchange.bytes_received += comm.header_bytes
+                    _follow_all_to_all(exchange, module, header[HEADER_SIZE:], num_lengths // num_features, weighted)
+                    forwards += 1
                     continue
                 values = comm.broadcast(torch.empty(num_ids, dtype=_DTYPES[values_code], device=comm_device))
                 lengths = comm.broadcast(torch.empty(num_lengths, dtype=_DTYPES[lengths_code], device=comm_device))
@@ -299,6 +356,20 @@ def follow(part: HostPart, comm_device: str = "cpu") -> int:
             except Exception as err:  # noqa: BLE001 - rank 0 died or hangs, or the batch broke this rank
                 logger.error("rank %d: the group failed after %d forwards: %s", part.host, forwards, err)
                 return 1
+
+
+def _follow_all_to_all(
+    exchange: Exchange, module: torch.nn.Module, host_bytes: list[int], batch: int, weighted: int
+) -> None:
+    """A follower's side of one all-to-all forward: its ids in, its part's columns out to rank 0."""
+    hosts = len(host_bytes)
+    rank = exchange.rank
+    empty = torch.empty(0, dtype=torch.uint8)
+    received = exchange.all_to_all([empty] * hosts, [host_bytes[rank] if h == 0 else 0 for h in range(hosts)])
+    sub = exchange.unpack(received[0], batch, bool(weighted))
+    values, lengths, weights = full_request(exchange.routing, rank, batch, sub)
+    partial = module(values, lengths, weights)
+    exchange.all_to_all([exchange.own_columns(partial)] + [empty] * (hosts - 1), [0] * hosts)
 
 
 def _group_env() -> tuple[int, int]:
