@@ -87,15 +87,6 @@ def is_multi_host(artifact: str | Path) -> bool:
         return False  # the one-host loader reports the manifest's problem
 
 
-def request_bytes(num_ids: int, num_lengths: int, batch: int, output_dim: int, weighted: bool, hosts: int) -> int:
-    """Bytes rank 0 exchanges per merged batch with int64 ids and int32 lengths: to each other host the header,
-    ids, lengths (and weights); back from each the partial output. (Gloo's reduce sends each rank's
-    ``batch x output_dim`` fp32 partial once; the broadcast sends rank 0's tensors once per other rank.)"""
-    sent = HEADER_SIZE * 8 + num_ids * 8 + num_lengths * 4 + (num_ids * 4 if weighted else 0)
-    received = batch * output_dim * 4
-    return (hosts - 1) * (sent + received)
-
-
 class _Collectives:
     """The tensors both sides exchange, on the group's device (cpu for gloo, cuda for NCCL)."""
 
