@@ -1,18 +1,19 @@
 """Serve a multi-host artifact: one process per host (torchrun), joined in one torch.distributed group.
 
-Every rank loads its own part (``infer.artifact.hosts.load_host_part``). Rank 0 runs the gRPC front end
-(``server.app``: validation, batching, health, drain) on a ``Runtime`` whose module does the distributed
-forward: per merged batch it broadcasts a small header (with the bytes each host gets), then sends every host
-only the ids its shards own (``server.group``: one all-to-all), runs its own part meanwhile, and receives back
-only the pooled columns each host computes (a second all-to-all); it adds them into its output, divides MEAN
-features by their full bag lengths and runs the dense part. The previous design (every id broadcast to every
-host, whole partial outputs summed by ``reduce`` or ``gather``) stays as ``combine`` modes: the baseline of
-``bench/multihost.py``. Collectives must be issued in the same order on every rank, so rank 0
-serialises them with one lock (forwards come from the batcher's worker threads, pings from a heartbeat thread).
+Every rank loads its own part (``infer.artifact.hosts.load_host_part``) and runs the gRPC front end
+(``server.app``: validation, batching, health, drain) on its own port, on a ``Runtime`` whose module is a
+``server.group.step.StepModel``: each rank's merged batches go through the group's step loop, in which every
+rank sends every host only the ids its shards own and gets back only the columns each host computes
+(``server.group``: routing, exchange, step). Hosts other than 0 take the dense part from host 0's file.
 
-Failure: every collective has the group's timeout. When one fails (a rank died or hangs), rank 0 reports
-NOT_SERVING, answers UNAVAILABLE, and exits 1 so torchrun (or the orchestrator) restarts the group. SIGTERM on
-rank 0 drains the front end, then sends the other ranks a stop header: every rank exits 0.
+``DistributedModel`` and ``follow`` are the leader-driven protocol the step loop grew from: rank 0 alone
+issues the collectives (a broadcast header, then the ids all-to-all, or the first design: every id broadcast
+and the partial outputs summed by ``reduce``/``gather``) and the other ranks follow. Tests and
+``bench/multihost.py`` drive batches through it without gRPC; the serving path uses its Runtime interface.
+
+Failure: every collective has the group's timeout. When one fails (a rank died or hangs), the survivors
+report NOT_SERVING, answer UNAVAILABLE, and exit 1 so torchrun (or the orchestrator) restarts the group.
+SIGTERM on any rank makes every rank drain its front end (accepted calls are answered) and exit 0.
 """
 
 from __future__ import annotations
@@ -169,6 +170,8 @@ class DistributedModel:
         self.forwards = 0
         self._stopping = threading.Event()
         self._heartbeat: threading.Thread | None = None
+        # host 0's part holds the dense part; another front end loads it from host 0's file (load_dense_arch)
+        self.dense_arch: torch.nn.Module | None = part.module.dense_arch if part.module.has_dense else None
         # called once, on the thread that saw the failure, before any caller hears UNAVAILABLE (health first)
         self.on_failure: Callable[[], None] | None = None
 
@@ -191,13 +194,13 @@ class DistributedModel:
         self, dense: torch.Tensor, values: torch.Tensor, lengths: torch.Tensor, weights: torch.Tensor | None = None
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """Pooled embeddings and scores float32 ``[batch]`` (the call contract) of one forward."""
-        module = self.part.module
-        if not module.has_dense:
+        dense_arch = self.dense_arch
+        if dense_arch is None:
             raise RequestError(rules.NO_DENSE_PART)
         batch = lengths.numel() // len(self.spec.features)
         dense = check_dense_features(dense, batch, self.spec.num_dense_features)
         pooled = self(values, lengths, weights)
-        return pooled, rules.scores_of(module.dense_arch(dense.to(pooled.device), pooled), batch)
+        return pooled, rules.scores_of(dense_arch(dense.to(pooled.device), pooled), batch)
 
     # ----------------------------------------------------------------- collectives
     def _unavailable(self) -> _Failure:
@@ -402,32 +405,39 @@ def join_group(part: HostPart, rank: int, world_size: int, timeout_s: float) -> 
 
 
 def serve_distributed(artifact: str | Path, config: ServerConfig, group: GroupConfig) -> int:
-    """``embserve serve`` of a multi-host artifact on this rank: load this host's part, join the group; rank 0
-    serves gRPC until SIGTERM, then stops every rank and exits the process (0); the others follow rank 0.
-    Returns the exit code otherwise (a failed group: 1)."""
+    """``embserve serve`` of a multi-host artifact on this rank: load this host's part, join the group and serve
+    gRPC on this host's ports (every host is a front end: ``server.group.step``) until SIGTERM reaches any rank;
+    then every rank drains and exits the process (0). Returns the exit code otherwise (a failed group: 1)."""
+    from infer.artifact.hosts import load_dense_arch
+    from server.group.step import StepModel
+
     rank, world_size = _group_env()
-    if rank == 0:
-        check_ports(config)  # a port in use is refused before this host's part loads and the group forms
+    check_ports(config)  # a port in use is refused before this host's part loads and the group forms
     part = load_host_part(artifact, rank, verify=config.verify)
     device = join_group(part, rank, world_size, group.collective_timeout_s)
+    model = StepModel(part, group, device)
+    if rank != 0 and part.manifest.has_dense:
+        model.dense_arch = load_dense_arch(artifact, verify=config.verify)
     if rank != 0:
         print(f"{JOINED_LINE} {rank}", flush=True)
-        code = follow(part, device)
-        if code == 0:
-            dist.destroy_process_group()
-        return code
-    model = DistributedModel(part, group, device)
-    return asyncio.run(_serve_rank0(part, model, config, group))
+    return asyncio.run(_serve_front_end(part, model, config, group))
 
 
-async def _serve_rank0(part: HostPart, model: DistributedModel, config: ServerConfig, group: GroupConfig) -> int:
+async def _serve_front_end(part: HostPart, model: Any, config: ServerConfig, group: GroupConfig) -> int:
+    """One host's gRPC front end on ``model`` (a ``server.group.step.StepModel``)."""
     from grpc_health.v1 import health_pb2
 
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
+
+    def told_to_stop() -> None:
+        model.request_stop()  # every rank hears it at the next step and drains too
+        stop.set()
+
     for signum in (signal.SIGTERM, signal.SIGINT):
-        loop.add_signal_handler(signum, stop.set)
-    runtime = Runtime(part.path, part.manifest, model)  # type: ignore[arg-type]
+        loop.add_signal_handler(signum, told_to_stop)
+    model.on_group_stop = lambda: loop.call_soon_threadsafe(stop.set)
+    runtime = Runtime(part.path, part.manifest, model)
     model.start_heartbeat()
     try:
         running = await create_server(runtime, config)
@@ -444,7 +454,7 @@ async def _serve_rank0(part: HostPart, model: DistributedModel, config: ServerCo
 
     def report_failure() -> None:
         future = asyncio.run_coroutine_threadsafe(not_serving(), loop)
-        if threading.get_ident() != loop_thread:  # a forward or heartbeat thread: wait, so health leads
+        if threading.get_ident() != loop_thread:  # a forward or step thread: wait, so health leads
             try:
                 future.result(timeout=2.0)
             except Exception:  # noqa: BLE001 - the main loop sets it again below
@@ -468,10 +478,12 @@ async def _serve_rank0(part: HostPart, model: DistributedModel, config: ServerCo
         return 1
     logger.info("draining (grace %.1f s, then up to %.0f s for accepted calls)", config.drain_grace_s,
                 config.drain_seconds)  # fmt: skip
-    # as one host: refuse, answer every accepted call, and leave grpc's connections to the exit (server.app)
+    # as one host: refuse, answer every accepted call, and leave grpc's connections to the exit (server.app);
+    # the steps go on meanwhile, so calls accepted here and on every other host are answered
     await running.drain(config.drain_grace_s, config.drain_seconds, config.drain_quiet_s, exiting=True)
-    stopped = await asyncio.to_thread(model.stop_group)
+    stopped = await asyncio.to_thread(model.stop_group)  # this rank drained; wait for the group's last step
     logger.info("stopped after %d distributed forwards%s", model.forwards, "" if stopped else " (group failed)")
     if stopped:
         dist.destroy_process_group()
     exit_process(0 if stopped else 1)  # from the event loop: its teardown would cancel calls grpc still holds
+    return 0

@@ -1,0 +1,198 @@
+"""Every host a front end: the group's step loop, in which every rank contributes its queued batch (or none).
+
+Collectives pair up by order alone, so every rank must issue the same ones in the same order. Each rank runs
+one step thread; a step is: an ``all_gather`` of every rank's header (its batch size, whether it has weights,
+the bytes of ids it sends each host, and its stop flags), then, when any rank has a batch, the ids all-to-all,
+every rank's part on its own batch and on the sub-batches it received, and the columns all-to-all; each rank
+then finishes its own batch (MEAN, dense part) and answers its callers. A rank with nothing queued waits up to
+``tick_s`` for a batch before it joins the next header exchange, so an idle group steps ``1 / tick_s`` times a
+second (that is its heartbeat: a dead rank fails the next step within the collective timeout) and a batch
+waits at most ``tick_s`` for idle ranks.
+
+Stopping: a rank told to stop (SIGTERM) sets ``WANTS_STOP`` in its header; every rank sees it in the same step
+and drains its front end (callers already accepted are answered: steps go on), then sets ``DRAINED``; the step
+in which every rank is drained is the last, and every rank exits 0.
+"""
+
+from __future__ import annotations
+
+import logging
+import queue
+import threading
+from collections.abc import Callable
+from concurrent.futures import Future
+
+import torch
+import torch.distributed as dist
+
+from infer.artifact.hosts import HostPart
+from server.distributed import DistributedModel, GroupConfig
+from server.group.exchange import Exchange
+from server.group.routing import full_request, split_request
+
+logger = logging.getLogger(__name__)
+
+HAS_BATCH = 1
+WANTS_STOP = 2
+DRAINED = 4
+_FIXED = 3  # header: flags, batch, weighted; then bytes to each host
+
+Batch = tuple[torch.Tensor, torch.Tensor, "torch.Tensor | None"]
+
+
+class StepModel(DistributedModel):
+    """One rank's model when every rank is a front end: ``model(values, lengths, weights)`` (validated by the
+    caller's ``Runtime`` contract as ``DistributedModel``) queues the batch for the next step and waits."""
+
+    def __init__(self, part: HostPart, config: GroupConfig, comm_device: str = "cpu", tick_s: float = 0.002) -> None:
+        super().__init__(part, config, comm_device)
+        self.rank = part.host
+        self.exchange = Exchange(self.routing, self.rank, comm_device)
+        self.tick_s = tick_s
+        self._queue: queue.Queue[tuple[Batch, Future[torch.Tensor]]] = queue.Queue()
+        self._wants_stop = threading.Event()
+        self._drained = threading.Event()
+        self.group_stopping = threading.Event()  # some rank wants the group to stop: drain the front end
+        self.on_group_stop: Callable[[], None] | None = None
+        self.steps = 0
+        self._thread: threading.Thread | None = None
+        self.exit_code: int | None = None
+        self.finished = threading.Event()
+        self._current: tuple[Batch, Future[torch.Tensor]] | None = None  # the batch of the step under way
+
+    # ----------------------------------------------------------------- callers (batcher threads)
+    def _forward(self, values: torch.Tensor, lengths: torch.Tensor, weights: torch.Tensor | None) -> torch.Tensor:
+        if self.failed.is_set():
+            raise self._unavailable()
+        done: Future[torch.Tensor] = Future()
+        self._queue.put(((values, lengths, weights), done))
+        if self.failed.is_set() or self.finished.is_set():  # the loop may have ended before it saw this batch
+            self._fail_queued()
+        return done.result()
+
+    # ----------------------------------------------------------------- control
+    def request_stop(self) -> None:
+        """This rank was told to stop: every rank drains, then the group ends (see the module docstring)."""
+        self._wants_stop.set()
+
+    def mark_drained(self) -> None:
+        """This rank's front end drained (no call in flight, none accepted any more)."""
+        self._drained.set()
+
+    def start_heartbeat(self) -> None:  # the step loop is the heartbeat
+        self._thread = threading.Thread(target=self._run, name="embserve-group-steps", daemon=True)
+        self._thread.start()
+
+    def stop_group(self) -> bool:
+        """Wait for the last step (after ``mark_drained``); False when the group failed."""
+        self.mark_drained()
+        self.finished.wait()
+        return self.exit_code == 0
+
+    # ----------------------------------------------------------------- the loop
+    def _fail_queued(self) -> None:
+        while True:
+            try:
+                _, done = self._queue.get_nowait()
+            except queue.Empty:
+                return
+            if not done.done():
+                done.set_exception(self._unavailable())
+
+    def _run(self) -> None:
+        try:
+            with torch.inference_mode():
+                self.exit_code = self._loop()
+        except Exception as err:  # noqa: BLE001 - gloo raises RuntimeError/DistBackendError on a lost peer
+            self._fail(err)
+            self.exit_code = 1
+        finally:
+            self.finished.set()
+            current = self._current
+            if current is not None and not current[1].done():
+                current[1].set_exception(self._unavailable())
+            self._fail_queued()
+
+    def _loop(self) -> int:
+        hosts = self.part.num_hosts
+        exchange = self.exchange
+        while True:
+            item = None
+            try:
+                item = self._queue.get(timeout=self.tick_s)
+            except queue.Empty:
+                pass
+            flags = (WANTS_STOP if self._wants_stop.is_set() else 0) | (
+                DRAINED if self._drained.is_set() and item is None and self._queue.empty() else 0
+            )
+            header = torch.zeros(_FIXED + hosts, dtype=torch.int64)
+            packed: list[torch.Tensor] = [torch.empty(0, dtype=torch.uint8)] * hosts
+            if item is not None:
+                (values, lengths, weights), _ = item
+                batch = lengths.numel() // self.routing.num_features
+                subs = split_request(self.routing, values, lengths, weights)
+                packed = [exchange.pack(s) if h != self.rank else packed[h] for h, s in enumerate(subs)]
+                flags |= HAS_BATCH
+                header[1] = batch
+                header[2] = int(weights is not None)
+                header[_FIXED:] = torch.tensor([int(p.numel()) for p in packed], dtype=torch.int64)
+            header[0] = flags
+            self._current = item
+            gathered = torch.zeros(hosts * len(header), dtype=torch.int64, device=self.device_name)
+            _all_gather_single(gathered, header.to(self.device_name))
+            table = gathered.view(hosts, -1).cpu().tolist()
+            exchange.bytes_sent += 8 * len(header) * (hosts - 1)
+            exchange.bytes_received += 8 * len(header) * (hosts - 1)
+            all_flags = [row[0] for row in table]
+            if any(f & WANTS_STOP for f in all_flags) and not self.group_stopping.is_set():
+                self.group_stopping.set()
+                if self.on_group_stop is not None:
+                    self.on_group_stop()
+            if not any(f & HAS_BATCH for f in all_flags):
+                if all(f & DRAINED for f in all_flags):
+                    logger.info("rank %d: every rank drained after %d steps", self.rank, self.steps)
+                    return 0
+                continue
+            self._step(table, item, packed)
+
+    def _step(self, table: list[list[int]], item: tuple[Batch, Future[torch.Tensor]] | None, packed: list) -> None:
+        hosts = self.part.num_hosts
+        rank = self.rank
+        exchange = self.exchange
+        module = self.part.module
+        received = exchange.all_to_all(packed, [table[s][_FIXED + rank] if s != rank else 0 for s in range(hosts)])
+        own = None
+        if item is not None:
+            (values, lengths, weights), _ = item
+            own = module(values, lengths, weights)
+        replies = []
+        for source in range(hosts):
+            if source == rank or not table[source][0] & HAS_BATCH:
+                replies.append(torch.empty(0, dtype=torch.uint8))
+                continue
+            batch, weighted = table[source][1], bool(table[source][2])
+            sub = exchange.unpack(received[source], batch, weighted)
+            partial = module(*full_request(self.routing, rank, batch, sub))
+            replies.append(exchange.own_columns(partial))
+        my_batch = table[rank][1] if item is not None else 0
+        sizes = [exchange.output_bytes(h, my_batch) if h != rank and item is not None else 0 for h in range(hosts)]
+        pieces = exchange.all_to_all(replies, sizes)
+        self.steps += 1
+        if item is None or own is None:
+            return
+        for host in range(hosts):
+            if host != rank:
+                exchange.add_columns(own, host, pieces[host])
+        self.forwards += 1
+        self._current = None
+        item[1].set_result(own)
+
+    @property
+    def device_name(self) -> str:
+        return self.exchange.device
+
+
+def _all_gather_single(output: torch.Tensor, tensor: torch.Tensor) -> None:
+    """Every rank's ``tensor``, concatenated in rank order (torch 2.13 renamed ``all_gather_into_tensor``)."""
+    gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+    gather(output, tensor)
