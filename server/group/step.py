@@ -38,6 +38,38 @@ DRAINED = 4
 _FIXED = 3  # header: flags, batch, weighted; then bytes to each host
 
 Batch = tuple[torch.Tensor, torch.Tensor, "torch.Tensor | None"]
+MAX_MERGED_ROWS = 8192  # a step takes every queued batch (same weightedness) up to this many examples
+
+
+class MergedBatch:
+    """The batch a rank brings to one step: every queued caller's batch merged (feature-major), and the callers
+    with their row counts, answered in order from the step's output."""
+
+    def __init__(self, items: list[tuple[Batch, Future[torch.Tensor]]], num_features: int) -> None:
+        self.waiters = [(batch[1].numel() // num_features, done) for batch, done in items]
+        if len(items) == 1:
+            self.batch = items[0][0]
+            return
+        per_item = [batch[1].view(num_features, -1) for batch, _ in items]
+        lengths = torch.cat(per_item, dim=1).reshape(-1)
+        # each caller's ids split by feature, then feature by feature across callers
+        counts = [per.sum(1).tolist() for per in per_item]
+        value_parts = [batch[0].split(c) for (batch, _), c in zip(items, counts)]
+        values = torch.cat([parts[f] for f in range(num_features) for parts in value_parts])
+        weights = None
+        if items[0][0][2] is not None:
+            weight_parts = [batch[2].split(c) for (batch, _), c in zip(items, counts) if batch[2] is not None]
+            weights = torch.cat([parts[f] for f in range(num_features) for parts in weight_parts])
+        self.batch = (values, lengths, weights)
+
+    def answer(self, out: torch.Tensor) -> None:
+        for rows, done in zip(out.split([r for r, _ in self.waiters]), [d for _, d in self.waiters]):
+            done.set_result(rows)
+
+    def fail(self, error: BaseException) -> None:
+        for _, done in self.waiters:
+            if not done.done():
+                done.set_exception(error)
 
 
 class StepModel(DistributedModel):
@@ -58,7 +90,8 @@ class StepModel(DistributedModel):
         self._thread: threading.Thread | None = None
         self.exit_code: int | None = None
         self.finished = threading.Event()
-        self._current: tuple[Batch, Future[torch.Tensor]] | None = None  # the batch of the step under way
+        self._current: MergedBatch | None = None  # the batch of the step under way
+        self._held: list[tuple[Batch, Future[torch.Tensor]]] = []  # a batch left for the next step (weights differ)
 
     # ----------------------------------------------------------------- callers (batcher threads)
     def _forward(self, values: torch.Tensor, lengths: torch.Tensor, weights: torch.Tensor | None) -> torch.Tensor:
@@ -108,27 +141,24 @@ class StepModel(DistributedModel):
             self.exit_code = 1
         finally:
             self.finished.set()
-            current = self._current
-            if current is not None and not current[1].done():
-                current[1].set_exception(self._unavailable())
+            if self._current is not None:
+                self._current.fail(self._unavailable())
+            for _, done in self._held:
+                done.set_exception(self._unavailable())
             self._fail_queued()
 
     def _loop(self) -> int:
         hosts = self.part.num_hosts
         exchange = self.exchange
         while True:
-            item = None
-            try:
-                item = self._queue.get(timeout=self.tick_s)
-            except queue.Empty:
-                pass
+            item = self._take()
             flags = (WANTS_STOP if self._wants_stop.is_set() else 0) | (
-                DRAINED if self._drained.is_set() and item is None and self._queue.empty() else 0
+                DRAINED if self._drained.is_set() and item is None and self._queue.empty() and not self._held else 0
             )
             header = torch.zeros(_FIXED + hosts, dtype=torch.int64)
             packed: list[torch.Tensor] = [torch.empty(0, dtype=torch.uint8)] * hosts
             if item is not None:
-                (values, lengths, weights), _ = item
+                values, lengths, weights = item.batch
                 batch = lengths.numel() // self.routing.num_features
                 subs = split_request(self.routing, values, lengths, weights)
                 packed = [exchange.pack(s) if h != self.rank else packed[h] for h, s in enumerate(subs)]
@@ -155,7 +185,30 @@ class StepModel(DistributedModel):
                 continue
             self._step(table, item, packed)
 
-    def _step(self, table: list[list[int]], item: tuple[Batch, Future[torch.Tensor]] | None, packed: list) -> None:
+    def _take(self) -> MergedBatch | None:
+        """Every batch queued now (one kind of weights), merged; waits up to ``tick_s`` for a first one."""
+        items = self._held
+        self._held = []
+        if not items:
+            try:
+                items = [self._queue.get(timeout=self.tick_s)]
+            except queue.Empty:
+                return None
+        weighted = items[0][0][2] is not None
+        rows = sum(batch[1].numel() for batch, _ in items) // self.routing.num_features
+        while rows < MAX_MERGED_ROWS:
+            try:
+                queued = self._queue.get_nowait()
+            except queue.Empty:
+                break
+            if (queued[0][2] is not None) != weighted:
+                self._held.append(queued)
+                break
+            items.append(queued)
+            rows += queued[0][1].numel() // self.routing.num_features
+        return MergedBatch(items, self.routing.num_features)
+
+    def _step(self, table: list[list[int]], item: MergedBatch | None, packed: list) -> None:
         hosts = self.part.num_hosts
         rank = self.rank
         exchange = self.exchange
@@ -163,8 +216,7 @@ class StepModel(DistributedModel):
         received = exchange.all_to_all(packed, [table[s][_FIXED + rank] if s != rank else 0 for s in range(hosts)])
         own = None
         if item is not None:
-            (values, lengths, weights), _ = item
-            own = module(values, lengths, weights)
+            own = module(*item.batch)
         replies = []
         for source in range(hosts):
             if source == rank or not table[source][0] & HAS_BATCH:
@@ -185,7 +237,7 @@ class StepModel(DistributedModel):
                 exchange.add_columns(own, host, pieces[host])
         self.forwards += 1
         self._current = None
-        item[1].set_result(own)
+        item.answer(own)
 
     @property
     def device_name(self) -> str:
