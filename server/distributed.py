@@ -71,7 +71,10 @@ class GroupFailure(EmbserveError):
 
 @dataclass(frozen=True)
 class GroupConfig:
-    collective_timeout_s: float = 30.0  # every collective (and joining the group) fails after this long
+    collective_timeout_s: float = 30.0  # every collective of the serving steps fails after this long
+    # forming the group waits this long for every rank (at least the collective timeout): after a restart the
+    # ranks load their parts at different speeds
+    join_timeout_s: float = 600.0
     failure_grace_s: float = 2.0  # after a failure: NOT_SERVING and UNAVAILABLE this long, then exit 1
     ping_interval_s: float = 0.0  # an idle rank 0 pings the group this often; 0 -> timeout / 3
     combine: int = COMBINE_ALL_TO_ALL  # the broadcast modes: bench/multihost.py compares them
@@ -414,8 +417,9 @@ def serve_distributed(artifact: str | Path, config: ServerConfig, group: GroupCo
     rank, world_size = _group_env()
     check_ports(config)  # a port in use is refused before this host's part loads and the group forms
     part = load_host_part(artifact, rank, verify=config.verify)
-    device = join_group(part, rank, world_size, group.collective_timeout_s)
-    model = StepModel(part, group, device)
+    device = join_group(part, rank, world_size, max(group.collective_timeout_s, group.join_timeout_s))
+    steps_group = dist.new_group(timeout=datetime.timedelta(seconds=group.collective_timeout_s))
+    model = StepModel(part, group, device, group=steps_group)
     if rank != 0 and part.manifest.has_dense:
         model.dense_arch = load_dense_arch(artifact, verify=config.verify)
     if rank != 0:

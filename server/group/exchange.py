@@ -26,8 +26,11 @@ _OUTPUT_BYTES = 4
 class Exchange:
     """One rank's side of the ids and outputs all-to-alls; ``device``: where collectives run."""
 
-    def __init__(self, routing: GroupRouting, rank: int, device: str = "cpu") -> None:
+    def __init__(
+        self, routing: GroupRouting, rank: int, device: str = "cpu", group: dist.ProcessGroup | None = None
+    ) -> None:
         self.routing = routing
+        self.group = group  # None: the default group
         self.rank = rank
         self.device = device
         self.id_dtype = torch.int32 if routing.ids_int32 else torch.int64
@@ -65,7 +68,7 @@ class Exchange:
         # every rank calls it, even with nothing to move: collectives pair up by order alone
         inputs = torch.cat([t.to(self.device) for t in send])
         output = torch.empty(sum(receive_sizes), dtype=torch.uint8, device=self.device)
-        dist.all_to_all_single(output, inputs, receive_sizes, send_sizes)
+        dist.all_to_all_single(output, inputs, receive_sizes, send_sizes, group=self.group)
         self.bytes_sent += sum(s for h, s in enumerate(send_sizes) if h != self.rank)
         self.bytes_received += sum(s for h, s in enumerate(receive_sizes) if h != self.rank)
         return list(output.split(receive_sizes))

@@ -76,10 +76,18 @@ class StepModel(DistributedModel):
     """One rank's model when every rank is a front end: ``model(values, lengths, weights)`` (validated by the
     caller's ``Runtime`` contract as ``DistributedModel``) queues the batch for the next step and waits."""
 
-    def __init__(self, part: HostPart, config: GroupConfig, comm_device: str = "cpu", tick_s: float = 0.002) -> None:
+    def __init__(
+        self,
+        part: HostPart,
+        config: GroupConfig,
+        comm_device: str = "cpu",
+        tick_s: float = 0.002,
+        group: dist.ProcessGroup | None = None,
+    ) -> None:
+        """``group``: the process group of the steps (None: the default one)."""
         super().__init__(part, config, comm_device)
         self.rank = part.host
-        self.exchange = Exchange(self.routing, self.rank, comm_device)
+        self.exchange = Exchange(self.routing, self.rank, comm_device, group)
         self.tick_s = tick_s
         self._queue: queue.Queue[tuple[Batch, Future[torch.Tensor]]] = queue.Queue()
         self._wants_stop = threading.Event()
@@ -169,7 +177,7 @@ class StepModel(DistributedModel):
             header[0] = flags
             self._current = item
             gathered = torch.zeros(hosts * len(header), dtype=torch.int64, device=self.device_name)
-            _all_gather_single(gathered, header.to(self.device_name))
+            _all_gather_single(gathered, header.to(self.device_name), self.exchange.group)
             table = gathered.view(hosts, -1).cpu().tolist()
             exchange.bytes_sent += 8 * len(header) * (hosts - 1)
             exchange.bytes_received += 8 * len(header) * (hosts - 1)
@@ -244,7 +252,7 @@ class StepModel(DistributedModel):
         return self.exchange.device
 
 
-def _all_gather_single(output: torch.Tensor, tensor: torch.Tensor) -> None:
+def _all_gather_single(output: torch.Tensor, tensor: torch.Tensor, group: dist.ProcessGroup | None) -> None:
     """Every rank's ``tensor``, concatenated in rank order (torch 2.13 renamed ``all_gather_into_tensor``)."""
     gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
-    gather(output, tensor)
+    gather(output, tensor, group=group)
