@@ -1,15 +1,19 @@
 """Serve a multi-host artifact: one process per host (torchrun), joined in one torch.distributed group.
 
-Every rank loads its own part (``infer.artifact.hosts.load_host_part``). Rank 0 runs the gRPC front end
-(``server.app``: validation, batching, health, drain) on a ``Runtime`` whose module does the distributed
-forward: per merged batch it broadcasts a small header, then the ids, lengths and weights; every rank runs its
-partial forward; the partial outputs are summed on rank 0 (``reduce``), which divides MEAN features by their
-bag lengths and runs the dense part. Collectives must be issued in the same order on every rank, so rank 0
-serialises them with one lock (forwards come from the batcher's worker threads, pings from a heartbeat thread).
+Every rank loads its own part (``infer.artifact.hosts.load_host_part``) and runs the gRPC front end
+(``server.app``: validation, batching, health, drain) on its own port, on a ``Runtime`` whose module is a
+``server.group.step.StepModel``: each rank's merged batches go through the group's step loop, in which every
+rank sends every host only the ids its shards own and gets back only the columns each host computes
+(``server.group``: routing, exchange, step). Hosts other than 0 take the dense part from host 0's file.
 
-Failure: every collective has the group's timeout. When one fails (a rank died or hangs), rank 0 reports
-NOT_SERVING, answers UNAVAILABLE, and exits 1 so torchrun (or the orchestrator) restarts the group. SIGTERM on
-rank 0 drains the front end, then sends the other ranks a stop header: every rank exits 0.
+``DistributedModel`` and ``follow`` are the leader-driven protocol the step loop grew from: rank 0 alone
+issues the collectives (a broadcast header, then the ids all-to-all, or the first design: every id broadcast
+and the partial outputs summed by ``reduce``/``gather``) and the other ranks follow. Tests and
+``bench/multihost.py`` drive batches through it without gRPC; the serving path uses its Runtime interface.
+
+Failure: every collective has the group's timeout. When one fails (a rank died or hangs), the survivors
+report NOT_SERVING, answer UNAVAILABLE, and exit 1 so torchrun (or the orchestrator) restarts the group.
+SIGTERM on any rank makes every rank drain its front end (accepted calls are answered) and exit 0.
 """
 
 from __future__ import annotations
@@ -38,18 +42,24 @@ from infer.errors import ArtifactError, EmbserveError, RequestError
 from infer.features import check_dense_features
 from infer.shard.hosts import finish_partial
 from server.app import SERVING_LINE, ServerConfig, check_ports, create_server, exit_process
+from server.group.exchange import Exchange
+from server.group.routing import full_request, group_routing, split_request
 from server.service import SERVICE_NAME, _Failure
 
 logger = logging.getLogger(__name__)
 
 # Header broadcast before every message: [op, num_ids, num_lengths, weighted, combine, values dtype, lengths dtype]
+# followed by, per host, the bytes of its ids (all-to-all mode)
 OP_STOP = 0
 OP_FORWARD = 1
 OP_PING = 2
 HEADER_SIZE = 7
-# How the partial outputs reach rank 0: summed on the way (reduce) or gathered whole and summed by rank 0.
+# How ids reach the hosts and outputs come back: every id broadcast and the partial outputs summed on the way
+# (reduce) or gathered whole and summed by rank 0 (the first design, kept as a baseline); or each host's own
+# ids and columns only (all-to-all, the default).
 COMBINE_REDUCE = 0
 COMBINE_GATHER = 1
+COMBINE_ALL_TO_ALL = 2
 _DTYPES = (torch.int64, torch.int32)
 # printed by every rank other than 0 once it joined the group (tests and logs wait for it)
 JOINED_LINE = "embserve: joined the group as rank"
@@ -61,10 +71,13 @@ class GroupFailure(EmbserveError):
 
 @dataclass(frozen=True)
 class GroupConfig:
-    collective_timeout_s: float = 30.0  # every collective (and joining the group) fails after this long
+    collective_timeout_s: float = 30.0  # every collective of the serving steps fails after this long
+    # forming the group waits this long for every rank (at least the collective timeout): after a restart the
+    # ranks load their parts at different speeds
+    join_timeout_s: float = 600.0
     failure_grace_s: float = 2.0  # after a failure: NOT_SERVING and UNAVAILABLE this long, then exit 1
     ping_interval_s: float = 0.0  # an idle rank 0 pings the group this often; 0 -> timeout / 3
-    combine: int = COMBINE_REDUCE  # COMBINE_GATHER: bench/multihost.py compares both
+    combine: int = COMBINE_ALL_TO_ALL  # the broadcast modes: bench/multihost.py compares them
 
 
 def is_multi_host(artifact: str | Path) -> bool:
@@ -78,25 +91,26 @@ def is_multi_host(artifact: str | Path) -> bool:
         return False  # the one-host loader reports the manifest's problem
 
 
-def request_bytes(num_ids: int, num_lengths: int, batch: int, output_dim: int, weighted: bool, hosts: int) -> int:
-    """Bytes rank 0 exchanges per merged batch with int64 ids and int32 lengths: to each other host the header,
-    ids, lengths (and weights); back from each the partial output. (Gloo's reduce sends each rank's
-    ``batch x output_dim`` fp32 partial once; the broadcast sends rank 0's tensors once per other rank.)"""
-    sent = HEADER_SIZE * 8 + num_ids * 8 + num_lengths * 4 + (num_ids * 4 if weighted else 0)
-    received = batch * output_dim * 4
-    return (hosts - 1) * (sent + received)
-
-
 class _Collectives:
     """The tensors both sides exchange, on the group's device (cpu for gloo, cuda for NCCL)."""
 
-    def __init__(self, device: str) -> None:
+    def __init__(self, device: str, num_hosts: int) -> None:
         self.device = device
+        self.num_hosts = num_hosts
+        self.header_bytes = (HEADER_SIZE + num_hosts) * 8
 
     def send_header(
-        self, op: int, values: torch.Tensor | None, lengths: torch.Tensor | None, weighted: bool, combine: int = 0
+        self,
+        op: int,
+        values: torch.Tensor | None,
+        lengths: torch.Tensor | None,
+        weighted: bool,
+        combine: int = 0,
+        host_bytes: list[int] | None = None,
     ) -> None:
-        header = torch.zeros(HEADER_SIZE, dtype=torch.int64)
+        header = torch.zeros(HEADER_SIZE + self.num_hosts, dtype=torch.int64)
+        if host_bytes is not None:
+            header[HEADER_SIZE:] = torch.tensor(host_bytes, dtype=torch.int64)
         header[0] = op
         header[4] = combine
         if values is not None and lengths is not None:
@@ -108,7 +122,7 @@ class _Collectives:
         dist.broadcast(header.to(self.device), src=0)
 
     def recv_header(self) -> list[int]:
-        header = torch.zeros(HEADER_SIZE, dtype=torch.int64, device=self.device)
+        header = torch.zeros(HEADER_SIZE + self.num_hosts, dtype=torch.int64, device=self.device)
         dist.broadcast(header, src=0)
         return [int(x) for x in header.cpu().tolist()]
 
@@ -149,7 +163,9 @@ class DistributedModel:
         self.part = part
         self.spec = part.manifest.spec
         self.config = config
-        self._comm = _Collectives(comm_device)
+        self._comm = _Collectives(comm_device, part.num_hosts)
+        self.routing = group_routing(self.spec, part.plan)
+        self.exchange = Exchange(self.routing, 0, comm_device)
         self._lock = threading.Lock()
         self._last_collective = time.monotonic()
         self.failed = threading.Event()
@@ -157,6 +173,8 @@ class DistributedModel:
         self.forwards = 0
         self._stopping = threading.Event()
         self._heartbeat: threading.Thread | None = None
+        # host 0's part holds the dense part; another front end loads it from host 0's file (load_dense_arch)
+        self.dense_arch: torch.nn.Module | None = part.module.dense_arch if part.module.has_dense else None
         # called once, on the thread that saw the failure, before any caller hears UNAVAILABLE (health first)
         self.on_failure: Callable[[], None] | None = None
 
@@ -179,13 +197,13 @@ class DistributedModel:
         self, dense: torch.Tensor, values: torch.Tensor, lengths: torch.Tensor, weights: torch.Tensor | None = None
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """Pooled embeddings and scores float32 ``[batch]`` (the call contract) of one forward."""
-        module = self.part.module
-        if not module.has_dense:
+        dense_arch = self.dense_arch
+        if dense_arch is None:
             raise RequestError(rules.NO_DENSE_PART)
         batch = lengths.numel() // len(self.spec.features)
         dense = check_dense_features(dense, batch, self.spec.num_dense_features)
         pooled = self(values, lengths, weights)
-        return pooled, rules.scores_of(module.dense_arch(dense.to(pooled.device), pooled), batch)
+        return pooled, rules.scores_of(dense_arch(dense.to(pooled.device), pooled), batch)
 
     # ----------------------------------------------------------------- collectives
     def _unavailable(self) -> _Failure:
@@ -202,6 +220,10 @@ class DistributedModel:
             if self.failed.is_set():
                 raise self._unavailable()
             try:
+                if self.config.combine == COMBINE_ALL_TO_ALL:
+                    summed = self._forward_all_to_all(values, lengths, weights)
+                    self.forwards += 1
+                    return summed
                 self._comm.send_header(OP_FORWARD, values, lengths, weights is not None, self.config.combine)
                 self._comm.broadcast(values)
                 self._comm.broadcast(lengths)
@@ -219,6 +241,28 @@ class DistributedModel:
                 self._last_collective = time.monotonic()
             self.forwards += 1
         return summed.to(partial.device)
+
+    def _forward_all_to_all(
+        self, values: torch.Tensor, lengths: torch.Tensor, weights: torch.Tensor | None
+    ) -> torch.Tensor:
+        """Each host's ids out, this host's part meanwhile, each host's columns back (see the module docstring)."""
+        exchange = self.exchange
+        hosts = self.part.num_hosts
+        batch = lengths.numel() // len(self.spec.features)
+        subs = split_request(self.routing, values, lengths, weights)
+        empty = torch.empty(0, dtype=torch.uint8)
+        packed = [empty] + [exchange.pack(sub) for sub in subs[1:]]
+        self._comm.send_header(
+            OP_FORWARD, values, lengths, weights is not None, COMBINE_ALL_TO_ALL, [int(p.numel()) for p in packed]
+        )
+        exchange.bytes_sent += self._comm.header_bytes * (hosts - 1)
+        exchange.all_to_all(packed, [0] * hosts)
+        partial = self.part.module(values, lengths, weights)
+        sizes = [0] + [exchange.output_bytes(h, batch) for h in range(1, hosts)]
+        pieces = exchange.all_to_all([empty] * hosts, sizes)
+        for host in range(1, hosts):
+            exchange.add_columns(partial, host, pieces[host])
+        return partial
 
     def _fail(self, err: BaseException) -> None:
         if not self.failed.is_set():
@@ -272,20 +316,30 @@ class DistributedModel:
         return True
 
 
-def follow(part: HostPart, comm_device: str = "cpu") -> int:
-    """A rank other than 0: run partial forwards for rank 0 until it sends stop (0) or the group fails (1)."""
-    comm = _Collectives(comm_device)
+def follow(part: HostPart, comm_device: str = "cpu", exchange: Exchange | None = None) -> int:
+    """A rank other than 0: run partial forwards for rank 0 until it sends stop (0) or the group fails (1).
+    ``exchange``: this rank's side of the all-to-all (made here when None; passed in to read its counters)."""
+    comm = _Collectives(comm_device, part.num_hosts)
     module = part.module
+    if exchange is None:
+        exchange = Exchange(group_routing(part.manifest.spec, part.plan), part.host, comm_device)
+    num_features = len(part.manifest.spec.features)
     forwards = 0
     with torch.inference_mode():
         while True:
             try:
-                op, num_ids, num_lengths, weighted, combine, values_code, lengths_code = comm.recv_header()
+                header = comm.recv_header()
+                op, num_ids, num_lengths, weighted, combine, values_code, lengths_code = header[:HEADER_SIZE]
                 if op == OP_STOP:
                     logger.info("rank %d: stop from rank 0 after %d forwards", part.host, forwards)
                     return 0
                 if op == OP_PING:
                     comm.reduce(torch.zeros(1))
+                    continue
+                if combine == COMBINE_ALL_TO_ALL:
+                    exchange.bytes_received += comm.header_bytes
+                    _follow_all_to_all(exchange, module, header[HEADER_SIZE:], num_lengths // num_features, weighted)
+                    forwards += 1
                     continue
                 values = comm.broadcast(torch.empty(num_ids, dtype=_DTYPES[values_code], device=comm_device))
                 lengths = comm.broadcast(torch.empty(num_lengths, dtype=_DTYPES[lengths_code], device=comm_device))
@@ -299,6 +353,20 @@ def follow(part: HostPart, comm_device: str = "cpu") -> int:
             except Exception as err:  # noqa: BLE001 - rank 0 died or hangs, or the batch broke this rank
                 logger.error("rank %d: the group failed after %d forwards: %s", part.host, forwards, err)
                 return 1
+
+
+def _follow_all_to_all(
+    exchange: Exchange, module: torch.nn.Module, host_bytes: list[int], batch: int, weighted: int
+) -> None:
+    """A follower's side of one all-to-all forward: its ids in, its part's columns out to rank 0."""
+    hosts = len(host_bytes)
+    rank = exchange.rank
+    empty = torch.empty(0, dtype=torch.uint8)
+    received = exchange.all_to_all([empty] * hosts, [host_bytes[rank] if h == 0 else 0 for h in range(hosts)])
+    sub = exchange.unpack(received[0], batch, bool(weighted))
+    values, lengths, weights = full_request(exchange.routing, rank, batch, sub)
+    partial = module(values, lengths, weights)
+    exchange.all_to_all([exchange.own_columns(partial)] + [empty] * (hosts - 1), [0] * hosts)
 
 
 def _group_env() -> tuple[int, int]:
@@ -340,32 +408,40 @@ def join_group(part: HostPart, rank: int, world_size: int, timeout_s: float) -> 
 
 
 def serve_distributed(artifact: str | Path, config: ServerConfig, group: GroupConfig) -> int:
-    """``embserve serve`` of a multi-host artifact on this rank: load this host's part, join the group; rank 0
-    serves gRPC until SIGTERM, then stops every rank and exits the process (0); the others follow rank 0.
-    Returns the exit code otherwise (a failed group: 1)."""
+    """``embserve serve`` of a multi-host artifact on this rank: load this host's part, join the group and serve
+    gRPC on this host's ports (every host is a front end: ``server.group.step``) until SIGTERM reaches any rank;
+    then every rank drains and exits the process (0). Returns the exit code otherwise (a failed group: 1)."""
+    from infer.artifact.hosts import load_dense_arch
+    from server.group.step import StepModel
+
     rank, world_size = _group_env()
-    if rank == 0:
-        check_ports(config)  # a port in use is refused before this host's part loads and the group forms
+    check_ports(config)  # a port in use is refused before this host's part loads and the group forms
     part = load_host_part(artifact, rank, verify=config.verify)
-    device = join_group(part, rank, world_size, group.collective_timeout_s)
+    device = join_group(part, rank, world_size, max(group.collective_timeout_s, group.join_timeout_s))
+    steps_group = dist.new_group(timeout=datetime.timedelta(seconds=group.collective_timeout_s))
+    model = StepModel(part, group, device, group=steps_group)
+    if rank != 0 and part.manifest.has_dense:
+        model.dense_arch = load_dense_arch(artifact, verify=config.verify)
     if rank != 0:
         print(f"{JOINED_LINE} {rank}", flush=True)
-        code = follow(part, device)
-        if code == 0:
-            dist.destroy_process_group()
-        return code
-    model = DistributedModel(part, group, device)
-    return asyncio.run(_serve_rank0(part, model, config, group))
+    return asyncio.run(_serve_front_end(part, model, config, group))
 
 
-async def _serve_rank0(part: HostPart, model: DistributedModel, config: ServerConfig, group: GroupConfig) -> int:
+async def _serve_front_end(part: HostPart, model: Any, config: ServerConfig, group: GroupConfig) -> int:
+    """One host's gRPC front end on ``model`` (a ``server.group.step.StepModel``)."""
     from grpc_health.v1 import health_pb2
 
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
+
+    def told_to_stop() -> None:
+        model.request_stop()  # every rank hears it at the next step and drains too
+        stop.set()
+
     for signum in (signal.SIGTERM, signal.SIGINT):
-        loop.add_signal_handler(signum, stop.set)
-    runtime = Runtime(part.path, part.manifest, model)  # type: ignore[arg-type]
+        loop.add_signal_handler(signum, told_to_stop)
+    model.on_group_stop = lambda: loop.call_soon_threadsafe(stop.set)
+    runtime = Runtime(part.path, part.manifest, model)
     model.start_heartbeat()
     try:
         running = await create_server(runtime, config)
@@ -382,7 +458,7 @@ async def _serve_rank0(part: HostPart, model: DistributedModel, config: ServerCo
 
     def report_failure() -> None:
         future = asyncio.run_coroutine_threadsafe(not_serving(), loop)
-        if threading.get_ident() != loop_thread:  # a forward or heartbeat thread: wait, so health leads
+        if threading.get_ident() != loop_thread:  # a forward or step thread: wait, so health leads
             try:
                 future.result(timeout=2.0)
             except Exception:  # noqa: BLE001 - the main loop sets it again below
@@ -406,10 +482,12 @@ async def _serve_rank0(part: HostPart, model: DistributedModel, config: ServerCo
         return 1
     logger.info("draining (grace %.1f s, then up to %.0f s for accepted calls)", config.drain_grace_s,
                 config.drain_seconds)  # fmt: skip
-    # as one host: refuse, answer every accepted call, and leave grpc's connections to the exit (server.app)
+    # as one host: refuse, answer every accepted call, and leave grpc's connections to the exit (server.app);
+    # the steps go on meanwhile, so calls accepted here and on every other host are answered
     await running.drain(config.drain_grace_s, config.drain_seconds, config.drain_quiet_s, exiting=True)
-    stopped = await asyncio.to_thread(model.stop_group)
+    stopped = await asyncio.to_thread(model.stop_group)  # this rank drained; wait for the group's last step
     logger.info("stopped after %d distributed forwards%s", model.forwards, "" if stopped else " (group failed)")
     if stopped:
         dist.destroy_process_group()
     exit_process(0 if stopped else 1)  # from the event loop: its teardown would cancel calls grpc still holds
+    return 0

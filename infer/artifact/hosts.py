@@ -200,3 +200,27 @@ def load_host_part(
         torch.set_num_threads(threads)
     logger.info("host %d: loaded %s (%d kernels)", host, part_path, len(expected))
     return HostPart(folder, manifest, plan, host, module)
+
+
+def load_dense_arch(artifact_dir: str | Path, verify: str = FULL) -> torch.nn.Module | None:
+    """The dense part of a multi-host artifact (it lives in host 0's part), for a front end on another host;
+    None when the model has none. Host 0's ``model.pt`` is verified and loaded without attaching its weight
+    files (mapped artifacts keep no weights in it; an embedded one loads host 0's tables too, then drops them)."""
+    from infer.artifact.fbgemm_libs import load_fbgemm
+    from infer.artifact.load import _map_location
+
+    folder = Path(artifact_dir)
+    manifest = Manifest.read(folder)
+    if not manifest.has_dense:
+        return None
+    name = manifest.host_parts[0]
+    manifest.verify_files(folder, only=(name,), verify=verify)
+    load_fbgemm()
+    try:
+        module = torch.jit.load(str(folder / name), map_location=_map_location(manifest.devices, {}))
+    except Exception as err:  # noqa: BLE001 - torch raises RuntimeError and others for a bad archive
+        first_line = str(err).strip().splitlines()[0] if str(err).strip() else type(err).__name__
+        raise ArtifactError(f"{folder / name} cannot be loaded by TorchScript: {first_line}", kind=MODEL) from None
+    dense: torch.nn.Module = module.dense_arch
+    dense.eval()
+    return dense

@@ -1,7 +1,7 @@
 """One rank of a test group (run as a subprocess with RANK/WORLD_SIZE/MASTER_ADDR/MASTER_PORT set, like torchrun
 sets them): for each artifact of the job, load this host's part and serve rank 0's forwards; rank 0 runs the
-job's batches through a ``Runtime`` on ``server.distributed.DistributedModel`` (partials combined by reduce,
-then by gather) and saves the outputs."""
+job's batches through a ``Runtime`` on ``server.distributed.DistributedModel`` (ids all-to-all, then the
+broadcast designs: partials combined by reduce, then by gather) and saves the outputs."""
 
 from __future__ import annotations
 
@@ -16,6 +16,7 @@ from infer.artifact.hosts import load_host_part
 from infer.artifact.runtime import Runtime
 from infer.features import SparseFeatures
 from server.distributed import (
+    COMBINE_ALL_TO_ALL,
     COMBINE_GATHER,
     COMBINE_REDUCE,
     JOINED_LINE,
@@ -24,6 +25,10 @@ from server.distributed import (
     follow,
     join_group,
 )
+from server.group.exchange import Exchange
+from server.group.routing import group_routing
+
+COMBINES = (COMBINE_ALL_TO_ALL, COMBINE_REDUCE, COMBINE_GATHER)
 
 
 def main(job_path: str) -> int:
@@ -32,6 +37,7 @@ def main(job_path: str) -> int:
     batches = torch.load(job["batches"])
     joined = False
     results = {}
+    received: dict[str, int] = {}  # a follower's bytes received per artifact (all-to-all forwards)
     for name, artifact in job["artifacts"].items():
         part = load_host_part(artifact, rank)
         if not joined:
@@ -39,10 +45,12 @@ def main(job_path: str) -> int:
             print(f"{JOINED_LINE} {rank}", flush=True)
             joined = True
         if rank != 0:
-            if follow(part, device) != 0:
+            exchange = Exchange(group_routing(part.manifest.spec, part.plan), rank, device)
+            if follow(part, device, exchange) != 0:
                 return 1
+            received[name] = exchange.bytes_received
             continue
-        for combine in (COMBINE_REDUCE, COMBINE_GATHER):  # the followers read the mode from each header
+        for combine in job.get("combines", COMBINES):  # the followers read the mode from each header
             config = GroupConfig(collective_timeout_s=job["timeout_s"], combine=combine)
             model = DistributedModel(part, config, device)
             runtime = Runtime(part.path, part.manifest, model)  # type: ignore[arg-type]
@@ -57,6 +65,8 @@ def main(job_path: str) -> int:
             return 1
     if rank == 0:
         torch.save(results, job["out"])
+    else:
+        torch.save(received, f"{job['out']}.rank{rank}")
     dist.destroy_process_group()
     return 0
 

@@ -9,9 +9,9 @@ import torch
 
 from infer.shard.builder import shard_model
 from infer.shard.hosts import shard_host
-from server.distributed import COMBINE_GATHER, COMBINE_REDUCE
 from tests.conftest import random_batch
 from tests.distributed.conftest import KINDS, NUM_DENSE, host_plan, run_group
+from tests.distributed.group_worker import COMBINES
 
 
 def _batches(spec):
@@ -48,7 +48,7 @@ def test_served_outputs_match_one_process(hosts, host_artifacts, quantized, tmp_
         plan = host_plan(spec, kind, hosts, 2 if (hosts, kind) == (2, "mixed") else 1)
         reference = shard_model(quantized, plan)
         exact = kind == "column"
-        for combine in (COMBINE_REDUCE, COMBINE_GATHER):
+        for combine in COMBINES:
             for index, (batch, (pooled, scores)) in enumerate(zip(batches, results[(kind, combine)])):
                 with torch.inference_mode():
                     want = reference(batch["values"], batch["lengths"], batch["weights"])

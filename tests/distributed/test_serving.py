@@ -1,9 +1,11 @@
 """`embserve serve` of a multi-host artifact: one process per "host" on 127.0.0.1 with the environment torchrun
-gives its workers, rank 0 serving gRPC. Served outputs, SIGTERM on rank 0 under load (nothing lost, every rank
-exits 0), and a killed rank under load (NOT_SERVING and UNAVAILABLE within the timeout, rank 0 exits 1)."""
+gives its workers, every rank serving gRPC on its own port. Served outputs on every front end, SIGTERM to any
+rank under load spread over every front end (nothing lost, every rank exits 0), bad input refused on any front
+end, and a killed rank under load (NOT_SERVING and UNAVAILABLE within the timeout, exit 1)."""
 
 from __future__ import annotations
 
+import dataclasses
 import signal
 import subprocess
 import sys
@@ -49,10 +51,11 @@ class _Group:
         self.readers = [LineReader(p.stdout) for p in self.processes]
         if not wait:
             return
-        line = self.readers[0].wait_for(SERVING_LINE, timeout=120)
-        self.port = int(line.rsplit(" ", 1)[1])
         for reader in self.readers[1:]:
-            reader.wait_for(JOINED_LINE, timeout=30)
+            reader.wait_for(JOINED_LINE, timeout=120)
+        lines = [reader.wait_for(SERVING_LINE, timeout=120) for reader in self.readers]
+        self.ports = [int(line.rsplit(" ", 1)[1]) for line in lines]  # every rank is a front end
+        self.port = self.ports[0]
 
     def stderr(self, rank: int) -> str:
         return self.logs[rank].read_text()[-3000:]
@@ -67,14 +70,16 @@ class _Group:
 class _Load:
     """Clients calling Lookup without pause until stopped; outcomes counted by status code."""
 
-    def __init__(self, port: int, batches, expected, clients: int) -> None:
+    def __init__(self, ports: list[int], batches, expected, clients: int) -> None:
         self.outcomes: Counter[str] = Counter()
         self.wrong = 0
         self.first_unavailable: float | None = None
         self.stop = threading.Event()
         self._lock = threading.Lock()
         self.threads = [
-            threading.Thread(target=self._run, args=(port, batches[i % len(batches)], expected[i % len(batches)]))
+            threading.Thread(
+                target=self._run, args=(ports[i % len(ports)], batches[i % len(batches)], expected[i % len(batches)])
+            )
             for i in range(clients)
         ]
         for thread in self.threads:
@@ -109,31 +114,35 @@ def _expected(quantized, kind, hosts, devices, batches):
         return [reference(b.values, b.lengths, b.weights) for b in batches], reference
 
 
-def test_sigterm_on_rank0_under_load_loses_nothing(host_artifacts, quantized, tmp_path):
-    """2 hosts x 2 devices, mixed plan: gRPC Lookup and Predict equal the one-process model; then 8 clients send
-    without pause through SIGTERM on rank 0: no call CANCELLED, failed or wrong, every rank exits 0."""
+@pytest.mark.parametrize("stopped", [0, 1], ids=["host0", "host1"])
+def test_sigterm_to_any_host_under_load_loses_nothing(host_artifacts, quantized, tmp_path, stopped):
+    """2 hosts x 2 devices, mixed plan: gRPC Lookup and Predict on either host's front end equal the one-process
+    model; then 8 clients spread over both front ends send without pause through SIGTERM to one host: no call
+    CANCELLED, failed or wrong, every rank exits 0 without a stack trace."""
     spec = quantized.spec
     batches = [random_batch(spec, batch_size=4 + i, weighted=i % 2 == 0, seed=300 + i) for i in range(4)]
     expected, reference = _expected(quantized, "mixed", 2, 2, batches)
     group = _Group(host_artifacts[(2, "mixed")], 2, tmp_path, "--drain-grace-s", "0.5", "--max-delay-us", "2000")
     try:
         dense = torch.randn(batches[0].batch_size, NUM_DENSE, generator=torch.Generator().manual_seed(1))
-        with EmbserveClient(f"127.0.0.1:{group.port}") as client:
-            pooled = client.lookup(batches[0])
-            scores = client.predict(batches[0], dense)
         with torch.inference_mode():
             want_scores = reference.predict(dense, batches[0].values, batches[0].lengths, batches[0].weights)
-        assert (pooled - expected[0]).abs().max() <= 1e-6 * float(expected[0].abs().max())
-        assert (scores - want_scores).abs().max() <= 1e-6 * max(1.0, float(want_scores.abs().max()))
-        load = _Load(group.port, batches, expected, clients=8)
+        for port in group.ports:
+            with EmbserveClient(f"127.0.0.1:{port}") as client:
+                pooled = client.lookup(batches[0])
+                scores = client.predict(batches[0], dense)
+            assert (pooled - expected[0]).abs().max() <= 1e-6 * float(expected[0].abs().max())
+            assert (scores - want_scores).abs().max() <= 1e-6 * max(1.0, float(want_scores.abs().max()))
+        load = _Load(group.ports, batches, expected, clients=8)
         time.sleep(1.0)
-        group.processes[0].send_signal(signal.SIGTERM)
+        group.processes[stopped].send_signal(signal.SIGTERM)
         codes = [p.wait(timeout=60) for p in group.processes]
         load.join(30)
         assert codes == [0, 0], (codes, group.stderr(0), group.stderr(1))
         assert load.outcomes["OK"] > 0 and load.wrong == 0, load.outcomes
         assert set(load.outcomes) <= {"OK", "UNAVAILABLE"}, load.outcomes  # UNAVAILABLE: refused, never accepted
-        assert "stop from rank 0" in group.stderr(1)
+        for rank in (0, 1):
+            assert "every rank drained" in group.stderr(rank) and "Traceback" not in group.stderr(rank)
     finally:
         group.kill()
 
@@ -148,7 +157,8 @@ def test_failed_rank_under_load_turns_rank0_unavailable(host_artifacts, quantize
     expected, _ = _expected(quantized, "column", 3, 1, batches)
     group = _Group(host_artifacts[(3, "column")], 3, tmp_path, "--failure-grace-s", "3")
     try:
-        load = _Load(group.port, batches, expected, clients=6)
+        survivors = [port for rank, port in enumerate(group.ports) if rank != victim]  # a stopped host can't answer
+        load = _Load(survivors, batches, expected, clients=6)
         time.sleep(1.0)
         assert load.outcomes["OK"] > 0, (load.outcomes, group.stderr(0))
         killed = time.monotonic()
@@ -191,15 +201,15 @@ def test_sigterm_on_rank0_under_16_clients_cancels_nothing(host_artifacts, quant
         result = race_stop(server, cases(quantized.spec, lookup), clients=16)
         check_round(result, "rank 0 of 2")
         assert group.processes[1].wait(timeout=60) == 0, group.stderr(1)
-        assert "stop from rank 0" in group.stderr(1) and "Traceback" not in group.stderr(1)
+        assert "every rank drained" in group.stderr(1) and "Traceback" not in group.stderr(1)
     finally:
         group.kill()
 
 
 def test_a_second_group_on_a_serving_port_is_refused_before_loading(host_artifacts, tmp_path):
-    """A second group given the port the first serves on: its rank 0 says "gRPC port P is in use" before
-    loading its part and exits 2, its other rank fails to join with a one-line error (no stack); the first keeps
-    serving and stops with exit 0."""
+    """A second group given the port the first serves on: every rank of it (each checks its own port; here they
+    share one machine) says "gRPC port P is in use" before loading its part and exits 2 (no stack); the first
+    keeps serving and stops with exit 0."""
     artifact = host_artifacts[(2, "column")]
     (tmp_path / "first").mkdir()
     (tmp_path / "second").mkdir()
@@ -207,10 +217,10 @@ def test_a_second_group_on_a_serving_port_is_refused_before_loading(host_artifac
     second = _Group(artifact, 2, tmp_path / "second", "--port", str(first.port), wait=False)
     try:
         codes = [p.wait(timeout=60 + TIMEOUT_S) for p in second.processes]
-        assert codes[0] == 2 and codes[1] != 0, (codes, second.stderr(0), second.stderr(1))
-        assert f"gRPC port {first.port} is in use" in second.stderr(0)
-        assert "loaded" not in second.stderr(0)  # refused before its part loaded
-        assert "rank 1 could not join the group of 2" in second.stderr(1)
+        assert codes == [2, 2], (codes, second.stderr(0), second.stderr(1))
+        for rank in (0, 1):
+            assert f"gRPC port {first.port} is in use" in second.stderr(rank)
+            assert "loaded" not in second.stderr(rank)  # refused before its part loaded
         assert "Traceback" not in second.stderr(0) + second.stderr(1)
         with EmbserveClient(f"127.0.0.1:{first.port}") as client:  # the first group still serves
             client.metadata()
@@ -219,3 +229,36 @@ def test_a_second_group_on_a_serving_port_is_refused_before_loading(host_artifac
     finally:
         first.kill()
         second.kill()
+
+
+def test_bad_input_is_refused_on_every_front_end_and_the_group_serves_on(host_artifacts, quantized, tmp_path):
+    """3 hosts: an id past its table and a negative length sent to each host's front end answer INVALID_ARGUMENT
+    naming the feature; a good call on each front end afterwards equals the one-process model."""
+    spec = quantized.spec
+    batch = random_batch(spec, batch_size=3, weighted=False, seed=500)
+    expected, _ = _expected(quantized, "column", 3, 1, [batch])
+    feature = spec.features[1]
+    bad_ids = batch.values.clone()
+    first_of_feature = int(batch.lengths[: batch.batch_size].sum())  # the second feature's first id
+    assert int(batch.lengths[batch.batch_size : 2 * batch.batch_size].sum()) > 0  # the feature has an id to spoil
+    bad_ids[first_of_feature] = feature.num_embeddings
+    bad_lengths = batch.lengths.clone()
+    bad_lengths[batch.batch_size] = -1
+    group = _Group(host_artifacts[(3, "column")], 3, tmp_path)
+    try:
+        for port in group.ports:
+            with EmbserveClient(f"127.0.0.1:{port}") as client:
+                with pytest.raises(grpc.RpcError) as refused:
+                    client.lookup(dataclasses.replace(batch, values=bad_ids))
+                assert refused.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+                assert feature.name in refused.value.details()
+                with pytest.raises(grpc.RpcError) as refused:
+                    client.lookup(dataclasses.replace(batch, lengths=bad_lengths))
+                assert refused.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+                assert feature.name in refused.value.details()
+                got = client.lookup(batch)
+                assert torch.equal(got, expected[0])
+        group.processes[2].send_signal(signal.SIGTERM)
+        assert [p.wait(timeout=60) for p in group.processes] == [0, 0, 0], group.stderr(0)
+    finally:
+        group.kill()

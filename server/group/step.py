@@ -1,0 +1,258 @@
+"""Every host a front end: the group's step loop, in which every rank contributes its queued batch (or none).
+
+Collectives pair up by order alone, so every rank must issue the same ones in the same order. Each rank runs
+one step thread; a step is: an ``all_gather`` of every rank's header (its batch size, whether it has weights,
+the bytes of ids it sends each host, and its stop flags), then, when any rank has a batch, the ids all-to-all,
+every rank's part on its own batch and on the sub-batches it received, and the columns all-to-all; each rank
+then finishes its own batch (MEAN, dense part) and answers its callers. A rank with nothing queued waits up to
+``tick_s`` for a batch before it joins the next header exchange, so an idle group steps ``1 / tick_s`` times a
+second (that is its heartbeat: a dead rank fails the next step within the collective timeout) and a batch
+waits at most ``tick_s`` for idle ranks.
+
+Stopping: a rank told to stop (SIGTERM) sets ``WANTS_STOP`` in its header; every rank sees it in the same step
+and drains its front end (callers already accepted are answered: steps go on), then sets ``DRAINED``; the step
+in which every rank is drained is the last, and every rank exits 0.
+"""
+
+from __future__ import annotations
+
+import logging
+import queue
+import threading
+from collections.abc import Callable
+from concurrent.futures import Future
+
+import torch
+import torch.distributed as dist
+
+from infer.artifact.hosts import HostPart
+from server.distributed import DistributedModel, GroupConfig
+from server.group.exchange import Exchange
+from server.group.routing import full_request, split_request
+
+logger = logging.getLogger(__name__)
+
+HAS_BATCH = 1
+WANTS_STOP = 2
+DRAINED = 4
+_FIXED = 3  # header: flags, batch, weighted; then bytes to each host
+
+Batch = tuple[torch.Tensor, torch.Tensor, "torch.Tensor | None"]
+MAX_MERGED_ROWS = 8192  # a step takes every queued batch (same weightedness) up to this many examples
+
+
+class MergedBatch:
+    """The batch a rank brings to one step: every queued caller's batch merged (feature-major), and the callers
+    with their row counts, answered in order from the step's output."""
+
+    def __init__(self, items: list[tuple[Batch, Future[torch.Tensor]]], num_features: int) -> None:
+        self.waiters = [(batch[1].numel() // num_features, done) for batch, done in items]
+        if len(items) == 1:
+            self.batch = items[0][0]
+            return
+        per_item = [batch[1].view(num_features, -1) for batch, _ in items]
+        lengths = torch.cat(per_item, dim=1).reshape(-1)
+        # each caller's ids split by feature, then feature by feature across callers
+        counts = [per.sum(1).tolist() for per in per_item]
+        value_parts = [batch[0].split(c) for (batch, _), c in zip(items, counts)]
+        values = torch.cat([parts[f] for f in range(num_features) for parts in value_parts])
+        weights = None
+        if items[0][0][2] is not None:
+            weight_parts = [batch[2].split(c) for (batch, _), c in zip(items, counts) if batch[2] is not None]
+            weights = torch.cat([parts[f] for f in range(num_features) for parts in weight_parts])
+        self.batch = (values, lengths, weights)
+
+    def answer(self, out: torch.Tensor) -> None:
+        for rows, done in zip(out.split([r for r, _ in self.waiters]), [d for _, d in self.waiters]):
+            done.set_result(rows)
+
+    def fail(self, error: BaseException) -> None:
+        for _, done in self.waiters:
+            if not done.done():
+                done.set_exception(error)
+
+
+class StepModel(DistributedModel):
+    """One rank's model when every rank is a front end: ``model(values, lengths, weights)`` (validated by the
+    caller's ``Runtime`` contract as ``DistributedModel``) queues the batch for the next step and waits."""
+
+    def __init__(
+        self,
+        part: HostPart,
+        config: GroupConfig,
+        comm_device: str = "cpu",
+        tick_s: float = 0.002,
+        group: dist.ProcessGroup | None = None,
+    ) -> None:
+        """``group``: the process group of the steps (None: the default one)."""
+        super().__init__(part, config, comm_device)
+        self.rank = part.host
+        self.exchange = Exchange(self.routing, self.rank, comm_device, group)
+        self.tick_s = tick_s
+        self._queue: queue.Queue[tuple[Batch, Future[torch.Tensor]]] = queue.Queue()
+        self._wants_stop = threading.Event()
+        self._drained = threading.Event()
+        self.group_stopping = threading.Event()  # some rank wants the group to stop: drain the front end
+        self.on_group_stop: Callable[[], None] | None = None
+        self.steps = 0
+        self._thread: threading.Thread | None = None
+        self.exit_code: int | None = None
+        self.finished = threading.Event()
+        self._current: MergedBatch | None = None  # the batch of the step under way
+        self._held: list[tuple[Batch, Future[torch.Tensor]]] = []  # a batch left for the next step (weights differ)
+
+    # ----------------------------------------------------------------- callers (batcher threads)
+    def _forward(self, values: torch.Tensor, lengths: torch.Tensor, weights: torch.Tensor | None) -> torch.Tensor:
+        if self.failed.is_set():
+            raise self._unavailable()
+        done: Future[torch.Tensor] = Future()
+        self._queue.put(((values, lengths, weights), done))
+        if self.failed.is_set() or self.finished.is_set():  # the loop may have ended before it saw this batch
+            self._fail_queued()
+        return done.result()
+
+    # ----------------------------------------------------------------- control
+    def request_stop(self) -> None:
+        """This rank was told to stop: every rank drains, then the group ends (see the module docstring)."""
+        self._wants_stop.set()
+
+    def mark_drained(self) -> None:
+        """This rank's front end drained (no call in flight, none accepted any more)."""
+        self._drained.set()
+
+    def start_heartbeat(self) -> None:  # the step loop is the heartbeat
+        self._thread = threading.Thread(target=self._run, name="embserve-group-steps", daemon=True)
+        self._thread.start()
+
+    def stop_group(self) -> bool:
+        """Wait for the last step (after ``mark_drained``); False when the group failed."""
+        self.mark_drained()
+        self.finished.wait()
+        return self.exit_code == 0
+
+    # ----------------------------------------------------------------- the loop
+    def _fail_queued(self) -> None:
+        while True:
+            try:
+                _, done = self._queue.get_nowait()
+            except queue.Empty:
+                return
+            if not done.done():
+                done.set_exception(self._unavailable())
+
+    def _run(self) -> None:
+        try:
+            with torch.inference_mode():
+                self.exit_code = self._loop()
+        except Exception as err:  # noqa: BLE001 - gloo raises RuntimeError/DistBackendError on a lost peer
+            self._fail(err)
+            self.exit_code = 1
+        finally:
+            self.finished.set()
+            if self._current is not None:
+                self._current.fail(self._unavailable())
+            for _, done in self._held:
+                done.set_exception(self._unavailable())
+            self._fail_queued()
+
+    def _loop(self) -> int:
+        hosts = self.part.num_hosts
+        exchange = self.exchange
+        while True:
+            item = self._take()
+            flags = (WANTS_STOP if self._wants_stop.is_set() else 0) | (
+                DRAINED if self._drained.is_set() and item is None and self._queue.empty() and not self._held else 0
+            )
+            header = torch.zeros(_FIXED + hosts, dtype=torch.int64)
+            packed: list[torch.Tensor] = [torch.empty(0, dtype=torch.uint8)] * hosts
+            if item is not None:
+                values, lengths, weights = item.batch
+                batch = lengths.numel() // self.routing.num_features
+                subs = split_request(self.routing, values, lengths, weights)
+                packed = [exchange.pack(s) if h != self.rank else packed[h] for h, s in enumerate(subs)]
+                flags |= HAS_BATCH
+                header[1] = batch
+                header[2] = int(weights is not None)
+                header[_FIXED:] = torch.tensor([int(p.numel()) for p in packed], dtype=torch.int64)
+            header[0] = flags
+            self._current = item
+            gathered = torch.zeros(hosts * len(header), dtype=torch.int64, device=self.device_name)
+            _all_gather_single(gathered, header.to(self.device_name), self.exchange.group)
+            table = gathered.view(hosts, -1).cpu().tolist()
+            exchange.bytes_sent += 8 * len(header) * (hosts - 1)
+            exchange.bytes_received += 8 * len(header) * (hosts - 1)
+            all_flags = [row[0] for row in table]
+            if any(f & WANTS_STOP for f in all_flags) and not self.group_stopping.is_set():
+                self.group_stopping.set()
+                if self.on_group_stop is not None:
+                    self.on_group_stop()
+            if not any(f & HAS_BATCH for f in all_flags):
+                if all(f & DRAINED for f in all_flags):
+                    logger.info("rank %d: every rank drained after %d steps", self.rank, self.steps)
+                    return 0
+                continue
+            self._step(table, item, packed)
+
+    def _take(self) -> MergedBatch | None:
+        """Every batch queued now (one kind of weights), merged; waits up to ``tick_s`` for a first one."""
+        items = self._held
+        self._held = []
+        if not items:
+            try:
+                items = [self._queue.get(timeout=self.tick_s)]
+            except queue.Empty:
+                return None
+        weighted = items[0][0][2] is not None
+        rows = sum(batch[1].numel() for batch, _ in items) // self.routing.num_features
+        while rows < MAX_MERGED_ROWS:
+            try:
+                queued = self._queue.get_nowait()
+            except queue.Empty:
+                break
+            if (queued[0][2] is not None) != weighted:
+                self._held.append(queued)
+                break
+            items.append(queued)
+            rows += queued[0][1].numel() // self.routing.num_features
+        return MergedBatch(items, self.routing.num_features)
+
+    def _step(self, table: list[list[int]], item: MergedBatch | None, packed: list) -> None:
+        hosts = self.part.num_hosts
+        rank = self.rank
+        exchange = self.exchange
+        module = self.part.module
+        received = exchange.all_to_all(packed, [table[s][_FIXED + rank] if s != rank else 0 for s in range(hosts)])
+        own = None
+        if item is not None:
+            own = module(*item.batch)
+        replies = []
+        for source in range(hosts):
+            if source == rank or not table[source][0] & HAS_BATCH:
+                replies.append(torch.empty(0, dtype=torch.uint8))
+                continue
+            batch, weighted = table[source][1], bool(table[source][2])
+            sub = exchange.unpack(received[source], batch, weighted)
+            partial = module(*full_request(self.routing, rank, batch, sub))
+            replies.append(exchange.own_columns(partial))
+        my_batch = table[rank][1] if item is not None else 0
+        sizes = [exchange.output_bytes(h, my_batch) if h != rank and item is not None else 0 for h in range(hosts)]
+        pieces = exchange.all_to_all(replies, sizes)
+        self.steps += 1
+        if item is None or own is None:
+            return
+        for host in range(hosts):
+            if host != rank:
+                exchange.add_columns(own, host, pieces[host])
+        self.forwards += 1
+        self._current = None
+        item.answer(own)
+
+    @property
+    def device_name(self) -> str:
+        return self.exchange.device
+
+
+def _all_gather_single(output: torch.Tensor, tensor: torch.Tensor, group: dist.ProcessGroup | None) -> None:
+    """Every rank's ``tensor``, concatenated in rank order (torch 2.13 renamed ``all_gather_into_tensor``)."""
+    gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+    gather(output, tensor, group=group)

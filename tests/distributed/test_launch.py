@@ -1,0 +1,58 @@
+"""SIGTERM to the launcher of either host (``python -m server.group.launch``, torchrun's arguments), 2 hosts on
+127.0.0.1 under load on both front ends: every call answered, every rank and both launchers exit 0, no stack
+trace printed (plain torchrun exits 1 and prints a SignalException / DistNetworkError stack)."""
+
+from __future__ import annotations
+
+import signal
+import subprocess
+import sys
+import time
+
+import pytest
+
+from server.app import SERVING_LINE
+from tests.conftest import random_batch
+from tests.distributed.conftest import ROOT, free_port, group_env
+from tests.distributed.test_serving import _expected, _Load
+from tests.server.support import LineReader
+
+
+@pytest.mark.parametrize("stopped", [0, 1], ids=["host0", "host1"])
+def test_sigterm_to_either_launcher_exits_0_everywhere(host_artifacts, quantized, tmp_path, stopped):
+    artifact = host_artifacts[(2, "column")]
+    batches = [random_batch(quantized.spec, batch_size=5, weighted=i == 1, seed=600 + i) for i in range(2)]
+    expected, _ = _expected(quantized, "column", 2, 1, batches)
+    port = free_port()
+    logs = [tmp_path / f"launcher{h}.err" for h in range(2)]
+    launchers = []
+    for host in range(2):
+        env = group_env(host, 2, port)
+        for name in ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT", "LOCAL_RANK", "LOCAL_WORLD_SIZE"):
+            env.pop(name)  # torchrun sets them for its worker
+        command = [sys.executable, "-m", "server.group.launch", "--nnodes", "2", "--nproc-per-node", "1",
+                   "--node-rank", str(host), "--master-addr", "127.0.0.1", "--master-port", str(port),
+                   "-m", "infer.cli", "serve", str(artifact), "--host", "127.0.0.1", "--port", "0",
+                   "--collective-timeout-s", "10", "--drain-grace-s", "0.3"]  # fmt: skip
+        launchers.append(subprocess.Popen(command, env=env, stdout=subprocess.PIPE, stderr=open(logs[host], "w"),
+                                          text=True, cwd=ROOT))  # fmt: skip
+    try:
+        readers = [LineReader(p.stdout) for p in launchers]
+        ports = [int(r.wait_for(SERVING_LINE, timeout=180).rsplit(" ", 1)[1]) for r in readers]
+        load = _Load(ports, batches, expected, clients=6)
+        while load.outcomes["OK"] < 20:  # observe traffic through both front ends before the stop
+            time.sleep(0.05)
+        launchers[stopped].send_signal(signal.SIGTERM)
+        codes = [p.wait(timeout=120) for p in launchers]
+        load.join(30)
+        errors = [log.read_text() for log in logs]
+        assert codes == [0, 0], (codes, errors[0][-2000:], errors[1][-2000:])
+        assert load.wrong == 0 and set(load.outcomes) <= {"OK", "UNAVAILABLE"}, load.outcomes
+        for text in errors:
+            assert "Traceback" not in text and "DistNetworkError" not in text, text[-3000:]
+            assert "every rank drained" in text
+    finally:
+        for process in launchers:
+            if process.poll() is None:
+                process.kill()
+                process.wait()
