@@ -18,6 +18,7 @@ from pathlib import Path
 import torch
 
 from infer.artifact.export import output_folder, staged
+from infer.artifact.fbgemm_libs import load_fbgemm
 from infer.artifact.formats import torchscript
 from infer.artifact.kernels import check_routing, kernels_from_tbes, model_tbes
 from infer.artifact.load import verify_plan
@@ -158,7 +159,6 @@ def load_host_part(
     Threads as ``infer.load``: a part of N CPU devices runs one kernel per core itself, so unless
     ``intra_op_threads`` says otherwise torch's intra-op pool is set (process-wide) to cores // N;
     ``intra_op_threads=0`` leaves it alone. ``verify`` as ``infer.load``'s."""
-    from infer.artifact.fbgemm_libs import load_fbgemm
     from infer.shard.hosts import host_layouts, host_of_rank, num_hosts
 
     folder = Path(artifact_dir)
@@ -206,9 +206,6 @@ def load_dense_arch(artifact_dir: str | Path, verify: str = FULL) -> torch.nn.Mo
     """The dense part of a multi-host artifact (it lives in host 0's part), for a front end on another host;
     None when the model has none. Host 0's ``model.pt`` is verified and loaded without attaching its weight
     files (mapped artifacts keep no weights in it; an embedded one loads host 0's tables too, then drops them)."""
-    from infer.artifact.fbgemm_libs import load_fbgemm
-    from infer.artifact.load import _map_location
-
     folder = Path(artifact_dir)
     manifest = Manifest.read(folder)
     if not manifest.has_dense:
@@ -216,11 +213,7 @@ def load_dense_arch(artifact_dir: str | Path, verify: str = FULL) -> torch.nn.Mo
     name = manifest.host_parts[0]
     manifest.verify_files(folder, only=(name,), verify=verify)
     load_fbgemm()
-    try:
-        module = torch.jit.load(str(folder / name), map_location=_map_location(manifest.devices, {}))
-    except Exception as err:  # noqa: BLE001 - torch raises RuntimeError and others for a bad archive
-        first_line = str(err).strip().splitlines()[0] if str(err).strip() else type(err).__name__
-        raise ArtifactError(f"{folder / name} cannot be loaded by TorchScript: {first_line}", kind=MODEL) from None
+    module = torchscript.read_model(folder / name, manifest.devices, {})
     dense: torch.nn.Module = module.dense_arch
     dense.eval()
     return dense
