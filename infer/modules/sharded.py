@@ -1,7 +1,8 @@
 """The scriptable sharded collection: one TBE per device, inputs routed once, outputs in input order.
 
 Routing is fixed at build time: each device knows, for every shard it holds, which input feature it
-reads and how (all ids, the ids of one row block, or one slice of the batch). At run time every
+reads and how (all ids, the ids of one row block, or one slice of the batch: replicas, and row- and
+column-wise shards on one CPU host, which are views of the whole table). At run time every
 device builds its own kernel input, runs its TBE and writes its columns straight into the shared
 output; devices run concurrently (``torch.jit.fork``), each CPU shard on its own core. Row-wise
 partial sums are added afterwards, then MEAN features are divided by their full bag lengths, so
@@ -21,7 +22,7 @@ from infer.modules.tbe import KernelRunner, bag_offsets, first_id_error
 # How a shard reads its feature; the scripted methods read them as DeviceShards' Final attributes.
 READ_ALL = 0  # table-wise and column-wise shards: every id of the feature
 READ_ROW_BLOCK = 1  # row-wise: ids in [lo, hi), shifted by -lo
-READ_BATCH_SLICE = 2  # replicated: bags of replica lo out of hi (lo * B // hi .. (lo + 1) * B // hi)
+READ_BATCH_SLICE = 2  # replicated, CPU views: bags of share lo out of hi (lo * B // hi .. (lo + 1) * B // hi)
 
 
 @dataclass(frozen=True)

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import dataclasses
 import logging
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -186,31 +186,39 @@ class SharedStorage:
 
 
 def shared_cpu_storage(
-    plan: ShardingPlan, layouts: list[DeviceLayout], devices: list[str]
+    plan: ShardingPlan, layouts: list[DeviceLayout], devices: list[str], tables: Sequence[str]
 ) -> list[SharedStorage] | None:
     """One weight buffer for every kernel of a one-host plan whose devices are all CPU and where several devices
-    hold the same rows (replicas): each distinct shard (table, row block, column slice) is stored once, in rank
-    order, and every kernel points into the buffer; CPU "devices" share one memory, so copies buy nothing.
-    None (one buffer per kernel, as fbgemm allocates it) when nothing repeats, a device is not the CPU, or the
-    plan spans several hosts (each host holds its own part)."""
+    hold the same rows (replicas, row- and column-wise views): each distinct shard (table, row block, column
+    slice) is stored once, in the order of ``tables`` (the model's), then by row and column offset, and every
+    kernel points into the buffer; CPU "devices" share one memory, so copies buy nothing. A plan of whole-table
+    views so lays its buffer out exactly as the unsharded model's. None (one buffer per kernel, as fbgemm
+    allocates it) when nothing repeats, a device is not the CPU, or the plan spans several hosts (each host
+    holds its own part)."""
     if plan.topology.local_world_size < plan.topology.world_size:
         return None
     if any(devices[layout.rank] != "cpu" for layout in layouts):
         return None
-    offsets: dict[tuple[str, int, int, int, int], int] = {}
-    cursor = 0
-    placed: list[tuple[int, ...]] = []
+    sizes: dict[tuple[str, int, int, int, int], int] = {}
     for layout in layouts:
-        local = []
         for (table, shard), (_, rows, cols, dtype) in zip(layout.sources, layout.tables):
             key = (table.name, shard.row_offset, shard.num_rows, shard.col_offset, shard.num_cols)
-            if key not in offsets:
-                offsets[key] = cursor
-                cursor += table_bytes(rows, cols, dtype, CPU_ROW_ALIGNMENT)
-            local.append(offsets[key])
-        placed.append(tuple(local))
-    if len(offsets) == sum(len(layout.tables) for layout in layouts):
+            sizes[key] = table_bytes(rows, cols, dtype, CPU_ROW_ALIGNMENT)
+    if len(sizes) == sum(len(layout.tables) for layout in layouts):
         return None
+    position = {name: i for i, name in enumerate(tables)}
+    offsets: dict[tuple[str, int, int, int, int], int] = {}
+    cursor = 0
+    for key in sorted(sizes, key=lambda k: (position[k[0]], k[1], k[3], k[2], k[4])):
+        offsets[key] = cursor
+        cursor += sizes[key]
+    placed = [
+        tuple(
+            offsets[(table.name, shard.row_offset, shard.num_rows, shard.col_offset, shard.num_cols)]
+            for table, shard in layout.sources
+        )
+        for layout in layouts
+    ]
     return [SharedStorage(cursor, local) for local in placed]
 
 
@@ -285,7 +293,7 @@ def shard_model(
     source_weights = dict(zip([t.name for t in spec.tables], source.table_weights()))
     shards: list[DeviceShards] = []
     layouts = device_layouts(spec, plan)
-    storage = shared_cpu_storage(plan, layouts, devices)
+    storage = shared_cpu_storage(plan, layouts, devices, [t.name for t in spec.tables])
     buffer = torch.zeros(storage[0].total_bytes, dtype=torch.uint8) if storage else None
     for index, layout in enumerate(layouts):
         device_shards = build_device_shards(spec, layout, devices[layout.rank], source_weights)
