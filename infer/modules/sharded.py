@@ -284,11 +284,19 @@ class DeviceShards(nn.Module, KernelRunner):
             bounds.append(bounds[-1] + ends[count + i] - ends[i])
         self.check_run(run_values, bounds)
         pooled = self.run_kernel(run_values, run_lengths, run_weights)
-        for i in range(count):
-            src = self.lf_local_col[i]
-            dst = self.lf_out_col[i]
-            dim = self.lf_dim[i]
-            out[first:last, dst : dst + dim].copy_(pooled[:, src : src + dim])
+        # features adjacent in both the kernel output and the output are copied as one block
+        src = self.lf_local_col[0]
+        dst = self.lf_out_col[0]
+        width = self.lf_dim[0]
+        for i in range(1, count):
+            if self.lf_local_col[i] == src + width and self.lf_out_col[i] == dst + width:
+                width += self.lf_dim[i]
+            else:
+                out[first:last, dst : dst + width].copy_(pooled[:, src : src + width])
+                src = self.lf_local_col[i]
+                dst = self.lf_out_col[i]
+                width = self.lf_dim[i]
+        out[first:last, dst : dst + width].copy_(pooled[:, src : src + width])
         return pooled
 
     def row_blocks_of_bucket(
