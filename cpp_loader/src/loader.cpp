@@ -461,11 +461,20 @@ std::vector<Routing> check_plan(const schema::Document& plan, const schema::Docu
   const auto& features = data["features"];
   schema::Document expected = schema::Document::array();
   std::vector<Routing> routing;
-  std::vector<std::vector<std::string>> shard_keys;  // per expected kernel, per local table: the shard's identity
+  // per expected kernel, per local table: the shard's identity (table index, row offset, column offset, rows,
+  // columns), which also orders the shared buffer (infer.shard.builder.shared_cpu_storage)
+  using ShardKey = std::tuple<int64_t, int64_t, int64_t, int64_t, int64_t>;
+  std::vector<std::vector<ShardKey>> shard_keys;
   std::vector<int64_t> kernel_ranks;  // per expected kernel: its plan rank
+  const auto& topology = plan["topology"];
+  const bool one_host = !topology.contains("local_world_size") ||
+                        topology["local_world_size"].get<int64_t>() >= topology["world_size"].get<int64_t>();
+  // One CPU host: a row- or column-wise shard is a view of its whole table (stored once), read for its share of
+  // the batch like a replica (infer.shard.builder.cpu_views).
+  const bool views = alignment == 1 && one_host;
   for (int64_t rank = 0; rank < plan_world_size; ++rank) {
     schema::Document local_tables = schema::Document::array();
-    std::vector<std::string> local_keys;
+    std::vector<ShardKey> local_keys;
     struct LocalFeature {
       size_t feature;
       int64_t out_col, lo;
@@ -478,23 +487,31 @@ std::vector<Routing> check_plan(const schema::Document& plan, const schema::Docu
       const auto& entry = *plan_of[name];
       const auto kind = entry["sharding_type"].get<std::string>();
       for (size_t s = 0; s < entry["shards"].size(); ++s) {
-        const auto& shard = entry["shards"][s];
-        if (shard["device"].get<int64_t>() != rank) continue;
+        const auto& planned = entry["shards"][s];
+        if (planned["device"].get<int64_t>() != rank) continue;
+        const bool view = views && (kind == "row_wise" || kind == "table_row_wise" || kind == "column_wise");
+        const schema::Document shard =
+            view ? schema::Document{{"row_offset", 0},
+                                    {"num_rows", table["num_embeddings"]},
+                                    {"col_offset", 0},
+                                    {"num_cols", table["embedding_dim"]}}
+                 : planned;
         const size_t local = local_tables.size();
         local_tables.push_back({{"rows", shard["num_rows"]}, {"dim", shard["num_cols"]}, {"data_type", table["data_type"]}});
-        local_keys.push_back(name + "\n" + shard["row_offset"].dump() + "," + shard["num_rows"].dump() + "," +
-                             shard["col_offset"].dump() + "," + shard["num_cols"].dump());
+        local_keys.emplace_back(static_cast<int64_t>(table_index[name]), shard["row_offset"].get<int64_t>(),
+                                shard["col_offset"].get<int64_t>(), shard["num_rows"].get<int64_t>(),
+                                shard["num_cols"].get<int64_t>());
         for (size_t f = 0; f < features.size(); ++f) {
           if (features[f]["table"] != name) continue;
           int64_t read = 0, lo = 0, hi = 0;
-          if (kind == "row_wise" || kind == "table_row_wise") {
-            read = 1;
-            lo = shard["row_offset"].get<int64_t>();
-            hi = lo + shard["num_rows"].get<int64_t>();
-          } else if (kind == "replicated") {
+          if (view || kind == "replicated") {
             read = 2;
             lo = static_cast<int64_t>(s);
             hi = static_cast<int64_t>(entry["shards"].size());
+          } else if (kind == "row_wise" || kind == "table_row_wise") {
+            read = 1;
+            lo = shard["row_offset"].get<int64_t>();
+            hi = lo + shard["num_rows"].get<int64_t>();
           }
           const int64_t out_col = features[f]["column_start"].get<int64_t>() + shard["col_offset"].get<int64_t>();
           local_features.push_back({f, out_col, lo, local, read, hi, shard["num_cols"].get<int64_t>()});
@@ -517,26 +534,26 @@ std::vector<Routing> check_plan(const schema::Document& plan, const schema::Docu
     shard_keys.push_back(std::move(local_keys));
   }
   // On one CPU host, every distinct shard stored once in one buffer shared by the kernels, when some
-  // repeat (replicas): infer.shard.builder.shared_cpu_storage.
-  const auto& topology = plan["topology"];
-  const bool one_host = !topology.contains("local_world_size") ||
-                        topology["local_world_size"].get<int64_t>() >= topology["world_size"].get<int64_t>();
-  if (alignment == 1 && one_host) {
-    std::map<std::string, int64_t> placed;
-    int64_t cursor = 0;
+  // repeat (replicas, row- and column-wise views): infer.shard.builder.shared_cpu_storage.
+  if (views) {
+    std::map<ShardKey, int64_t> placed;  // each distinct shard once, in table, row, column order: first its bytes
     size_t local_count = 0;
-    std::vector<std::vector<int64_t>> offsets;
-    for (size_t k = 0; k < expected.size(); ++k) {
-      offsets.emplace_back();
-      for (size_t t = 0; t < shard_keys[k].size(); ++t, ++local_count) {
-        const auto [it, fresh] = placed.emplace(shard_keys[k][t], cursor);
-        if (fresh) cursor += table_bytes(expected[k]["tables"][t], alignment);
-        offsets.back().push_back(it->second);
+    for (size_t k = 0; k < expected.size(); ++k)
+      for (size_t t = 0; t < shard_keys[k].size(); ++t, ++local_count)
+        placed.emplace(shard_keys[k][t], table_bytes(expected[k]["tables"][t], alignment));
+    if (placed.size() != local_count) {
+      int64_t cursor = 0;
+      for (auto& entry : placed) {  // then its first byte in the shared buffer
+        const int64_t size = entry.second;
+        entry.second = cursor;
+        cursor += size;
+      }
+      for (size_t k = 0; k < expected.size(); ++k) {
+        std::vector<int64_t> offsets;
+        for (const auto& key : shard_keys[k]) offsets.push_back(placed[key]);
+        expected[k]["shared_storage"] = {{"bytes", cursor}, {"table_offsets", offsets}};
       }
     }
-    if (placed.size() != local_count)
-      for (size_t k = 0; k < expected.size(); ++k)
-        expected[k]["shared_storage"] = {{"bytes", cursor}, {"table_offsets", offsets[k]}};
   }
   // Version 3: every CPU weight buffer in its own file, tables page-aligned (infer.artifact.mapped.place_weights;
   // a multi-host artifact places each host's kernels in files of its part, hosts/<h>/: place_host_weights).

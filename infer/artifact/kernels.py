@@ -110,7 +110,7 @@ def expected_kernels(spec: ModelSpec, plan: ShardingPlan | None, devices: tuple[
         return [Kernel(0, device, _alignment(device), tables, tuple(index[f.table] for f in spec.features))]
     names = plan_devices(plan)
     layouts = device_layouts(spec, plan)
-    placed = shared_cpu_storage(plan, layouts, names)
+    placed = shared_cpu_storage(plan, layouts, names, [t.name for t in spec.tables])
     shared: list[SharedStorage | None] = list(placed) if placed is not None else [None] * len(layouts)
     return [
         Kernel(

@@ -1,7 +1,8 @@
 """The scriptable sharded collection: one TBE per device, inputs routed once, outputs in input order.
 
 Routing is fixed at build time: each device knows, for every shard it holds, which input feature it
-reads and how (all ids, the ids of one row block, or one slice of the batch). At run time every
+reads and how (all ids, the ids of one row block, or one slice of the batch: replicas, and row- and
+column-wise shards on one CPU host, which are views of the whole table). At run time every
 device builds its own kernel input, runs its TBE and writes its columns straight into the shared
 output; devices run concurrently (``torch.jit.fork``), each CPU shard on its own core. Row-wise
 partial sums are added afterwards, then MEAN features are divided by their full bag lengths, so
@@ -16,12 +17,12 @@ from torch import Tensor, nn
 
 from infer import request_rules as rules
 from infer.modules.collection import ValidatingCollection
-from infer.modules.tbe import KernelRunner, first_id_error
+from infer.modules.tbe import KernelRunner, bag_offsets, first_id_error
 
 # How a shard reads its feature; the scripted methods read them as DeviceShards' Final attributes.
 READ_ALL = 0  # table-wise and column-wise shards: every id of the feature
 READ_ROW_BLOCK = 1  # row-wise: ids in [lo, hi), shifted by -lo
-READ_BATCH_SLICE = 2  # replicated: bags of replica lo out of hi (lo * B // hi .. (lo + 1) * B // hi)
+READ_BATCH_SLICE = 2  # replicated, CPU views: bags of share lo out of hi (lo * B // hi .. (lo + 1) * B // hi)
 
 
 @dataclass(frozen=True)
@@ -200,6 +201,9 @@ class DeviceShards(nn.Module, KernelRunner):
             pooled = self.run_kernel(run_values, lengths[first * batch : last * batch], run_weights)
             self.copy_out(pooled, batch, out)
             return pooled
+        first_bag, last_bag = self.one_batch_slice(batch)
+        if first_bag >= 0:
+            return self.run_batch_slice(values, lengths, weights, batch, first_bag, last_bag, out)
         pieces_v: list[Tensor] = []
         pieces_l: list[Tensor] = []
         pieces_w: list[Tensor] = []
@@ -244,6 +248,55 @@ class DeviceShards(nn.Module, KernelRunner):
             local_weights = torch.cat(pieces_w)
         pooled = self.run_kernel(torch.cat(pieces_v), torch.cat(pieces_l), local_weights)
         self.copy_out(pooled, batch, out)
+        return pooled
+
+    def one_batch_slice(self, batch: int) -> tuple[int, int]:
+        """Bags ``(first, last)`` when every kernel feature reads the same share of the batch (the shards of
+        row- and column-wise views on one CPU host, ``infer.shard.builder.cpu_views``, and replicas), else
+        ``(-1, -1)``."""
+        if len(self.lf_kind) == 0:
+            return -1, -1
+        lo = self.lf_lo[0]
+        hi = self.lf_hi[0]
+        for i in range(len(self.lf_kind)):
+            if self.lf_kind[i] != self.read_batch_slice or self.lf_lo[i] != lo or self.lf_hi[i] != hi:
+                return -1, -1
+        return lo * batch // hi, (lo + 1) * batch // hi
+
+    def run_batch_slice(
+        self, values: Tensor, lengths: Tensor, weights: Tensor | None, batch: int, first: int, last: int, out: Tensor
+    ) -> Tensor:
+        """Pool bags ``first .. last`` of every kernel feature (and only those: no empty bags for the rest of
+        the batch) and write them into their rows of ``out``; return the kernel output."""
+        if last <= first:
+            return out[first:last]
+        count = len(self.lf_feature)
+        offsets = bag_offsets(lengths, values)
+        picks = [f * batch + first for f in self.lf_feature] + [f * batch + last for f in self.lf_feature]
+        ends: list[int] = offsets[torch.tensor(picks, dtype=torch.int64)].to(torch.int64).tolist()
+        run_values = torch.cat([values[ends[i] : ends[count + i]] for i in range(count)])
+        run_lengths = torch.cat([lengths[f * batch + first : f * batch + last] for f in self.lf_feature])
+        run_weights: Tensor | None = None
+        if weights is not None:
+            run_weights = torch.cat([weights[ends[i] : ends[count + i]] for i in range(count)])
+        bounds = [0]
+        for i in range(count):
+            bounds.append(bounds[-1] + ends[count + i] - ends[i])
+        self.check_run(run_values, bounds)
+        pooled = self.run_kernel(run_values, run_lengths, run_weights)
+        # features adjacent in both the kernel output and the output are copied as one block
+        src = self.lf_local_col[0]
+        dst = self.lf_out_col[0]
+        width = self.lf_dim[0]
+        for i in range(1, count):
+            if self.lf_local_col[i] == src + width and self.lf_out_col[i] == dst + width:
+                width += self.lf_dim[i]
+            else:
+                out[first:last, dst : dst + width].copy_(pooled[:, src : src + width])
+                src = self.lf_local_col[i]
+                dst = self.lf_out_col[i]
+                width = self.lf_dim[i]
+        out[first:last, dst : dst + width].copy_(pooled[:, src : src + width])
         return pooled
 
     def row_blocks_of_bucket(

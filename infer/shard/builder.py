@@ -1,13 +1,15 @@
 """Build a sharded model from a plan and a quantized (unsharded) model.
 
 Shards copy their rows from the unsharded model's quantized bytes: a column slice keeps each row's
-scale and bias, so table- and column-wise shards reproduce the unsharded output bit for bit.
+scale and bias, so table- and column-wise shards reproduce the unsharded output bit for bit. On one CPU
+host, row- and column-wise shards are views of their whole table, stored once (``cpu_views``).
 """
 
 from __future__ import annotations
 
+import dataclasses
 import logging
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -109,11 +111,24 @@ class DeviceLayout:
     feature_table_map: tuple[int, ...]  # local table of each kernel feature
 
 
+def cpu_views(plan: ShardingPlan) -> bool:
+    """Whether ``plan``'s row- and column-wise shards run as views of their whole table: a plan of CPU devices on
+    one host. Its devices share one memory, so a shard's kernel holds the whole table (stored once, every
+    kernel pointing into it: ``shared_cpu_storage``) and pools shard ``i`` of ``n``'s share of the batch, bags
+    ``i * B // n`` up to ``(i + 1) * B // n``, like a replica: no bucketizing of ids, no partial sums, no
+    copied rows or column slices. The plan keeps its shards for placement and accounting; the C++ loader
+    derives the same layout (``read_checked_plan``)."""
+    topology = plan.topology
+    return not topology.is_cuda and topology.local_world_size >= topology.world_size
+
+
 def device_layouts(spec: ModelSpec, plan: ShardingPlan) -> list[DeviceLayout]:
     """Every device of ``plan`` that holds a shard, in rank order, laid out as ``shard_model`` builds it
-    (local tables in table order, then shard order; features sorted by input feature and column)."""
+    (local tables in table order, then shard order; features sorted by input feature and column). On one CPU
+    host (``cpu_views``), a row- or column-wise shard is its whole table read for its share of the batch."""
     plans = {t.table: t for t in plan.tables}
     features = spec.features
+    views = cpu_views(plan)
     layouts = []
     for rank in range(plan.topology.world_size):
         local_tables: list[tuple[str, int, int, DataType]] = []
@@ -122,7 +137,16 @@ def device_layouts(spec: ModelSpec, plan: ShardingPlan) -> list[DeviceLayout]:
         for table in spec.tables:
             table_plan = plans[table.name]
             on_device = [(i, s) for i, s in enumerate(table_plan.shards) if s.device == rank]
+            split = table_plan.sharding_type in (
+                ShardingType.ROW_WISE,
+                ShardingType.TABLE_ROW_WISE,
+                ShardingType.COLUMN_WISE,
+            )
             for shard_index, shard in on_device:
+                if views and split:
+                    shard = dataclasses.replace(
+                        shard, row_offset=0, num_rows=table.num_embeddings, col_offset=0, num_cols=table.embedding_dim
+                    )
                 local = len(local_tables)
                 local_tables.append((f"{table.name}@{shard_index}", shard.num_rows, shard.num_cols, table.data_type))
                 local_sources.append((table, shard))
@@ -130,7 +154,9 @@ def device_layouts(spec: ModelSpec, plan: ShardingPlan) -> list[DeviceLayout]:
                     if info.table != table.name:
                         continue
                     kind, lo, hi = READ_ALL, 0, 0
-                    if table_plan.sharding_type in (ShardingType.ROW_WISE, ShardingType.TABLE_ROW_WISE):
+                    if views and split:
+                        kind, lo, hi = READ_BATCH_SLICE, shard_index, len(table_plan.shards)
+                    elif table_plan.sharding_type in (ShardingType.ROW_WISE, ShardingType.TABLE_ROW_WISE):
                         kind, lo, hi = READ_ROW_BLOCK, shard.row_offset, shard.row_offset + shard.num_rows
                     elif table_plan.sharding_type == ShardingType.REPLICATED:
                         kind, lo, hi = READ_BATCH_SLICE, shard_index, len(table_plan.shards)
@@ -160,31 +186,39 @@ class SharedStorage:
 
 
 def shared_cpu_storage(
-    plan: ShardingPlan, layouts: list[DeviceLayout], devices: list[str]
+    plan: ShardingPlan, layouts: list[DeviceLayout], devices: list[str], tables: Sequence[str]
 ) -> list[SharedStorage] | None:
     """One weight buffer for every kernel of a one-host plan whose devices are all CPU and where several devices
-    hold the same rows (replicas): each distinct shard (table, row block, column slice) is stored once, in rank
-    order, and every kernel points into the buffer; CPU "devices" share one memory, so copies buy nothing.
-    None (one buffer per kernel, as fbgemm allocates it) when nothing repeats, a device is not the CPU, or the
-    plan spans several hosts (each host holds its own part)."""
+    hold the same rows (replicas, row- and column-wise views): each distinct shard (table, row block, column
+    slice) is stored once, in the order of ``tables`` (the model's), then by row and column offset, and every
+    kernel points into the buffer; CPU "devices" share one memory, so copies buy nothing. A plan of whole-table
+    views so lays its buffer out exactly as the unsharded model's. None (one buffer per kernel, as fbgemm
+    allocates it) when nothing repeats, a device is not the CPU, or the plan spans several hosts (each host
+    holds its own part)."""
     if plan.topology.local_world_size < plan.topology.world_size:
         return None
     if any(devices[layout.rank] != "cpu" for layout in layouts):
         return None
-    offsets: dict[tuple[str, int, int, int, int], int] = {}
-    cursor = 0
-    placed: list[tuple[int, ...]] = []
+    sizes: dict[tuple[str, int, int, int, int], int] = {}
     for layout in layouts:
-        local = []
         for (table, shard), (_, rows, cols, dtype) in zip(layout.sources, layout.tables):
             key = (table.name, shard.row_offset, shard.num_rows, shard.col_offset, shard.num_cols)
-            if key not in offsets:
-                offsets[key] = cursor
-                cursor += table_bytes(rows, cols, dtype, CPU_ROW_ALIGNMENT)
-            local.append(offsets[key])
-        placed.append(tuple(local))
-    if len(offsets) == sum(len(layout.tables) for layout in layouts):
+            sizes[key] = table_bytes(rows, cols, dtype, CPU_ROW_ALIGNMENT)
+    if len(sizes) == sum(len(layout.tables) for layout in layouts):
         return None
+    position = {name: i for i, name in enumerate(tables)}
+    offsets: dict[tuple[str, int, int, int, int], int] = {}
+    cursor = 0
+    for key in sorted(sizes, key=lambda k: (position[k[0]], k[1], k[3], k[2], k[4])):
+        offsets[key] = cursor
+        cursor += sizes[key]
+    placed = [
+        tuple(
+            offsets[(table.name, shard.row_offset, shard.num_rows, shard.col_offset, shard.num_cols)]
+            for table, shard in layout.sources
+        )
+        for layout in layouts
+    ]
     return [SharedStorage(cursor, local) for local in placed]
 
 
@@ -259,7 +293,7 @@ def shard_model(
     source_weights = dict(zip([t.name for t in spec.tables], source.table_weights()))
     shards: list[DeviceShards] = []
     layouts = device_layouts(spec, plan)
-    storage = shared_cpu_storage(plan, layouts, devices)
+    storage = shared_cpu_storage(plan, layouts, devices, [t.name for t in spec.tables])
     buffer = torch.zeros(storage[0].total_bytes, dtype=torch.uint8) if storage else None
     for index, layout in enumerate(layouts):
         device_shards = build_device_shards(spec, layout, devices[layout.rank], source_weights)

@@ -39,7 +39,10 @@ PLANS = {
     "row_wise": {name: (RW, (0, 1)) for name in ("t_int8", "t_int4", "t_int2", "t_fp16", "t_fp32")},
     "column_wise": {"t_int8": (CW, (0, 1)), "t_int4": (CW, (1, 0)), "t_int2": (TW, (1,))},
     "replicated": {name: (REP, (0, 1)) for name in ("t_int8", "t_int4", "t_int2", "t_fp16", "t_fp32")},
+    "mixed": {"t_int8": (RW, (0, 1)), "t_int4": (CW, (1, 0)), "t_int2": (TW, (1,)), "t_fp16": (REP, (0, 1))},
 }
+# plans whose kernels share one weight buffer (and file): replicas, and row-/column-wise views of a table
+SHARED_BUFFER = ("unsharded", "replicated", "row_wise", "column_wise", "mixed")
 
 
 @pytest.fixture(scope="module")
@@ -108,8 +111,8 @@ def test_each_cpu_buffer_is_one_file_of_page_aligned_tables_holding_the_kernel_r
     manifest = json.loads((mapped / "manifest.json").read_text())
     assert manifest["format_version"] == 3
     files = sorted(name for name in manifest["files"] if name.startswith("weights-"))
-    # CPU replicas share one buffer (and file); otherwise every kernel has its own
-    assert files == (["weights-0.bin"] if kind in ("unsharded", "replicated") else ["weights-0.bin", "weights-1.bin"])
+    # CPU replicas and row-/column-wise views share one buffer (and file); otherwise every kernel has its own
+    assert files == (["weights-0.bin"] if kind in SHARED_BUFFER else ["weights-0.bin", "weights-1.bin"])
     for kernel, tbe in zip(manifest["kernels"], model_tbes(exported)):
         place = kernel["weights"]
         assert "shared_storage" not in kernel and place["offset"] % PAGE == 0
@@ -123,6 +126,26 @@ def test_each_cpu_buffer_is_one_file_of_page_aligned_tables_holding_the_kernel_r
             size = rows.numel()
             # the file holds the kernel's own rows (its row layout and alignment), moved to a page boundary
             assert data[start : start + size] == eager[eager_start : eager_start + size]
+
+
+def test_the_weight_files_hold_every_row_once(quantized, artifacts, unsharded):
+    """On one CPU host a plan's shards of a table (row blocks, column slices, replicas) are views of the one
+    table: the artifact's weight files hold each table's rows once, at one place, and a plan whose kernels share
+    one file has the unsharded model's file, byte for byte."""
+    spec, _ = quantized
+    kind, _, mapped, _ = artifacts
+    manifest = json.loads((mapped / "manifest.json").read_text())
+    places = {(k["weights"]["file"], start) for k in manifest["kernels"] for start in k["weights"]["table_offsets"]}
+    assert len(places) == len(spec.tables)
+    placed = sorted((t["rows"], t["dim"], t["data_type"]) for k in manifest["kernels"] for t in k["tables"])
+    assert sorted(set(placed)) == sorted((t.num_embeddings, t.embedding_dim, t.data_type.value) for t in spec.tables)
+    sizes = [(mapped / name).stat().st_size for name in manifest["files"] if name.startswith("weights-")]
+    whole = [(unsharded / name).stat().st_size for name in os.listdir(unsharded) if name.startswith("weights-")]
+    if kind in SHARED_BUFFER:
+        assert sizes == whole
+        assert (mapped / "weights-0.bin").read_bytes() == (unsharded / "weights-0.bin").read_bytes()
+    else:  # table-wise: each file's tables page-aligned, its last one unpadded
+        assert whole[0] - PAGE * len(sizes) < sum(sizes) <= whole[0]
 
 
 def test_model_file_keeps_structure_only(artifacts):

@@ -28,7 +28,7 @@ from infer.artifact.runtime import Runtime
 from infer.config import DataType, ModelSpec, PoolingType, TableConfig
 from infer.errors import ArtifactError, ArtifactErrorKind, ConfigError, RequestError
 from infer.features import SparseFeatures
-from infer.planner.types import ShardingType
+from infer.planner.types import ComputeDevice, ShardingType
 from infer.quant.quantize import quantize
 from infer.shard.builder import shard_model
 from infer.shard.plans import make_plan
@@ -327,16 +327,23 @@ def test_missing_fbgemm_is_a_library_error(compiled):
 
 
 # ------------------------------------------------------------------------------ what the program takes
-def _sharded(spec: ModelSpec, layout):  # type: ignore[no-untyped-def]
-    plan = make_plan(spec, 2, layout)
-    return shard_model(quantize(spec, random_weights(spec, seed=43)), plan), plan
+def _sharded(spec: ModelSpec, layout, compute_device=ComputeDevice.CPU):  # type: ignore[no-untyped-def]
+    """The model sharded by ``layout`` over 2 devices (a CUDA plan's devices mapped to this host's CPU)."""
+    plan = make_plan(spec, 2, layout, compute_device=compute_device)
+    device_map = {"cuda:0": "cpu", "cuda:1": "cpu"} if compute_device == ComputeDevice.CUDA else None
+    return shard_model(quantize(spec, random_weights(spec, seed=43)), plan, device_map=device_map), plan
 
 
 def test_exported_program_matches_before_compiling(tmp_path):
-    """The torch.export program itself (before AOTInductor) equals the TorchScript artifact: column-wise
-    and replicated tables on two devices."""
+    """The torch.export program itself (before AOTInductor) equals the TorchScript artifact: column-wise,
+    row-wise (on one CPU host both are views of the whole table, read for a share of the batch) and replicated
+    tables on two devices."""
     spec = pt2_spec()
-    layout = {"t_int8": (ShardingType.COLUMN_WISE, (0, 1)), "t_int4": (ShardingType.REPLICATED, (0, 1))}
+    layout = {
+        "t_int8": (ShardingType.COLUMN_WISE, (0, 1)),
+        "t_int4": (ShardingType.REPLICATED, (0, 1)),
+        "t_int2": (ShardingType.ROW_WISE, (0, 1)),
+    }
     model, plan = _sharded(spec, layout)
     scripted = load(export(model, tmp_path / "cw", plan=plan))
     exported = export_program(lookup_program(model), len(spec.features), "cpu").module()
@@ -349,8 +356,9 @@ def test_exported_program_matches_before_compiling(tmp_path):
 
 @pytest.mark.parametrize("kind", [ShardingType.ROW_WISE, ShardingType.TABLE_ROW_WISE])
 def test_row_wise_is_refused_naming_the_table(kind, tmp_path):
+    """Row blocks (a CUDA plan's: on one CPU host row-wise shards are views, which the program reads)."""
     spec = pt2_spec()
-    model, plan = _sharded(spec, {"t_int4": (kind, (0, 1))})
+    model, plan = _sharded(spec, {"t_int4": (kind, (0, 1))}, ComputeDevice.CUDA)
     with pytest.raises(ConfigError, match="table 't_int4' is sharded row-wise.*export without --pt2"):
         export(model, tmp_path / "a", plan=plan, pt2=True)
     assert not (tmp_path / "a").exists()

@@ -278,12 +278,18 @@ def test_artifact_for_missing_cuda_devices_needs_a_device_map(quantized, tmp_pat
     "devices", [(0, 1), (0, 1, 2), (2, 0, 1)], ids=["even_blocks", "uneven_blocks", "out_of_device_order"]
 )
 def test_row_blocks_bucketized_once_or_per_device_give_the_same_output(quantized, devices):
-    """Row blocks in device order are bucketized for all devices by one fbgemm call in the collection (by
-    block size when the blocks are even, by their boundaries otherwise); blocks out of device order fall back
-    to each device bucketizing its own. Every route equals the unsharded model."""
+    """Row blocks (a CUDA plan's; a one-host CPU plan reads views instead) in device order are bucketized for
+    all devices by one fbgemm call in the collection (by block size when the blocks are even, by their
+    boundaries otherwise); blocks out of device order fall back to each device bucketizing its own. Every
+    route equals the unsharded model."""
     spec, model = quantized
-    plan = make_plan(spec, len(devices), {name: (RW, devices) for name in ["shared", "int4", "fp16", "plain"]})
-    sharded = shard_model(model, plan)
+    plan = make_plan(
+        spec,
+        len(devices),
+        {name: (RW, devices) for name in ["shared", "int4", "fp16", "plain"]},
+        compute_device=ComputeDevice.CUDA,
+    )
+    sharded = shard_model(model, plan, device_map={f"cuda:{d}": "cpu" for d in devices})
     # 1009, 503, 301 and 257 rows: halves differ by at most one row (even); thirds of 1009 are 337, 336, 336
     assert sharded.embeddings.bucketized == (devices != (2, 0, 1))
     assert sharded.embeddings.rw_even_blocks == (devices == (0, 1))

@@ -34,20 +34,22 @@ def rehash(artifact: Path, name: str) -> None:
 
 def tamper_row_bucketing(artifact: Path, folder: Path, holder_path: str, attribute: str) -> Path:
     """A copy of a sharded artifact whose one-call row-wise bucketing attribute (on ``embeddings`` or
-    ``embeddings.shards.<i>``) is changed and the model rehashed: what a tool editing model.pt would leave."""
+    ``embeddings.shards.<i>``) is changed and the model rehashed: what a tool editing model.pt would leave. A
+    model that bucketizes nothing (one CPU host: row-wise shards are views) gains a block or a slot."""
     import torch
 
     copy = copy_artifact(artifact, folder)
     module = torch.jit.load(str(copy / "model.pt"))
-    assert module.embeddings.bucketized  # the fixture's row-wise tables have their blocks in device order
     holder = module
     for name in holder_path.split("."):
         holder = getattr(holder, name)
     values = [list(v) if isinstance(v, list) else v for v in getattr(holder, attribute)]
-    if isinstance(values[0], list):
+    if not values:
+        values = [[0, 1]]
+    elif isinstance(values[0], list):
         values[0][1] += 1
     else:
-        values = [v + 1 if v >= 0 else v for v in values]
+        values = [v + 1 for v in values]
     setattr(holder, attribute, values)
     module.save(str(copy / "model.pt"))
     rehash(copy, "model.pt")
