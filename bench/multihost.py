@@ -3,7 +3,7 @@
 
 For each host count H (``--hosts 2,3,4``) and plan (every table table-wise, round robin over the hosts; every
 table row-wise over all hosts) it exports a multi-host artifact, runs H ranks and times rank 0's distributed
-forward (``server.distributed.DistributedModel``) in the ids all-to-all design (``all-to-all``: each host gets
+forward (``server.group.leader.DistributedModel``) in the ids all-to-all design (``all-to-all``: each host gets
 only the ids its shards own, rank 0 gets back only each host's columns) and in the first design (``broadcast``:
 every id to every host, whole partial outputs summed by ``reduce``). Each rank counts the bytes it sent and
 received per request (all-to-all: counted by ``server.group.exchange``; broadcast: its formula, below). The
@@ -105,7 +105,8 @@ def rank_main(args: argparse.Namespace) -> int:
     import torch.distributed as dist
 
     from infer.artifact.hosts import load_host_part
-    from server.distributed import (
+    from server.group.exchange import Exchange
+    from server.group.leader import (
         COMBINE_ALL_TO_ALL,
         COMBINE_REDUCE,
         DistributedModel,
@@ -113,7 +114,6 @@ def rank_main(args: argparse.Namespace) -> int:
         follow,
         join_group,
     )
-    from server.group.exchange import Exchange
     from server.group.routing import group_routing
 
     job = json.loads(Path(args.job).read_text())

@@ -53,7 +53,8 @@ def cmd_serve(args: argparse.Namespace) -> int:
         batch_wait=args.batch_wait,
         **({"max_merge_examples": args.max_merge_examples} if args.max_merge_examples else {}),
     )
-    from server.distributed import GroupConfig, is_multi_host, serve_distributed
+    from server.group.leader import GroupConfig, is_multi_host
+    from server.group.serve import serve_distributed
 
     if is_multi_host(args.artifact):
         group = GroupConfig(collective_timeout_s=args.collective_timeout_s, failure_grace_s=args.failure_grace_s)

@@ -3,7 +3,7 @@
 Each part holds only its host's shards (``infer.shard.hosts.shard_host``) and is checksummed in the shared
 manifest; host 0's part also holds the dense part. A host verifies and loads the shared files and its own part
 only, so its memory is its shards plus the fixed cost of a process with torch and fbgemm. Serving the parts
-together is ``server.distributed``'s job (torchrun, one process per host).
+together is ``server.group.leader``'s job (torchrun, one process per host).
 """
 
 from __future__ import annotations

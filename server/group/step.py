@@ -26,8 +26,8 @@ import torch
 import torch.distributed as dist
 
 from infer.artifact.hosts import HostPart
-from server.distributed import DistributedModel, GroupConfig
 from server.group.exchange import Exchange
+from server.group.leader import DistributedModel, GroupConfig
 from server.group.routing import full_request, split_request
 
 logger = logging.getLogger(__name__)

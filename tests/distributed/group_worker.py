@@ -1,6 +1,6 @@
 """One rank of a test group (run as a subprocess with RANK/WORLD_SIZE/MASTER_ADDR/MASTER_PORT set, like torchrun
 sets them): for each artifact of the job, load this host's part and serve rank 0's forwards; rank 0 runs the
-job's batches through a ``Runtime`` on ``server.distributed.DistributedModel`` (ids all-to-all, then the
+job's batches through a ``Runtime`` on ``server.group.leader.DistributedModel`` (ids all-to-all, then the
 broadcast designs: partials combined by reduce, then by gather) and saves the outputs."""
 
 from __future__ import annotations
@@ -15,7 +15,8 @@ import torch.distributed as dist
 from infer.artifact.hosts import load_host_part
 from infer.artifact.runtime import Runtime
 from infer.features import SparseFeatures
-from server.distributed import (
+from server.group.exchange import Exchange
+from server.group.leader import (
     COMBINE_ALL_TO_ALL,
     COMBINE_GATHER,
     COMBINE_REDUCE,
@@ -25,7 +26,6 @@ from server.distributed import (
     follow,
     join_group,
 )
-from server.group.exchange import Exchange
 from server.group.routing import group_routing
 
 COMBINES = (COMBINE_ALL_TO_ALL, COMBINE_REDUCE, COMBINE_GATHER)

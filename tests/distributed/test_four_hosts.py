@@ -10,7 +10,7 @@ import torch
 from infer.artifact.hosts import export_hosts
 from infer.features import SparseFeatures
 from infer.planner.types import ShardingType
-from server.distributed import COMBINE_ALL_TO_ALL, HEADER_SIZE
+from server.group.leader import COMBINE_ALL_TO_ALL, HEADER_SIZE
 from tests.conftest import random_batch
 from tests.distributed.conftest import NUM_DENSE, host_plan, run_group
 from tests.support.call_contract import Reference, assert_matches

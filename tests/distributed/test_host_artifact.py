@@ -170,7 +170,8 @@ def test_a_host_without_shards_exports_and_contributes_zeros(tmp_path):
 
 def test_inspect_names_the_hosts_and_serve_outside_torchrun_says_how(two_hosts, capsys, monkeypatch):
     from infer.errors import EmbserveError
-    from server.distributed import GroupConfig, serve_distributed
+    from server.group.leader import GroupConfig
+    from server.group.serve import serve_distributed
 
     assert main(["inspect", str(two_hosts)]) == 0
     assert "2 hosts x 1 devices" in capsys.readouterr().out

@@ -22,7 +22,7 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 from infer.shard.builder import shard_model
 from server.app import SERVING_LINE
 from server.client import EmbserveClient
-from server.distributed import JOINED_LINE
+from server.group.leader import JOINED_LINE
 from tests.conftest import random_batch
 from tests.distributed.conftest import NUM_DENSE, ROOT, free_port, group_env, host_plan
 from tests.server.support import LineReader
