@@ -16,7 +16,7 @@ feature is never wrapped and pays nothing.
 from __future__ import annotations
 
 import logging
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any, cast
 
@@ -302,10 +302,7 @@ class PagedModel:
     def lookup_and_predict_unchecked(
         self, dense: torch.Tensor, values: torch.Tensor, lengths: torch.Tensor, weights: torch.Tensor | None = None
     ) -> Any:
-        if not self.module.has_dense:  # the model's own refusal, before any lookup
-            return self.module.lookup_and_predict(dense, values, lengths, weights)
-        pooled = self.lookup_unchecked(values, lengths, weights)
-        return pooled, self.module.score(dense, pooled)
+        return self._scored(self.lookup_unchecked, dense, values, lengths, weights)
 
     def _prefetch(self, values: torch.Tensor, lengths: torch.Tensor) -> None:
         if self.prefetcher is None:
@@ -323,9 +320,20 @@ class PagedModel:
     def lookup_and_predict(
         self, dense: torch.Tensor, values: torch.Tensor, lengths: torch.Tensor, weights: torch.Tensor | None = None
     ) -> Any:
+        return self._scored(self.forward, dense, values, lengths, weights)
+
+    def _scored(
+        self,
+        lookup: Callable[..., Any],
+        dense: torch.Tensor,
+        values: torch.Tensor,
+        lengths: torch.Tensor,
+        weights: torch.Tensor | None,
+    ) -> Any:
+        """(pooled, scores): ``lookup``'s pooled embeddings through the model's dense part."""
         if not self.module.has_dense:  # the model's own refusal, before any lookup
             return self.module.lookup_and_predict(dense, values, lengths, weights)
-        pooled = self.forward(values, lengths, weights)
+        pooled = lookup(values, lengths, weights)
         return pooled, self.module.score(dense, pooled)
 
 
