@@ -445,9 +445,6 @@ def _solve_placed(
     device_budgets: DeviceBudgets,
 ) -> tuple[list[int] | None, list[int] | None, float | None]:
     """One binary per (table, option, device): option j of the flattened options on device k is j * K + k."""
-    from scipy.optimize import Bounds, LinearConstraint, milp
-    from scipy.sparse import coo_matrix
-
     num_devices = len(device_budgets.budgets)
     sizes = [len(t.options) for t in problem]
     starts = np.concatenate([[0], np.cumsum(sizes)]).astype(np.int64)
@@ -484,20 +481,11 @@ def _solve_placed(
         lower.append(np.array([-np.inf]))
         upper.append(np.array([error_budget]))
         row += 1
-    matrix = coo_matrix(
-        (np.concatenate(vals), (np.concatenate(rows), np.concatenate(cols))), shape=(row, num_vars)
-    ).tocsr()
     per_option = byte_values if error_budget is not None else errors
     objective = per_option[option_of_var] / (objective_scale or 1.0)
-    outcome = milp(
-        objective,
-        integrality=np.ones(num_vars),
-        bounds=Bounds(np.zeros(num_vars), np.ones(num_vars)),
-        constraints=LinearConstraint(matrix, np.concatenate(lower), np.concatenate(upper)),
-        options={"time_limit": time_limit_s, "presolve": True, "mip_rel_gap": PLACED_MIP_REL_GAP},
-    )
-    if outcome.x is None:
-        logger.debug("precision and placement MILP found no solution: %s", outcome.message)
+    constraints = (rows, cols, vals, lower, upper)
+    outcome = _solve_binary(objective, constraints, row, time_limit_s, PLACED_MIP_REL_GAP, "precision and placement")
+    if outcome is None:
         return None, None, None
     picks, devices = [], []
     for t in range(len(problem)):
@@ -507,6 +495,37 @@ def _solve_placed(
         devices.append(best % num_devices)
     gap = getattr(outcome, "mip_gap", None)
     return picks, devices, (float(gap) if gap is not None and np.isfinite(gap) else None)
+
+
+def _solve_binary(
+    objective: np.ndarray,
+    constraints: tuple[list[np.ndarray], list[np.ndarray], list[np.ndarray], list[np.ndarray], list[np.ndarray]],
+    num_rows: int,
+    time_limit_s: float,
+    rel_gap: float,
+    what: str,
+) -> Any:
+    """HiGHS on a 0/1 program: minimise ``objective`` subject to ``lower <= A x <= upper``, ``A`` given as COO
+    pieces (rows, cols, vals) with ``num_rows`` rows; the result, or None when no solution was found."""
+    from scipy.optimize import Bounds, LinearConstraint, milp
+    from scipy.sparse import coo_matrix
+
+    rows, cols, vals, lower, upper = constraints
+    num_vars = len(objective)
+    matrix = coo_matrix(
+        (np.concatenate(vals), (np.concatenate(rows), np.concatenate(cols))), shape=(num_rows, num_vars)
+    ).tocsr()
+    outcome = milp(
+        objective,
+        integrality=np.ones(num_vars),
+        bounds=Bounds(np.zeros(num_vars), np.ones(num_vars)),
+        constraints=LinearConstraint(matrix, np.concatenate(lower), np.concatenate(upper)),
+        options={"time_limit": time_limit_s, "presolve": True, "mip_rel_gap": rel_gap},
+    )
+    if outcome.x is None:
+        logger.debug("%s MILP found no solution: %s", what, outcome.message)
+        return None
+    return outcome
 
 
 def _check_feasible(problem: Sequence[TableChoices], memory_budget: int | None) -> None:
@@ -530,9 +549,6 @@ def _solve(
     time_limit_s: float,
     objective_scale: float,
 ) -> tuple[list[int] | None, float | None]:
-    from scipy.optimize import Bounds, LinearConstraint, milp
-    from scipy.sparse import coo_matrix
-
     sizes = [len(t.options) for t in problem]
     starts = np.concatenate([[0], np.cumsum(sizes)])
     num_vars = int(starts[-1])
@@ -561,19 +577,9 @@ def _solve(
         lower.append(np.array([-np.inf]))
         upper.append(np.array([error_budget]))
         row += 1
-    matrix = coo_matrix(
-        (np.concatenate(vals), (np.concatenate(rows), np.concatenate(cols))), shape=(row, num_vars)
-    ).tocsr()
     objective = (byte_values if error_budget is not None else errors) / (objective_scale or 1.0)
-    outcome = milp(
-        objective,
-        integrality=np.ones(num_vars),
-        bounds=Bounds(np.zeros(num_vars), np.ones(num_vars)),
-        constraints=LinearConstraint(matrix, np.concatenate(lower), np.concatenate(upper)),
-        options={"time_limit": time_limit_s, "presolve": True, "mip_rel_gap": MIP_REL_GAP},
-    )
-    if outcome.x is None:
-        logger.debug("precision MILP found no solution: %s", outcome.message)
+    outcome = _solve_binary(objective, (rows, cols, vals, lower, upper), row, time_limit_s, MIP_REL_GAP, "precision")
+    if outcome is None:
         return None, None
     picks = [int(np.argmax(outcome.x[starts[t] : starts[t + 1]])) for t in range(len(problem))]
     gap = getattr(outcome, "mip_gap", None)
