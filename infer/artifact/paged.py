@@ -283,21 +283,30 @@ class PagedModel:
             self._prefetch(values, lengths)
             return self.module.forward(values, lengths, weights)
         self.module.embeddings.validate(values, lengths, weights)  # the split needs a well-formed batch
+        return self._cached(values, lengths, weights)
+
+    def _cached(self, values: torch.Tensor, lengths: torch.Tensor, weights: torch.Tensor | None) -> Any:
+        """A validated batch split between the cache and the model; the model's share (cut from that batch, so
+        well formed too) goes to its unchecked entry: the batch is validated once."""
+        assert self.cache is not None
         (cold_values, cold_lengths, cold_weights), cache_input = self.cache.split(values, lengths, weights)
         self._prefetch(cold_values, cold_lengths)
-        out = self.module.forward(cold_values, cold_lengths, cold_weights)
+        out = self._model_entry()(cold_values, cold_lengths, cold_weights)
         self.cache.add(out, lengths, cold_lengths, cache_input)
         return out
+
+    def _model_entry(self) -> Callable[..., Any]:
+        """The model's entry for validated batches (artifacts from before ``lookup_unchecked``: ``forward``)."""
+        return getattr(self.module, "lookup_unchecked", None) or self.module.forward
 
     def lookup_unchecked(self, values: torch.Tensor, lengths: torch.Tensor, weights: torch.Tensor | None = None) -> Any:
         """The server's entry for a batch it validated already (``Runtime.lookup_unchecked``): through the
         prefetch and the cache as ``forward``; without a cache, the model's unchecked entry after the prefetch.
         (Without this method ``__getattr__`` would hand out the model's own entry and skip both.)"""
         if self.cache is not None:
-            return self.forward(values, lengths, weights)
+            return self._cached(values, lengths, weights)
         self._prefetch(values, lengths)
-        entry = getattr(self.module, "lookup_unchecked", None) or self.module.forward
-        return entry(values, lengths, weights)
+        return self._model_entry()(values, lengths, weights)
 
     def lookup_and_predict_unchecked(
         self, dense: torch.Tensor, values: torch.Tensor, lengths: torch.Tensor, weights: torch.Tensor | None = None
