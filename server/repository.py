@@ -606,7 +606,7 @@ async def open_repository(path: str | Path, config: Any, metrics: ServerMetrics)
         max_batch_size=config.max_batch_size,
         max_delay_s=config.max_delay_us / 1e6,
         max_queue=config.max_queue,
-        workers=config.workers or max(1, os.cpu_count() or 1),
+        workers=config.forward_threads or max(1, os.cpu_count() or 1),
         warmup_batches=config.warmup_batches,
         threads=config.threads,
         max_merge_examples=getattr(config, "max_merge_examples", MAX_MERGE_EXAMPLES),
