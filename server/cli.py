@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import logging
 import os
 import time
 from pathlib import Path
@@ -99,7 +100,13 @@ def cmd_serve(args: argparse.Namespace) -> int:
         exit_process(serve_distributed(args.artifact, config, group))
     if not args.worker_of_instance and args.workers > 1:
         exit_process(serve_workers(args.artifact, _worker_options(args), config, args.workers))
-    gate = (lambda running: wait_for_go(running.metrics_port)) if args.worker_of_instance else None
+    gate = None
+    if args.worker_of_instance:
+        gate = lambda running: wait_for_go(running.metrics_port)  # noqa: E731
+        for handler in logging.getLogger().handlers:  # the instance's workers log to one stderr: say which
+            handler.setFormatter(
+                logging.Formatter(f"%(levelname)s worker {args.worker_of_instance} %(name)s: %(message)s")
+            )
     artifact: Any = args.artifact
     if args.backend != "torchscript":
         from infer.artifact.load import load
