@@ -21,6 +21,7 @@ import selectors
 import signal
 import subprocess
 import sys
+import threading
 from dataclasses import dataclass
 from typing import Any
 
@@ -38,7 +39,8 @@ GO = "serve"
 WORKER_LINE = "embserve: worker"
 # the hidden flag that makes `embserve serve` a worker of an instance: the value is "<index>/<workers>"
 WORKER_FLAG = "--worker-of-instance"
-# Linux prctl: a worker gets SIGTERM when the instance dies, so it never serves on alone
+# Linux prctl: a worker gets SIGTERM when the instance dies, so it never serves on alone (its stdin's end is the
+# portable second line of defence: ``_stop_with_the_instance``)
 _PR_SET_PDEATHSIG = 1
 
 
@@ -64,6 +66,15 @@ async def wait_for_go(metrics_port: int | None) -> None:
     if line.strip() != GO:  # the instance closed our stdin: it stops (or died), and our SIGTERM is on its way
         logger.info("the instance stops before every worker was warm: waiting for the stop")
         await asyncio.get_running_loop().create_future()
+    threading.Thread(target=_stop_with_the_instance, name="embserve-instance-watch", daemon=True).start()
+
+
+def _stop_with_the_instance() -> None:
+    """Our stdin ends when the instance closes it (it stops us) or dies (killed: PR_SET_PDEATHSIG may not
+    reach us, e.g. in a sandbox): either way this worker drains and exits instead of serving on alone."""
+    sys.stdin.read()
+    logger.info("the instance is gone or stopping: this worker drains")
+    os.kill(os.getpid(), signal.SIGTERM)
 
 
 def refuse_conflicts(artifact: str, workers: int) -> None:

@@ -21,6 +21,7 @@ from pathlib import Path
 from typing import Any
 
 import grpc
+import numpy as np
 import pytest
 import torch
 from prometheus_client.parser import text_string_to_metric_families
@@ -33,7 +34,8 @@ from server.client import EmbserveClient
 from server.launch import spawn_server
 from server.workers import WORKER_LINE
 from tests.conftest import TinyOverArch, random_batch
-from tests.server.support import CALL_TIMEOUT, NUM_DENSE, rpc_error, wait_until
+from tests.server.oip_support import client, requested, triton_inputs
+from tests.server.support import CALL_TIMEOUT, NUM_DENSE, free_port, rpc_error, wait_until
 from tests.support.call_contract import Reference, assert_matches
 
 REPO = Path(__file__).resolve().parents[2]
@@ -173,16 +175,35 @@ def test_bad_requests_are_invalid_argument_naming_the_feature_on_every_worker(st
 
 
 @pytest.mark.parametrize("workers", ["1", "2"])
-def test_a_second_serve_on_the_instances_port_is_refused(start, model, workers):
-    instance = start(model.artifact)
+@pytest.mark.parametrize(("role", "flag"), [("gRPC", "--port"), ("HTTP", "--http-port")])
+def test_a_second_serve_on_the_instances_port_is_refused(start, model, workers, role, flag):
+    http_port = free_port()
+    instance = start(model.artifact, "--http-port", str(http_port))
+    port = instance.port if role == "gRPC" else http_port
     command = [sys.executable, "-m", "infer.cli", "serve", str(model.artifact), "--host", "127.0.0.1"]
-    command += ["--port", str(instance.port), "--workers", workers]
+    command += ["--workers", workers, *(["--port", str(port)] if role == "gRPC" else ["--port", "0", flag, str(port)])]
     second = subprocess.run(command, cwd=REPO, capture_output=True, text=True, timeout=120)  # a bound on a hang
     assert second.returncode != 0
-    assert f"gRPC port {instance.port} is in use" in second.stderr and "--port" in second.stderr, second.stderr
+    assert f"{role} port {port} is in use" in second.stderr and flag in second.stderr, second.stderr
     assert "Traceback" not in second.stderr, second.stderr
     batch = random_batch(model.spec, batch_size=4, seed=8)
     _on_both_workers(instance, lambda client: assert_matches(client.lookup(batch), model.reference.pooled(batch)))
+
+
+def test_rest_calls_land_on_both_workers_and_equal_the_reference(start, model):
+    http_port = free_port()
+    instance = start(model.artifact, "--http-port", str(http_port))
+    batch = random_batch(model.spec, batch_size=5, seed=12)
+    expected = model.reference.pooled(batch)
+    for _ in range(MAX_CONNECTIONS):
+        with client("http", f"127.0.0.1:{http_port}") as rest:  # a connection of its own
+            result = rest.infer(
+                model.artifact.name, triton_inputs("http", batch), outputs=requested("http", "embeddings")
+            )
+            assert_matches(torch.from_numpy(np.array(result.as_numpy("embeddings"))), expected)
+        if all(count > 0 for count in instance.served()):
+            return
+    raise AssertionError(f"{MAX_CONNECTIONS} REST connections all landed on one worker: {instance.served()}")
 
 
 def _in_flight(metrics_port: int) -> float:
@@ -272,3 +293,20 @@ def test_a_model_repository_with_workers_is_refused_naming_the_flag(model, tmp_p
     assert refused.returncode == 2, refused.stderr
     assert "--workers 2" in refused.stderr and "model repository" in refused.stderr, refused.stderr
     assert "Traceback" not in refused.stderr, refused.stderr
+
+
+def _exited(pid: int) -> bool:
+    """Gone, or a zombie nobody reaped yet (the workers of a killed instance are orphans)."""
+    try:
+        state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
+    except FileNotFoundError:
+        return True
+    return state in ("Z", "X")
+
+
+def test_the_workers_of_a_killed_instance_drain_and_exit(start, model):
+    instance = start(model.artifact, "--drain-grace-s", "0.2")
+    instance.process.kill()  # SIGKILL: the instance cannot pass anything on
+    instance.process.wait(timeout=60)
+    for pid in instance.pids:
+        wait_until(lambda pid=pid: _exited(pid), timeout=120, what=f"worker {pid} exited")
