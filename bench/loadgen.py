@@ -467,7 +467,8 @@ def search_server_qps(
             low = qps
         else:
             high = qps
-        if high - low <= tolerance * high or (low == 0 and qps / 2 < MIN_SEARCH_QPS):
+        # no miss yet (high is inf) is never "close enough": inf - low <= inf would end a search that only passed
+        if high < float("inf") and high - low <= tolerance * high or (low == 0 and qps / 2 < MIN_SEARCH_QPS):
             break
         qps = qps * 2 if high == float("inf") else (low + high) / 2 if low > 0 else qps / 2
     search.best = low
