@@ -27,7 +27,13 @@ to fp32 rounding: merged batches may block the dense GEMMs differently).
     python bench/loadgen.py                                  # both protocols, Server and Offline
     python bench/loadgen.py --quick                          # a short smoke run
     python bench/loadgen.py --baseline main.jsonl            # ratios to an earlier run's lines
-    python bench/loadgen.py --protocols oip --scenarios server -- --workers 2   # after --: embserve serve flags
+    python bench/loadgen.py --protocols oip --scenarios server -- --forward-threads 2   # after --: serve flags
+    python bench/loadgen.py --workers 1 2                    # every case on 1, then 2 server processes, and ratios
+
+``--workers 1 2`` serves every case once per server-process count (``embserve serve --workers N``); each line
+says which, and a ``loadgen_workers`` line per protocol and scenario gives N's QPS over the first count's, same
+run. The client sends over ``--channels`` connections in turn (the kernel spreads connections, not calls, over
+the workers); the server's CPU is the instance's and its workers'.
 """
 
 from __future__ import annotations
@@ -158,26 +164,31 @@ class Wire:
 
     protocol: str
     method: str
-    call: Any  # a grpc.UnaryUnaryMultiCallable
+    calls: tuple[Any, ...]  # a grpc.UnaryUnaryMultiCallable per connection (samples take them in turn)
     requests: tuple[Any, ...]
     output_of: Callable[[Any], bytes]  # the response's raw float32 output (scores or embeddings)
     output_bytes: int  # what a well-formed answer carries
 
 
 def make_wire(
-    channel: grpc.Channel, protocol: str, method: str, queries: Sequence[Query], model_name: str, output_dim: int
+    channels: Sequence[grpc.Channel],
+    protocol: str,
+    method: str,
+    queries: Sequence[Query],
+    model_name: str,
+    output_dim: int,
 ) -> Wire:
     batch_size = queries[0].features.batch_size
     output_bytes = 4 * batch_size * (1 if method == "predict" else output_dim)
     if protocol == "oip":
-        stub = oip_grpc.GRPCInferenceServiceStub(channel)
+        calls = tuple(oip_grpc.GRPCInferenceServiceStub(c).ModelInfer for c in channels)
         outputs = (oc.SCORES,) if method == "predict" else (oc.EMBEDDINGS,)
         requests = tuple(
             infer_request(model_name, "", q.features, q.dense if method == "predict" else None, outputs=outputs)
             for q in queries
         )
-        return Wire(protocol, method, stub.ModelInfer, requests, lambda r: r.raw_output_contents[0], output_bytes)
-    stub_v1 = pb_grpc.InferenceServiceStub(channel)
+        return Wire(protocol, method, calls, requests, lambda r: r.raw_output_contents[0], output_bytes)
+    stubs = [pb_grpc.InferenceServiceStub(c) for c in channels]
     if method == "predict":
         predicts = tuple(
             pb.PredictRequest(
@@ -186,11 +197,11 @@ def make_wire(
             )
             for q in queries
         )
-        return Wire(protocol, method, stub_v1.Predict, predicts, lambda r: r.scores, output_bytes)
+        return Wire(protocol, method, tuple(s.Predict for s in stubs), predicts, lambda r: r.scores, output_bytes)
     lookups = tuple(
         pb.LookupRequest(sparse=codec.encode_packed(q.features), output_type=pb.OUTPUT_TYPE_FP32) for q in queries
     )
-    return Wire(protocol, method, stub_v1.Lookup, lookups, lambda r: r.embeddings, output_bytes)
+    return Wire(protocol, method, tuple(s.Lookup for s in stubs), lookups, lambda r: r.embeddings, output_bytes)
 
 
 # ---------------------------------------------------------------------------------------------- system under test
@@ -212,6 +223,7 @@ class GrpcSut:
         self._in_flight = 0
         self._local = threading.local()
         self.issued = 0
+        self.sent = 0  # calls started: each takes the next connection in turn
         self.completed = 0
         self.errors: collections.Counter[str] = collections.Counter()
 
@@ -237,7 +249,9 @@ class GrpcSut:
                         return
                     sample = self._backlog.popleft()
                     self._in_flight += 1
-                future = self.wire.call.future(self.wire.requests[sample.index], timeout=self.timeout_s)
+                    call = self.wire.calls[self.sent % len(self.wire.calls)]
+                    self.sent += 1
+                future = call.future(self.wire.requests[sample.index], timeout=self.timeout_s)
                 future.add_done_callback(lambda done, sample=sample: self._complete(sample, done))
         finally:
             self._local.pumping = False
@@ -340,12 +354,17 @@ def read_accuracy_log(path: Path) -> list[tuple[int, bytes]]:
 
 
 def process_cpu_seconds(pid: int) -> float:
-    """User + system CPU seconds of a process (Linux /proc); NaN elsewhere."""
+    """User + system CPU seconds of a process and its children (``embserve serve --workers N``: the instance
+    and its workers; Linux /proc); NaN elsewhere."""
     try:
-        fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+        children = Path(f"/proc/{pid}/task/{pid}/children").read_text().split()
+        total = 0.0
+        for each in [pid, *map(int, children)]:
+            fields = Path(f"/proc/{each}/stat").read_text().rsplit(")", 1)[1].split()
+            total += (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+        return total
     except OSError:
         return float("nan")
-    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
 
 
 def run_loadgen(
@@ -448,7 +467,8 @@ def search_server_qps(
             low = qps
         else:
             high = qps
-        if high - low <= tolerance * high or (low == 0 and qps / 2 < MIN_SEARCH_QPS):
+        # no miss yet (high is inf) is never "close enough": inf - low <= inf would end a search that only passed
+        if high < float("inf") and high - low <= tolerance * high or (low == 0 and qps / 2 < MIN_SEARCH_QPS):
             break
         qps = qps * 2 if high == float("inf") else (low + high) / 2 if low > 0 else qps / 2
     search.best = low
@@ -728,6 +748,12 @@ def parse_args(argv: Sequence[str]) -> tuple[argparse.Namespace, list[str]]:
     parser.add_argument("--log-dir", default=None, help="keep LoadGen's logs here (default: a temporary folder)")
     parser.add_argument("--baseline", default=None, help="JSON lines of an earlier run: ratios and the 2x target")
     parser.add_argument("--quick", action="store_true", help="a short smoke run (short runs, small pool)")
+    parser.add_argument(
+        "--workers", type=int, nargs="+", default=[1], help="server processes (embserve serve --workers); each count"
+    )
+    parser.add_argument(
+        "--channels", type=int, default=4, help="client connections, samples take them in turn (default 4)"
+    )
     args = parser.parse_args(own)
     if args.quick:
         quick = {
@@ -745,6 +771,8 @@ def parse_args(argv: Sequence[str]) -> tuple[argparse.Namespace, list[str]]:
         for name, value in quick.items():
             if getattr(args, name) == parser.get_default(name):
                 setattr(args, name, value)
+    if args.channels < 1 or min(args.workers) < 1:
+        parser.error("--channels and --workers must be >= 1")
     if args.batch_size < 1 or args.pool < 1 or args.max_in_flight < 1 or args.p99_ms <= 0:
         parser.error("--batch-size, --pool and --max-in-flight must be >= 1, --p99-ms > 0")
     return args, server_args
@@ -769,31 +797,19 @@ def main(argv: Sequence[str] | None = None) -> int:
         queries = make_queries(runtime.spec, args.pool, args.batch_size, args.seed)
         for query in queries[:WARMUP_QUERIES]:  # TorchScript optimizes its graph on the first calls
             reference_output(runtime, query, args.method)
-        process, port = spawn_server(artifact, *server_args)
         rows: list[dict[str, Any]] = []
-        try:
-            channel = grpc.insecure_channel(
-                f"{HOST}:{port}",
-                [("grpc.max_receive_message_length", MAX_MESSAGE_BYTES), ("grpc.max_send_message_length", -1)],
-            )
-            found: dict[str, float] = {}
-            for protocol in args.protocols:
-                wire = make_wire(
-                    channel, protocol, args.method, queries, args.model_name or artifact.name, runtime.output_dim
+        exit_codes: list[int | None] = []
+        for workers in args.workers:
+            process, port = spawn_server(artifact, "--workers", str(workers), *server_args)
+            try:
+                rows += serve_cases(
+                    args, plan, artifact, runtime, queries, log_root, baseline, port, process.pid, workers
                 )
-                case = Case(plan, wire, runtime, queries, log_root, runtime.output_dim, process.pid)
-                for scenario in args.scenarios:
-                    if scenario == "server":
-                        row = case.server()
-                        found[protocol] = float(row["qps"])
-                    else:
-                        row = case.offline(found.get(protocol, 0.0))
-                    row = with_baseline(row, baseline)
-                    print(json.dumps(row), flush=True)
-                    rows.append(row)
-            channel.close()
-        finally:
-            exit_code = stop_server(process)
+            finally:
+                exit_codes.append(stop_server(process))
+        for row in compare_workers(rows, args.workers):
+            print(json.dumps(row), flush=True)
+        exit_code = next((code for code in exit_codes if code != 0), 0)
         summary = {
             "bench": "loadgen_summary",
             "cases": len(rows),
@@ -801,11 +817,83 @@ def main(argv: Sequence[str] | None = None) -> int:
             "all_outputs_equal": all(r.get("outputs_equal", False) for r in rows),
             "total_errors": sum(r.get("errors", 0) for r in rows),
             "server_exit_code": exit_code,
+            "workers": args.workers,
             "load_avg": [round(x, 2) for x in os.getloadavg()],
         }
         print(json.dumps(summary), flush=True)
     ok = exit_code == 0 and summary["total_errors"] == 0 and summary["all_outputs_equal"]
     return 0 if ok else 1
+
+
+def serve_cases(
+    args: argparse.Namespace,
+    plan: Plan,
+    artifact: Path,
+    runtime: Runtime,
+    queries: Sequence[Query],
+    log_root: Path,
+    baseline: dict[tuple[str, str, str, int], float],
+    port: int,
+    server_pid: int,
+    workers: int,
+) -> list[dict[str, Any]]:
+    """Every protocol and scenario against one server (``workers`` processes), over ``--channels`` connections."""
+    options = [
+        ("grpc.max_receive_message_length", MAX_MESSAGE_BYTES),
+        ("grpc.max_send_message_length", -1),
+        ("grpc.use_local_subchannel_pool", 1),  # a connection each: the kernel spreads connections over workers
+    ]
+    channels = [grpc.insecure_channel(f"{HOST}:{port}", options) for _ in range(args.channels)]
+    rows: list[dict[str, Any]] = []
+    try:
+        found: dict[str, float] = {}
+        for protocol in args.protocols:
+            name = args.model_name or artifact.name
+            wire = make_wire(channels, protocol, args.method, queries, name, runtime.output_dim)
+            case = Case(plan, wire, runtime, queries, log_root / f"workers-{workers}", runtime.output_dim, server_pid)
+            for scenario in args.scenarios:
+                if scenario == "server":
+                    row = case.server()
+                    found[protocol] = float(row["qps"])
+                else:
+                    row = case.offline(found.get(protocol, 0.0))
+                row = with_baseline(row | {"workers": workers, "channels": args.channels}, baseline)
+                print(json.dumps(row), flush=True)
+                rows.append(row)
+    finally:
+        for channel in channels:
+            channel.close()
+    return rows
+
+
+def compare_workers(rows: Sequence[dict[str, Any]], counts: Sequence[int]) -> list[dict[str, Any]]:
+    """Per protocol and scenario, N server processes against the first count, same run."""
+    base = {(r["protocol"], r["scenario"]): r for r in rows if r["workers"] == counts[0]}
+    compared = []
+    for row in rows:
+        first = base.get((row["protocol"], row["scenario"]))
+        if row["workers"] == counts[0] or first is None:
+            continue
+        compared.append(
+            {
+                "bench": "loadgen_workers",
+                "protocol": row["protocol"],
+                "scenario": row["scenario"],
+                "workers": row["workers"],
+                "baseline_workers": counts[0],
+                "qps": row["qps"],
+                "baseline_qps": first["qps"],
+                "qps_ratio": round(row["qps"] / first["qps"], 3) if first["qps"] else None,
+                "valid": row["valid"],
+                "baseline_valid": first["valid"],
+                "ratio_to_ceiling": row.get("ratio_to_ceiling"),
+                "baseline_ratio_to_ceiling": first.get("ratio_to_ceiling"),
+                "server_cpu_ms_per_query": row.get("server_cpu_ms_per_query"),
+                "baseline_server_cpu_ms_per_query": first.get("server_cpu_ms_per_query"),
+                "load_avg": [round(x, 2) for x in os.getloadavg()],
+            }
+        )
+    return compared
 
 
 if __name__ == "__main__":

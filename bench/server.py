@@ -28,9 +28,15 @@ up front), in the order v1, OIP, OIP, v1, and prints the ratio of OIP to v1 thro
 >= 0.9 at batch 512, 16 clients).
 
     python bench/server.py                       # batch 1, 64, 512 x 1, 16 clients
-    python bench/server.py --clients 32 --workers 1 --max-delay-us 500
+    python bench/server.py --clients 32 --forward-threads 1 --max-delay-us 500
     python bench/server.py --protocol oip --batch-sizes 512
-    python bench/server.py --methods predict --batch-sizes 512 --workers 1
+    python bench/server.py --methods predict --batch-sizes 512 --forward-threads 1
+    python bench/server.py --workers 1 2 --methods lookup   # each case on 1, then 2 server processes
+
+``--workers 1 2`` serves and measures everything once per server-process count (``embserve serve --workers N``),
+each row and summary saying which, then prints a ``server_workers`` line per case with the throughput and CPU
+ratio of N processes to the first count, measured in the same run. With N > 1 the server's CPU is the
+instance's and every worker's (each client is its own connection, so the kernel spreads them over the workers).
 """
 
 from __future__ import annotations
@@ -110,16 +116,23 @@ def dense_batch(batch: SparseFeatures, num_dense: int, seed: int) -> torch.Tenso
 
 
 # ---------------------------------------------------------------------------------------------- server process
+def _cpu_of(pid: int) -> float:
+    """utime + stime of one process, seconds (/proc/<pid>/stat)."""
+    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
 class ServerProcess:
     """``embserve serve`` on a free loopback port; ``stop`` sends SIGTERM and returns the exit code."""
 
-    def __init__(self, artifact: Path, args: argparse.Namespace, log_path: Path) -> None:
+    def __init__(self, artifact: Path, args: argparse.Namespace, log_path: Path, workers: int = 1) -> None:
         command = [
             sys.executable, "-m", "infer.cli", "serve", str(artifact), "--host", HOST, "--port", "0",
             "--max-batch-size", str(args.max_batch_size), "--max-delay-us", str(args.max_delay_us),
             "--max-merge-examples", str(args.max_merge_examples),
-            "--workers", str(args.workers), "--drain-seconds", "5",
+            "--forward-threads", str(args.forward_threads), "--workers", str(workers), "--drain-seconds", "5",
         ]  # fmt: skip
+        self.workers = workers
         self.log_path = log_path
         self._log = log_path.open("wb")
         env = dict(os.environ)
@@ -152,14 +165,16 @@ class ServerProcess:
         raise TimeoutError(f"server not serving after {timeout_s:.0f} s:\n{self.log_tail()}")
 
     def cpu_seconds(self) -> float:
-        """User + system CPU of the server process (Linux /proc); NaN elsewhere."""
+        """User + system CPU of the server process and of its worker processes (``--workers N``: the
+        instance's children; Linux /proc); NaN elsewhere."""
+        pid = self.process.pid
         try:
-            fields = Path(f"/proc/{self.process.pid}/stat").read_text().rsplit(")", 1)[1].split()
+            children = Path(f"/proc/{pid}/task/{pid}/children").read_text().split()
+            return sum(_cpu_of(p) for p in [pid, *map(int, children)])
         except OSError:
             return float("nan")
-        return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
 
-    def stop(self, timeout_s: float = 20.0) -> int | None:
+    def stop(self, timeout_s: float = 60.0) -> int | None:
         """SIGTERM, then wait; a server that does not exit in time is killed and reported as None."""
         if self.process.poll() is None:
             self.process.send_signal(signal.SIGTERM)
@@ -466,6 +481,7 @@ def make_case(
     cpu_seconds: tuple[float, float],
     args: argparse.Namespace,
     outputs_equal: bool,
+    workers: int = 1,
 ) -> Case:
     latencies = sorted(served.latencies)
     p50, p99 = percentile(latencies, 0.50), percentile(latencies, 0.99)
@@ -503,7 +519,8 @@ def make_case(
         "lookups_per_request": lookups_per_request,
         "rounds": load_case.rounds,
         "max_delay_us": args.max_delay_us,
-        "workers": args.workers,
+        "workers": workers,
+        "forward_threads": args.forward_threads,
         "server_threads": args.server_threads,
         "inprocess_threads": torch.get_num_threads(),
         "max_batch_size": args.max_batch_size,
@@ -555,8 +572,9 @@ def run_batch_size(
         )
         cpu_seconds = (meter.server_s, meter.client_s)
         case = make_case(
-            batch_size, load_case, lookups_per_request, served, inprocess, cpu_seconds, args, outputs_equal
-        )
+            batch_size, load_case, lookups_per_request, served, inprocess, cpu_seconds, args, outputs_equal,
+            server.workers,
+        )  # fmt: skip
         case = with_batch1_targets(case, empty)
         print(json.dumps(case.row), flush=True)
         cases.append(case)
@@ -600,6 +618,7 @@ def run_predict_batch_size(
             (meter.server_s, meter.client_s),
             args,
             outputs_equal,
+            server.workers,
         )
         print(json.dumps(case.row), flush=True)
         cases.append(case)
@@ -658,6 +677,7 @@ def compare_protocols(
             (server_s, client_s),
             args,
             equal[protocol],
+            server.workers,
         )
         case = with_batch1_targets(case, empty)
         print(json.dumps(case.row), flush=True)
@@ -845,13 +865,18 @@ def summary_row(cases: Sequence[Case], exit_codes: Sequence[int | None]) -> dict
 
 
 def serve_and_measure(
-    args: argparse.Namespace, method: str, artifact: Path, log_path: Path, client_counts: Sequence[int]
+    args: argparse.Namespace,
+    method: str,
+    artifact: Path,
+    log_path: Path,
+    client_counts: Sequence[int],
+    workers: int = 1,
 ) -> tuple[list[Case], int | None]:
-    """Start a server of ``artifact``, run every batch size of ``method`` against it, stop it."""
+    """Start a server of ``artifact`` (``workers`` processes), run every batch size of ``method``, stop it."""
     # One thread, as the issue asks; more buys the TBE nothing on an idle host, and on a busy one its
     # OpenMP regions (output fill, id range check) stall waiting for a descheduled thread.
     runtime = load(artifact, intra_op_threads=args.inprocess_threads)
-    server = ServerProcess(artifact, args, log_path)
+    server = ServerProcess(artifact, args, log_path, workers)
     cases: list[Case] = []
     try:
         server.wait_ready(timeout_s=180)
@@ -883,7 +908,12 @@ def main() -> int:
     parser.add_argument("--pool", type=int, default=16, help="distinct request batches per batch size")
     parser.add_argument("--timeout", type=float, default=10.0, help="deadline of one request, seconds")
     parser.add_argument("--max-delay-us", type=int, default=1000, help="server: batching delay")
-    parser.add_argument("--workers", type=int, default=0, help="server: concurrent forwards (0: its default)")
+    parser.add_argument(
+        "--workers", type=int, nargs="+", default=[1], help="server processes (embserve serve --workers); each count"
+    )
+    parser.add_argument(
+        "--forward-threads", type=int, default=0, help="server: concurrent forwards per process (0: its default)"
+    )
     parser.add_argument("--max-batch-size", type=int, default=4096, help="server: examples per batched forward")
     parser.add_argument(
         "--max-merge-examples", type=int, default=0, help="server: merge requests up to this many examples (0: default)"
@@ -923,20 +953,66 @@ def main() -> int:
     if args.requests < 1 or args.rounds < 1 or not 0 < args.seconds <= 600 or not 0 < args.baseline_seconds <= 600:
         parser.error("--requests and --rounds must be >= 1, --seconds and --baseline-seconds in (0, 600]")
 
-    cases: list[Case] = []
-    exit_codes: list[int | None] = []
+    cases: dict[int, list[Case]] = {n: [] for n in args.workers}
+    exit_codes: dict[int, list[int | None]] = {n: [] for n in args.workers}
     with tempfile.TemporaryDirectory(prefix="embserve-bench-") as tmp:
         for method in args.methods:
             if method == "predict":
                 artifact = Path(args.demo_artifact) if args.demo_artifact else build_demo_artifact(Path(tmp) / method)
             else:
                 artifact = build_artifact(args.tables, args.rows, Path(tmp) / method)
-            found, exit_code = serve_and_measure(args, method, artifact, Path(tmp) / f"{method}.log", client_counts)
-            cases += found
-            exit_codes.append(exit_code)
-    summary = summary_row(cases, exit_codes)
-    print(json.dumps(summary), flush=True)
-    return 0 if all(code == 0 for code in exit_codes) and summary["total_errors"] == 0 else 1
+            for workers in args.workers:
+                log = Path(tmp) / f"{method}-{workers}.log"
+                found, exit_code = serve_and_measure(args, method, artifact, log, client_counts, workers)
+                cases[workers] += found
+                exit_codes[workers].append(exit_code)
+    failed = False
+    for workers in args.workers:
+        summary = summary_row(cases[workers], exit_codes[workers]) | {"workers": workers}
+        print(json.dumps(summary), flush=True)
+        failed |= not all(code == 0 for code in exit_codes[workers]) or summary["total_errors"] != 0
+    for row in compare_workers(cases, args.workers):
+        print(json.dumps(row), flush=True)
+    return 1 if failed else 0
+
+
+def compare_workers(cases: dict[int, list[Case]], counts: Sequence[int]) -> list[dict[str, object]]:
+    """Per case, N server processes against the first count, same run: throughput and server CPU ratios."""
+
+    def key(case: Case) -> tuple[object, ...]:
+        return (case.method, case.batch_size, case.clients, case.row["protocol"])
+
+    rows: list[dict[str, object]] = []
+    base = {key(c): c for c in cases[counts[0]]}
+    for workers in counts[1:]:
+        for case in cases[workers]:
+            first = base.get(key(case))
+            if first is None:
+                continue
+            qps, first_qps = float(str(case.row["qps"])), float(str(first.row["qps"]))
+            cpu, first_cpu = case.row["server_cpu_ms_per_request"], first.row["server_cpu_ms_per_request"]
+            rows.append(
+                {
+                    "bench": "server_workers",
+                    "method": case.method,
+                    "protocol": case.row["protocol"],
+                    "batch_size": case.batch_size,
+                    "clients": case.clients,
+                    "workers": workers,
+                    "baseline_workers": counts[0],
+                    "qps": qps,
+                    "baseline_qps": first_qps,
+                    "qps_ratio": round(qps / first_qps, 3) if first_qps > 0 else None,
+                    "ratio_to_inprocess": case.row["ratio_to_inprocess"],
+                    "baseline_ratio_to_inprocess": first.row["ratio_to_inprocess"],
+                    "p50_ms": case.row["p50_ms"],
+                    "baseline_p50_ms": first.row["p50_ms"],
+                    "server_cpu_ms_per_request": cpu,
+                    "baseline_server_cpu_ms_per_request": first_cpu,
+                    "load_avg_1m": os.getloadavg()[0],
+                }
+            )
+    return rows
 
 
 if __name__ == "__main__":

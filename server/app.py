@@ -14,7 +14,7 @@ import os
 import signal
 import sys
 import time
-from collections.abc import Callable
+from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import NoReturn
@@ -38,11 +38,12 @@ from server.oip_http import RestServer
 from server.ports import Port, cannot_bind, probe
 from server.repository import is_repository, open_repository
 from server.service import SERVICE_NAME, InferenceServicer, add_to_server
+from server.workers import SERVING_LINE
+
+__all__ = ["SERVING_LINE", "ServerConfig", "RunningServer", "create_server", "serve", "serve_until", "check_ports"]
 
 logger = logging.getLogger(__name__)
 
-# printed by `embserve serve` once the server is warm, followed by the port
-SERVING_LINE = "embserve: serving on port"
 # Stopping waits until no call arrived for this long (each refused with UNAVAILABLE), then closes the port.
 _QUIET_S = 0.1
 # how often the grace looks again while a call is in flight
@@ -57,9 +58,12 @@ class ServerConfig:
     max_merge_examples: int = MAX_MERGE_EXAMPLES  # requests merge into one forward up to this many examples
     max_delay_us: int = 1000  # how long a request waits for others to batch with
     max_queue: int = 1024  # requests waiting; beyond it callers get RESOURCE_EXHAUSTED
-    workers: int = 0  # concurrent forwards; 0 -> cores // CPU shards of the model (at least 1)
-    intra_op_threads: int = 0  # torch threads per forward; 0 -> cores // (workers x CPU shards), at least 1
-    threads: int = 0  # example ranges a CPU kernel splits a batch into; 0 -> cores // (workers x CPU kernels)
+    forward_threads: int = 0  # concurrent forwards; 0 -> this process's cores // CPU shards of the model (>= 1)
+    intra_op_threads: int = 0  # torch threads per forward; 0 -> cores // (forward threads x CPU shards), >= 1
+    threads: int = 0  # example ranges a CPU kernel splits a batch into; 0 -> cores // (forwards x CPU kernels)
+    # server processes of one instance (`embserve serve --workers N`, server/workers.py): each one's share of the
+    # cores is cores // processes, and it binds the instance's ports with SO_REUSEPORT (the instance owns them)
+    processes: int = 1
     max_message_bytes: int = 64 * 1024 * 1024
     metrics_port: int | None = None  # None: no /metrics endpoint; 0: any free port
     metrics_host: str | None = None  # None: the gRPC host
@@ -79,6 +83,10 @@ class ServerConfig:
     verify: str = "full"  # checksums at load: "full" (every file's sha256) or "none" (sizes only)
     batch_wait: str = "overlap"  # "overlap": wait max_delay_us only while callers overlap; "always": every request
     profile_s: float | None = None  # log the pipeline's per-stage breakdown every this many seconds (--profile)
+
+
+# the ports the processes of one instance share (SO_REUSEPORT, held by the instance); each has its own metrics port
+SHARED_ROLES = ("gRPC", "HTTP")
 
 
 @dataclass
@@ -177,6 +185,10 @@ class RunningServer:
             logger.warning("stopping: calls still in flight after the drain's timeout (--drain-seconds)")
 
 
+# awaited by a worker process once warm, before it reports SERVING (server/workers.py: all at once)
+ReadyGate = Callable[[RunningServer], Awaitable[None]]
+
+
 def _left(deadline: float) -> float:
     return max(0.0, deadline - time.monotonic())
 
@@ -194,15 +206,20 @@ def _cpu_shards(runtime: Runtime) -> int:
     return runtime.manifest.world_size if all(d == "cpu" for d in runtime.manifest.devices) else 1
 
 
-def _workers(runtime: Runtime, requested: int) -> int:
-    if requested > 0:
-        return requested
-    return max(1, (os.cpu_count() or 1) // _cpu_shards(runtime))
+def _cores(config: ServerConfig) -> int:
+    """This process's share of the cores: all of them, or 1/N each for the N processes of one instance."""
+    return max(1, (os.cpu_count() or 1) // max(1, config.processes))
 
 
-def _set_intra_op_threads(runtime: Runtime, workers: int, requested: int) -> None:
+def _workers(runtime: Runtime, config: ServerConfig) -> int:
+    if config.forward_threads > 0:
+        return config.forward_threads
+    return max(1, _cores(config) // _cpu_shards(runtime))
+
+
+def _set_intra_op_threads(runtime: Runtime, workers: int, config: ServerConfig) -> None:
     """Concurrent forwards (and CPU shards) already fill the cores: torch's own pool would only oversubscribe."""
-    threads = requested or max(1, (os.cpu_count() or 1) // (workers * _cpu_shards(runtime)))
+    threads = config.intra_op_threads or max(1, _cores(config) // (workers * _cpu_shards(runtime)))
     if torch.get_num_threads() != threads:
         logger.info("intra-op threads %d -> %d (%d workers)", torch.get_num_threads(), threads, workers)
         torch.set_num_threads(threads)
@@ -252,7 +269,8 @@ def check_ports(config: ServerConfig) -> None:
         for other in ports[:index]:
             if port.port and port.port == other.port:
                 raise ConfigError(f"{other.flag} and {port.flag} are both {port.port}; give each its own port")
-        probe(port)
+        if not (config.processes > 1 and port.role in SHARED_ROLES):  # the instance probed and holds those
+            probe(port)
 
 
 def _bind(add_port: Callable[[], int], config: ServerConfig) -> int:
@@ -268,8 +286,11 @@ def _bind(add_port: Callable[[], int], config: ServerConfig) -> int:
     return port
 
 
-async def create_server(artifact: str | Path | Runtime, config: ServerConfig = ServerConfig()) -> RunningServer:
-    """Load (or take) a runtime, start a server on ``config.host:config.port`` and warm it up."""
+async def create_server(
+    artifact: str | Path | Runtime, config: ServerConfig = ServerConfig(), ready_gate: ReadyGate | None = None
+) -> RunningServer:
+    """Load (or take) a runtime, start a server on ``config.host:config.port`` and warm it up; ``ready_gate``
+    (a worker of a multi-process instance) is awaited after the warm-up, before the server reports SERVING."""
     check_ports(config)  # before loading: a port in use is refused at once, whatever the model's size
     metrics = ServerMetrics()
     repository = None
@@ -280,9 +301,9 @@ async def create_server(artifact: str | Path | Runtime, config: ServerConfig = S
         runtime = repository.default_runtime()
     else:
         runtime = load(artifact, verify=config.verify)
-    workers = _workers(runtime, config.workers)
-    _set_intra_op_threads(runtime, workers, config.intra_op_threads)
-    runtime.set_threads(config.threads or runtime.thread_budget(workers))
+    workers = _workers(runtime, config)
+    _set_intra_op_threads(runtime, workers, config)
+    runtime.set_threads(config.threads or runtime.thread_budget(workers * max(1, config.processes)))
     servicer = InferenceServicer(
         runtime,
         metrics,
@@ -298,7 +319,9 @@ async def create_server(artifact: str | Path | Runtime, config: ServerConfig = S
     options = [
         ("grpc.max_receive_message_length", config.max_message_bytes),
         ("grpc.max_send_message_length", config.max_message_bytes),
-        ("grpc.so_reuseport", 0),  # grpc's default (1) lets a second server share a port that serves
+        # grpc's default (1) lets a second server share a port that serves; the processes of one instance share
+        # theirs, which the instance holds (server/workers.py), so an unrelated server is still refused
+        ("grpc.so_reuseport", 1 if config.processes > 1 else 0),
     ]
     server = grpc.aio.server(interceptors=interceptors, options=options)
     add_to_server(servicer, server)
@@ -332,6 +355,8 @@ async def create_server(artifact: str | Path | Runtime, config: ServerConfig = S
             running.http_port = await oip.http.start(config.http_host or config.host, config.http_port)
         logger.info("warming up on port %d (%d batches)", port, config.warmup_batches)
         await _warm_up(servicer, config.warmup_batches)
+        if ready_gate is not None:
+            await ready_gate(running)
     except BaseException:
         # a server that cannot warm up (or is stopped while it does) must not stay bound to its port
         await asyncio.shield(running.stop(0))
@@ -351,7 +376,12 @@ async def create_server(artifact: str | Path | Runtime, config: ServerConfig = S
     return running
 
 
-async def serve(artifact: str | Path | Runtime, config: ServerConfig = ServerConfig(), exiting: bool = False) -> int:
+async def serve(
+    artifact: str | Path | Runtime,
+    config: ServerConfig = ServerConfig(),
+    exiting: bool = False,
+    ready_gate: ReadyGate | None = None,
+) -> int:
     """Run until SIGTERM or SIGINT, then drain (``RunningServer.drain``) and return 0; ``exiting``: exit the
     process (0) from the event loop once stopped (``exit_process``), before asyncio's teardown could cancel
     a call that grpc still holds."""
@@ -359,15 +389,19 @@ async def serve(artifact: str | Path | Runtime, config: ServerConfig = ServerCon
     loop = asyncio.get_running_loop()
     for signum in (signal.SIGTERM, signal.SIGINT):
         loop.add_signal_handler(signum, stop.set)
-    return await serve_until(stop, artifact, config, exiting)
+    return await serve_until(stop, artifact, config, exiting, ready_gate)
 
 
 async def serve_until(
-    stop: asyncio.Event, artifact: str | Path | Runtime, config: ServerConfig, exiting: bool = False
+    stop: asyncio.Event,
+    artifact: str | Path | Runtime,
+    config: ServerConfig,
+    exiting: bool = False,
+    ready_gate: ReadyGate | None = None,
 ) -> int:
     """Start a server, print ``SERVING_LINE``, and drain once ``stop`` is set. A stop during loading or
     warm-up ends the start-up cleanly instead (port released, 0 returned)."""
-    starting = asyncio.ensure_future(create_server(artifact, config))
+    starting = asyncio.ensure_future(create_server(artifact, config, ready_gate))
     stopping = asyncio.ensure_future(stop.wait())
     await asyncio.wait({starting, stopping}, return_when=asyncio.FIRST_COMPLETED)
     if not starting.done():

@@ -7,11 +7,43 @@ from __future__ import annotations
 
 import argparse
 import json
+import logging
+import os
 import time
 from pathlib import Path
 from typing import Any
 
 from infer.artifact.load import BACKENDS
+from server.workers import WORKER_FLAG
+
+
+def _workers_arg(text: str) -> int:
+    if text == "auto":
+        return max(1, os.cpu_count() or 1)
+    try:
+        return int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r}: a number of server processes, or auto") from None
+
+
+# flags the instance of --workers N sets for each worker itself (the ports it owns, the worker's metrics port)
+_INSTANCE_FLAGS = ("--workers", "--port", "--http-port", "--metrics-port", WORKER_FLAG)
+
+
+def _worker_options(args: argparse.Namespace) -> list[str]:
+    """The ``embserve serve`` flags given to the instance, as its workers get them (not the ports)."""
+    options: list[str] = []
+    for action in args.parser._actions:
+        if not action.option_strings or action.dest in ("help",) or action.option_strings[0] in _INSTANCE_FLAGS:
+            continue
+        value = getattr(args, action.dest)
+        if value == action.default:
+            continue
+        if isinstance(action, argparse._StoreTrueAction):
+            options.append(action.option_strings[0])
+        else:
+            options += [action.option_strings[-1], str(value)]
+    return options
 
 
 def cmd_serve(args: argparse.Namespace) -> int:
@@ -24,6 +56,11 @@ def cmd_serve(args: argparse.Namespace) -> int:
 
     from server.app import ServerConfig, exit_process, serve
     from server.auth import read_token_file
+    from server.workers import parse_worker_flag, refuse_conflicts, serve_workers, wait_for_go
+
+    processes = parse_worker_flag(args.worker_of_instance)[1] if args.worker_of_instance else args.workers
+    if not args.worker_of_instance:
+        refuse_conflicts(args.artifact, args.workers)
 
     config = ServerConfig(
         host=args.host,
@@ -31,7 +68,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
         max_batch_size=args.max_batch_size,
         max_delay_us=args.max_delay_us,
         max_queue=args.max_queue,
-        workers=args.workers,
+        forward_threads=args.forward_threads,
         intra_op_threads=args.intra_op_threads,
         threads=args.threads,
         max_message_bytes=args.max_message_mb * 1024 * 1024,
@@ -51,6 +88,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
         verify=args.verify,
         profile_s=args.profile,
         batch_wait=args.batch_wait,
+        processes=processes,
         **({"max_merge_examples": args.max_merge_examples} if args.max_merge_examples else {}),
     )
     from server.group.leader import GroupConfig, is_multi_host
@@ -60,13 +98,22 @@ def cmd_serve(args: argparse.Namespace) -> int:
         group = GroupConfig(collective_timeout_s=args.collective_timeout_s, failure_grace_s=args.failure_grace_s)
         # a broken group's peers may never answer: do not wait in process-group teardown at exit
         exit_process(serve_distributed(args.artifact, config, group))
+    if not args.worker_of_instance and args.workers > 1:
+        exit_process(serve_workers(args.artifact, _worker_options(args), config, args.workers))
+    gate = None
+    if args.worker_of_instance:
+        gate = lambda running: wait_for_go(running.metrics_port)  # noqa: E731
+        for handler in logging.getLogger().handlers:  # the instance's workers log to one stderr: say which
+            handler.setFormatter(
+                logging.Formatter(f"%(levelname)s worker {args.worker_of_instance} %(name)s: %(message)s")
+            )
     artifact: Any = args.artifact
     if args.backend != "torchscript":
         from infer.artifact.load import load
 
         artifact = load(args.artifact, backend=args.backend, verify=args.verify)
     # exits from the event loop once stopped; returns only when stopped during start-up
-    exit_process(asyncio.run(serve(artifact, config, exiting=True)))
+    exit_process(asyncio.run(serve(artifact, config, exiting=True, ready_gate=gate)))
 
 
 def cmd_query(args: argparse.Namespace) -> int:
@@ -218,13 +265,23 @@ def add_subcommands(subcommands: Any) -> None:
         help="log the pipeline's time per stage (decode, queue, merge, lookup, split, encode) every N s (10)",
     )
     srv.add_argument("--max-queue", type=int, default=1024, help="queued requests before RESOURCE_EXHAUSTED")
-    srv.add_argument("--workers", type=int, default=0, help="concurrent forwards (0: cores / CPU shards)")
+    srv.add_argument(
+        "--workers",
+        type=_workers_arg,
+        default=1,
+        help="server processes on the one port (auto: one per core); the instance owns the port, the workers map "
+        "the same weights and share it (SO_REUSEPORT)",
+    )
+    srv.add_argument(WORKER_FLAG, default=None, help=argparse.SUPPRESS)  # a worker of an instance: "<index>/<N>"
+    srv.add_argument(
+        "--forward-threads", type=int, default=0, help="concurrent forwards per process (0: its cores / CPU shards)"
+    )
     srv.add_argument("--intra-op-threads", type=int, default=0, help="torch threads per forward (0: auto)")
     srv.add_argument(
         "--threads",
         type=int,
         default=0,
-        help="ranges a CPU kernel splits a batch into (0: cores / (workers x kernels))",
+        help="ranges a CPU kernel splits a batch into (0: cores / (forward threads x kernels))",
     )
     srv.add_argument("--max-message-mb", type=int, default=64)
     srv.add_argument("--metrics-port", type=int, default=None, help="Prometheus /metrics port (0: any free port)")
@@ -277,7 +334,7 @@ def add_subcommands(subcommands: Any) -> None:
         default="full",
         help="checksums at load: full (every file's sha256, chunks in parallel) or none (sizes only)",
     )
-    srv.set_defaults(func=cmd_serve)
+    srv.set_defaults(func=cmd_serve, parser=srv)
 
     qry = subcommands.add_parser("query", help="query a server: metadata and one lookup")
     qry.add_argument("address", help="host:port")

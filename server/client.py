@@ -80,6 +80,9 @@ class EmbserveClient:
         options = [
             ("grpc.max_receive_message_length", max_message_bytes),
             ("grpc.max_send_message_length", max_message_bytes),
+            # a connection of its own (grpc shares one among channels to one address): several clients spread
+            # over the server processes of an instance (`embserve serve --workers N`)
+            ("grpc.use_local_subchannel_pool", 1),
         ]
         if root_certificates is not None:
             self._channel = grpc.secure_channel(address, grpc.ssl_channel_credentials(root_certificates), options)

@@ -240,6 +240,8 @@ class RestServer:
         if config.tls_cert and config.tls_key:
             self._ssl = ssl.create_default_context(ssl.Purpose.CLIENT_AUTH)
             self._ssl.load_cert_chain(config.tls_cert, config.tls_key)
+        # a worker of a multi-process instance shares the instance's REST port (server/workers.py holds it)
+        self._reuse_port = config.processes > 1
         self._server: asyncio.AbstractServer | None = None
         self._writers: set[asyncio.StreamWriter] = set()
         self._connections: set[asyncio.Task[None]] = set()
@@ -256,7 +258,9 @@ class RestServer:
     async def start(self, host: str, port: int) -> int:
         """Listen on ``host:port`` (0: any free port); a port in use is a ``ConfigError`` naming it."""
         try:
-            self._server = await asyncio.start_server(self._connection, host, port, ssl=self._ssl, limit=_MAX_LINE)
+            self._server = await asyncio.start_server(
+                self._connection, host, port, ssl=self._ssl, limit=_MAX_LINE, reuse_port=self._reuse_port
+            )
         except OSError as err:
             raise bind_error(Port("HTTP", host, port, "--http-port"), err) from None
         bound = int(self._server.sockets[0].getsockname()[1])

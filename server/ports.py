@@ -56,3 +56,60 @@ def probe(port: Port) -> None:
             sock.bind(address)
         except OSError as err:
             raise bind_error(port, err) from None
+
+
+@dataclass(frozen=True)
+class PortClaim:
+    """A port one multi-process instance owns (``embserve serve --workers N``): a per-port lock that refuses a
+    second embserve instance, and a bound, never listening socket with SO_REUSEPORT only, which refuses any
+    bind without SO_REUSEPORT while letting the instance's own workers (same user, SO_REUSEPORT) listen beside
+    it. The kernel spreads new connections over the listening workers."""
+
+    port: Port
+    lock: socket.socket
+    holder: socket.socket
+
+    def close(self) -> None:
+        self.holder.close()
+        self.lock.close()
+
+
+def _lock_name(port: int) -> str:
+    # Linux abstract socket: no file, gone with the process that binds it; per port, whatever the host
+    return f"\0embserve-port-{port}"
+
+
+def claim(port: Port) -> PortClaim:
+    """Own ``port`` for the workers of one instance; port 0 picks a free one (``PortClaim.port`` has it).
+    Refused with ``in_use`` when another embserve instance or any other listener has it."""
+    lock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    try:
+        if port.port:
+            _take(lock, port)
+            probe(port)  # a listener of another program, with or without SO_REUSEPORT
+        infos = socket.getaddrinfo(port.host, port.port, type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE)
+        family, kind, proto, _, address = infos[0]
+        holder = socket.socket(family, kind, proto)
+        try:
+            # SO_REUSEPORT without SO_REUSEADDR: a plain bind (an unrelated server) conflicts with it
+            holder.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEPORT, 1)
+            holder.bind(address)
+        except OSError as err:
+            holder.close()
+            raise bind_error(port, err) from None
+        bound = Port(port.role, port.host, int(holder.getsockname()[1]), port.flag)
+        if not port.port:
+            _take(lock, bound)
+        return PortClaim(bound, lock, holder)
+    except BaseException:
+        lock.close()
+        raise
+
+
+def _take(lock: socket.socket, port: Port) -> None:
+    try:
+        lock.bind(_lock_name(port.port))
+    except OSError as err:
+        if err.errno == errno.EADDRINUSE:
+            raise in_use(port) from None
+        raise cannot_bind(port, err.strerror or str(err)) from None

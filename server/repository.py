@@ -195,16 +195,14 @@ class _CountedBatcher:
 
 
 def _make_runners(runtime: Any) -> tuple[Callable[..., torch.Tensor], Callable[..., torch.Tensor]]:
-    module = runtime.module
+    """A version's forwards: the model's unchecked entries, as for one artifact (``InferenceServicer``) — every
+    request was decoded and validated once against this version's own spec before it was queued."""
 
     def run_lookup(values: Any, lengths: Any, weights: Any, dense: Any) -> torch.Tensor:
-        with torch.inference_mode():
-            return module(values, lengths, weights).cpu()
+        return runtime.lookup_unchecked(values, lengths, weights)  # type: ignore[no-any-return]
 
     def run_predict(values: Any, lengths: Any, weights: Any, dense: Any) -> torch.Tensor:
-        with torch.inference_mode():
-            scores = module.predict(dense, values, lengths, weights).cpu()
-        return runtime.scores(scores, lengths.numel() // len(runtime.spec.features))  # float32 [batch]
+        return runtime.lookup_and_predict_unchecked(dense, values, lengths, weights)[1]  # type: ignore[no-any-return]
 
     return run_lookup, run_predict
 
@@ -606,7 +604,7 @@ async def open_repository(path: str | Path, config: Any, metrics: ServerMetrics)
         max_batch_size=config.max_batch_size,
         max_delay_s=config.max_delay_us / 1e6,
         max_queue=config.max_queue,
-        workers=config.workers or max(1, os.cpu_count() or 1),
+        workers=config.forward_threads or max(1, os.cpu_count() or 1),
         warmup_batches=config.warmup_batches,
         threads=config.threads,
         max_merge_examples=getattr(config, "max_merge_examples", MAX_MERGE_EXAMPLES),

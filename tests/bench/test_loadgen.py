@@ -73,3 +73,15 @@ def test_loadgen_answers_every_sample_with_the_runtimes_output(artifact, tmp_pat
             # scores: the server may merge requests, and the dense GEMMs of a merged batch may round differently
             torch.testing.assert_close(got, runtime.predict(query.features, query.dense), rtol=1e-5, atol=1e-6)
         assert row["errors"] == 0 and row["issued"] == row["completed"] == issued, case
+
+
+def test_the_server_qps_search_doubles_past_a_first_passing_probe_then_bisects():
+    """A fake server that meets the p99 bound up to 100 queries/s: from 30, the probes are (by hand) 30 and 60 pass,
+    120 misses, then 90 passes, 105 misses, 97.5 passes (105 - 97.5 <= 0.1 x 105): the best is 97.5."""
+    from types import SimpleNamespace
+
+    from bench.loadgen import search_server_qps
+
+    search = search_server_qps(lambda qps: SimpleNamespace(meets_bound=qps <= 100, p99_ms=1.0), 30.0, 0.1, 10)
+    assert [probe[0] for probe in search.probes] == [30.0, 60.0, 120.0, 90.0, 105.0, 97.5]
+    assert search.best == 97.5

@@ -129,7 +129,7 @@ def test_merging_stops_at_max_merge_examples_and_larger_requests_run_alone(
 
 def test_full_queue_is_resource_exhausted(start_server, gated, dense_runtime, spec):
     runtime, gate = gated
-    served = start_server(runtime, max_queue=1, workers=1, max_delay_us=0)
+    served = start_server(runtime, max_queue=1, forward_threads=1, max_delay_us=0)
     stub = served.stub()
     first, second, third = (random_batch(spec, batch_size=3, seed=400 + i) for i in range(3))
     gate.hold()
@@ -156,7 +156,7 @@ def test_full_queue_is_resource_exhausted(start_server, gated, dense_runtime, sp
 def test_deadline_while_waiting_for_a_batch(start_server, gated, dense_runtime, spec):
     # one worker, a 1 s batching window: a 300 ms deadline expires while the request waits for company
     runtime, gate = gated
-    served = start_server(runtime, max_delay_us=1_000_000, workers=1, warmup_batches=0)
+    served = start_server(runtime, max_delay_us=1_000_000, forward_threads=1, warmup_batches=0)
     stub = served.stub()
     stub.GetModelMetadata(pb.GetModelMetadataRequest(), timeout=CALL_TIMEOUT)
     # a lone caller is served at once; callers that overlap (one queued while another runs) make the server
@@ -188,7 +188,7 @@ def test_deadline_while_waiting_for_a_batch(start_server, gated, dense_runtime, 
 
 def test_a_lone_caller_does_not_wait_out_the_batching_window(start_server, dense_artifact, dense_runtime, spec):
     # a 60 s window and calls with a much shorter deadline: a lone closed-loop caller has no company to wait for
-    served = start_server(dense_artifact, max_delay_us=60_000_000, workers=1, warmup_batches=0)
+    served = start_server(dense_artifact, max_delay_us=60_000_000, forward_threads=1, warmup_batches=0)
     stub = served.stub()
     for seed in range(3):
         batch = random_batch(spec, batch_size=2, seed=700 + seed)
@@ -199,7 +199,7 @@ def test_a_lone_caller_does_not_wait_out_the_batching_window(start_server, dense
 
 def test_deadline_during_the_forward(start_server, gated, dense_runtime, spec):
     runtime, gate = gated
-    served = start_server(runtime, workers=1, max_delay_us=0)
+    served = start_server(runtime, forward_threads=1, max_delay_us=0)
     stub = served.stub()
     batch = random_batch(spec, batch_size=4, seed=600)
     gate.hold()
@@ -217,7 +217,7 @@ def test_deadline_during_the_forward(start_server, gated, dense_runtime, spec):
 
 def test_cancelled_call_leaves_the_server_serving(start_server, gated, dense_runtime, spec):
     runtime, gate = gated
-    served = start_server(runtime, workers=1, max_delay_us=0)
+    served = start_server(runtime, forward_threads=1, max_delay_us=0)
     stub = served.stub()
     gate.hold()
     cancelled = stub.Lookup.future(lookup_request(random_batch(spec, 2, seed=700)), timeout=CALL_TIMEOUT)

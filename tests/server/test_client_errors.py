@@ -96,7 +96,7 @@ def test_a_missing_token_is_unauthenticated(start_server, dense_artifact, spec, 
 
 def test_a_full_queue_is_resource_exhausted(start_server, gated, spec):
     runtime, gate = gated
-    served = start_server(runtime, max_queue=1, workers=1, max_delay_us=0)
+    served = start_server(runtime, max_queue=1, forward_threads=1, max_delay_us=0)
     first, second, third = (random_batch(spec, batch_size=2, seed=93 + i) for i in range(3))
     gate.hold()
     with EmbserveClient(served.address, timeout=CALL_TIMEOUT) as client:

@@ -172,7 +172,7 @@ def test_sigterm_under_load_loses_nothing(sparse_artifact, sparse_runtime, spec,
     expected = [sparse_runtime.lookup(b) for b in batches]
     for round_index in range(5):
         process, stdout = _serve(
-            sparse_artifact, tmp_path, "--drain-grace-s", "1.0", "--max-delay-us", "2000", "--workers", "2"
+            sparse_artifact, tmp_path, "--drain-grace-s", "1.0", "--max-delay-us", "2000", "--forward-threads", "2"
         )
         try:
             port = int(stdout.wait_for("serving on port", timeout=60).split()[-1])

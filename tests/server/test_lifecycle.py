@@ -81,7 +81,7 @@ def test_graceful_stop_reports_not_serving_and_finishes_in_flight_calls(
     loop_thread, start_server, gated, dense_runtime, spec
 ):
     runtime, gate = gated
-    served = start_server(runtime, workers=1, max_delay_us=0)
+    served = start_server(runtime, forward_threads=1, max_delay_us=0)
     channel = served.channel()
     stub = pb_grpc.InferenceServiceStub(channel)
     # a health watcher (client-side health checking) stays connected during the whole stop
@@ -138,7 +138,7 @@ def test_the_grace_lasts_while_calls_are_in_flight_and_serves_calls_that_arrive(
     """Draining with a long grace: NOT_SERVING at once, a call arriving during the grace is still served, and
     the grace ends (long before its 60 s) once nothing is in flight, not while a call is."""
     runtime, gate = gated
-    served = start_server(runtime, workers=2, max_delay_us=0)
+    served = start_server(runtime, forward_threads=2, max_delay_us=0)
     channel = served.channel()
     stub = pb_grpc.InferenceServiceStub(channel)
     watch = health_pb2_grpc.HealthStub(channel).Watch(

@@ -80,7 +80,7 @@ def test_no_metrics_endpoint_by_default(dense_server):
 
 
 def test_every_stage_of_the_pipeline_is_measured_per_request(start_server, dense_artifact, dense_runtime, spec):
-    served = start_server(dense_artifact, metrics_port=0, workers=1)
+    served = start_server(dense_artifact, metrics_port=0, forward_threads=1)
     port = served.running.metrics_port
     assert port
     requests = 3

@@ -40,7 +40,7 @@ def _close(got: torch.Tensor, expected: torch.Tensor) -> bool:
 def test_serve_with_onnxruntime_answers_like_torchscript_without_fbgemm(onnx_artifact):
     spec, path = onnx_artifact
     scripted = load(path)
-    server, port = spawn_server(path, "--backend", "onnxruntime", "--workers", "1")
+    server, port = spawn_server(path, "--backend", "onnxruntime", "--forward-threads", "1")
     try:
         maps = open(f"/proc/{server.pid}/maps").read()  # noqa: SIM115 - read once
         batch = random_batch(spec, 12, weighted=True, seed=4)
@@ -73,7 +73,7 @@ def test_server_in_a_process_without_fbgemm_modules(onnx_artifact):
 
         async def main():
             runtime = infer.load({str(path)!r}, backend="onnxruntime")
-            running = await create_server(runtime, ServerConfig(host="127.0.0.1", port=0, workers=1))
+            running = await create_server(runtime, ServerConfig(host="127.0.0.1", port=0, forward_threads=1))
             batch = infer.SparseFeatures.random(runtime.spec, batch_size=4, ids_per_bag=3)
             def query():
                 with EmbserveClient(f"127.0.0.1:{{running.port}}") as client:

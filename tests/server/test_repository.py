@@ -439,3 +439,60 @@ def test_a_version_whose_weight_file_fails_its_checksum_leaves_the_old_one_servi
     assert "ArtifactError(kind=checksum)" in index[(MODEL, "2")]["reason"]
     assert broken_file in index[(MODEL, "2")]["reason"]
     assert mapped_files(root / MODEL / "2") == set()  # nothing of the failed version stays mapped
+
+
+class UncheckedOnly:
+    """A version's model whose checked entries fail: only the unchecked ones (the server validated already) run."""
+
+    def __init__(self, module: Any) -> None:
+        self.module = module
+
+    def _checked(self, *args: Any) -> Any:
+        raise AssertionError("a repository version ran the model's checked entry after the server's validation")
+
+    __call__ = predict = lookup_and_predict = _checked
+
+    def lookup_unchecked(self, *args: Any) -> torch.Tensor:
+        return self.module.lookup_unchecked(*args)
+
+    def lookup_and_predict_unchecked(self, *args: Any) -> tuple[torch.Tensor, torch.Tensor]:
+        return self.module.lookup_and_predict_unchecked(*args)
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self.module, name)
+
+
+def test_repository_versions_run_the_unchecked_entries_after_the_servers_one_validation(
+    tmp_path, start_server, spec, monkeypatch
+):
+    """Good calls to a repository model equal the fp32 reference through the model's unchecked entries alone;
+    a bad one is INVALID_ARGUMENT naming the feature (the server's validation, per version's spec)."""
+    from infer.features import SparseFeatures
+    from tests.support.call_contract import Reference, assert_matches
+
+    dense_spec = spec.with_dense_arch(TinyOverArch(NUM_DENSE, spec.output_dim), NUM_DENSE)
+    torch.manual_seed(31)
+    quantized = quantize(dense_spec, random_weights(dense_spec, seed=31))
+    root = tmp_path / "repo"
+    export(quantized, root / MODEL / "1")
+    reference = Reference(dense_spec, quantized)
+
+    def load_unchecked_only(folder: Path, verify: str = "full", structures: Any = None) -> Runtime:
+        runtime = load(folder, verify=verify, structures=structures)
+        return Runtime(runtime.path, runtime.manifest, UncheckedOnly(runtime.module))  # type: ignore[arg-type]
+
+    monkeypatch.setattr(repository_module, "load", load_unchecked_only)
+    served = start_server(root)
+    batch = random_batch(spec, batch_size=6, seed=70)
+    dense = torch.randn(6, NUM_DENSE, generator=torch.Generator().manual_seed(71))
+    with torch.no_grad():
+        expected_scores = dense_spec.dense_arch(dense, reference.pooled(batch))
+    bad = SparseFeatures(spec.feature_names, torch.tensor([0, 0, 0, 999_999, 0, 0]), torch.ones(6, dtype=torch.int32))
+    for protocol in ("v1", "oip"):
+        with EmbserveClient(served.address, timeout=CALL_TIMEOUT, protocol=protocol, model=MODEL) as c:
+            assert_matches(c.lookup(batch), reference.pooled(batch))
+            assert_matches(c.predict(batch, dense), expected_scores)
+            with pytest.raises(grpc.RpcError) as caught:
+                c.lookup(bad)
+            assert caught.value.code() == grpc.StatusCode.INVALID_ARGUMENT, caught.value
+            assert "f_int2" in caught.value.details() and "999999" in caught.value.details(), caught.value.details()
