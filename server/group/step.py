@@ -26,6 +26,7 @@ from __future__ import annotations
 import logging
 import queue
 import threading
+import time
 from collections.abc import Callable, Mapping
 from concurrent.futures import Future
 from typing import Any
@@ -202,6 +203,7 @@ class StepModel(DistributedModel):
         old = self.membership
         if self.store is None or old.replicas < 2 or self._wants_stop.is_set():
             return False
+        failed_at = time.monotonic()
         first_line = (str(err).strip().splitlines() or [type(err).__name__])[0][:200]
         logger.warning("generation %d: a step failed (%s: %s); re-forming", old.generation, type(err).__name__,
                        first_line)  # fmt: skip
@@ -230,7 +232,7 @@ class StepModel(DistributedModel):
             self._current = None
         lost = sorted(set(old.members) - set(membership.members))
         print(f"{REFORMED_LINE}: generation {membership.generation}, members {list(membership.members)}, "
-              f"lost {lost}", flush=True)  # fmt: skip
+              f"lost {lost}, in {time.monotonic() - failed_at:.2f} s", flush=True)  # fmt: skip
         return True
 
     def _loop(self) -> int:
