@@ -75,9 +75,9 @@ class GroupConfig:
     failure_grace_s: float = 2.0  # after a failure: NOT_SERVING and UNAVAILABLE this long, then exit 1
     ping_interval_s: float = 0.0  # an idle rank 0 pings the group this often; 0 -> timeout / 3
     combine: int = COMBINE_ALL_TO_ALL  # the broadcast modes: bench/multihost.py compares them
-    # with replicas, after a failed step: how long the first survivor waits for the others before it fixes the
-    # new members (every survivor's step fails within one collective timeout of the loss); 0 -> 1.5 x timeout
-    reform_window_s: float = 0.0
+    # with replicas, after a failed step the first survivor fixes the new members when every old member arrived,
+    # or this long after one collective timeout from its last successful collective (``server.group.members``)
+    reform_margin_s: float = 1.0
 
 
 def is_multi_host(artifact: str | Path) -> bool:

@@ -9,8 +9,9 @@ moves to the next live host holding it.
 Re-forming (as torchft's Manager does with its lighthouse quorum and ``ProcessGroupGloo.configure`` on a fresh
 store prefix, without restarting the survivors): every survivor registers in the group's store (the TCPStore of
 the launch rendezvous, ``MASTER_ADDR:MASTER_PORT``) under generation ``g + 1``; the first to arrive decides the
-members once every old member arrived or ``window_s`` passed (every survivor's step fails within one collective
-timeout of the loss, so the window waits for them all), and writes the list; everyone reads it and opens a new
+members once every old member arrived or one collective timeout (plus a margin) passed since its own last
+successful collective (the members run the same collectives in step, so every survivor's failing one started by
+then and fails within the timeout: every survivor has arrived), and writes the list; everyone reads it and opens a new
 gloo process group under the prefix of that generation, with ranks in list order. A survivor that arrives after
 the decision is not a member: it fails as without replicas. When the store itself is lost (its host was the lost
 one) no survivor can register: they all fail as without replicas (NOT_SERVING, exit 1, the launcher restarts).
@@ -70,19 +71,19 @@ def step_group(store: dist.Store, membership: Membership, host: int, timeout_s: 
     )
 
 
-def agree_members(store: dist.Store, previous: Membership, host: int, window_s: float) -> Membership:
-    """The next generation's members, agreed by every survivor through ``store`` (see the module docstring)."""
+def agree_members(store: dist.Store, previous: Membership, host: int, decide_by: float) -> Membership:
+    """The next generation's members, agreed by every survivor through ``store`` (see the module docstring);
+    ``decide_by``: this host's ``time.monotonic()`` by which every survivor has arrived, if it is the first."""
     generation = previous.generation + 1
     key = f"{_PREFIX}/members/{generation}/"
     store.set(f"{key}alive/{host}", "1")
     if store.add(f"{key}arrived", 1) == 1:  # the first survivor here decides
-        deadline = time.monotonic() + window_s
-        while store.add(f"{key}arrived", 0) < len(previous.members) and time.monotonic() < deadline:
+        while store.add(f"{key}arrived", 0) < len(previous.members) and time.monotonic() < decide_by:
             time.sleep(0.01)
         alive = [h for h in previous.members if store.check([f"{key}alive/{h}"])]
         store.set(f"{key}decided", ",".join(str(h) for h in alive))
         logger.info("generation %d: members %s (decided here)", generation, alive)
     else:
-        store.wait([f"{key}decided"], datetime.timedelta(seconds=window_s + 30))
+        store.wait([f"{key}decided"], datetime.timedelta(seconds=max(decide_by - time.monotonic(), 0) + 60))
     members = tuple(int(h) for h in store.get(f"{key}decided").decode().split(",") if h)
     return Membership(generation, members, previous.slots, previous.replicas)

@@ -113,6 +113,7 @@ class StepModel(DistributedModel):
         self.exchange = Exchange(self.routing, self.rank, comm_device, group)
         self._set_owners()
         self.reforms = 0
+        self._last_ok = time.monotonic()
         self.tick_s = tick_s
         self._queue: queue.Queue[tuple[Batch, Future[torch.Tensor]]] = queue.Queue()
         self._wants_stop = threading.Event()
@@ -208,8 +209,8 @@ class StepModel(DistributedModel):
         logger.warning("generation %d: a step failed (%s: %s); re-forming", old.generation, type(err).__name__,
                        first_line)  # fmt: skip
         try:
-            window = self.config.reform_window_s or 1.5 * self.config.collective_timeout_s
-            membership = agree_members(self.store, old, self.host, window)
+            decide_by = self._last_ok + self.config.collective_timeout_s + self.config.reform_margin_s
+            membership = agree_members(self.store, old, self.host, decide_by)
             if self.host not in membership.members:
                 logger.error("generation %d formed without this host", membership.generation)
                 return False
@@ -259,6 +260,7 @@ class StepModel(DistributedModel):
             self._current = item
             gathered = torch.zeros(size * len(header), dtype=torch.int64, device=self.device_name)
             _all_gather_single(gathered, header.to(self.device_name), exchange.group)
+            self._last_ok = time.monotonic()  # every member passed this collective (the re-form waits from here)
             table = gathered.view(size, -1).cpu().tolist()
             exchange.bytes_sent += 8 * len(header) * (size - 1)
             exchange.bytes_received += 8 * len(header) * (size - 1)
@@ -333,6 +335,7 @@ class StepModel(DistributedModel):
             for m in range(size)
         ]
         pieces = exchange.all_to_all(replies, sizes)
+        self._last_ok = time.monotonic()
         self.steps += 1
         if item is None:
             return
