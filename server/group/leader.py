@@ -393,10 +393,13 @@ def join_group(part: HostPart, rank: int, world_size: int, timeout_s: float) -> 
     backend, device = ("nccl", "cuda:0") if on_cuda else ("gloo", "cpu")
     if on_cuda:
         torch.cuda.set_device(0)
+    timeout = datetime.timedelta(seconds=timeout_s)
     try:
-        dist.init_process_group(
-            backend, rank=rank, world_size=world_size, timeout=datetime.timedelta(seconds=timeout_s)
-        )
+        store = _attempt_store(timeout)
+        if store is None:
+            dist.init_process_group(backend, rank=rank, world_size=world_size, timeout=timeout)
+        else:
+            dist.init_process_group(backend, store=store, rank=rank, world_size=world_size, timeout=timeout)
     except dist.DistError as err:  # rank 0 refused to start (a port in use), died, or the rendezvous host is gone
         first_line = (str(err).strip().splitlines() or [type(err).__name__])[0][:300]
         raise GroupFailure(
@@ -405,3 +408,19 @@ def join_group(part: HostPart, rank: int, world_size: int, timeout_s: float) -> 
         ) from None
     logger.info("rank %d of %d joined (%s)", rank, world_size, backend)
     return device
+
+
+def _attempt_store(timeout: datetime.timedelta) -> dist.Store | None:
+    """Under torchrun's agent store: a client of it under a prefix of this attempt; else None (env://).
+
+    torchrun (2.13) keeps one agent TCPStore for every restart of the group (static rendezvous always; c10d
+    unless ``TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1``), although ``init_process_group`` assumes a new store per
+    attempt: the restarted workers read the dead workers' gloo addresses from it and fail with "Connection
+    refused". A prefix per ``TORCHELASTIC_RESTART_COUNT`` keeps attempts apart when every host restarts once per
+    failure (static rendezvous: each agent counts its own). Under c10d an agent restarts its worker for a waiting
+    node without counting, so ``server.group.launch`` turns the sharing off instead (rank 0 then hosts a new
+    store on a new port per round)."""
+    if os.environ.get("TORCHELASTIC_USE_AGENT_STORE") != str(True):
+        return None
+    client = dist.TCPStore(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), is_master=False, timeout=timeout)
+    return dist.PrefixStore(f"embserve/attempt_{os.environ.get('TORCHELASTIC_RESTART_COUNT', '0')}/", client)

@@ -7,7 +7,6 @@ from __future__ import annotations
 import asyncio
 import datetime
 import logging
-import os
 import signal
 import threading
 from pathlib import Path
@@ -40,7 +39,7 @@ def serve_distributed(artifact: str | Path, config: ServerConfig, group: GroupCo
         parts[slot] = load_host_part(artifact, slot, verify=config.verify)
     device = join_group(part, rank, world_size, max(group.collective_timeout_s, group.join_timeout_s))
     if device == "cpu":  # gloo: a group of our own on the launch store, which survivors can re-form
-        store = dist.PrefixStore(f"embserve/{os.environ.get('TORCHELASTIC_RESTART_COUNT', '0')}/", _default_store())
+        store = dist.PrefixStore("embserve/", _default_store())  # a new store, or prefix, per attempt (join_group)
         membership = Membership(0, tuple(range(world_size)), part.num_hosts, replicas)
         steps_group: Any = step_group(store, membership, rank, group.collective_timeout_s)
         model = StepModel(part, group, device, group=steps_group, parts=parts, membership=membership,
