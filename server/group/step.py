@@ -23,7 +23,9 @@ in which every rank is drained is the last, and every rank exits 0.
 
 from __future__ import annotations
 
+import cProfile
 import logging
+import os
 import queue
 import threading
 import time
@@ -48,6 +50,12 @@ DRAINED = 4
 _FIXED = 3  # header: flags, batch, weighted; then bytes to each host
 
 Batch = tuple[torch.Tensor, torch.Tensor, "torch.Tensor | None"]
+# the phases of a step, timed (ms per step logged at the end with PHASES_LINE); EMBSERVE_PROFILE_STEPS=DIR also
+# writes a cProfile of each host's step thread to DIR/steps-host<h>.pstats
+PHASES = ("wait", "split_pack", "header", "ids_all_to_all", "own_lookup", "peer_lookups", "columns_all_to_all",
+          "assemble_answer")  # fmt: skip
+PHASES_LINE = "step phases in ms per step over"
+PROFILE_ENV = "EMBSERVE_PROFILE_STEPS"
 MAX_MERGED_ROWS = 8192  # a step takes every queued batch (same weightedness) up to this many examples
 
 
@@ -114,6 +122,8 @@ class StepModel(DistributedModel):
         self._set_owners()
         self.reforms = 0
         self._last_ok = time.monotonic()
+        # seconds spent per phase of the steps (bench/multihost_serving.py --profile reads the log line)
+        self.phase_s = dict.fromkeys(PHASES, 0.0)
         self.tick_s = tick_s
         self._queue: queue.Queue[tuple[Batch, Future[torch.Tensor]]] = queue.Queue()
         self._wants_stop = threading.Event()
@@ -178,10 +188,14 @@ class StepModel(DistributedModel):
                 done.set_exception(self._unavailable())
 
     def _run(self) -> None:
+        profile_dir = os.environ.get(PROFILE_ENV)
+        profiler = cProfile.Profile() if profile_dir else None
         try:
             with torch.inference_mode():
                 while True:
                     try:
+                        if profiler is not None:
+                            profiler.enable()
                         self.exit_code = self._loop()
                         break
                     except Exception as err:  # noqa: BLE001 - gloo raises RuntimeError/DistBackendError on a lost peer
@@ -191,6 +205,12 @@ class StepModel(DistributedModel):
             self._fail(err)
             self.exit_code = 1
         finally:
+            if profiler is not None:
+                profiler.disable()
+                profiler.dump_stats(os.path.join(profile_dir or ".", f"steps-host{self.host}.pstats"))
+            steps = max(self.steps, 1)
+            logger.info("%s %d steps: %s", PHASES_LINE, self.steps,
+                        ", ".join(f"{k} {1000 * v / steps:.3f}" for k, v in self.phase_s.items()))  # fmt: skip
             self.finished.set()
             if self._current is not None:
                 self._current.fail(self._unavailable())
@@ -240,8 +260,12 @@ class StepModel(DistributedModel):
         slots = self.membership.slots
         size = len(self.membership.members)
         exchange = self.exchange
+        phase = self.phase_s
         while True:
+            began = time.perf_counter()
             item = self._take()
+            took = time.perf_counter()
+            phase["wait"] += took - began
             flags = (WANTS_STOP if self._wants_stop.is_set() else 0) | (
                 DRAINED if self._drained.is_set() and item is None and self._queue.empty() and not self._held else 0
             )
@@ -258,9 +282,12 @@ class StepModel(DistributedModel):
                 header[_FIXED:] = torch.tensor([int(p.numel()) for p in packed], dtype=torch.int64)
             header[0] = flags
             self._current = item
+            packed_at = time.perf_counter()
+            phase["split_pack"] += packed_at - took
             gathered = torch.zeros(size * len(header), dtype=torch.int64, device=self.device_name)
             _all_gather_single(gathered, header.to(self.device_name), exchange.group)
             self._last_ok = time.monotonic()  # every member passed this collective (the re-form waits from here)
+            phase["header"] += time.perf_counter() - packed_at
             table = gathered.view(size, -1).cpu().tolist()
             exchange.bytes_sent += 8 * len(header) * (size - 1)
             exchange.bytes_received += 8 * len(header) * (size - 1)
@@ -310,12 +337,18 @@ class StepModel(DistributedModel):
         send = [torch.cat([packed[g] for g in self.served[m]]) if m != rank and self.served[m] else _EMPTY
                 for m in range(size)]  # fmt: skip
         receive = [sum(table[s][_FIXED + g] for g in mine) if s != rank else 0 for s in range(size)]
+        phase = self.phase_s
+        began = time.perf_counter()
         received = exchange.all_to_all(send, receive)
+        ids_done = time.perf_counter()
+        phase["ids_all_to_all"] += ids_done - began
         own = None
         if item is not None:
             for g in mine:  # this host's slots on its own batch
                 partial = self.parts[g].module(*item.batch)
                 own = partial if own is None else own.add_(partial)
+        own_done = time.perf_counter()
+        phase["own_lookup"] += own_done - ids_done
         replies = []
         for source in range(size):
             if source == rank or not table[source][0] & HAS_BATCH:
@@ -334,7 +367,11 @@ class StepModel(DistributedModel):
             sum(exchange.output_bytes(g, my_batch) for g in self.served[m]) if m != rank and item is not None else 0
             for m in range(size)
         ]
+        replies_done = time.perf_counter()
+        phase["peer_lookups"] += replies_done - own_done
         pieces = exchange.all_to_all(replies, sizes)
+        columns_done = time.perf_counter()
+        phase["columns_all_to_all"] += columns_done - replies_done
         self._last_ok = time.monotonic()
         self.steps += 1
         if item is None:
@@ -350,6 +387,7 @@ class StepModel(DistributedModel):
         self.forwards += 1
         self._current = None
         item.answer(own)
+        phase["assemble_answer"] += time.perf_counter() - columns_done
 
     @property
     def device_name(self) -> str:
