@@ -340,6 +340,8 @@ def _export_plan(args: argparse.Namespace, spec: ModelSpec, tables: TableSource 
         require_devices_here(plan.topology, f"the plan {args.plan!r}")
         return place_replicas(plan, args.replicas) if args.replicas > 1 else plan
     hosts = max(1, args.hosts)
+    if args.replicas > 1 and hosts < 2:
+        raise EmbserveError(f"--replicas {args.replicas} places each table on several hosts: give --hosts too")
     if hosts > 1 and args.world_size:
         raise EmbserveError("give either --world-size (one host) or --hosts with --devices-per-host, not both")
     devices = args.devices_per_host * hosts if hosts > 1 else args.world_size
@@ -356,8 +358,6 @@ def _export_plan(args: argparse.Namespace, spec: ModelSpec, tables: TableSource 
     require_devices_here(topology, f"--device {args.device}")
     constraints = load_constraints(args.constraints, spec) if args.constraints else {}
     sample = load_sample_ids(args.sample_ids, spec) if args.sample_ids else None
-    if args.replicas > 1 and hosts < 2:
-        raise EmbserveError(f"--replicas {args.replicas} places each table on several hosts: give --hosts too")
     # with replicas, each host's own shards get 1 / replicas of its memory: the rest holds other hosts' shards
     planner = EmbeddingPlanner(replica_topology(topology, args.replicas) if args.replicas > 1 else topology)
     precision = _precision_plan(args, spec, tables, constraints, sample, planner)
