@@ -79,6 +79,9 @@ def _rank(rank: int, port: int, args: argparse.Namespace) -> None:
     def header_gather() -> None:
         dist.all_gather_into_tensor(gathered, header)
 
+    def header_a2a() -> None:  # the same exchange as all_to_all_single: each rank's header to every rank
+        dist.all_to_all_single(gathered, header.repeat(HOSTS))
+
     ids_a2a, columns_a2a = a2a(ids_bytes), a2a(column_bytes)
     # the header folded into the ids exchange: its 40 bytes go first in the same buffer (sizes then known from a
     # fixed maximum: the receiver allocates the largest and reads the header for the real length)
@@ -99,6 +102,7 @@ def _rank(rank: int, port: int, args: argparse.Namespace) -> None:
         ("columns all_to_all_single", columns_a2a, "columns"),
         ("columns send/recv pair", pair(column_bytes), "columns"),
         ("header all_gather", header_gather, "header"),
+        ("header all_to_all_single", header_a2a, "header"),
         ("step: header + ids + columns (3 collectives)", three, "step"),
         ("step: header folded into ids + columns (2 collectives)", two, "step"),
     ]
@@ -107,7 +111,8 @@ def _rank(rank: int, port: int, args: argparse.Namespace) -> None:
         dist.barrier()
         results[name] = _time(fn, args.rounds)
     if rank == 0:
-        baselines = {"ids": "ids all_to_all_single", "columns": "columns all_to_all_single", "header": None,
+        baselines = {"ids": "ids all_to_all_single", "columns": "columns all_to_all_single",
+                     "header": "header all_gather",
                      "step": "step: header + ids + columns (3 collectives)"}  # fmt: skip
         for name, _, group in cases:
             base = baselines[group]

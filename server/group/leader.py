@@ -13,7 +13,8 @@ and the partial outputs summed by ``reduce``/``gather``) and the other ranks fol
 ``bench/multihost.py`` drive batches through it without gRPC; the serving path uses its Runtime interface.
 
 Failure: every collective has the group's timeout. When one fails (a rank died or hangs), the survivors
-report NOT_SERVING, answer UNAVAILABLE, and exit 1 so torchrun (or the orchestrator) restarts the group.
+report NOT_SERVING, answer UNAVAILABLE, and exit 1 so torchrun (or the orchestrator) restarts the group; with
+replicas in the plan they re-form the group among themselves and keep serving (``server.group.members``).
 SIGTERM on any rank makes every rank drain its front end (accepted calls are answered) and exit 0.
 """
 
