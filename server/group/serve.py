@@ -47,6 +47,7 @@ def serve_distributed(artifact: str | Path, config: ServerConfig, group: GroupCo
     else:  # NCCL: no re-forming (a lost host fails the group, as without replicas)
         steps_group = dist.new_group(timeout=datetime.timedelta(seconds=group.collective_timeout_s))
         model = StepModel(part, group, device, group=steps_group, parts=parts)
+    model.warm_replicas(config.warmup_batches)
     if rank != 0 and part.manifest.has_dense:
         model.dense_arch = load_dense_arch(artifact, verify=config.verify)
     if rank != 0:

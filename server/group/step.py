@@ -148,6 +148,22 @@ class StepModel(DistributedModel):
         if missing:
             raise RuntimeError(f"host {self.host} would serve slots {missing} it does not hold")
 
+    def warm_replicas(self, runs: int = 3) -> None:
+        """Run the parts this host holds for other hosts on probe batches: TorchScript optimizes a module on its
+        first calls (~0.4 s here), which would otherwise land on the first step after a re-form."""
+        from infer.features import SparseFeatures
+
+        probe = SparseFeatures.random(self.spec, batch_size=4, ids_per_bag=3)
+        with torch.inference_mode():
+            for slot, part in self.parts.items():
+                if slot == self.host:
+                    continue  # the server's warm-up runs this host's own part
+                for ids in (probe.values, probe.values.to(torch.int32)):  # own requests; peers' unpacked ids
+                    lengths = probe.lengths.to(torch.int32)
+                    for weights in (None, torch.ones(ids.numel())):
+                        for _ in range(runs):
+                            part.module(ids, lengths, weights)
+
     # ----------------------------------------------------------------- callers (batcher threads)
     def _forward(self, values: torch.Tensor, lengths: torch.Tensor, weights: torch.Tensor | None) -> torch.Tensor:
         if self.failed.is_set():
