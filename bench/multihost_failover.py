@@ -8,9 +8,10 @@ measures:
 
 - without replicas: seconds from the signal to the first UNAVAILABLE answer (detection; target <= 2 x the
   collective timeout), and whether both survivors then exit 1 for the launcher's restart;
-- with replicas: seconds from the signal to the survivors' "re-formed" line (detection + agreeing on the new
-  members + the new gloo group), the re-form alone (printed by the survivors), failed calls after the signal
-  (target 0), the longest call during the failover, every answer compared with the group's answers before the loss.
+- with replicas (SIGKILL and SIGSTOP): seconds from the signal to the survivors' "re-formed" line (detection +
+  agreeing on the new members + the new gloo group), the re-form alone (printed by the survivors), failed calls
+  after the signal (target 0), the longest call during the failover, every answer compared with the group's
+  answers before the loss.
 
 Prints one JSON line per case.
 
@@ -257,7 +258,8 @@ def main(argv: list[str] | None = None) -> int:
         plain = export_hosts(model, Path(tmp) / "plain", plan)
         replicated = export_hosts(model, Path(tmp) / "replicas", place_replicas(plan, 2))
         del model
-        cases = [(plain, 1, signal.SIGKILL), (plain, 1, signal.SIGSTOP), (replicated, 2, signal.SIGKILL)]
+        cases = [(plain, 1, signal.SIGKILL), (plain, 1, signal.SIGSTOP), (replicated, 2, signal.SIGKILL),
+                 (replicated, 2, signal.SIGSTOP)]  # fmt: skip
         for artifact, replicas, signum in cases[2:] if args.replicas_only else cases:
             print(json.dumps(_case(artifact, replicas, signum, args, batches)), flush=True)
     return 0
