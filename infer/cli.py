@@ -325,6 +325,7 @@ def _export_plan(args: argparse.Namespace, spec: ModelSpec, tables: TableSource 
     --memory-budget or --error-budget always a plan (one device unless told), which records the choice."""
     from infer.planner.access import load_sample_ids
     from infer.planner.planner import EmbeddingPlanner
+    from infer.planner.replicas import place_replicas, replica_topology
     from infer.planner.types import ShardingPlan, Topology, load_constraints, require_devices_here
     from infer.planner.utils import parse_bytes
 
@@ -337,8 +338,10 @@ def _export_plan(args: argparse.Namespace, spec: ModelSpec, tables: TableSource 
             raise EmbserveError(f"cannot read plan {args.plan!r}: {err.strerror}") from None
         plan = ShardingPlan.from_json(text)
         require_devices_here(plan.topology, f"the plan {args.plan!r}")
-        return plan
+        return place_replicas(plan, args.replicas) if args.replicas > 1 else plan
     hosts = max(1, args.hosts)
+    if args.replicas > 1 and hosts < 2:
+        raise EmbserveError(f"--replicas {args.replicas} places each table on several hosts: give --hosts too")
     if hosts > 1 and args.world_size:
         raise EmbserveError("give either --world-size (one host) or --hosts with --devices-per-host, not both")
     devices = args.devices_per_host * hosts if hosts > 1 else args.world_size
@@ -355,9 +358,11 @@ def _export_plan(args: argparse.Namespace, spec: ModelSpec, tables: TableSource 
     require_devices_here(topology, f"--device {args.device}")
     constraints = load_constraints(args.constraints, spec) if args.constraints else {}
     sample = load_sample_ids(args.sample_ids, spec) if args.sample_ids else None
-    planner = EmbeddingPlanner(topology)
+    # with replicas, each host's own shards get 1 / replicas of its memory: the rest holds other hosts' shards
+    planner = EmbeddingPlanner(replica_topology(topology, args.replicas) if args.replicas > 1 else topology)
     precision = _precision_plan(args, spec, tables, constraints, sample, planner)
-    return planner.plan(spec, constraints, sample, precision)
+    plan = planner.plan(spec, constraints, sample, precision)
+    return place_replicas(plan, args.replicas, topology) if args.replicas > 1 else plan
 
 
 def _mapped_capacity(flag: str | None, folder: Path) -> tuple[int | None, str]:
@@ -601,6 +606,12 @@ def build_parser() -> argparse.ArgumentParser:
     exp.add_argument("--world-size", type=int, default=0, help="shard over this many devices (planned)")
     exp.add_argument("--hosts", type=int, default=0, help="shard over this many hosts (one part per host)")
     exp.add_argument("--devices-per-host", type=int, default=1, help="devices of each host, with --hosts")
+    exp.add_argument(
+        "--replicas",
+        type=int,
+        default=1,
+        help="with --hosts: hold every table on this many hosts, so the group serves through a lost host",
+    )
     exp.add_argument("--device", choices=["cpu", "cuda"], default="cpu", help="device kind of the shards")
     exp.add_argument(
         "--device-memory", default=None, help="memory per device for planning, e.g. 16GB (default: this host's)"

@@ -518,6 +518,8 @@ class ShardingPlan:
     lower_bound: float
     is_inference: bool = True
     planner: Mapping[str, Any] = field(default_factory=dict, compare=False)
+    # multi-host: every host's shards are also held by the next replicas - 1 hosts (``infer.planner.replicas``)
+    replicas: int = 1
 
     def table(self, name: str) -> TablePlan:
         for plan in self.tables:
@@ -549,6 +551,7 @@ class ShardingPlan:
             "lower_bound": self.lower_bound,
             "topology": self.topology.to_dict(),
             "planner": dict(self.planner),
+            **({"replicas": self.replicas} if self.replicas > 1 else {}),
             "tables": [
                 {
                     "table": t.table,
@@ -602,6 +605,7 @@ class ShardingPlan:
                 float(data["lower_bound"]),
                 bool(data["is_inference"]),
                 dict(data.get("planner", {})),
+                int(data.get("replicas", 1)),
             )
         except PlanError:
             raise

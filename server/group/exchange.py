@@ -13,6 +13,8 @@ and received, for ``bench/multihost.py``.
 
 from __future__ import annotations
 
+from typing import Any
+
 import torch
 import torch.distributed as dist
 
@@ -26,11 +28,9 @@ _OUTPUT_BYTES = 4
 class Exchange:
     """One rank's side of the ids and outputs all-to-alls; ``device``: where collectives run."""
 
-    def __init__(
-        self, routing: GroupRouting, rank: int, device: str = "cpu", group: dist.ProcessGroup | None = None
-    ) -> None:
+    def __init__(self, routing: GroupRouting, rank: int, device: str = "cpu", group: Any = None) -> None:
         self.routing = routing
-        self.group = group  # None: the default group
+        self.group = group  # None: the default group; else a ProcessGroup or a gloo backend (``members``)
         self.rank = rank
         self.device = device
         self.id_dtype = torch.int32 if routing.ids_int32 else torch.int64
@@ -46,11 +46,12 @@ class Exchange:
             pieces.append(sub.weights.to(torch.float32))
         return torch.cat([p.contiguous().view(torch.uint8) for p in pieces]).to(self.device)
 
-    def unpack(self, data: torch.Tensor, batch: int, weighted: bool) -> SubRequest:
-        """This rank's sub-request from its buffer."""
+    def unpack(self, data: torch.Tensor, batch: int, weighted: bool, slot: int | None = None) -> SubRequest:
+        """The sub-request of plan host ``slot`` (default this rank) from its buffer."""
         if data.storage_offset() % 8:
             data = data.clone()  # dtype views need aligned offsets
-        length_bytes = len(self.routing.needs(self.rank).features) * batch * _LENGTH_BYTES
+        slot = self.rank if slot is None else slot
+        length_bytes = len(self.routing.needs(slot).features) * batch * _LENGTH_BYTES
         num_ids = (data.numel() - length_bytes) // (self.id_bytes + (_WEIGHT_BYTES if weighted else 0))
         ids_end = num_ids * self.id_bytes
         values = data[:ids_end].view(self.id_dtype)
@@ -68,7 +69,10 @@ class Exchange:
         # every rank calls it, even with nothing to move: collectives pair up by order alone
         inputs = torch.cat([t.to(self.device) for t in send])
         output = torch.empty(sum(receive_sizes), dtype=torch.uint8, device=self.device)
-        dist.all_to_all_single(output, inputs, receive_sizes, send_sizes, group=self.group)
+        if self.group is None:
+            dist.all_to_all_single(output, inputs, receive_sizes, send_sizes)
+        else:  # a re-formed group is a gloo backend of its own, outside torch.distributed's registry
+            self.group.alltoall_base(output, inputs, receive_sizes, send_sizes).wait()
         self.bytes_sent += sum(s for h, s in enumerate(send_sizes) if h != self.rank)
         self.bytes_received += sum(s for h, s in enumerate(receive_sizes) if h != self.rank)
         return list(output.split(receive_sizes))
@@ -81,6 +85,7 @@ class Exchange:
         piece = data.view(torch.float32).view(batch, -1).to(out.device)
         out.index_add_(1, self.columns[host].to(out.device), piece)
 
-    def own_columns(self, partial: torch.Tensor) -> torch.Tensor:
-        """This rank's columns of its partial output, as bytes to send."""
-        return partial.index_select(1, self.columns[self.rank].to(partial.device)).reshape(-1).view(torch.uint8)
+    def own_columns(self, partial: torch.Tensor, slot: int | None = None) -> torch.Tensor:
+        """The columns of plan host ``slot`` (default this rank) of its partial output, as bytes to send."""
+        columns = self.columns[self.rank if slot is None else slot]
+        return partial.index_select(1, columns.to(partial.device)).reshape(-1).view(torch.uint8)

@@ -50,6 +50,9 @@ def main(argv: list[str] | None = None) -> None:
     if not any(a.startswith(("--signals-to-handle", "--signals_to_handle")) for a in args):
         args = ["--signals-to-handle", OTHER_SIGNALS, *args]
     signal.signal(signal.SIGTERM, _forward_sigterm)
+    # c10d rendezvous: a new store per round, so a restarted group never reads the dead workers' addresses
+    # (server.group.leader._attempt_store)
+    os.environ.setdefault("TORCH_DISABLE_SHARE_RDZV_TCP_STORE", "1")
     from torch.distributed.run import main as torchrun
 
     torchrun(args)

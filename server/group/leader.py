@@ -13,7 +13,8 @@ and the partial outputs summed by ``reduce``/``gather``) and the other ranks fol
 ``bench/multihost.py`` drive batches through it without gRPC; the serving path uses its Runtime interface.
 
 Failure: every collective has the group's timeout. When one fails (a rank died or hangs), the survivors
-report NOT_SERVING, answer UNAVAILABLE, and exit 1 so torchrun (or the orchestrator) restarts the group.
+report NOT_SERVING, answer UNAVAILABLE, and exit 1 so torchrun (or the orchestrator) restarts the group; with
+replicas in the plan they re-form the group among themselves and keep serving (``server.group.members``).
 SIGTERM on any rank makes every rank drain its front end (accepted calls are answered) and exit 0.
 """
 
@@ -75,6 +76,9 @@ class GroupConfig:
     failure_grace_s: float = 2.0  # after a failure: NOT_SERVING and UNAVAILABLE this long, then exit 1
     ping_interval_s: float = 0.0  # an idle rank 0 pings the group this often; 0 -> timeout / 3
     combine: int = COMBINE_ALL_TO_ALL  # the broadcast modes: bench/multihost.py compares them
+    # with replicas, after a failed step the first survivor fixes the new members when every old member arrived,
+    # or this long after one collective timeout from its last successful collective (``server.group.members``)
+    reform_margin_s: float = 1.0
 
 
 def is_multi_host(artifact: str | Path) -> bool:
@@ -390,10 +394,13 @@ def join_group(part: HostPart, rank: int, world_size: int, timeout_s: float) -> 
     backend, device = ("nccl", "cuda:0") if on_cuda else ("gloo", "cpu")
     if on_cuda:
         torch.cuda.set_device(0)
+    timeout = datetime.timedelta(seconds=timeout_s)
     try:
-        dist.init_process_group(
-            backend, rank=rank, world_size=world_size, timeout=datetime.timedelta(seconds=timeout_s)
-        )
+        store = _attempt_store(timeout)
+        if store is None:
+            dist.init_process_group(backend, rank=rank, world_size=world_size, timeout=timeout)
+        else:
+            dist.init_process_group(backend, store=store, rank=rank, world_size=world_size, timeout=timeout)
     except dist.DistError as err:  # rank 0 refused to start (a port in use), died, or the rendezvous host is gone
         first_line = (str(err).strip().splitlines() or [type(err).__name__])[0][:300]
         raise GroupFailure(
@@ -402,3 +409,19 @@ def join_group(part: HostPart, rank: int, world_size: int, timeout_s: float) -> 
         ) from None
     logger.info("rank %d of %d joined (%s)", rank, world_size, backend)
     return device
+
+
+def _attempt_store(timeout: datetime.timedelta) -> dist.Store | None:
+    """Under torchrun's agent store: a client of it under a prefix of this attempt; else None (env://).
+
+    torchrun (2.13) keeps one agent TCPStore for every restart of the group (static rendezvous always; c10d
+    unless ``TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1``), although ``init_process_group`` assumes a new store per
+    attempt: the restarted workers read the dead workers' gloo addresses from it and fail with "Connection
+    refused". A prefix per ``TORCHELASTIC_RESTART_COUNT`` keeps attempts apart when every host restarts once per
+    failure (static rendezvous: each agent counts its own). Under c10d an agent restarts its worker for a waiting
+    node without counting, so ``server.group.launch`` turns the sharing off instead (rank 0 then hosts a new
+    store on a new port per round)."""
+    if os.environ.get("TORCHELASTIC_USE_AGENT_STORE") != str(True):
+        return None
+    client = dist.TCPStore(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), is_master=False, timeout=timeout)
+    return dist.PrefixStore(f"embserve/attempt_{os.environ.get('TORCHELASTIC_RESTART_COUNT', '0')}/", client)

@@ -16,8 +16,10 @@ import torch.distributed as dist
 
 from infer.artifact.hosts import HostPart, load_dense_arch, load_host_part
 from infer.artifact.runtime import Runtime
+from infer.planner.replicas import held_slots
 from server.app import SERVING_LINE, ServerConfig, check_ports, create_server, exit_process
 from server.group.leader import JOINED_LINE, GroupConfig, _group_env, join_group
+from server.group.members import Membership, step_group
 from server.group.step import StepModel
 from server.service import SERVICE_NAME
 
@@ -31,9 +33,21 @@ def serve_distributed(artifact: str | Path, config: ServerConfig, group: GroupCo
     rank, world_size = _group_env()
     check_ports(config)  # a port in use is refused before this host's part loads and the group forms
     part = load_host_part(artifact, rank, verify=config.verify)
+    replicas = part.plan.replicas
+    parts = {rank: part}  # with replicas: the slots of the hosts before this one too (infer.planner.replicas)
+    for slot in held_slots(part.num_hosts, replicas, rank)[1:]:
+        parts[slot] = load_host_part(artifact, slot, verify=config.verify)
     device = join_group(part, rank, world_size, max(group.collective_timeout_s, group.join_timeout_s))
-    steps_group = dist.new_group(timeout=datetime.timedelta(seconds=group.collective_timeout_s))
-    model = StepModel(part, group, device, group=steps_group)
+    if device == "cpu":  # gloo: a group of our own on the launch store, which survivors can re-form
+        store = dist.PrefixStore("embserve/", _default_store())  # a new store, or prefix, per attempt (join_group)
+        membership = Membership(0, tuple(range(world_size)), part.num_hosts, replicas)
+        steps_group: Any = step_group(store, membership, rank, group.collective_timeout_s)
+        model = StepModel(part, group, device, group=steps_group, parts=parts, membership=membership,
+                          store=store if replicas > 1 else None)  # fmt: skip
+    else:  # NCCL: no re-forming (a lost host fails the group, as without replicas)
+        steps_group = dist.new_group(timeout=datetime.timedelta(seconds=group.collective_timeout_s))
+        model = StepModel(part, group, device, group=steps_group, parts=parts)
+    model.warm_replicas(config.warmup_batches)
     if rank != 0 and part.manifest.has_dense:
         model.dense_arch = load_dense_arch(artifact, verify=config.verify)
     if rank != 0:
@@ -105,3 +119,8 @@ async def _serve_front_end(part: HostPart, model: Any, config: ServerConfig, gro
         dist.destroy_process_group()
     exit_process(0 if stopped else 1)  # from the event loop: its teardown would cancel calls grpc still holds
     return 0
+
+
+def _default_store() -> dist.Store:
+    """The store of the launch rendezvous (torchrun's agent store, or rank 0's TCPStore under env://)."""
+    return dist.distributed_c10d._get_default_store()

@@ -181,3 +181,24 @@ def test_inspect_names_the_hosts_and_serve_outside_torchrun_says_how(two_hosts, 
 
     with pytest.raises(EmbserveError, match="torchrun --nnodes H --nproc-per-node 1"):
         serve_distributed(two_hosts, ServerConfig(), GroupConfig())
+
+
+def test_cli_export_with_replicas(tmp_path, capsys):
+    """``--hosts 3 --replicas 2``: plan.json records 2 replicas and every table lies on 2 distinct hosts of the
+    ring; ``--replicas 4`` on 3 hosts and ``--replicas 2`` without ``--hosts`` are refused naming the flag."""
+    spec = ModelSpec(tuple(TableConfig(f"t{i}", 300 + 50 * i, 16, (f"f{i}",)) for i in range(4)))
+    (tmp_path / "spec.json").write_text(spec.to_json())
+    torch.save(random_weights(spec), tmp_path / "ckpt.pt")
+    args = ["export", "--spec", str(tmp_path / "spec.json"), "--weights", str(tmp_path / "ckpt.pt")]
+    assert main([*args, "--out", str(tmp_path / "art"), "--hosts", "3", "--replicas", "2"]) == 0
+    plan = load_host_part(tmp_path / "art", 0).plan
+    assert plan.replicas == 2 and json.loads((tmp_path / "art" / "plan.json").read_text())["replicas"] == 2
+    for table in plan.tables:
+        own = {shard.device for shard in table.shards}  # one device per host: device = host
+        holders = own | {(host + 1) % 3 for host in own}  # the next host of the ring holds a replica
+        assert len(holders) >= 2, table
+    capsys.readouterr()
+    assert main([*args, "--out", str(tmp_path / "bad"), "--hosts", "3", "--replicas", "4"]) == 2
+    assert "--replicas 4" in capsys.readouterr().err
+    assert main([*args, "--out", str(tmp_path / "bad2"), "--replicas", "2"]) == 2
+    assert "--replicas 2" in capsys.readouterr().err

@@ -10,6 +10,7 @@ import sys
 import time
 
 import pytest
+import torch
 
 from server.app import SERVING_LINE
 from tests.conftest import random_batch
@@ -53,6 +54,73 @@ def test_sigterm_to_either_launcher_exits_0_everywhere(host_artifacts, quantized
             assert "every rank drained" in text
     finally:
         for process in launchers:
+            if process.poll() is None:
+                process.kill()
+                process.wait()
+
+
+def _nth_line(reader: LineReader, text: str, n: int, guard_s: float = 240.0) -> str:
+    """The ``n``-th line holding ``text`` (``guard_s``: a hang guard, not a target)."""
+    guard = time.monotonic() + guard_s
+    while True:
+        found = [line for line in list(reader.lines) if text in line]
+        if len(found) >= n:
+            return found[n - 1]
+        assert time.monotonic() < guard, f"{text!r} printed {len(found)} times, not {n}: {reader.lines}"
+        time.sleep(0.05)
+
+
+@pytest.mark.parametrize("rendezvous", ["static", "c10d"])
+def test_a_killed_worker_is_restarted_and_the_group_serves_again(host_artifacts, quantized, tmp_path, rendezvous):
+    """2 hosts under ``server.group.launch --max-restarts 1`` (static rendezvous: fixed node ranks; c10d): SIGKILL
+    to host 1's worker makes host 0's worker go NOT_SERVING and exit 1; both launchers restart their workers, which
+    join a new group and serve again: a Lookup on each new front end equals the one-process model; SIGTERM then
+    stops both launchers with exit 0. (Before: the restarted workers read the dead ones' gloo addresses from
+    torchrun's agent store, kept across restarts, and failed with "Connection refused".)"""
+    from server.client import EmbserveClient
+    from server.group.launch import worker_pids
+
+    artifact = host_artifacts[(2, "column")]
+    batch = random_batch(quantized.spec, batch_size=5, weighted=True, seed=650)
+    expected, _ = _expected(quantized, "column", 2, 1, [batch])
+    port = free_port()
+    logs = [tmp_path / f"launcher{h}.err" for h in range(2)]
+    launchers = []
+    for host in range(2):
+        env = group_env(host, 2, port)
+        for name in ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT", "LOCAL_RANK", "LOCAL_WORLD_SIZE"):
+            env.pop(name)
+        if rendezvous == "static":
+            where = ["--node-rank", str(host), "--master-addr", "127.0.0.1", "--master-port", str(port)]
+        else:
+            where = ["--rdzv-backend", "c10d", "--rdzv-endpoint", f"127.0.0.1:{port}", "--rdzv-id", "restart-test"]
+        command = [sys.executable, "-m", "server.group.launch", "--nnodes", "2", "--nproc-per-node", "1", *where,
+                   "--max-restarts", "1", "--monitor-interval", "0.5", "-m", "infer.cli", "serve", str(artifact),
+                   "--host", "127.0.0.1", "--port", "0", "--collective-timeout-s", "4", "--failure-grace-s", "1",
+                   "--drain-grace-s", "0.3"]  # fmt: skip
+        launchers.append(subprocess.Popen(command, env=env, stdout=subprocess.PIPE, stderr=open(logs[host], "w"),
+                                          text=True, cwd=ROOT))  # fmt: skip
+    workers: list[int] = []
+    try:
+        readers = [LineReader(p.stdout) for p in launchers]
+        for reader in readers:
+            _nth_line(reader, SERVING_LINE, 1)
+        workers = worker_pids(launchers[1].pid)
+        assert len(workers) == 1, workers
+        subprocess.run(["kill", "-9", str(workers[0])], check=True)
+        ports = [int(_nth_line(reader, SERVING_LINE, 2).rsplit(" ", 1)[1]) for reader in readers]
+        for served in ports:
+            with EmbserveClient(f"127.0.0.1:{served}") as client:
+                assert torch.equal(client.lookup(batch), expected[0])
+        launchers[0].send_signal(signal.SIGTERM)
+        codes = [p.wait(timeout=120) for p in launchers]
+        errors = [log.read_text() for log in logs]
+        assert codes == [0, 0], (codes, errors[0][-2000:], errors[1][-2000:])
+        assert "NOT_SERVING" in errors[0] or "NOT_SERVING" in errors[1]
+    finally:
+        for process in launchers:
+            for pid in worker_pids(process.pid):
+                subprocess.run(["kill", "-9", str(pid)], check=False)
             if process.poll() is None:
                 process.kill()
                 process.wait()

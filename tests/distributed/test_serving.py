@@ -29,6 +29,7 @@ from tests.server.support import LineReader
 from tests.support.stop_race import Server, cases, check_round, race_stop, rest_port
 
 TIMEOUT_S = 4.0  # --collective-timeout-s of these groups
+HANG_GUARD_S = 120.0  # waits for an event give up after this long: a hang guard, not a target
 
 
 class _Group:
@@ -73,7 +74,7 @@ class _Load:
     def __init__(self, ports: list[int], batches, expected, clients: int) -> None:
         self.outcomes: Counter[str] = Counter()
         self.wrong = 0
-        self.first_unavailable: float | None = None
+        self.unavailable = threading.Event()  # a call answered UNAVAILABLE
         self.stop = threading.Event()
         self._lock = threading.Lock()
         self.threads = [
@@ -96,10 +97,17 @@ class _Load:
                 with self._lock:
                     self.outcomes[outcome] += 1
                     self.wrong += 0 if right else 1
-                    if outcome == "UNAVAILABLE" and self.first_unavailable is None:
-                        self.first_unavailable = time.monotonic()
+                    if outcome == "UNAVAILABLE":
+                        self.unavailable.set()
                 if outcome == "UNAVAILABLE":
                     return  # a refused client goes elsewhere (and a closed port would spin)
+
+    def wait_for_ok(self, count: int) -> None:
+        """Until ``count`` calls were answered OK, or one was not (``HANG_GUARD_S``: a hang guard, not a target)."""
+        guard = time.monotonic() + HANG_GUARD_S
+        while self.outcomes["OK"] < count and not self.outcomes.keys() - {"OK"}:
+            assert time.monotonic() < guard, self.outcomes
+            time.sleep(0.02)
 
     def join(self, timeout: float) -> None:
         self.stop.set()
@@ -134,7 +142,7 @@ def test_sigterm_to_any_host_under_load_loses_nothing(host_artifacts, quantized,
             assert (pooled - expected[0]).abs().max() <= 1e-6 * float(expected[0].abs().max())
             assert (scores - want_scores).abs().max() <= 1e-6 * max(1.0, float(want_scores.abs().max()))
         load = _Load(group.ports, batches, expected, clients=8)
-        time.sleep(1.0)
+        load.wait_for_ok(20)
         group.processes[stopped].send_signal(signal.SIGTERM)
         codes = [p.wait(timeout=60) for p in group.processes]
         load.join(30)
@@ -149,9 +157,9 @@ def test_sigterm_to_any_host_under_load_loses_nothing(host_artifacts, quantized,
 
 @pytest.mark.parametrize("victim, signum", [(2, signal.SIGKILL), (1, signal.SIGSTOP)], ids=["dies", "hangs"])
 def test_failed_rank_under_load_turns_rank0_unavailable(host_artifacts, quantized, tmp_path, victim, signum):
-    """3 hosts: one rank dies (SIGKILL) or hangs (SIGSTOP) while 6 clients send: within the collective timeout
-    calls answer UNAVAILABLE, health says NOT_SERVING, rank 0 exits 1 and the surviving rank exits too; no client
-    call hangs."""
+    """3 hosts: one rank dies (SIGKILL) or hangs (SIGSTOP) while 6 clients send: calls answer UNAVAILABLE, health
+    says NOT_SERVING, rank 0 exits 1 and the surviving rank exits too; no client call hangs. (How soon, against
+    the collective timeout: ``bench/multihost_serving.py --case lost-host``.)"""
     spec = quantized.spec
     batches = [random_batch(spec, batch_size=6, weighted=True, seed=400 + i) for i in range(3)]
     expected, _ = _expected(quantized, "column", 3, 1, batches)
@@ -159,15 +167,11 @@ def test_failed_rank_under_load_turns_rank0_unavailable(host_artifacts, quantize
     try:
         survivors = [port for rank, port in enumerate(group.ports) if rank != victim]  # a stopped host can't answer
         load = _Load(survivors, batches, expected, clients=6)
-        time.sleep(1.0)
-        assert load.outcomes["OK"] > 0, (load.outcomes, group.stderr(0))
-        killed = time.monotonic()
+        load.wait_for_ok(20)
+        assert load.outcomes["OK"] >= 20, (load.outcomes, group.stderr(0))
         group.processes[victim].send_signal(signum)
-        deadline = killed + TIMEOUT_S + 10  # the timeout, plus slack for a loaded 2-core machine
-        while load.first_unavailable is None and time.monotonic() < deadline:
-            time.sleep(0.05)
-        assert load.first_unavailable is not None, (load.outcomes, group.stderr(0))
-        unavailable_after = load.first_unavailable - killed
+        # the event itself; the bound only keeps a broken build from hanging the suite
+        assert load.unavailable.wait(HANG_GUARD_S), (load.outcomes, group.stderr(0))
         channel = grpc.insecure_channel(f"127.0.0.1:{group.port}")
         status = health_pb2_grpc.HealthStub(channel).Check(health_pb2.HealthCheckRequest(service=""), timeout=5)
         channel.close()
@@ -177,8 +181,6 @@ def test_failed_rank_under_load_turns_rank0_unavailable(host_artifacts, quantize
         survivor = 1 if victim == 2 else 2
         assert group.processes[survivor].wait(timeout=TIMEOUT_S + 30) != 0
         assert load.wrong == 0 and set(load.outcomes) <= {"OK", "UNAVAILABLE"}, load.outcomes
-        assert unavailable_after <= TIMEOUT_S + 10, unavailable_after
-        print(f"UNAVAILABLE {unavailable_after:.2f} s after {signum.name} (timeout {TIMEOUT_S} s)")
         assert "the group failed" in group.stderr(0)
     finally:
         group.kill()

@@ -1,0 +1,108 @@
+"""``--replicas 2`` on 3 "hosts" (processes on 127.0.0.1, gloo): served outputs on every front end equal fp32
+``embedding_bag`` on the dequantized tables (each table's ids go to exactly one replica: a second one would add
+its columns twice), and a host killed with SIGKILL under load: the survivors re-form a 2-member group without
+restarting and answer every call correctly, then stop cleanly."""
+
+from __future__ import annotations
+
+import signal
+
+import grpc
+import pytest
+import torch
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+from infer.artifact.hosts import export_hosts
+from infer.planner.replicas import place_replicas
+from infer.quant.quantize import dequantized_weights
+from infer.reference import FloatEmbeddingBagCollection
+from server.client import EmbserveClient
+from server.group.members import REFORMED_LINE
+from tests.conftest import random_batch
+from tests.distributed.conftest import host_plan
+from tests.distributed.test_serving import _Group, _Load
+
+HOSTS = 3
+REPLICAS = 2
+
+
+@pytest.fixture(scope="module")
+def replica_artifacts(quantized, tmp_path_factory):
+    """kind -> a 3-host artifact whose plan holds every host's shards on the next host too."""
+    root = tmp_path_factory.mktemp("replicas")
+    return {
+        kind: export_hosts(quantized, root / kind, place_replicas(host_plan(quantized.spec, kind, HOSTS), REPLICAS))
+        for kind in ("table", "row")
+    }
+
+
+@pytest.fixture(scope="module")
+def fp32_reference(quantized):
+    return FloatEmbeddingBagCollection(quantized.spec, dequantized_weights(quantized.spec, quantized))
+
+
+def _close(got: torch.Tensor, want: torch.Tensor) -> bool:
+    return bool((got - want).abs().max() <= 1e-5 * max(1.0, float(want.abs().max())))
+
+
+def _health(port: int) -> int:
+    with grpc.insecure_channel(f"127.0.0.1:{port}") as channel:
+        return health_pb2_grpc.HealthStub(channel).Check(health_pb2.HealthCheckRequest(service=""), timeout=10).status
+
+
+@pytest.mark.parametrize("kind", ["table", "row"])
+def test_replicated_plan_serves_the_fp32_reference_on_every_front_end(replica_artifacts, fp32_reference, quantized,
+                                                                      tmp_path, kind):  # fmt: skip
+    spec = quantized.spec
+    batches = [random_batch(spec, batch_size=3 + 4 * i, weighted=i % 2 == 1, seed=600 + i) for i in range(3)]
+    group = _Group(replica_artifacts[kind], HOSTS, tmp_path)
+    try:
+        for port in group.ports:
+            with EmbserveClient(f"127.0.0.1:{port}") as client:
+                for batch in batches:
+                    got = client.lookup(batch)
+                    with torch.inference_mode():
+                        want = fp32_reference(batch)
+                    assert float(want.abs().max()) > 0 and _close(got, want), (kind, port)
+        group.processes[1].send_signal(signal.SIGTERM)
+        assert [p.wait(timeout=60) for p in group.processes] == [0, 0, 0], group.stderr(0)
+    finally:
+        group.kill()
+
+
+@pytest.mark.parametrize("signum", [signal.SIGKILL, signal.SIGSTOP], ids=["dies", "hangs"])
+def test_a_lost_host_the_survivors_reform_and_serve_every_call(replica_artifacts, fp32_reference, quantized,
+                                                                   tmp_path, signum):  # fmt: skip
+    """SIGKILL (or SIGSTOP: a hang, noticed by the collective timeout) to host 2 (host 0 holds the store) while 6
+    clients call hosts 0 and 1: both survivors print that the group re-formed with members [0, 1], every call
+    before, during and after is answered OK and equals the reference (the failed step's callers are retried in
+    the new group, new calls wait for it), health stays SERVING, and SIGTERM then stops both survivors with
+    exit 0."""
+    spec = quantized.spec
+    batches = [random_batch(spec, batch_size=6, weighted=i % 2 == 0, seed=700 + i) for i in range(3)]
+    with torch.inference_mode():
+        expected = [fp32_reference(b) for b in batches]
+    group = _Group(replica_artifacts["table"], HOSTS, tmp_path, "--failure-grace-s", "3")
+    try:
+        survivors = group.ports[:2]
+        load = _Load(survivors, batches, expected, clients=6)
+        load.wait_for_ok(20)
+        group.processes[2].send_signal(signum)
+        for rank in (0, 1):
+            line = group.readers[rank].wait_for(REFORMED_LINE, timeout=120)
+            assert "members [0, 1]" in line and "lost [2]" in line, line
+        after_reform = load.outcomes["OK"]
+        load.wait_for_ok(after_reform + 40)  # the re-formed group answers on both front ends
+        assert not load.outcomes.keys() - {"OK"}, load.outcomes
+        for port in survivors:
+            assert _health(port) == health_pb2.HealthCheckResponse.SERVING
+            with EmbserveClient(f"127.0.0.1:{port}") as client:
+                assert _close(client.lookup(batches[0]), expected[0])
+        load.join(30)
+        assert set(load.outcomes) == {"OK"} and load.wrong == 0, load.outcomes
+        group.processes[0].send_signal(signal.SIGTERM)
+        assert [group.processes[r].wait(timeout=60) for r in (0, 1)] == [0, 0], (group.stderr(0), group.stderr(1))
+        for rank in (0, 1):
+            assert "every rank drained" in group.stderr(rank) and "Traceback" not in group.stderr(rank)
+    finally:
+        group.kill()
