@@ -1173,8 +1173,10 @@ std::vector<std::pair<std::string, int64_t>> read_weight_constants(const std::st
   std::string item;
   while (std::getline(items, item, ',')) {
     const auto equals = item.rfind('=');
+    // a name, '=', then 1 to 18 digits (a byte count that fits int64)
     const bool sized = equals != std::string::npos && equals > 0 && equals + 1 < item.size() &&
-                       equals + 19 > item.size() && item.find_first_not_of("0123456789", equals + 1) == std::string::npos;
+                       equals + 19 > item.size() &&
+                       item.find_first_not_of("0123456789", equals + 1) == std::string::npos;
     if (!sized)
       throw ModelError(pt2_path + ": malformed " + kWeightConstantsKey + " entry '" + item.substr(0, 80) +
                        "'; re-export the artifact with `embserve export --pt2`");

@@ -13,9 +13,9 @@ every call is one program run. A C++ host may split a batch into example ranges 
 
 A mapped artifact's package holds no tables (its metadata names the constants it lacks): once the artifact is
 verified, each kernel's view of its mapped weight file is handed to the program as a user-managed constant (no
-copy: the program reads the mapping). AOTInductor (torch 2.13) keeps a tensor handle of every user-managed constant that
-it never frees, which would keep the mapping alive forever; so the program gets a view that does not own the
-mapping (``_borrowed``), and ``Pt2Module`` holds the mappings as long as it lives.
+copy: the program reads the mapping). AOTInductor (torch 2.13) keeps a tensor handle of every user-managed
+constant that it never frees, which would keep the mapping alive forever; so the program gets a view that does
+not own the mapping (``_borrowed``), and ``Pt2Module`` holds the mappings as long as it lives.
 """
 
 from __future__ import annotations
