@@ -267,3 +267,24 @@ def test_a_pt2_package_from_another_export_is_a_model_error(embserve_run, pt2_ar
     (artifact / "model.pt2").write_bytes((sharded_pt2_artifact / "model.pt2").read_bytes())
     rehash(artifact, "model.pt2")
     assert_clean_failure(run(embserve_run, artifact, "--backend", "pt2"), "ModelError", "model.pt2", "re-export")
+
+
+def test_an_embedded_pt2_keeps_its_tables_and_matches_fp32(embserve_run, tmp_path):
+    """An artifact without weight files (``weights="embedded"``, as every model.pt2 was before) compiles its tables
+    into model.pt2: the C++ loader runs it as it is, no mapping handed over, and it equals the fp32 reference."""
+    from infer.artifact.export import export
+    from infer.quant.quantize import quantize
+    from infer.weights import random_weights
+    from tests.support.call_contract import Reference, assert_matches
+
+    spec = mixed_spec()
+    model = quantize(spec, random_weights(spec, seed=13))
+    artifact = export(model, tmp_path / "embedded", pt2=True, weights="embedded")
+    assert not list(artifact.glob("weights-*.bin"))
+    requests = parity_requests(16)
+    result, responses = run_requests(embserve_run, artifact, requests, tmp_path)
+    assert result.returncode == 0, result.stderr
+    reference = Reference(spec, model)
+    for response, (values, lengths, weights) in zip(responses, requests, strict=True):
+        assert response.ok, response.message
+        assert_matches(response.output, reference.pooled(SparseFeatures(spec.feature_names, values, lengths, weights)))
