@@ -1195,7 +1195,14 @@ std::vector<std::shared_ptr<void>> attach_pt2_weights(torch::inductor::AOTIModel
                                                       const std::string& pt2_path) {
   const auto metadata = program.get_metadata();
   const auto found = metadata.find(kWeightConstantsKey);
-  if (found == metadata.end() || found->second.empty()) return {};
+  const bool wants = found != metadata.end() && !found->second.empty();
+  const auto& entry = data["pt2"];
+  const std::string tables = entry.contains("tables") ? entry["tables"].get<std::string>() : "package";
+  if (wants != (tables == "weight_files"))
+    throw ModelError(pt2_path + (wants ? " takes its tables from the weight files" : " carries its tables itself") +
+                     ", but the manifest's pt2.tables says '" + tables + "': model.pt2 and the manifest come from " +
+                     "different exports. Re-export the artifact with `embserve export --pt2`");
+  if (!wants) return {};
   const auto wanted = read_weight_constants(found->second, pt2_path);
   const auto& kernels = data["kernels"];
   const auto fqns = program.get_constant_fqns();

@@ -29,7 +29,7 @@ from infer.shard.builder import shard_model
 from infer.shard.plans import make_plan
 from infer.weights import random_weights
 from tests.conftest import random_batch
-from tests.support.artifacts import copy_artifact, rehash
+from tests.support.artifacts import copy_artifact, edit_manifest, rehash
 from tests.support.call_contract import Reference, assert_matches
 
 pytestmark = pytest.mark.slow
@@ -245,3 +245,19 @@ def test_anonymous_memory_after_a_load_does_not_grow_with_the_tables(small, larg
     big = _load_in_fresh_process(large_path)
     assert big["RssAnon"] - small["RssAnon"] < 0.1 * table_growth, (small, big, table_growth)
     assert big["RssFile"] - small["RssFile"] > 0.5 * table_growth, (small, big, table_growth)
+
+
+@pytest.mark.parametrize("claim", ["package", None])
+def test_a_manifest_that_says_the_package_holds_the_tables_is_refused(mapped, tmp_path, claim):
+    """pt2.tables is the manifest's word on where model.pt2's tables are: "weight_files" for a mapped export. A
+    manifest that says "package" (or, written before the key, nothing) beside a package that lacks its tables is
+    a MODEL error, never a program run on its stand-ins. (A loader that does not know the key refuses the
+    manifest: the schema allows no unknown keys.)"""
+    _, _, path = mapped
+    assert json.loads((path / "manifest.json").read_text())["pt2"]["tables"] == "weight_files"
+    copy = copy_artifact(path, tmp_path)
+    edit_manifest(copy, lambda m: m["pt2"].update(tables=claim) if claim else m["pt2"].pop("tables"))
+    with pytest.raises(ArtifactError) as err:
+        load(copy, backend="pt2")
+    assert err.value.kind == ArtifactErrorKind.MODEL
+    assert "model.pt2" in str(err.value) and "pt2.tables" in str(err.value) and "Re-export" in str(err.value)

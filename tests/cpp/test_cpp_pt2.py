@@ -288,3 +288,11 @@ def test_an_embedded_pt2_keeps_its_tables_and_matches_fp32(embserve_run, tmp_pat
     for response, (values, lengths, weights) in zip(responses, requests, strict=True):
         assert response.ok, response.message
         assert_matches(response.output, reference.pooled(SparseFeatures(spec.feature_names, values, lengths, weights)))
+
+
+def test_a_manifest_that_says_the_package_holds_the_tables_is_a_model_error(embserve_run, pt2_artifact, tmp_path):
+    """A mapped export's manifest says pt2.tables "weight_files"; one edited to say otherwise (or written before
+    the key) beside a package that lacks its tables is refused, never run on the package's stand-ins."""
+    artifact = copy_artifact(pt2_artifact, tmp_path)
+    edit_manifest(artifact, lambda m: m["pt2"].pop("tables"))
+    assert_clean_failure(run(embserve_run, artifact, "--backend", "pt2"), "ModelError", "model.pt2", "pt2.tables")

@@ -24,7 +24,7 @@ import torch
 
 from infer import request_rules as rules
 from infer.artifact.kernels import Kernel
-from infer.artifact.manifest import PT2_FILE, Pt2Entry
+from infer.artifact.manifest import PT2_FILE, PT2_TABLES_IN_PACKAGE, PT2_TABLES_IN_WEIGHT_FILES, Pt2Entry
 from infer.errors import ConfigError
 
 logger = logging.getLogger(__name__)
@@ -124,6 +124,7 @@ def export_pt2(model: Any, folder: Path, kernels: Sequence[Kernel] | None = None
         torch_version=torch.__version__,
         device=device,
         dense_program=DENSE_PROGRAM if dense is not None else None,
+        tables=PT2_TABLES_IN_WEIGHT_FILES if mapped else PT2_TABLES_IN_PACKAGE,
     )
 
 

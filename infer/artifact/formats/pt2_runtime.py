@@ -32,7 +32,7 @@ import torch
 from infer import request_rules as rules
 from infer.artifact.fbgemm_libs import load_fbgemm
 from infer.artifact.formats.pt2_program import WEIGHT_CONSTANTS_KEY, read_weight_constants
-from infer.artifact.manifest import MANIFEST_FILE, PT2_INPUTS, Manifest
+from infer.artifact.manifest import MANIFEST_FILE, PT2_INPUTS, PT2_TABLES_IN_WEIGHT_FILES, Manifest
 from infer.artifact.mapped import map_kernel_weights
 from infer.artifact.runtime import Runtime
 from infer.config import ModelSpec
@@ -137,6 +137,16 @@ def attach_weight_constants(lookup: Any, folder: Path, manifest: Manifest, packa
         raise ArtifactError(
             f"{package}: {err}; re-export the artifact with --pt2", path=str(package), kind=MODEL
         ) from None
+    assert manifest.pt2 is not None
+    in_weight_files = manifest.pt2.tables == PT2_TABLES_IN_WEIGHT_FILES
+    if bool(wanted) != in_weight_files:
+        raise ArtifactError(
+            f"{package} {'takes its tables from the weight files' if wanted else 'carries its tables itself'}, but "
+            f"{MANIFEST_FILE}'s pt2.tables says {manifest.pt2.tables!r}: model.pt2 and the manifest come from "
+            "different exports. Re-export the artifact with --pt2",
+            path=str(package),
+            kind=MODEL,
+        )
     if not wanted:
         return []
     kernels = manifest.kernels
