@@ -77,13 +77,15 @@ def _rss_after_load(path: Path, backend: str) -> dict[str, float]:
         "batch = SparseFeatures(spec.feature_names, torch.cat(ids), torch.tensor([len(i) for i in ids]))\n"
         f"before = status(); runtime = infer.load({str(path)!r}, backend={backend!r}); loaded = status()\n"
         "runtime.lookup(batch); touched = status()\n"
-        "print(*(b - a for a, b in zip(before, loaded)), *(b - a for a, b in zip(before, touched)))\n"
+        "print(*(b - a for a, b in zip(before, loaded)), *(b - a for a, b in zip(before, touched)), flush=True)\n"
+        # measured: skip the interpreter's teardown (a kernel thread still joinable there can abort the child)
+        "import os; os._exit(0)\n"
     )
     result = subprocess.run(
         [sys.executable, "-c", script], capture_output=True, text=True, env={**os.environ, "PYTHONPATH": str(ROOT)}
     )
     if result.returncode != 0:
-        raise RuntimeError(f"measuring memory after load failed: {result.stderr[-1500:]}")
+        raise RuntimeError(f"measuring memory after load ({backend}) failed: {result.stderr[-1500:]}")
     anon, file, anon_touched, file_touched = (round(float(x), 1) for x in result.stdout.split()[-4:])
     return {
         "anon_growth_mb": anon,
