@@ -373,7 +373,7 @@ def _mapped_capacity(flag: str | None, folder: Path) -> tuple[int | None, str]:
 
 
 def cmd_inspect(args: argparse.Namespace) -> int:
-    from infer.artifact.manifest import Manifest
+    from infer.artifact.manifest import PT2_TABLES_IN_WEIGHT_FILES, Manifest
 
     folder = Path(args.artifact)
     manifest = Manifest.read(folder)
@@ -403,7 +403,8 @@ def cmd_inspect(args: argparse.Namespace) -> int:
     if manifest.pt2 is not None:
         pt2 = manifest.pt2
         programs = "lookups + dense" if pt2.dense_program else "lookups"
-        print(f"pt2          {pt2.file} (AOTInductor, {programs}), torch {pt2.torch_version}, {pt2.device}")
+        tables = "tables from the weight files" if pt2.tables == PT2_TABLES_IN_WEIGHT_FILES else "tables inside it"
+        print(f"pt2          {pt2.file} (AOTInductor, {programs}; {tables}), torch {pt2.torch_version}, {pt2.device}")
     dense = f"yes ({spec.num_dense_features} dense features)" if manifest.has_dense else "no"
     print(f"dense part   {dense}")
     print(f"output       [batch, {spec.output_dim}] float32")
