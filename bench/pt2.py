@@ -1,12 +1,17 @@
 """``model.pt2`` (torch.export + AOTInductor) against the TorchScript artifact: batch-1 latency, W128 throughput,
-compile time, artifact sizes and memory after load, unsharded and table-wise over 2 CPU devices.
+compile time, artifact sizes and memory after load (anonymous vs file-backed), unsharded and table-wise over 2
+CPU devices.
 
 Prints one JSON line per case with ratios to the TorchScript artifact measured in the same run on the same
 batches (W128's index sets from bench/lookup.py, cycled; cases interleaved round by round so machine noise
 hits all alike). Both backends run through ``runtime.module(values, lengths, None)``, the server's path,
 validation included; ``pt2_program_only`` is the compiled program alone (int64 inputs, ones weights: what
 the C++ loader calls), ``pt2_two_threads`` two Python threads each running the program on half the batch
-(does the call release the GIL?). Memory: RSS growth of a fresh process across ``load``.
+(does the call release the GIL?), ``pt2_own_copy_program_only`` the program of an embedded export (its tables
+inside model.pt2, copied into RAM at load) and ``pt2_mapped_vs_own_copy`` the mapped program's speed over it
+(target >= 0.97, the issue's mapped-vs-copied bar). Memory: a fresh process's RssAnon and RssFile growth across
+``load`` and after a lookup reading every table page (a mapped artifact's model.pt2 reads the weight files: no
+anonymous copy).
 
     python bench/pt2.py            # W128 at 1,000,000 rows per table
     python bench/pt2.py --small    # 100,000 rows, fewer rounds: a quick look
@@ -55,18 +60,39 @@ class _CompileTime(logging.Handler):
 
 
 def _rss_after_load(path: Path, backend: str) -> dict[str, float]:
-    """RSS (MB) of a fresh process before and after ``load(path, backend)`` (torch and fbgemm imported first)."""
+    """Anonymous and file-backed resident memory (MB, /proc/self/status RssAnon, RssFile) a fresh process gains
+    by ``load(path, backend)`` (torch and fbgemm imported first), and after one lookup reading every page of
+    every table (ids 16 rows apart, built before the first reading): a copy of the tables is anonymous memory,
+    a mapping's pages are file-backed."""
     script = (
-        "import re, infer, fbgemm_gpu\n"
-        "rss = lambda: int(re.search(r'VmRSS:\\s+(\\d+)', open('/proc/self/status').read()).group(1)) / 1024\n"
-        f"before = rss(); runtime = infer.load({str(path)!r}, backend={backend!r}); after = rss()\n"
-        "print(before, after)\n"
+        "import re, sys, torch, infer, fbgemm_gpu\n"
+        "from infer.artifact.manifest import Manifest\n"
+        "from infer.features import SparseFeatures\n"
+        "def status():\n"
+        "    text = open('/proc/self/status').read()\n"
+        "    return [int(re.search(key + r':\\s+(\\d+)', text).group(1)) / 1024 for key in ('RssAnon', 'RssFile')]\n"
+        "from pathlib import Path\n"
+        f"spec = Manifest.read(Path({str(path)!r})).spec\n"
+        "ids = [torch.arange(0, f.num_embeddings, 16) for f in spec.features]\n"
+        "batch = SparseFeatures(spec.feature_names, torch.cat(ids), torch.tensor([len(i) for i in ids]))\n"
+        f"before = status(); runtime = infer.load({str(path)!r}, backend={backend!r}); loaded = status()\n"
+        "runtime.lookup(batch); touched = status()\n"
+        "print(*(b - a for a, b in zip(before, loaded)), *(b - a for a, b in zip(before, touched)), flush=True)\n"
+        # measured: skip the interpreter's teardown (a kernel thread still joinable there can abort the child)
+        "import os; os._exit(0)\n"
     )
     result = subprocess.run(
         [sys.executable, "-c", script], capture_output=True, text=True, env={**os.environ, "PYTHONPATH": str(ROOT)}
     )
-    before, after = (float(x) for x in result.stdout.split()[-2:])
-    return {"rss_before_mb": round(before, 1), "rss_growth_mb": round(after - before, 1)}
+    if result.returncode != 0:
+        raise RuntimeError(f"measuring memory after load ({backend}) failed: {result.stderr[-1500:]}")
+    anon, file, anon_touched, file_touched = (round(float(x), 1) for x in result.stdout.split()[-4:])
+    return {
+        "anon_growth_mb": anon,
+        "file_growth_mb": file,
+        "anon_growth_mb_after_lookup": anon_touched,
+        "file_growth_mb_after_lookup": file_touched,
+    }
 
 
 def _percentile(samples: list[float], q: float) -> float:
@@ -91,6 +117,8 @@ def bench_variant(variant: str, w: Workload, rounds: int, index_count: int, late
     started = time.perf_counter()
     path = export(model, workdir / variant, plan=plan, pt2=True)
     export_s = time.perf_counter() - started
+    # the same model with its tables inside model.pt2 (an embedded artifact): the program on its own copy in RAM
+    own_copy = export(model, workdir / f"{variant}_own_copy", plan=plan, pt2=True, weights="embedded")
     del model
     sizes = {name: (path / name).stat().st_size for name in ("model.pt", "model.pt2")}
     memory = {backend: _rss_after_load(path, backend) for backend in ("torchscript", "pt2")}
@@ -98,6 +126,7 @@ def bench_variant(variant: str, w: Workload, rounds: int, index_count: int, late
     pt2 = load(path, backend="pt2")
     sets = make_index_sets(w, index_count, seed=1)
     program = pt2.module.program
+    own_program = load(own_copy, backend="pt2").module.program
     ones = torch.ones(sets[0][0].numel())
     sets64 = [(values, lengths.to(torch.int64)) for values, lengths, _ in sets]
 
@@ -128,6 +157,7 @@ def bench_variant(variant: str, w: Workload, rounds: int, index_count: int, late
         "pt2": lambda i: pt2.module(sets[i][0], sets[i][1], None),
         "pt2_program_only": lambda i: program(sets64[i][0], sets64[i][1], ones),
         "pt2_two_threads": two_threads,
+        "pt2_own_copy_program_only": lambda i: own_program(sets64[i][0], sets64[i][1], ones),
     }
     with torch.inference_mode():
         equal = all(
@@ -147,6 +177,12 @@ def bench_variant(variant: str, w: Workload, rounds: int, index_count: int, late
             "kernel_threads": scripted.threads,
         }
         print(json.dumps(row), flush=True)
+    # the program reading the mapped weight files against the same program on its own copy in RAM, same rounds
+    mapped_ratio = seconds["pt2_own_copy_program_only"] / seconds["pt2_program_only"]
+    print(
+        json.dumps({**common, "case": "pt2_mapped_vs_own_copy", "ratio": round(mapped_ratio, 3), "target": 0.97}),
+        flush=True,
+    )
     # batch-1 latency: p50 of many single calls, the two backends alternating
     singles = [make_index_sets(Workload(w.name, w.num_tables, w.rows, w.dim, 1, w.ids_per_bag), 64, seed=2)]
     batch1 = singles[0]
@@ -194,8 +230,7 @@ def bench_variant(variant: str, w: Workload, rounds: int, index_count: int, late
                 "model_pt_bytes": sizes["model.pt"],
                 "model_pt2_bytes": sizes["model.pt2"],
                 "pt2_to_pt_size": round(sizes["model.pt2"] / sizes["model.pt"], 3),
-                "rss_growth_mb_torchscript": memory["torchscript"]["rss_growth_mb"],
-                "rss_growth_mb_pt2": memory["pt2"]["rss_growth_mb"],
+                **{f"{key}_{backend}": value for backend, grown in memory.items() for key, value in grown.items()},
                 "torch": torch.__version__,
             }
         ),

@@ -12,7 +12,7 @@ import time
 from collections.abc import Mapping, Sequence
 from pathlib import Path
 from types import ModuleType
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 from infer.artifact.load import BACKENDS
 from infer.errors import ConfigError, EmbserveError
@@ -378,7 +378,7 @@ def _mapped_capacity(flag: str | None, folder: Path) -> tuple[int | None, str]:
 
 
 def cmd_inspect(args: argparse.Namespace) -> int:
-    from infer.artifact.manifest import Manifest
+    from infer.artifact.manifest import PT2_TABLES_IN_WEIGHT_FILES, Manifest
 
     folder = Path(args.artifact)
     manifest = Manifest.read(folder)
@@ -408,7 +408,8 @@ def cmd_inspect(args: argparse.Namespace) -> int:
     if manifest.pt2 is not None:
         pt2 = manifest.pt2
         programs = "lookups + dense" if pt2.dense_program else "lookups"
-        print(f"pt2          {pt2.file} (AOTInductor, {programs}), torch {pt2.torch_version}, {pt2.device}")
+        tables = "tables from the weight files" if pt2.tables == PT2_TABLES_IN_WEIGHT_FILES else "tables inside it"
+        print(f"pt2          {pt2.file} (AOTInductor, {programs}; {tables}), torch {pt2.torch_version}, {pt2.device}")
     dense = f"yes ({spec.num_dense_features} dense features)" if manifest.has_dense else "no"
     print(f"dense part   {dense}")
     print(f"output       [batch, {spec.output_dim}] float32")
@@ -449,6 +450,50 @@ def _gb_rate(total_bytes: int, seconds: float) -> str:
     return f"{total_bytes / 1e9:.2f} GB in {seconds:.2f}s, {rate:.2f} GB/s"
 
 
+def add_hot_rows_arguments(parser: argparse.ArgumentParser) -> None:
+    """``--hot-rows N --hot-rows-sample FILE`` (``embserve run`` and ``embserve serve``)."""
+    parser.add_argument(
+        "--hot-rows",
+        type=int,
+        default=None,
+        metavar="N",
+        help="keep the N rows read most often in --hot-rows-sample in a resident cache in front of the mapped "
+        "tables (a mapped artifact, torchscript backend)",
+    )
+    parser.add_argument(
+        "--hot-rows-sample",
+        default=None,
+        metavar="FILE",
+        help='ids seen in requests: JSON {"feature": [ids, ...]} or an .npz of one int array per feature '
+        "(the format of plan/export --sample-ids)",
+    )
+
+
+def hot_rows_of(args: argparse.Namespace, artifact: str | Path) -> dict[str, Any] | None:
+    """The hot-row cache's rows the flags ask for (``infer.artifact.paged.hot_rows_from_sample``), or None;
+    ``ConfigError`` naming the flag and the fix for N < 1 or one flag without the other."""
+    if args.hot_rows is None and args.hot_rows_sample is None:
+        return None
+    if args.hot_rows is None or args.hot_rows_sample is None:
+        raise ConfigError("--hot-rows N and --hot-rows-sample FILE go together: pass both, or neither")
+    if args.hot_rows < 1:
+        raise ConfigError(f"--hot-rows must be at least 1, got {args.hot_rows}; pass the rows the cache may hold")
+    from infer.artifact.manifest import Manifest
+    from infer.artifact.paged import hot_rows_from_sample
+
+    spec = Manifest.read(Path(artifact)).spec
+    return hot_rows_from_sample(spec, args.hot_rows_sample, args.hot_rows)
+
+
+def describe_hot_rows(runtime: Any) -> str | None:
+    """One line on the runtime's hot-row cache (rows, tables, bytes), or None without one."""
+    cache = getattr(runtime.module, "cache", None)
+    if cache is None:
+        return None
+    rows = sum(int(h.numel()) for h in cache.hot)
+    return f"hot-row cache: {rows} rows of {len(cache.hot)} tables resident ({cache.weight_bytes} bytes)"
+
+
 def cmd_run(args: argparse.Namespace) -> int:
     import torch
 
@@ -457,8 +502,14 @@ def cmd_run(args: argparse.Namespace) -> int:
 
     started = time.monotonic()
     device_map = dict(item.split("=", 1) for item in args.device_map.split(",")) if args.device_map else None
+    hot_rows = hot_rows_of(args, args.artifact)
     runtime = load(
-        args.artifact, device_map=device_map, threads=args.threads or None, backend=args.backend, verify=args.verify
+        args.artifact,
+        device_map=device_map,
+        threads=args.threads or None,
+        backend=args.backend,
+        verify=args.verify,
+        hot_rows=hot_rows,
     )
     checked = "checksums verified" if args.verify == "full" else "sizes checked, checksums not verified"
     threads = f"; each CPU kernel splits a batch over up to {runtime.threads} threads" if runtime.threads > 1 else ""
@@ -466,6 +517,9 @@ def cmd_run(args: argparse.Namespace) -> int:
     libraries = f" ({runtime.library_seconds:.2f}s of it importing fbgemm)" if runtime.library_seconds >= 0.01 else ""
     included = "checksums included" if args.verify == "full" else "no checksums"
     print(f"load rate: {_gb_rate(runtime.load_bytes, runtime.load_seconds)}, {included}{libraries}")
+    cache = describe_hot_rows(runtime)
+    if cache is not None:
+        print(cache)
     batch = SparseFeatures.random(runtime.spec, batch_size=args.batch_size, ids_per_bag=args.ids_per_bag, seed=1)
     pooled = runtime.lookup(batch)
     times = []
@@ -713,6 +767,7 @@ def build_parser() -> argparse.ArgumentParser:
         default="full",
         help="checksums at load: full (every file's sha256, chunks in parallel) or none (sizes only)",
     )
+    add_hot_rows_arguments(run)
     run.set_defaults(func=cmd_run)
     return parser
 

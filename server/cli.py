@@ -14,6 +14,7 @@ from pathlib import Path
 from typing import Any
 
 from infer.artifact.load import BACKENDS
+from infer.errors import ConfigError
 from server.workers import WORKER_FLAG
 
 
@@ -93,7 +94,14 @@ def cmd_serve(args: argparse.Namespace) -> int:
     )
     from server.group.leader import GroupConfig, is_multi_host
     from server.group.serve import serve_distributed
+    from server.repository import is_repository
 
+    wants_hot_rows = args.hot_rows is not None or args.hot_rows_sample is not None
+    if wants_hot_rows and (is_multi_host(args.artifact) or is_repository(args.artifact)):
+        raise ConfigError(
+            f"--hot-rows applies to one artifact served whole; {args.artifact} is a repository or a multi-host "
+            "artifact. Serve one artifact folder with it, or leave the flags out"
+        )
     if is_multi_host(args.artifact):
         group = GroupConfig(collective_timeout_s=args.collective_timeout_s, failure_grace_s=args.failure_grace_s)
         # a broken group's peers may never answer: do not wait in process-group teardown at exit
@@ -108,10 +116,15 @@ def cmd_serve(args: argparse.Namespace) -> int:
                 logging.Formatter(f"%(levelname)s worker {args.worker_of_instance} %(name)s: %(message)s")
             )
     artifact: Any = args.artifact
-    if args.backend != "torchscript":
+    if args.backend != "torchscript" or wants_hot_rows:
         from infer.artifact.load import load
+        from infer.cli import describe_hot_rows, hot_rows_of
 
-        artifact = load(args.artifact, backend=args.backend, verify=args.verify)
+        hot_rows = hot_rows_of(args, args.artifact)
+        artifact = load(args.artifact, backend=args.backend, verify=args.verify, hot_rows=hot_rows)
+        cache = describe_hot_rows(artifact)
+        if cache is not None:
+            print(cache, file=sys.stderr, flush=True)  # stdout's first line is the serving line
     # exits from the event loop once stopped; returns only when stopped during start-up
     exit_process(asyncio.run(serve(artifact, config, exiting=True, ready_gate=gate)))
 
@@ -334,6 +347,9 @@ def add_subcommands(subcommands: Any) -> None:
         default="full",
         help="checksums at load: full (every file's sha256, chunks in parallel) or none (sizes only)",
     )
+    from infer.cli import add_hot_rows_arguments
+
+    add_hot_rows_arguments(srv)
     srv.set_defaults(func=cmd_serve, parser=srv)
 
     qry = subcommands.add_parser("query", help="query a server: metadata and one lookup")

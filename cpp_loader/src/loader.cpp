@@ -1160,6 +1160,89 @@ std::string cause_of(const std::exception& err) {
   if (text.size() > 512) text = text.substr(0, 512) + "...";
   return text;
 }
+
+// The lookup program's metadata entry: per kernel (manifest order, comma-separated) `<constant>=<bytes>`, the
+// constant that takes the kernel's mapped weight buffer and the size the program was compiled for; absent when
+// model.pt2 carries its tables itself (infer.artifact.formats.pt2_program.WEIGHT_CONSTANTS_KEY).
+constexpr const char* kWeightConstantsKey = "embserve.weight_constants";
+
+std::vector<std::pair<std::string, int64_t>> read_weight_constants(const std::string& entry,
+                                                                   const std::string& pt2_path) {
+  std::vector<std::pair<std::string, int64_t>> wanted;
+  std::stringstream items(entry);
+  std::string item;
+  while (std::getline(items, item, ',')) {
+    const auto equals = item.rfind('=');
+    // a name, '=', then 1 to 18 digits (a byte count that fits int64)
+    const bool sized = equals != std::string::npos && equals > 0 && equals + 1 < item.size() &&
+                       equals + 19 > item.size() &&
+                       item.find_first_not_of("0123456789", equals + 1) == std::string::npos;
+    if (!sized)
+      throw ModelError(pt2_path + ": malformed " + kWeightConstantsKey + " entry '" + item.substr(0, 80) +
+                       "'; re-export the artifact with `embserve export --pt2`");
+    wanted.emplace_back(item.substr(0, equals), std::stoll(item.substr(equals + 1)));
+  }
+  return wanted;
+}
+
+// A mapped artifact's model.pt2 holds no tables: hand the lookup program every kernel's view of its mapped weight
+// file as a user-managed constant (infer.artifact.formats.pt2_runtime.attach_weight_constants), after the
+// artifact is verified. AOTInductor (libtorch 2.13) keeps a tensor handle of each user-managed constant that it
+// never frees, so it gets a view that does not own the mapping; the returned mappings must outlive the program.
+// Then checks that the program's constants are the mapped bytes themselves (no copy).
+std::vector<std::shared_ptr<void>> attach_pt2_weights(torch::inductor::AOTIModelPackageLoader& program,
+                                                      const schema::Document& data, files::Mappings& mappings,
+                                                      const std::string& pt2_path) {
+  const auto metadata = program.get_metadata();
+  const auto found = metadata.find(kWeightConstantsKey);
+  const bool wants = found != metadata.end() && !found->second.empty();
+  const auto& entry = data["pt2"];
+  const std::string tables = entry.contains("tables") ? entry["tables"].get<std::string>() : "package";
+  if (wants != (tables == "weight_files"))
+    throw ModelError(pt2_path + (wants ? " takes its tables from the weight files" : " carries its tables itself") +
+                     ", but the manifest's pt2.tables says '" + tables + "': model.pt2 and the manifest come from " +
+                     "different exports. Re-export the artifact with `embserve export --pt2`");
+  if (!wants) return {};
+  const auto wanted = read_weight_constants(found->second, pt2_path);
+  const auto& kernels = data["kernels"];
+  const auto fqns = program.get_constant_fqns();
+  bool agree = wanted.size() == kernels.size();
+  for (size_t k = 0; agree && k < kernels.size(); ++k)
+    agree = kernels[k].contains("weights") && kernels[k]["weights"]["bytes"].get<int64_t>() == wanted[k].second &&
+            std::find(fqns.begin(), fqns.end(), wanted[k].first) != fqns.end();
+  if (!agree)
+    throw ModelError(pt2_path + " was compiled for mapped weight buffers the manifest does not map (model.pt2 and " +
+                     "the manifest come from different exports); re-export the artifact with `embserve export --pt2`");
+  std::unordered_map<std::string, at::Tensor> constants;
+  std::map<std::string, const void*> first_bytes;  // by constant: where its mapped buffer starts
+  std::vector<std::shared_ptr<void>> held;
+  for (size_t k = 0; k < kernels.size(); ++k) {
+    const auto& weights = kernels[k]["weights"];
+    const auto name = weights["file"].get<std::string>();
+    const auto mapping = mappings.get(name, data["files"][name]["bytes"].get<uint64_t>());
+    const at::Tensor view = files::mapped_tensor(mapping, weights["offset"].get<int64_t>(), wanted[k].second);
+    constants.emplace(wanted[k].first, at::from_blob(view.data_ptr(), {view.numel()}, view.options()));
+    first_bytes.emplace(wanted[k].first, view.data_ptr());
+    held.push_back(mapping);
+  }
+  try {
+    program.load_constants(constants, /*use_inactive=*/false, /*check_full_update=*/false, /*user_managed=*/true);
+  } catch (const std::exception& err) {
+    throw ModelError(pt2_path + " does not take the mapped weights: " + cause_of(err) +
+                     "; re-export the artifact with `embserve export --pt2`");
+  }
+  // extract_constants_map keys constants by their original FQN (the name load_constants takes)
+  size_t reading = 0;  // constants whose data is the mapped buffer itself
+  for (const auto& [fqn, tensor] : program.get_runner()->extract_constants_map(/*use_inactive=*/false)) {
+    const auto expected = first_bytes.find(fqn);
+    if (expected != first_bytes.end() && tensor.data_ptr() == expected->second) ++reading;
+  }
+  if (reading != first_bytes.size())
+    throw ModelError(pt2_path + ": AOTInductor holds " + std::to_string(reading) + " of the " +
+                     std::to_string(first_bytes.size()) + " mapped weight buffers as given (it copied the others; " +
+                     "this libtorch's user-managed constants differ from 2.13's); load with the TorchScript backend");
+  return held;
+}
 }  // namespace
 
 namespace {
@@ -1331,7 +1414,8 @@ Model Model::load(const std::string& artifact_dir, const LoadOptions& options) {
                        " (are the fbgemm libraries in the manifest's fbgemm.libraries the ones it was compiled with?)");
     }
     if (options.intra_op_threads > 0) at::set_num_threads(options.intra_op_threads);
-    verified();  // model.pt2 keeps its own copy of the weights (constants): no weight file is mapped
+    verified();  // before any weight file is handed to the program
+    model.pt2_mappings_ = attach_pt2_weights(*model.pt2_, data, mappings, pt2_path.string());
     model.load_seconds_ = seconds_since(started);
     return model;
   }

@@ -143,7 +143,7 @@ def export(
         if pt2:
             from infer.artifact.formats.pt2_export import export_pt2
 
-            pt2_entry = export_pt2(model, staging)
+            pt2_entry = export_pt2(model, staging, kernels)
             files.append(FileEntry.of(staging, pt2_entry.file))
         format_version = MAPPED_FORMAT_VERSION if weights == MAPPED else FORMAT_VERSION
         write_manifest(staging, model, plan, files, kernels, dense_expects, format_version, onnx_entry, pt2_entry)

@@ -138,6 +138,8 @@ class OnnxEntry:
 
 PT2_FILE = "model.pt2"
 PT2_INPUTS = ("values:int64", "lengths:int64", "weights:float32")
+PT2_TABLES_IN_PACKAGE = "package"  # Pt2Entry.tables: constants inside model.pt2
+PT2_TABLES_IN_WEIGHT_FILES = "weight_files"  # Pt2Entry.tables: the mapped weight files, handed over at load
 
 
 @dataclass(frozen=True)
@@ -148,13 +150,17 @@ class Pt2Entry:
     ``torch_version``: the torch that compiled it (the package's code runs only under that version);
     ``device``: where its kernels run; ``inputs``: its program's positional inputs, ``name:dtype``;
     ``dense_program``: the package's second program, the dense part ``(dense_features, pooled) -> scores``
-    (None: lookups only)."""
+    (None: lookups only); ``tables``: where the program's tables are, ``"package"`` (constants inside model.pt2;
+    also what an entry without the key means) or ``"weight_files"`` (a mapped artifact's: the loaders hand the
+    program the mapped buffers its metadata names, ``infer.artifact.formats.pt2_program.WEIGHT_CONSTANTS_KEY``;
+    a loader that does not know the key refuses the manifest rather than run the program without its tables)."""
 
     file: str
     torch_version: str
     device: str
     inputs: tuple[str, ...] = PT2_INPUTS
     dense_program: str | None = None
+    tables: str = PT2_TABLES_IN_PACKAGE
 
     def to_dict(self) -> dict[str, Any]:
         data: dict[str, Any] = {
@@ -165,6 +171,8 @@ class Pt2Entry:
         }
         if self.dense_program is not None:  # only then: a lookups-only entry keeps the four keys
             data["dense_program"] = self.dense_program
+        if self.tables != PT2_TABLES_IN_PACKAGE:  # only then: an older entry means the package
+            data["tables"] = self.tables
         return data
 
     @classmethod
@@ -175,6 +183,7 @@ class Pt2Entry:
             str(data["device"]),
             tuple(data["inputs"]),
             data.get("dense_program"),
+            str(data.get("tables", PT2_TABLES_IN_PACKAGE)),
         )
 
 

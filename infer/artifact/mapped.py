@@ -150,15 +150,17 @@ def check_no_saved_weights(model_path: Path, tbes: Sequence[Any], kernels: Seque
             )
 
 
-def attach_weights(
-    folder: Path, tbes: Sequence[Any], kernels: Sequence[Kernel], file_bytes: Mapping[str, int]
-) -> dict[str, torch.Tensor]:
-    """Map every weight file the ``kernels`` name (each once, read-only, its size checked against
-    ``file_bytes`` first) and set each mapped kernel's ``weights_host`` to its buffer's view; returns the
-    mappings by file name."""
+def map_kernel_weights(
+    folder: Path, kernels: Sequence[Kernel], file_bytes: Mapping[str, int]
+) -> tuple[list[torch.Tensor | None], dict[str, torch.Tensor]]:
+    """Map every weight file the ``kernels`` name (each once, read-only, its size checked against ``file_bytes``
+    first); returns each kernel's view of its buffer (None for a kernel without a weight file) and the mappings
+    by file name."""
     mappings: dict[str, torch.Tensor] = {}
-    for tbe, kernel in zip(tbes, kernels):
+    views: list[torch.Tensor | None] = []
+    for kernel in kernels:
         if kernel.weights is None or kernel.shared is None:
+            views.append(None)
             continue
         name = kernel.weights.file
         if name not in mappings:
@@ -166,5 +168,17 @@ def attach_weights(
                 raise ArtifactError(f"the manifest lists no file {name!r}", path=name, kind=ArtifactErrorKind.CHECKSUM)
             mappings[name] = map_read_only(folder / name, file_bytes[name])
         first = kernel.weights.offset
-        tbe.weights_host = mappings[name][first : first + kernel.shared.total_bytes]
+        views.append(mappings[name][first : first + kernel.shared.total_bytes])
+    return views, mappings
+
+
+def attach_weights(
+    folder: Path, tbes: Sequence[Any], kernels: Sequence[Kernel], file_bytes: Mapping[str, int]
+) -> dict[str, torch.Tensor]:
+    """Map every weight file the ``kernels`` name (``map_kernel_weights``) and set each mapped kernel's
+    ``weights_host`` to its buffer's view; returns the mappings by file name."""
+    views, mappings = map_kernel_weights(folder, kernels, file_bytes)
+    for tbe, view in zip(tbes, views):
+        if view is not None:
+            tbe.weights_host = view
     return mappings

@@ -18,6 +18,7 @@ from __future__ import annotations
 import logging
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any, cast
 
 import numpy as np
@@ -117,6 +118,30 @@ def choose_hot_rows(spec: ModelSpec, sample_ids: Mapping[str, Any], max_rows: in
         tables[t]: torch.from_numpy(row[order[which[order] == t]].astype(np.int64))
         for t in sorted(set(which[order].tolist()))
     }
+
+
+def hot_rows_from_sample(spec: ModelSpec, path: str | Path, max_rows: int) -> dict[str, torch.Tensor]:
+    """``choose_hot_rows`` of a file of sampled request ids (``embserve serve|run --hot-rows-sample FILE``): JSON
+    ``{feature: [ids]}`` or an ``.npz`` of one int array per feature, the planner's ``--sample-ids`` format read
+    by ``infer.planner.access.load_sample_ids`` (a table's features share its rows). ``ConfigError`` naming the
+    file, the feature and its table, and the fix, for an unreadable file, ids outside a table or no ids."""
+    from infer.errors import PlanError
+    from infer.planner.access import load_sample_ids
+
+    if max_rows < 1:
+        raise ConfigError(f"the hot-row cache needs at least 1 row, got {max_rows}; pass --hot-rows N with N >= 1")
+    try:
+        sample = load_sample_ids(path, spec)
+    except PlanError as err:
+        raise ConfigError(f"hot-row sample: {err}") from None
+    by_table = {t.name: sample.table_ids(t) for t in spec.tables}
+    by_table = {name: ids for name, ids in by_table.items() if ids.size}
+    if not by_table:
+        raise ConfigError(
+            f"hot-row sample {str(path)!r} holds no ids of the model's features {list(spec.feature_names)[:20]}; "
+            "write the ids seen in requests per feature"
+        )
+    return choose_hot_rows(spec, by_table, max_rows)
 
 
 def _table(spec: ModelSpec, name: str, what: str) -> Any:

@@ -71,6 +71,7 @@ def load_sample_ids(path: str | os.PathLike[str], spec: ModelSpec) -> AccessSamp
 def sample_from_ids(raw: Mapping[str, object], spec: ModelSpec, source: str = "sample ids") -> AccessSample:
     """An ``AccessSample`` from ids per feature (lists or arrays), checked against the spec."""
     rows = {f.name: f.num_embeddings for f in spec.features}
+    tables = {f.name: f.table for f in spec.features}
     ids: dict[str, np.ndarray] = {}
     for feature, values in raw.items():
         if feature not in rows:
@@ -87,7 +88,8 @@ def sample_from_ids(raw: Mapping[str, object], spec: ModelSpec, source: str = "s
         array = array.astype(np.int64)
         if array.size and (array.min() < 0 or array.max() >= rows[feature]):
             raise PlanError(
-                f"{source}: feature {feature!r} has ids outside [0, {rows[feature]}); fix the sample",
+                f"{source}: feature {feature!r} has ids outside [0, {rows[feature]}) (the rows of its table "
+                f"{tables[feature]!r}); fix the sample",
                 PlanErrorKind.INVALID_CONSTRAINT,
             )
         ids[feature] = array

@@ -15,7 +15,7 @@ from typing import Any
 
 from infer.config import ModelSpec, TableConfig
 from infer.planner.access import AccessSample
-from infer.planner.types import MemoryTier, ParameterConstraints, TablePlan
+from infer.planner.types import MemoryTier, ParameterConstraints, ShardingType, TablePlan
 
 UNIFORM_ACCESS = "uniform per row"
 
@@ -53,22 +53,30 @@ def assign_tiers(
     resident_memory: int,
     mapped_capacity: int | None,
     sample: AccessSample | None = None,
+    views: bool = False,
 ) -> tuple[tuple[TablePlan, ...], dict[str, Any]]:
     """The plan's tables with each shard's tier, and the tier stats for ``ShardingPlan.planner``.
 
     ``resident_memory`` is the RAM the plan may use (every device's usable memory); the batches' buffers are
     always resident, the weights' blocks are taken hottest first (reads per byte, then table order) while
-    they fit.
+    they fit. ``views`` (``Topology.cpu_views``: one CPU host): the column slices of a row range are views of
+    the same stored rows (every slice reads the same pages), so they are one block, tiered together.
     """
     order = {t.name: i for i, t in enumerate(spec.tables)}
     blocks: dict[tuple[str, int, int, int, int], _Block] = {}
     buffers = 0
+
+    def block_key(plan: TablePlan, shard: Any) -> tuple[str, int, int, int, int]:
+        if views and plan.sharding_type == ShardingType.COLUMN_WISE:
+            return (plan.table, shard.row_offset, shard.num_rows, 0, spec.table(plan.table).embedding_dim)
+        return (plan.table, shard.row_offset, shard.num_rows, shard.col_offset, shard.num_cols)
+
     for plan in tables:
         table = spec.table(plan.table)
         table_constraints = constraints.get(plan.table, ParameterConstraints())
         for shard in plan.shards:
             buffers += shard.input_bytes + shard.output_bytes
-            key = (plan.table, shard.row_offset, shard.num_rows, shard.col_offset, shard.num_cols)
+            key = block_key(plan, shard)
             known = blocks.get(key)
             if known is not None:
                 blocks[key] = replace(known, weight_bytes=known.weight_bytes + shard.weight_bytes)
@@ -93,10 +101,7 @@ def assign_tiers(
     tiered = tuple(
         replace(
             plan,
-            shards=tuple(
-                replace(s, tier=tiers[(plan.table, s.row_offset, s.num_rows, s.col_offset, s.num_cols)])
-                for s in plan.shards
-            ),
+            shards=tuple(replace(s, tier=tiers[block_key(plan, s)]) for s in plan.shards),
         )
         for plan in tables
     )

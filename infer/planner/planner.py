@@ -131,8 +131,9 @@ class EmbeddingPlanner:
         if not self.is_inference or topology.is_cuda:
             return plan
         tables, tier_stats = assign_tiers(
-            plan.tables, spec, constraints, sum(topology.device_memory), topology.mapped_capacity, sample
-        )
+            plan.tables, spec, constraints, sum(topology.device_memory), topology.mapped_capacity, sample,
+            topology.cpu_views,
+        )  # fmt: skip
         return replace(plan, tables=tables, planner={**plan.planner, "memory_tiers": tier_stats})
 
     def device_budgets(

@@ -16,6 +16,13 @@ from infer.quant.rowwise import TABLE_ALIGNMENT, round_up, table_bytes, unpadded
 
 INDEX_BYTES = 8  # int64 ids and offsets
 OUTPUT_BYTES = 4  # fp32 pooled output
+# shardings whose shards on one CPU host are views of one stored copy of the table (Topology.cpu_views)
+VIEW_SHARDINGS = (
+    ShardingType.REPLICATED,
+    ShardingType.ROW_WISE,
+    ShardingType.TABLE_ROW_WISE,
+    ShardingType.COLUMN_WISE,
+)
 
 
 def _row_fraction(ctx: ShardContext) -> float:
@@ -55,11 +62,15 @@ class InferenceStorageEstimator:
     def storage(self, ctx: ShardContext) -> Storage:
         if self.is_inference:
             weights = table_bytes(ctx.num_rows, ctx.num_cols, ctx.data_type, ctx.topology.row_alignment)
-            one_host = ctx.topology.local_world_size >= ctx.topology.world_size
-            if ctx.sharding_type == ShardingType.REPLICATED and not ctx.topology.is_cuda and one_host:
-                # the replicas of one CPU host share one buffer (infer.shard.builder.shared_cpu_storage):
-                # each device accounts for its share of the one copy
-                weights = round_up(-(-weights // ctx.num_shards), TABLE_ALIGNMENT)
+            if ctx.sharding_type in VIEW_SHARDINGS and ctx.topology.cpu_views:
+                # on one CPU host the shards of a replicated, row- or column-wise table are views of one stored
+                # copy of the whole table (infer.shard.builder.shared_cpu_storage): each device accounts for its
+                # share of that one copy (a column slice would count every row's scale and bias again)
+                table = ctx.table
+                whole = table_bytes(
+                    table.num_embeddings, table.embedding_dim, ctx.data_type, ctx.topology.row_alignment
+                )
+                weights = round_up(-(-whole // ctx.num_shards), TABLE_ALIGNMENT)
             extra = 0
         else:
             weights = table_bytes(ctx.num_rows, ctx.num_cols, DataType.FP32, ctx.topology.row_alignment)

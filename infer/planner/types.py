@@ -124,6 +124,13 @@ class Topology:
         return self.compute_device == ComputeDevice.CUDA
 
     @property
+    def cpu_views(self) -> bool:
+        """Whether the devices are CPU cores of one host, sharing one memory: a table's replicas and its row- and
+        column-wise shards are then views of one stored copy of the table (``infer.shard.builder.cpu_views``),
+        so the table costs one copy however it is split."""
+        return not self.is_cuda and self.local_world_size >= self.world_size
+
+    @property
     def pages_weights(self) -> bool:
         """Whether tables beyond the resident budget may be served paged from mapped files (CPU only)."""
         return not self.is_cuda and self.mapped_capacity != 0

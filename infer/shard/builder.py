@@ -118,8 +118,7 @@ def cpu_views(plan: ShardingPlan) -> bool:
     ``i * B // n`` up to ``(i + 1) * B // n``, like a replica: no bucketizing of ids, no partial sums, no
     copied rows or column slices. The plan keeps its shards for placement and accounting; the C++ loader
     derives the same layout (``read_checked_plan``)."""
-    topology = plan.topology
-    return not topology.is_cuda and topology.local_world_size >= topology.world_size
+    return plan.topology.cpu_views
 
 
 def device_layouts(spec: ModelSpec, plan: ShardingPlan) -> list[DeviceLayout]:

@@ -181,13 +181,14 @@ def test_predictions_match_the_torchscript_artifact(compiled):
 def test_manifest_lists_model_pt2(compiled):
     name, _, path, _, pt2 = compiled
     manifest = json.loads((path / "manifest.json").read_text())
-    assert manifest["format_version"] == 3  # export's default (mapped); model.pt2 keeps its own copy of the weights
+    assert manifest["format_version"] == 3  # export's default (mapped): model.pt2 reads the weight files too
     assert manifest["pt2"] == {
         "file": "model.pt2",
         "torch_version": torch.__version__,
         "device": "cpu",
         "inputs": ["values:int64", "lengths:int64", "weights:float32"],
         **({"dense_program": "dense"} if name == "unsharded" else {}),
+        "tables": "weight_files",
     }
     assert manifest["files"]["model.pt2"]["bytes"] == (path / "model.pt2").stat().st_size
     assert len(manifest["files"]["model.pt2"]["sha256"]) == 64
@@ -381,7 +382,8 @@ def test_cli_inspect_and_run_with_the_pt2_backend(compiled):
         [sys.executable, "-m", "infer.cli", "inspect", str(path)], capture_output=True, text=True, timeout=120
     )
     assert inspect.returncode == 0, inspect.stderr
-    assert f"pt2          model.pt2 (AOTInductor, lookups + dense), torch {torch.__version__}, cpu" in inspect.stdout
+    expected = "pt2          model.pt2 (AOTInductor, lookups + dense; tables from the weight files), torch"
+    assert f"{expected} {torch.__version__}, cpu" in inspect.stdout
     command = [sys.executable, "-m", "infer.cli", "run", str(path), "--backend", "pt2", "--iterations", "2"]
     run = subprocess.run(command, capture_output=True, text=True, timeout=120)
     assert run.returncode == 0, run.stderr

@@ -219,3 +219,80 @@ def test_bench_names_the_backend(embserve_run, pt2_artifact, tmp_path):
     assert result.returncode == 0, result.stderr
     line = json.loads(result.stdout.strip().splitlines()[-1])
     assert line["backend"] == "pt2" and line["calls"] == 50 and line["lookups_per_s"] > 0
+
+
+# the seeds of conftest's pt2_artifact and sharded_pt2_artifact (quantize is deterministic)
+PT2_ARTIFACT_SEEDS = {"mixed": 11, "sharded_tw2": 12}
+
+
+def test_pt2_takes_its_tables_from_the_weight_files_and_matches_fp32(embserve_run, any_pt2_artifact, tmp_path):
+    """model.pt2 of a mapped artifact holds no tables (its metadata names the constants the loader hands the
+    mapped buffers to); the C++ program's lookups equal fp32 ``F.embedding_bag`` on the dequantized tables."""
+    from infer.artifact.manifest import Manifest
+    from infer.quant.quantize import quantize
+    from infer.weights import random_weights
+    from tests.support.call_contract import Reference, assert_matches
+
+    manifest = Manifest.read(any_pt2_artifact)
+    assert manifest.mapped and all(k.weights is not None for k in manifest.kernels)
+    spec = mixed_spec()
+    reference = Reference(spec, quantize(spec, random_weights(spec, seed=PT2_ARTIFACT_SEEDS[any_pt2_artifact.name])))
+    requests = parity_requests(64)
+    result, responses = run_requests(embserve_run, any_pt2_artifact, requests, tmp_path)
+    assert result.returncode == 0, result.stderr
+    for response, (values, lengths, weights) in zip(responses, requests, strict=True):
+        assert response.ok, response.message
+        assert_matches(response.output, reference.pooled(SparseFeatures(spec.feature_names, values, lengths, weights)))
+
+
+@pytest.mark.parametrize("damage", ["flipped_byte", "truncated"])
+def test_a_damaged_weight_file_is_a_checksum_error_for_pt2(embserve_run, pt2_artifact, tmp_path, damage):
+    """Verified (sizes before mapping, then chunks) before the program gets the mapped weights: ChecksumError
+    naming the file, never a program run on them."""
+    artifact = copy_artifact(pt2_artifact, tmp_path)
+    target = artifact / "weights-0.bin"
+    data = bytearray(target.read_bytes())
+    if damage == "flipped_byte":
+        data[len(data) // 2] ^= 0x01
+    else:
+        data = data[: len(data) - 4096]
+    target.write_bytes(bytes(data))
+    assert_clean_failure(run(embserve_run, artifact, "--backend", "pt2"), "ChecksumError", "weights-0.bin")
+
+
+def test_a_pt2_package_from_another_export_is_a_model_error(embserve_run, pt2_artifact, sharded_pt2_artifact, tmp_path):
+    """model.pt2 compiled for other weight buffers (re-hashed into the manifest) is refused naming model.pt2 and
+    the fix, never run over buffers it was not compiled for."""
+    artifact = copy_artifact(pt2_artifact, tmp_path)
+    (artifact / "model.pt2").write_bytes((sharded_pt2_artifact / "model.pt2").read_bytes())
+    rehash(artifact, "model.pt2")
+    assert_clean_failure(run(embserve_run, artifact, "--backend", "pt2"), "ModelError", "model.pt2", "re-export")
+
+
+def test_an_embedded_pt2_keeps_its_tables_and_matches_fp32(embserve_run, tmp_path):
+    """An artifact without weight files (``weights="embedded"``, as every model.pt2 was before) compiles its tables
+    into model.pt2: the C++ loader runs it as it is, no mapping handed over, and it equals the fp32 reference."""
+    from infer.artifact.export import export
+    from infer.quant.quantize import quantize
+    from infer.weights import random_weights
+    from tests.support.call_contract import Reference, assert_matches
+
+    spec = mixed_spec()
+    model = quantize(spec, random_weights(spec, seed=13))
+    artifact = export(model, tmp_path / "embedded", pt2=True, weights="embedded")
+    assert not list(artifact.glob("weights-*.bin"))
+    requests = parity_requests(16)
+    result, responses = run_requests(embserve_run, artifact, requests, tmp_path)
+    assert result.returncode == 0, result.stderr
+    reference = Reference(spec, model)
+    for response, (values, lengths, weights) in zip(responses, requests, strict=True):
+        assert response.ok, response.message
+        assert_matches(response.output, reference.pooled(SparseFeatures(spec.feature_names, values, lengths, weights)))
+
+
+def test_a_manifest_that_says_the_package_holds_the_tables_is_a_model_error(embserve_run, pt2_artifact, tmp_path):
+    """A mapped export's manifest says pt2.tables "weight_files"; one edited to say otherwise (or written before
+    the key) beside a package that lacks its tables is refused, never run on the package's stand-ins."""
+    artifact = copy_artifact(pt2_artifact, tmp_path)
+    edit_manifest(artifact, lambda m: m["pt2"].pop("tables"))
+    assert_clean_failure(run(embserve_run, artifact, "--backend", "pt2"), "ModelError", "model.pt2", "pt2.tables")

@@ -148,3 +148,48 @@ def test_cli_export_plans_tiers_and_inspect_shows_them(tmp_path, capsys):
     lines = capsys.readouterr().out.splitlines()
     assert any(line.split()[:2] == ["big", "paged"] for line in lines)
     assert any(line.split()[:2] == ["small", "resident"] for line in lines)
+
+
+def _aligned(size: int) -> int:
+    return -(-size // 128) * 128
+
+
+@pytest.mark.parametrize("sharding", [ShardingType.COLUMN_WISE, ShardingType.ROW_WISE])
+def test_view_shards_on_one_cpu_host_count_their_table_once(sharding):
+    """On one CPU host a row- or column-wise table's shards are views of one stored copy: each of its n shards
+    accounts for 1/n of the whole table's bytes (by hand), and the tier stats add up to one copy (a column
+    slice does not repeat every row's scale and bias). Over two CPU hosts the shards are real slices and keep
+    their own sizes."""
+    rows, dim = 1_000_003, 64
+    spec = ModelSpec((TableConfig("wide", rows, dim, ("fwide",)),))
+    split = {"wide": ParameterConstraints(sharding_types=(sharding,))}
+    whole = _aligned(rows * (dim + 4))  # INT8 rows of dim + 4 bytes, the table 128-byte aligned
+    plan = plan_for_inference(spec, Topology(4, ComputeDevice.CPU, (C.GB,)), constraints=split)
+    (table,) = plan.tables
+    count = len(table.shards)
+    assert table.sharding_type == sharding and count >= 2
+    share = _aligned(-(-whole // count))
+    assert [s.weight_bytes for s in table.shards] == [share] * count
+    stats = plan.planner["memory_tiers"]
+    assert stats["resident_bytes"] + stats["paged_bytes"] == count * share < whole + count * 128
+    # two hosts of two CPU devices: no views, each shard stores its own slice
+    hosts = plan_for_inference(spec, Topology(4, ComputeDevice.CPU, (C.GB,), local_world_size=2), constraints=split)
+    shards = hosts.tables[0].shards
+    if sharding == ShardingType.COLUMN_WISE:
+        assert [s.weight_bytes for s in shards] == [_aligned(rows * (s.num_cols + 4)) for s in shards]
+    else:
+        assert [s.weight_bytes for s in shards] == [_aligned(s.num_rows * (dim + 4)) for s in shards]
+
+
+def test_column_slices_of_one_cpu_host_are_tiered_together():
+    """The column slices of a view table read the same pages: with room for half the table, every slice gets
+    the same tier (one block), never some slices resident and others paged."""
+    rows, dim = 4_000_000, 128
+    spec = ModelSpec((TableConfig("wide", rows, dim, ("fwide",)),))
+    split = {"wide": ParameterConstraints(sharding_types=(ShardingType.COLUMN_WISE,))}
+    whole = rows * (dim + 4)  # 528 MB, 128-byte aligned already
+    memory = int(whole * 0.6 / 4 / (1 - C.DEFAULT_RESERVED_PERCENT / 100))  # 60 % of the table over 4 devices
+    plan = plan_for_inference(spec, Topology(4, ComputeDevice.CPU, (memory,)), constraints=split)
+    assert len(plan.tables[0].shards) > 1
+    assert {s.tier for s in plan.tables[0].shards} == {MemoryTier.PAGED}
+    assert plan.planner["memory_tiers"]["paged_bytes"] == whole

@@ -168,6 +168,8 @@ class Model {
   double library_seconds_ = 0.0;
   Backend backend_ = Backend::TorchScript;
   std::shared_ptr<torch::jit::Module> module_;
+  // the weight files a Pt2 program reads (a mapped artifact's): declared before the program, so released after it
+  std::vector<std::shared_ptr<void>> pt2_mappings_;
   std::shared_ptr<torch::inductor::AOTIModelPackageLoader> pt2_;
   std::shared_ptr<torch::inductor::AOTIModelPackageLoader> pt2_dense_;  // the package's dense program, or null
   std::string program_path_;  // the file that runs: model.pt or model.pt2

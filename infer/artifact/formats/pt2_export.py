@@ -16,21 +16,24 @@ from __future__ import annotations
 import copy
 import logging
 import time
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
 import torch
 
 from infer import request_rules as rules
-from infer.artifact.manifest import PT2_FILE, Pt2Entry
+from infer.artifact.kernels import Kernel
+from infer.artifact.manifest import PT2_FILE, PT2_TABLES_IN_PACKAGE, PT2_TABLES_IN_WEIGHT_FILES, Pt2Entry
 from infer.errors import ConfigError
 
 logger = logging.getLogger(__name__)
 
-# The tables are constants of the program. AOTInductor's default puts them in the generated .so, which a
-# loader maps and then copies into its own buffer: 2.35x the table bytes resident after load (bench/pt2.py).
-# As a binary blob beside the .so, inside the same package, they are read once: 1.05x. Same file size;
-# AOTIModelPackageLoader (Python and C++) reads both layouts.
+# A mapped artifact's tables are not in the package: the loaders hand the program the mapped weight buffers as
+# user-managed constants (pt2_program.weights_constant). An embedded artifact's tables are constants of the
+# program. AOTInductor's default puts constants in the generated .so, which a loader maps and then copies into
+# its own buffer: 2.35x the table bytes resident after load (bench/pt2.py). As a binary blob beside the .so,
+# inside the same package, they are read once: 1.05x. AOTIModelPackageLoader (Python and C++) reads both.
 INDUCTOR_CONFIGS = {
     "aot_inductor.package_constants_in_so": False,
     "aot_inductor.package_constants_on_disk_format": "binary_blob",
@@ -81,27 +84,35 @@ def export_program(program: torch.nn.Module, num_features: int, device: str) -> 
         raise ConfigError(f"the model's lookups cannot be exported with torch.export: {first_line}") from None
 
 
-def export_pt2(model: Any, folder: Path) -> Pt2Entry:
-    """Write ``folder/model.pt2`` for ``model`` (an ``EmbserveModel``, sharded or not) and describe it."""
+def export_pt2(model: Any, folder: Path, kernels: Sequence[Kernel] | None = None) -> Pt2Entry:
+    """Write ``folder/model.pt2`` for ``model`` (an ``EmbserveModel``, sharded or not) and describe it.
+
+    ``kernels``: the artifact's kernels (in kernel order). Each one with a weight file (a mapped artifact's CPU
+    kernel) is compiled without its tables: the lookup program's metadata (``WEIGHT_CONSTANTS_KEY``) names, per
+    kernel, the constant that takes the kernel's mapped buffer at load, and the buffer's size."""
     from infer.artifact.fbgemm_libs import load_fbgemm
-    from infer.artifact.formats.pt2_program import lookup_program
+    from infer.artifact.formats.pt2_program import WEIGHT_CONSTANTS_KEY, lookup_program, weight_constants_entry
 
     load_fbgemm()  # the bounds-check and lookup operators, and their fake kernels
     device = program_device(model)
     started = time.monotonic()
     # the dense part first: one that cannot be exported is refused before the lookups are traced
     dense = export_dense(model, device) if getattr(model, "has_dense", False) else None
-    program = lookup_program(model).eval()
+    program = lookup_program(model, kernels).eval()
+    mapped = [k for k in kernels or () if k.weights is not None]
+    if mapped and len(mapped) != len(kernels or ()):  # pragma: no cover - a one-device program: all or none mapped
+        raise ConfigError("model.pt2 takes every kernel's weights from the weight files or none")
+    # the package says itself which constants it lacks: a loader cannot run it without handing them over
+    metadata = {WEIGHT_CONSTANTS_KEY: weight_constants_entry(mapped)} if mapped else {}
     exported = export_program(program, len(model.spec.features), device)
     logger.info("compiling %s with AOTInductor (about a minute)...", PT2_FILE)
     compile_started = time.monotonic()
     path = folder / PT2_FILE
     if dense is None:
-        torch._inductor.aoti_compile_and_package(
-            exported, package_path=str(path), inductor_configs=dict(INDUCTOR_CONFIGS)
-        )
+        configs = {**INDUCTOR_CONFIGS, "aot_inductor.metadata": metadata}
+        torch._inductor.aoti_compile_and_package(exported, package_path=str(path), inductor_configs=configs)
     else:
-        _compile_programs({"model": exported, DENSE_PROGRAM: dense}, path)
+        _compile_programs({"model": exported, DENSE_PROGRAM: dense}, path, {"model": metadata})
     logger.info(
         "compiled %s in %.1fs (export %.1fs)",
         PT2_FILE,
@@ -113,6 +124,7 @@ def export_pt2(model: Any, folder: Path) -> Pt2Entry:
         torch_version=torch.__version__,
         device=device,
         dense_program=DENSE_PROGRAM if dense is not None else None,
+        tables=PT2_TABLES_IN_WEIGHT_FILES if mapped else PT2_TABLES_IN_PACKAGE,
     )
 
 
@@ -170,14 +182,16 @@ def export_dense(model: Any, device: str) -> torch.export.ExportedProgram:
         ) from None
 
 
-def _compile_programs(programs: dict[str, torch.export.ExportedProgram], path: Path) -> None:
-    """Several programs in one AOTInductor package, each under its name (``load_package(path, name)``)."""
+def _compile_programs(
+    programs: dict[str, torch.export.ExportedProgram], path: Path, metadata: dict[str, dict[str, str]]
+) -> None:
+    """Several programs in one AOTInductor package, each under its name (``load_package(path, name)``), each with
+    its ``metadata`` (by name, default none)."""
     from torch._inductor.package import package_aoti
 
     files = {}
     for name, program in programs.items():
         args, kwargs = program.example_inputs
-        files[name] = torch._inductor.aot_compile(
-            program.module(), args, kwargs, options={"aot_inductor.package": True, **INDUCTOR_CONFIGS}
-        )
+        options = {"aot_inductor.package": True, **INDUCTOR_CONFIGS, "aot_inductor.metadata": metadata.get(name, {})}
+        files[name] = torch._inductor.aot_compile(program.module(), args, kwargs, options=options)
     package_aoti(str(path), files)  # type: ignore[arg-type]

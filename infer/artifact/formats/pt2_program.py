@@ -13,6 +13,11 @@ features, or one replica's slice of the batch, gets its ids gathered with a mask
 empty, and its rows of the output are taken from it). (A slice of the ids with a data-dependent start would copy less,
 but AOTInductor in torch 2.13 drops the start of such a slice from the generated code.)
 
+Weights: a mapped artifact's kernel (``Kernel.weights``) is compiled with a 64-byte stand-in for its weight
+buffer (``dev_weights``) and the tables' places in its weight file (``weights_offsets``); the loaders hand the
+program the mapped buffer as an AOTInductor user-managed constant (``weights_constant``), so ``model.pt2`` holds
+no table bytes. A kernel without a weight file keeps its buffer as a constant inside the package.
+
 The signature is fixed (the C++ loader's contract):
 ``forward(values int64[N], lengths int64[F*B], weights float32[N]) -> float32[B, output_dim]``; a request
 without weights passes ones (a weight of 1.0 leaves every product exact).
@@ -20,12 +25,14 @@ without weights passes ones (a weight of 1.0 leaves every product exact).
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
 import torch
 from torch import Tensor, nn
 
+from infer.artifact.kernels import Kernel
 from infer.config import PoolingType
 from infer.errors import ConfigError
 from infer.modules.sharded import READ_BATCH_SLICE, READ_ROW_BLOCK
@@ -35,21 +42,68 @@ BOUNDS_CHECK_FATAL = 0
 POOLING_SUM = 0
 
 
+# A mapped kernel's weight buffer at compile time. Not empty and over 8 entries: Inductor drops an empty constant
+# from the program and inlines a 1-D one of up to 8 entries as code (GraphLowering.can_inline_constant), and
+# neither can be handed over at load.
+STAND_IN_BYTES = 64
+# The lookup program's metadata entry: per kernel (in the manifest's kernel order, comma-separated)
+# ``<constant>=<bytes>``, the constant that takes the kernel's mapped weight buffer at load and the buffer's size
+# the program was compiled for (a loader refuses a buffer of another size: the program's table places lie inside
+# that many bytes). Absent when the package carries its tables itself (an embedded artifact's, or one exported
+# before the package took its weights from the weight files). The C++ loader reads the same entry.
+WEIGHT_CONSTANTS_KEY = "embserve.weight_constants"
+
+
+def weights_constant(kernel: int) -> str:
+    """The program constant (fully qualified name) of kernel ``kernel``'s weight buffer."""
+    return f"kernels.{kernel}.dev_weights"
+
+
+def weight_constants_entry(kernels: Sequence[Kernel]) -> str:
+    """``WEIGHT_CONSTANTS_KEY``'s value for a program over ``kernels`` (each with a weight file)."""
+    return ",".join(
+        f"{weights_constant(k)}={kernel.shared.total_bytes if kernel.shared else 0}" for k, kernel in enumerate(kernels)
+    )
+
+
+def read_weight_constants(entry: str) -> list[tuple[str, int]]:
+    """``(constant, bytes)`` per kernel from ``WEIGHT_CONSTANTS_KEY``'s value (``[]`` for an empty one);
+    ``ValueError`` for a malformed one."""
+    pairs = []
+    for item in entry.split(",") if entry else []:
+        name, _, size = item.rpartition("=")
+        if not name or not size.isdigit():
+            raise ValueError(f"malformed {WEIGHT_CONSTANTS_KEY} entry {item[:80]!r}")
+        pairs.append((name, int(size)))
+    return pairs
+
+
 class KernelCall(nn.Module):
     """One TBE's lookup: its storage and metadata as buffers (the same tensors, not copies), passed to the
     operator as ``IntNBitTableBatchedEmbeddingBagsCodegen.forward`` passes them (its bounds check runs once
-    for the whole request, in ``LookupProgram``)."""
+    for the whole request, in ``LookupProgram``).
+
+    ``mapped``: the kernel as a mapped artifact places it (``Kernel.weights``): the weight buffer is then a small
+    stand-in (``STAND_IN_BYTES``; the loaders hand over the mapped buffer, which the program passes to the operator
+    by handle, never reading its size) and ``weights_offsets`` its tables' places in the weight file."""
 
     rows_per_table: Tensor
 
-    def __init__(self, tbe: Any) -> None:
+    def __init__(self, tbe: Any, mapped: Kernel | None = None) -> None:
         super().__init__()
         if tbe.index_remappings_array.numel() or tbe.index_remapping_hash_table.numel():
             raise ConfigError("the pt2 program has no index remapping (pruning); export without --pt2")
         on_host = int(tbe.host_size) > 0
-        self.register_buffer("dev_weights", tbe.weights_host if on_host else tbe.weights_dev)
+        weights = tbe.weights_host if on_host else tbe.weights_dev
+        offsets = tbe.weights_offsets
+        if mapped is not None and mapped.weights is not None and mapped.shared is not None:
+            weights = torch.zeros(STAND_IN_BYTES, dtype=torch.uint8, device=weights.device)
+            places = mapped.shared.table_offsets
+            offsets = torch.tensor([places[t] for t in mapped.feature_table_map], dtype=offsets.dtype)
+        self.register_buffer("dev_weights", weights)
         self.register_buffer("uvm_weights", tbe.weights_uvm)
-        for name in ("weights_placements", "weights_offsets", "weights_tys", "D_offsets", "rows_per_table"):
+        self.register_buffer("weights_offsets", offsets.to(tbe.weights_offsets.device))
+        for name in ("weights_placements", "weights_tys", "D_offsets", "rows_per_table"):
             self.register_buffer(name, getattr(tbe, name))
         self.register_buffer("lxu_cache_weights", tbe.lxu_cache_weights)
         self.register_buffer("lxu_cache_locations", torch.empty(0, dtype=torch.int32, device=tbe.rows_per_table.device))
@@ -240,19 +294,23 @@ class LookupProgram(nn.Module):
         return torch.cat(blocks, 1)
 
 
-def lookup_program(model: Any) -> LookupProgram:
+def lookup_program(model: Any, mapped: Sequence[Kernel] | None = None) -> LookupProgram:
     """The exportable lookup of an ``EmbserveModel`` (unsharded, or sharded table-wise, column-wise, replicated);
-    ``ConfigError`` for routing the program cannot express, naming the table and the fix."""
+    ``ConfigError`` for routing the program cannot express, naming the table and the fix. ``mapped``: the
+    model's kernels as a mapped artifact places them (in kernel order): each kernel with a weight file takes its
+    weights from it at load (``KernelCall``)."""
     spec = model.spec
     embeddings = model.embeddings
     features = spec.features
     mean_features = [i for i, f in enumerate(features) if f.pooling == PoolingType.MEAN]
+    holders = len(embeddings.shards) if hasattr(embeddings, "shards") else 1
+    placed: Sequence[Kernel | None] = mapped if mapped is not None else [None] * holders
     dims = [f.embedding_dim for f in features]
     rows = [f.num_embeddings for f in features]
     if not hasattr(embeddings, "shards"):
         whole = KernelRoute(tuple(range(len(features))), ((0, 1),) * len(features))
         columns = [ColumnCopy(0, 0, spec.output_dim)]
-        return LookupProgram([KernelCall(embeddings.tbe)], [whole], columns, dims, mean_features, rows)
+        return LookupProgram([KernelCall(embeddings.tbe, placed[0])], [whole], columns, dims, mean_features, rows)
     kernels: list[KernelCall] = []
     routes: list[KernelRoute] = []
     pieces: list[tuple[int, tuple[int, int], int, int, int]] = []  # (out column, replica, kernel, local, width)
@@ -271,7 +329,7 @@ def lookup_program(model: Any) -> LookupProgram:
                 f"device {shard.device} of the plan holds two shards of one feature's table; the pt2 program reads "
                 "each feature once per device. Plan the table's shards on different devices, or export without --pt2"
             )
-        kernels.append(KernelCall(shard.tbe))
+        kernels.append(KernelCall(shard.tbe, placed[k]))
         routes.append(KernelRoute(tuple(shard.lf_feature), tuple(replicas)))
         pieces.extend(zip(shard.lf_out_col, replicas, [k] * len(shard.lf_dim), shard.lf_local_col, shard.lf_dim))
     copies: list[ColumnCopy] = []

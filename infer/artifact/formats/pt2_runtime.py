@@ -10,11 +10,20 @@ check inside the program stays as the last line.
 Calling the package from Python holds the GIL for the whole call (``AOTIModelPackageLoader.boxed_run`` does
 not release it; bench/pt2.py measures it), so splitting a batch over Python threads gains nothing here:
 every call is one program run. A C++ host may split a batch into example ranges on its own threads.
+
+A mapped artifact's package holds no tables (its metadata names the constants it lacks): once the artifact is
+verified, each kernel's view of its mapped weight file is handed to the program as a user-managed constant (no
+copy: the program reads the mapping). AOTInductor (torch 2.13) keeps a tensor handle of every user-managed
+constant that it never frees, which would keep the mapping alive forever; so the program gets a view that does
+not own the mapping (``_borrowed``), and ``Pt2Module`` holds the mappings as long as it lives.
 """
 
 from __future__ import annotations
 
+import ctypes
 import logging
+import warnings
+from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -22,7 +31,9 @@ import torch
 
 from infer import request_rules as rules
 from infer.artifact.fbgemm_libs import load_fbgemm
-from infer.artifact.manifest import PT2_INPUTS, Manifest
+from infer.artifact.formats.pt2_program import WEIGHT_CONSTANTS_KEY, read_weight_constants
+from infer.artifact.manifest import MANIFEST_FILE, PT2_INPUTS, PT2_TABLES_IN_WEIGHT_FILES, Manifest
+from infer.artifact.mapped import map_kernel_weights
 from infer.artifact.runtime import Runtime
 from infer.config import ModelSpec
 from infer.errors import ArtifactError, ArtifactErrorKind, RequestError
@@ -37,13 +48,15 @@ MODEL = ArtifactErrorKind.MODEL
 class Pt2Module:
     """A module-like wrapper of one loaded AOTInductor package (the program named "model")."""
 
-    def __init__(self, lookup: Any, spec: ModelSpec, dense: Any = None) -> None:
+    def __init__(self, lookup: Any, spec: ModelSpec, dense: Any = None, mappings: Sequence[torch.Tensor] = ()) -> None:
         """``lookup``: the package's lookup program, ``dense``: its dense program or None (lookups only); each
-        a loaded ``AOTIModelPackageLoader`` (or anything with its ``boxed_run(list of tensors)``)."""
+        a loaded ``AOTIModelPackageLoader`` (or anything with its ``boxed_run(list of tensors)``). ``mappings``:
+        the weight files the lookup program reads (kept mapped while the module lives)."""
         self.lookup = lookup
         self.dense = dense
         self.spec = spec
         self.has_dense = dense is not None
+        self.mappings = tuple(mappings)
 
     def forward(self, values: torch.Tensor, lengths: torch.Tensor, weights: torch.Tensor | None = None) -> torch.Tensor:
         """Pooled embeddings ``[batch, output_dim]`` fp32 (validated first)."""
@@ -102,8 +115,68 @@ def load_program(package: Path, name: str) -> Any:
     return torch._C._aoti.AOTIModelPackageLoader(str(package), name, False, 1, -1)
 
 
-def load_pt2(folder: Path, manifest: Manifest) -> Runtime:
-    """The ``Runtime`` of an already verified artifact (manifest read, checksums checked) on model.pt2."""
+def _borrowed(view: torch.Tensor) -> torch.Tensor:
+    """A tensor over ``view``'s bytes that does not own them (its storage holds a ctypes array, not the mapping):
+    the handle AOTInductor never frees then keeps a few bytes alive, not the mapping."""
+    if view.numel() == 0:
+        return view
+    array = (ctypes.c_uint8 * view.numel()).from_address(view.data_ptr())
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message="The given buffer is not writable", category=UserWarning)
+        return torch.frombuffer(array, dtype=torch.uint8)
+
+
+def attach_weight_constants(lookup: Any, folder: Path, manifest: Manifest, package: Path) -> list[torch.Tensor]:
+    """Hand the lookup program every kernel's mapped weight buffer as a user-managed constant, as the program's
+    metadata asks (``pt2_program.WEIGHT_CONSTANTS_KEY``); returns the mappings, which must outlive the program.
+    A package that carries its tables (no such metadata) gets nothing. ``ArtifactError`` (kind MODEL, naming the
+    file and the fix) when the package and the manifest disagree."""
+    try:
+        wanted = read_weight_constants(lookup.get_metadata().get(WEIGHT_CONSTANTS_KEY, ""))
+    except ValueError as err:
+        raise ArtifactError(
+            f"{package}: {err}; re-export the artifact with --pt2", path=str(package), kind=MODEL
+        ) from None
+    assert manifest.pt2 is not None
+    in_weight_files = manifest.pt2.tables == PT2_TABLES_IN_WEIGHT_FILES
+    if bool(wanted) != in_weight_files:
+        raise ArtifactError(
+            f"{package} {'takes its tables from the weight files' if wanted else 'carries its tables itself'}, but "
+            f"{MANIFEST_FILE}'s pt2.tables says {manifest.pt2.tables!r}: model.pt2 and the manifest come from "
+            "different exports. Re-export the artifact with --pt2",
+            path=str(package),
+            kind=MODEL,
+        )
+    if not wanted:
+        return []
+    kernels = manifest.kernels
+    mapped_bytes = [k.shared.total_bytes if k.weights is not None and k.shared is not None else None for k in kernels]
+    known = set(lookup.get_constant_fqns())
+    if [size for _, size in wanted] != mapped_bytes or not known.issuperset(name for name, _ in wanted):
+        raise ArtifactError(
+            f"{package} was compiled for mapped weight buffers of {[size for _, size in wanted]} bytes, and "
+            f"{MANIFEST_FILE} maps {mapped_bytes}: model.pt2 and the manifest come from different exports. Re-export "
+            "the artifact with --pt2",
+            path=str(package),
+            kind=MODEL,
+        )
+    views, mappings = map_kernel_weights(folder, kernels, {e.name: e.bytes for e in manifest.files})
+    constants = {name: _borrowed(view) for (name, _), view in zip(wanted, views) if view is not None}
+    try:  # the active buffer, a partial update (the package's small constants stay), user-managed: no copy
+        lookup.load_constants(constants, False, False, True)
+    except RuntimeError as err:
+        raise ArtifactError(
+            f"{package} does not take the mapped weights: {str(err).strip().splitlines()[0][:300]}; re-export the "
+            "artifact with --pt2",
+            path=str(package),
+            kind=MODEL,
+        ) from None
+    return list(mappings.values())
+
+
+def load_pt2(folder: Path, manifest: Manifest, verified: Callable[[], None] = lambda: None) -> Runtime:
+    """The ``Runtime`` of an artifact (manifest read) on model.pt2; ``verified`` returns once its checksums are
+    checked (raising when one fails): the programs load meanwhile, the mapped weights are handed over after."""
     entry = manifest.pt2
     if entry is None:
         raise ArtifactError(
@@ -142,7 +215,9 @@ def load_pt2(folder: Path, manifest: Manifest) -> Runtime:
         raise ArtifactError(
             f"{package} cannot be loaded by AOTInductor: {first_line}", path=str(package), kind=MODEL
         ) from None
+    verified()  # nothing reads a weight file before its checksums pass
+    mappings = attach_weight_constants(lookup, folder, manifest, package)
     if manifest.has_dense and dense is None:
         logger.warning("%s holds the lookups only (no dense program): this runtime serves no predictions", package)
-    logger.debug("AOTInductor loaded %s", package)
-    return Runtime(folder, manifest, Pt2Module(lookup, manifest.spec, dense), backend=BACKEND)
+    logger.debug("AOTInductor loaded %s (%d mapped weight files)", package, len(mappings))
+    return Runtime(folder, manifest, Pt2Module(lookup, manifest.spec, dense, mappings), backend=BACKEND)
