@@ -393,6 +393,12 @@ def cmd_inspect(args: argparse.Namespace) -> int:
     sharding = f"{manifest.world_size} shards, plan in {manifest.plan_file}" if manifest.plan_file else "unsharded"
     if manifest.host_parts:
         sharding += f", {manifest.num_hosts} hosts x {manifest.devices_per_host} devices (hosts/<h>/model.pt)"
+        if manifest.plan_file:
+            from infer.planner.types import ShardingPlan
+
+            replicas = ShardingPlan.from_json((folder / manifest.plan_file).read_text()).replicas
+            if replicas > 1:
+                sharding += f", every table on {replicas} hosts (--replicas {replicas}: survives {replicas - 1} lost)"
     print(f"sharding     {sharding}")
     cpu_kernels = len([k for k in manifest.kernels if k.device == "cpu"])
     if cpu_kernels:

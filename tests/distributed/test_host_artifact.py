@@ -198,6 +198,8 @@ def test_cli_export_with_replicas(tmp_path, capsys):
         holders = own | {(host + 1) % 3 for host in own}  # the next host of the ring holds a replica
         assert len(holders) >= 2, table
     capsys.readouterr()
+    assert main(["inspect", str(tmp_path / "art")]) == 0
+    assert "every table on 2 hosts (--replicas 2" in capsys.readouterr().out
     assert main([*args, "--out", str(tmp_path / "bad"), "--hosts", "3", "--replicas", "4"]) == 2
     assert "--replicas 4" in capsys.readouterr().err
     assert main([*args, "--out", str(tmp_path / "bad2"), "--replicas", "2"]) == 2
