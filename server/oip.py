@@ -12,7 +12,6 @@ from __future__ import annotations
 import contextlib
 import json
 import logging
-import time
 from collections.abc import AsyncIterator, Callable, Iterable, Sequence
 from dataclasses import dataclass
 from typing import Any, Protocol
@@ -26,9 +25,9 @@ from infer.version import __version__
 from server import oip_codec as oc
 from server import wire
 from server.batcher import DynamicBatcher
+from server.pipeline import Failure, Pipeline, check_decodable, lenient, too_large
 from server.proto import open_inference_grpc_pb2 as pb
 from server.proto import open_inference_grpc_pb2_grpc as pb_grpc
-from server.service import InferenceServicer, Undecodable, _Failure, lenient, too_large
 from server.validated import RequestLayout, ValidatedBatch
 
 logger = logging.getLogger(__name__)
@@ -40,7 +39,7 @@ PLATFORM = "embserve_torchscript"
 EXTENSIONS = ("binary_tensor_data", "model_repository")
 
 
-class ModelNotFound(_Failure):
+class ModelNotFound(Failure):
     """No such model, or no such version of it (NOT_FOUND; HTTP 404)."""
 
     def __init__(self, message: str) -> None:
@@ -233,7 +232,7 @@ class SingleModel:
 
     async def unload(self, name: str) -> None:
         self.find(name, "")
-        raise _Failure(
+        raise Failure(
             grpc.StatusCode.FAILED_PRECONDITION,
             "this server serves one artifact; start it on a repository (REPO/<model>/<version>/) to unload models",
             "unsupported",
@@ -248,17 +247,17 @@ class InferResult:
 
 
 class OpenInference:
-    """The protocol's calls, independent of gRPC or REST; shares the v1 servicer's batchers and metrics."""
+    """The protocol's calls, independent of gRPC or REST, on the shared pipeline (its batchers and metrics)."""
 
     def __init__(
         self,
-        v1: InferenceServicer,
+        pipeline: Pipeline,
         models: ModelSet,
         stop_batchers: Sequence[DynamicBatcher] = (),
         repository: Any = None,
     ) -> None:
-        self.v1 = v1
-        self.metrics = v1.metrics
+        self.pipeline = pipeline
+        self.metrics = pipeline.metrics
         self.models = models
         self.repository = repository  # server.repository.Repository, closed with the protocol
         self.is_ready = False
@@ -266,18 +265,20 @@ class OpenInference:
         self.http: Any = None  # the REST server, when one runs (server.oip_http.RestServer, set by server.app)
 
     @classmethod
-    def for_servicer(cls, v1: InferenceServicer, name: str, max_queue: int) -> OpenInference:
-        """The artifact of an embserve.v1 servicer as model ``name`` version "1", on its batchers."""
-        lookups = v1.lookups
+    def for_pipeline(cls, pipeline: Pipeline, name: str, max_queue: int) -> OpenInference:
+        """The pipeline's default model as model ``name`` version "1", on its batchers."""
+        lookups = pipeline.lookups
         both = None
-        model = ServedModel(name, SingleModel.VERSION, v1.runtime, lookups, v1.predictions, None, v1.max_batch_size)
-        if v1.predictions is not None:
+        model = ServedModel(
+            name, SingleModel.VERSION, pipeline.runtime, lookups, pipeline.predictions, None, pipeline.max_batch_size
+        )
+        if pipeline.predictions is not None:
             # embeddings and scores from one forward: a batcher of its own (its rows carry both)
-            both = v1.batcher(
+            both = pipeline.batcher(
                 model.run_both, max_queue, lookups.workers, lookups.max_delay_s, lookups.max_merge_examples
             )
             model.both = both
-        return cls(v1, SingleModel(model), [both] if both is not None else [])
+        return cls(pipeline, SingleModel(model), [both] if both is not None else [])
 
     def start(self) -> None:
         for batcher in self._own_batchers:
@@ -285,7 +286,7 @@ class OpenInference:
 
     def stop_accepting(self) -> None:
         """The REST endpoint refuses new connections and closes each one after its next answer
-        (``RestServer.stop_accepting``); model calls are refused once ``v1.closing`` is set."""
+        (``RestServer.stop_accepting``); model calls are refused once ``pipeline.closing`` is set."""
         if self.http is not None:
             self.http.stop_accepting()
 
@@ -330,20 +331,12 @@ class OpenInference:
         known), batch, run and encode.
 
         ``fp16``: the request-level ``output_fp16`` (embeddings as FP16 unless an output says otherwise)."""
-        if not self.v1.ready:
-            raise _Failure(grpc.StatusCode.UNAVAILABLE, "the server is warming up; retry shortly", "warming_up")
-        if self.v1.closing:
-            raise _Failure(
-                grpc.StatusCode.UNAVAILABLE, "the server is shutting down; retry on another replica", "draining"
-            )
+        pipeline = self.pipeline
+        pipeline.accept()  # warm-up, draining
         async with self.models.lease(name, version) as model:
-            started = time.perf_counter()
-            decoded = model.decode(inputs, requested, fp16, raw)
-            self.metrics.observe_stage("decode", time.perf_counter() - started)
+            decoded = pipeline.decode(model.decode, inputs, requested, fp16, raw)
             embeddings, scores = await model.infer(decoded)
-            started = time.perf_counter()
-            outputs = oc.encode_outputs(decoded.outputs, embeddings, scores)
-            self.metrics.observe_stage("encode", time.perf_counter() - started)
+            outputs = pipeline.encode(oc.encode_outputs, decoded.outputs, embeddings, scores)
             return InferResult(model, outputs)
 
 
@@ -398,12 +391,12 @@ def _metadata_message(metadata: dict[str, Any]) -> pb.ModelMetadataResponse:
 
 
 class OpenInferenceServicer(pb_grpc.GRPCInferenceServiceServicer):
-    """``inference.GRPCInferenceService``: every call goes through the v1 servicer's error mapping,
-    metrics and drain accounting."""
+    """``inference.GRPCInferenceService``: every call goes through the pipeline's error mapping, metrics and
+    drain accounting."""
 
     def __init__(self, oip: OpenInference) -> None:
         self.oip = oip
-        self._handle = oip.v1._handle
+        self._handle = oip.pipeline.call
 
     async def ServerLive(self, request: pb.ServerLiveRequest, context: Any) -> pb.ServerLiveResponse:
         return pb.ServerLiveResponse(live=True)
@@ -413,7 +406,7 @@ class OpenInferenceServicer(pb_grpc.GRPCInferenceServiceServicer):
 
     async def ModelReady(self, request: pb.ModelReadyRequest, context: Any) -> pb.ModelReadyResponse:
         async def work() -> pb.ModelReadyResponse:
-            _decodable(request)
+            check_decodable(request)
             return pb.ModelReadyResponse(ready=self.oip.model_ready(request.name, request.version))
 
         return await self._handle("ModelReady", context, work())
@@ -423,7 +416,7 @@ class OpenInferenceServicer(pb_grpc.GRPCInferenceServiceServicer):
 
     async def ModelMetadata(self, request: pb.ModelMetadataRequest, context: Any) -> pb.ModelMetadataResponse:
         async def work() -> pb.ModelMetadataResponse:
-            _decodable(request)
+            check_decodable(request)
             return _metadata_message(self.oip.model_metadata(request.name, request.version))
 
         return await self._handle("ModelMetadata", context, work())
@@ -432,7 +425,8 @@ class OpenInferenceServicer(pb_grpc.GRPCInferenceServiceServicer):
         return await self._handle("ModelInfer", context, self._infer(request))
 
     async def _infer(self, request: pb.ModelInferRequest) -> pb.ModelInferResponse:
-        self.oip.v1._accept(request)  # undecodable bytes, or a call during warm-up
+        check_decodable(request)
+        self.oip.pipeline.accept()  # a call during warm-up or draining
         fp16 = oc.parameter_flag(request.parameters, oc.FP16_PARAMETER)
         result = await self.oip.infer(
             request.model_name,
@@ -453,7 +447,7 @@ class OpenInferenceServicer(pb_grpc.GRPCInferenceServiceServicer):
 
     async def RepositoryIndex(self, request: pb.RepositoryIndexRequest, context: Any) -> pb.RepositoryIndexResponse:
         async def work() -> pb.RepositoryIndexResponse:
-            _decodable(request)
+            check_decodable(request)
             index = self.oip.repository_index(request.ready)
             return pb.RepositoryIndexResponse(models=[pb.RepositoryIndexResponse.ModelIndex(**m) for m in index])
 
@@ -463,7 +457,7 @@ class OpenInferenceServicer(pb_grpc.GRPCInferenceServiceServicer):
         self, request: pb.RepositoryModelLoadRequest, context: Any
     ) -> pb.RepositoryModelLoadResponse:
         async def work() -> pb.RepositoryModelLoadResponse:
-            _decodable(request)
+            check_decodable(request)
             await self.oip.models.load(request.model_name)
             return pb.RepositoryModelLoadResponse()
 
@@ -473,7 +467,7 @@ class OpenInferenceServicer(pb_grpc.GRPCInferenceServiceServicer):
         self, request: pb.RepositoryModelUnloadRequest, context: Any
     ) -> pb.RepositoryModelUnloadResponse:
         async def work() -> pb.RepositoryModelUnloadResponse:
-            _decodable(request)
+            check_decodable(request)
             await self.oip.models.unload(request.model_name)
             return pb.RepositoryModelUnloadResponse()
 
@@ -481,23 +475,14 @@ class OpenInferenceServicer(pb_grpc.GRPCInferenceServiceServicer):
 
 
 def add_to_server(
-    v1: InferenceServicer, server: grpc.aio.Server, name: str, max_queue: int, repository: Any = None
+    pipeline: Pipeline, server: grpc.aio.Server, name: str, max_queue: int, repository: Any = None
 ) -> OpenInference:
-    """Serve the v1 servicer's artifact (or a repository's models) over the Open Inference Protocol too,
-    on the same gRPC server. With a repository, the v1 service follows the first model's newest version."""
+    """Serve the pipeline's default model as ``name`` (or a repository's models) over the Open Inference
+    Protocol, on the same gRPC server."""
     if repository is not None:
-        repository.attach_v1(v1)
-        oip = OpenInference(v1, repository, repository=repository)
-        v1.route = repository.v1_for
+        oip = OpenInference(pipeline, repository, repository=repository)
     else:
-        oip = OpenInference.for_servicer(v1, name, max_queue)
-        models = oip.models
-
-        def route(model_name: str, version: str) -> InferenceServicer:
-            models.find(model_name or name, version)  # NOT_FOUND for another model or version
-            return v1
-
-        v1.route = route
+        oip = OpenInference.for_pipeline(pipeline, name, max_queue)
     servicer = OpenInferenceServicer(oip)
     # lenient decoding, as embserve.v1: bytes that are no valid message are INVALID_ARGUMENT, not INTERNAL
     service = pb.DESCRIPTOR.services_by_name["GRPCInferenceService"]
@@ -514,10 +499,3 @@ def add_to_server(
 
 
 _MESSAGES: dict[str, Any] = {name: getattr(pb, name) for name in pb.DESCRIPTOR.message_types_by_name}
-
-
-def _decodable(request: Any) -> None:
-    if isinstance(request, Undecodable):
-        raise _Failure(
-            grpc.StatusCode.INVALID_ARGUMENT, f"request is not a valid {request.message_name}", "undecodable"
-        )
