@@ -28,17 +28,17 @@ from infer.artifact.load import load
 from infer.artifact.runtime import Runtime
 from infer.errors import ConfigError
 from infer.features import SparseFeatures
+from server.adapters.oip.core import OpenInference
+from server.adapters.oip.grpc_service import add_to_server as add_open_inference
+from server.adapters.oip.rest_server import RestServer
+from server.adapters.v1.service import SERVICE_NAME, InferenceServicer, add_to_server
 from server.auth import BearerTokenInterceptor
 from server.batcher import MAX_MERGE_EXAMPLES
 from server.health import DrainingHealthServicer
 from server.metrics import ServerMetrics, profile_line
-from server.oip import OpenInference
-from server.oip import add_to_server as add_open_inference
-from server.oip_http import RestServer
 from server.pipeline import Pipeline
 from server.ports import Port, cannot_bind, probe
 from server.repository import Repository, is_repository, open_repository
-from server.service import SERVICE_NAME, InferenceServicer, add_to_server
 from server.workers import SERVING_LINE
 
 __all__ = ["SERVING_LINE", "ServerConfig", "RunningServer", "create_server", "serve", "serve_until", "check_ports"]
@@ -75,7 +75,7 @@ class ServerConfig:
     drain_quiet_s: float = 0.25  # ... ended early once no call arrived for this long and none is in flight
     drain_seconds: float = 30.0  # then: at most this long for accepted calls to finish
     warmup_batches: int = 3
-    # Open Inference Protocol (server/oip.py, server/oip_http.py)
+    # Open Inference Protocol (server/adapters/oip/)
     model_name: str | None = None  # the OIP model name; None: the artifact's folder name
     http_port: int | None = None  # None: no REST endpoint; 0: any free port
     http_host: str | None = None  # None: the gRPC host

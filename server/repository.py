@@ -32,12 +32,12 @@ from infer.artifact.manifest import MANIFEST_FILE, Manifest
 from infer.artifact.structures import StructureCache
 from infer.errors import ArtifactError, ConfigError, EmbserveError
 from infer.features import SparseFeatures
-from server import codec
+from server.adapters.oip.core import ModelNotFound, ServedModel
+from server.adapters.v1 import codec
+from server.adapters.v1.service import InferenceServicer
 from server.batcher import MAX_MERGE_EXAMPLES, DynamicBatcher
 from server.metrics import ServerMetrics
-from server.oip import ModelNotFound, ServedModel
 from server.pipeline import Failure
-from server.service import InferenceServicer
 
 logger = logging.getLogger(__name__)
 

@@ -17,7 +17,7 @@ import torch
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection_pb2, reflection_pb2_grpc
 
-from server import codec
+from server.adapters.v1 import codec
 from server.app import SERVICE_NAME, create_server
 from server.proto import inference_pb2 as pb
 from server.proto import inference_pb2_grpc as pb_grpc

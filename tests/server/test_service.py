@@ -12,7 +12,7 @@ import torch
 from grpc_health.v1 import health_pb2
 
 from infer.features import SparseFeatures
-from server import codec
+from server.adapters.v1 import codec
 from server.client import EmbserveClient
 from server.proto import inference_pb2 as pb
 from tests.conftest import mixed_spec, random_batch

@@ -2,7 +2,7 @@
 
 Request bytes are decoded by the handler (not by grpc), so bytes that are not a valid message are an
 INVALID_ARGUMENT like any other bad input. Gating, batching, running, the status code of every failure and
-the drain are the pipeline's (``server.pipeline``); this adapter decodes (``server.codec``) and encodes.
+the drain are the pipeline's (``server.pipeline``); this adapter decodes (``server.adapters.v1.codec``) and encodes.
 """
 
 from __future__ import annotations
@@ -15,7 +15,8 @@ import torch
 
 from infer.errors import RequestError
 from infer.version import __version__
-from server import codec, wire
+from server import wire
+from server.adapters.v1 import codec
 from server.pipeline import Failure, Pipeline, Undecodable, check_deadline, check_decodable, lenient
 from server.proto import inference_pb2 as pb
 from server.proto import inference_pb2_grpc as pb_grpc

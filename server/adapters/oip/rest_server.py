@@ -28,8 +28,8 @@ from urllib.parse import unquote
 import grpc
 
 from infer.errors import EmbserveError, RequestError
-from server import oip_codec as oc
-from server.oip import OpenInference
+from server.adapters.oip import codec as oc
+from server.adapters.oip.core import OpenInference
 from server.pipeline import REJECTIONS, Failure, bounded, rejection
 from server.ports import Port, bind_error
 
