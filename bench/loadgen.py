@@ -70,8 +70,8 @@ from infer.demo import demo_spec
 from infer.features import SparseFeatures
 from infer.quant.quantize import quantize
 from infer.weights import random_weights
-from server import codec
-from server import oip_codec as oc
+from server.adapters.oip import codec as oc
+from server.adapters.v1 import codec
 from server.launch import spawn_server
 from server.oip_client import infer_request
 from server.proto import inference_pb2 as pb

@@ -72,7 +72,7 @@ from infer.demo import demo_spec
 from infer.features import SparseFeatures
 from infer.quant.quantize import quantize
 from infer.weights import random_weights
-from server import codec
+from server.adapters.v1 import codec
 from server.batcher import MAX_MERGE_EXAMPLES
 from server.client import EmbserveClient
 from server.proto import inference_pb2 as pb

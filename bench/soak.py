@@ -57,7 +57,7 @@ from infer.demo import demo_spec
 from infer.features import SparseFeatures
 from infer.quant.quantize import quantize
 from infer.weights import random_weights
-from server import codec
+from server.adapters.v1 import codec
 from server.launch import spawn_server
 from server.proto import inference_pb2 as pb
 from server.proto import inference_pb2_grpc as pb_grpc

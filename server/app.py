@@ -28,16 +28,17 @@ from infer.artifact.load import load
 from infer.artifact.runtime import Runtime
 from infer.errors import ConfigError
 from infer.features import SparseFeatures
+from server.adapters.oip.core import OpenInference
+from server.adapters.oip.grpc_service import add_to_server as add_open_inference
+from server.adapters.oip.rest_server import RestServer
+from server.adapters.v1.service import SERVICE_NAME, InferenceServicer, add_to_server
 from server.auth import BearerTokenInterceptor
 from server.batcher import MAX_MERGE_EXAMPLES
 from server.health import DrainingHealthServicer
 from server.metrics import ServerMetrics, profile_line
-from server.oip import OpenInference
-from server.oip import add_to_server as add_open_inference
-from server.oip_http import RestServer
+from server.pipeline import Pipeline
 from server.ports import Port, cannot_bind, probe
-from server.repository import is_repository, open_repository
-from server.service import SERVICE_NAME, InferenceServicer, add_to_server
+from server.repository import Repository, is_repository, open_repository
 from server.workers import SERVING_LINE
 
 __all__ = ["SERVING_LINE", "ServerConfig", "RunningServer", "create_server", "serve", "serve_until", "check_ports"]
@@ -74,7 +75,7 @@ class ServerConfig:
     drain_quiet_s: float = 0.25  # ... ended early once no call arrived for this long and none is in flight
     drain_seconds: float = 30.0  # then: at most this long for accepted calls to finish
     warmup_batches: int = 3
-    # Open Inference Protocol (server/oip.py, server/oip_http.py)
+    # Open Inference Protocol (server/adapters/oip/)
     model_name: str | None = None  # the OIP model name; None: the artifact's folder name
     http_port: int | None = None  # None: no REST endpoint; 0: any free port
     http_host: str | None = None  # None: the gRPC host
@@ -94,6 +95,7 @@ class RunningServer:
     server: grpc.aio.Server
     port: int
     servicer: InferenceServicer
+    pipeline: Pipeline
     health: DrainingHealthServicer
     metrics: ServerMetrics
     metrics_port: int | None = None
@@ -116,11 +118,11 @@ class RunningServer:
 
     def _last_arrival(self) -> float:
         http = self.oip.http if self.oip is not None else None
-        return max(self.servicer.last_arrival, http.last_arrival if http is not None else 0.0)
+        return max(self.pipeline.last_arrival, http.last_arrival if http is not None else 0.0)
 
     def _idle(self) -> bool:
         http = self.oip.http if self.oip is not None else None
-        return self.servicer.in_flight == 0 and (http is None or http.in_flight == 0)
+        return self.pipeline.in_flight == 0 and (http is None or http.in_flight == 0)
 
     async def _grace(self, grace_s: float, quiet_s: float) -> str:
         """Wait out the grace; returns why it ended. Health checks are no traffic: they do not extend it."""
@@ -156,16 +158,16 @@ class RunningServer:
             self.oip.is_ready = False
         await self.health.end_watches()  # health streams would otherwise hold the stop for its whole timeout
         deadline = time.monotonic() + (timeout_s or 0.0)
-        self.servicer.closing = True
+        self.pipeline.closing = True
         if self.oip is not None:
             self.oip.stop_accepting()
         await self._answer_accepted(deadline)
         if not exiting:
-            await self.servicer.quiesce(_QUIET_S, _left(deadline))
+            await self.pipeline.quiesce(_QUIET_S, _left(deadline))
             await self.server.stop(None if timeout_s is None else _left(deadline))
         if self.oip is not None:
             await self.oip.close(_left(deadline), _QUIET_S)
-        await self.servicer.close()
+        await self.pipeline.close()
         await asyncio.to_thread(self.metrics.close)
         self.stopped.set()
 
@@ -175,7 +177,7 @@ class RunningServer:
 
         async def answered() -> None:
             # a gRPC call refused while closing never waits (so none starts to be in flight any more)
-            await self.servicer.drained()
+            await self.pipeline.drained()
             if http is not None:
                 await http.wait_answered()
 
@@ -235,6 +237,22 @@ async def _warm_up(servicer: InferenceServicer, batches: int) -> None:
         if servicer.predictions is not None:
             dense = torch.zeros(features.batch_size, spec.num_dense_features)
             await servicer.predictions.run_now(features, dense)
+
+
+def _route_v1(servicer: InferenceServicer, oip: OpenInference, name: str, repository: Repository | None) -> None:
+    """embserve.v1 calls that name a model: with a repository, the v1 service follows the first model's newest
+    version; with one artifact, only ``name`` version "1" (or empty) is found."""
+    if repository is not None:
+        repository.attach_v1(servicer)
+        servicer.route = repository.v1_for
+        return
+    models = oip.models
+
+    def route(model_name: str, version: str) -> InferenceServicer:
+        models.find(model_name or name, version)  # NOT_FOUND for another model or version
+        return servicer
+
+    servicer.route = route
 
 
 def _always_wait(config: ServerConfig) -> bool:
@@ -304,7 +322,7 @@ async def create_server(
     workers = _workers(runtime, config)
     _set_intra_op_threads(runtime, workers, config)
     runtime.set_threads(config.threads or runtime.thread_budget(workers * max(1, config.processes)))
-    servicer = InferenceServicer(
+    pipeline = Pipeline(
         runtime,
         metrics,
         max_batch_size=config.max_batch_size,
@@ -314,7 +332,7 @@ async def create_server(
         max_merge_examples=config.max_merge_examples,
         always_wait=_always_wait(config),
     )
-    metrics.in_flight.set_function(lambda: servicer.in_flight)
+    metrics.in_flight.set_function(lambda: pipeline.in_flight)
     interceptors = [BearerTokenInterceptor(config.auth_token)] if config.auth_token else []
     options = [
         ("grpc.max_receive_message_length", config.max_message_bytes),
@@ -324,8 +342,12 @@ async def create_server(
         ("grpc.so_reuseport", 1 if config.processes > 1 else 0),
     ]
     server = grpc.aio.server(interceptors=interceptors, options=options)
+    # adapter -> pipeline -> adapter: each protocol's adapter holds the one pipeline
+    servicer = InferenceServicer(pipeline)
     add_to_server(servicer, server)
-    oip = add_open_inference(servicer, server, config.model_name or runtime.path.name, config.max_queue, repository)
+    name = config.model_name or runtime.path.name
+    oip = add_open_inference(pipeline, server, name, config.max_queue, repository)
+    _route_v1(servicer, oip, name, repository)
     health = DrainingHealthServicer()
     health_pb2_grpc.add_HealthServicer_to_server(health, server)
     reflection.enable_server_reflection(
@@ -344,9 +366,9 @@ async def create_server(
     else:
         port = _bind(lambda: server.add_insecure_port(address), config)
     await server.start()
-    servicer.start()
+    pipeline.start()
     oip.start()
-    running = RunningServer(server, port, servicer, health, metrics, oip=oip)
+    running = RunningServer(server, port, servicer, pipeline, health, metrics, oip=oip)
     try:
         if config.metrics_port is not None:
             running.metrics_port = metrics.serve_http(config.metrics_port, config.metrics_host or config.host)
@@ -361,7 +383,7 @@ async def create_server(
         # a server that cannot warm up (or is stopped while it does) must not stay bound to its port
         await asyncio.shield(running.stop(0))
         raise
-    servicer.ready = True
+    pipeline.ready = True
     oip.is_ready = True
     if config.profile_s is not None:
         running.profiler = asyncio.create_task(_log_profile(metrics, config.profile_s))

@@ -16,7 +16,7 @@ import torch
 
 from infer.errors import EmbserveError, RejectedRequestError, ServerError
 from infer.features import SparseFeatures, check_tensor
-from server import codec
+from server.adapters.v1 import codec
 from server.proto import inference_pb2 as pb
 from server.proto import inference_pb2_grpc as pb_grpc
 

@@ -14,7 +14,7 @@ import torch
 from infer.config import ModelSpec, TableConfig
 from infer.errors import RequestError
 from infer.features import SparseFeatures
-from server import oip_codec as oc
+from server.adapters.oip import codec as oc
 from server.proto import open_inference_grpc_pb2 as pb
 from server.proto import open_inference_grpc_pb2_grpc as pb_grpc
 

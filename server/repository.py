@@ -32,11 +32,12 @@ from infer.artifact.manifest import MANIFEST_FILE, Manifest
 from infer.artifact.structures import StructureCache
 from infer.errors import ArtifactError, ConfigError, EmbserveError
 from infer.features import SparseFeatures
-from server import codec
+from server.adapters.oip.core import ModelNotFound, ServedModel
+from server.adapters.v1 import codec
+from server.adapters.v1.service import InferenceServicer
 from server.batcher import MAX_MERGE_EXAMPLES, DynamicBatcher
 from server.metrics import ServerMetrics
-from server.oip import ModelNotFound, ServedModel
-from server.service import InferenceServicer, _Failure
+from server.pipeline import Failure
 
 logger = logging.getLogger(__name__)
 
@@ -284,7 +285,7 @@ class Repository:
     async def load(self, name: str) -> None:
         """Bring ``name`` in line with its folder: load the versions the policy selects, retire the rest."""
         if not name or "/" in name or name.startswith("."):
-            raise _Failure(grpc.StatusCode.INVALID_ARGUMENT, f"model name {name!r} is not a folder name", "invalid")
+            raise Failure(grpc.StatusCode.INVALID_ARGUMENT, f"model name {name!r} is not a folder name", "invalid")
         if not (self.root / name).is_dir():
             raise ModelNotFound(f"the repository {self.root} has no model folder {name!r}")
         async with self._lock:
@@ -297,7 +298,7 @@ class Repository:
             versions = self._versions_of(name)
             others = [m for m in sorted(self._models) if m != name]
             if not others:
-                raise _Failure(
+                raise Failure(
                     grpc.StatusCode.FAILED_PRECONDITION,
                     f"model {name!r} is the only model this server serves; load another model before unloading it",
                     "last_model",
@@ -371,7 +372,7 @@ class Repository:
     async def _sync(self, name: str, explicit: bool) -> None:
         wanted = [str(v) for v in self.policy.select(self._available_versions(name))]
         if explicit and not wanted:
-            raise _Failure(
+            raise Failure(
                 grpc.StatusCode.FAILED_PRECONDITION,
                 f"model {name!r} has no version the policy {self.policy} selects; add {name}/<version>/ folders",
                 "load_failed",
@@ -431,7 +432,7 @@ class Repository:
             logger.info("model %s version %s retired (policy %s)", name, version, self.policy)
         if explicit and errors:
             message = self._for_client(f"model {name!r}: " + "; ".join(errors))
-            raise _Failure(grpc.StatusCode.FAILED_PRECONDITION, message, "load_failed")
+            raise Failure(grpc.StatusCode.FAILED_PRECONDITION, message, "load_failed")
 
     async def _load_version(self, name: str, version: str) -> _Loaded:
         folder = self.root / name / version
@@ -537,7 +538,9 @@ class Repository:
 
     def _point_v1(self, name: str) -> None:
         if self._v1 is not None and name == self._v1_model:
-            _bind_v1(self._v1, self._entry(name, ""))
+            entry = self._entry(name, "")
+            self._v1.pipeline.follow(entry.model.runtime)
+            _bind_v1(self._v1, entry)
 
     async def close(self) -> None:
         if self._poll_task is not None:

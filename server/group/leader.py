@@ -42,7 +42,7 @@ from infer.features import check_dense_features
 from infer.shard.hosts import finish_partial
 from server.group.exchange import Exchange
 from server.group.routing import full_request, group_routing, split_request
-from server.service import _Failure
+from server.pipeline import Failure as _Failure
 
 logger = logging.getLogger(__name__)
 

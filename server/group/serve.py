@@ -17,11 +17,11 @@ import torch.distributed as dist
 from infer.artifact.hosts import HostPart, load_dense_arch, load_host_part
 from infer.artifact.runtime import Runtime
 from infer.planner.replicas import held_slots
+from server.adapters.v1.service import SERVICE_NAME
 from server.app import SERVING_LINE, ServerConfig, check_ports, create_server, exit_process
 from server.group.leader import JOINED_LINE, GroupConfig, _group_env, join_group
 from server.group.members import Membership, step_group
 from server.group.step import StepModel
-from server.service import SERVICE_NAME
 
 logger = logging.getLogger(__name__)
 

@@ -20,7 +20,7 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 from infer.artifact.load import load
 from infer.artifact.runtime import Runtime
 from infer.features import SparseFeatures
-from server import codec
+from server.adapters.v1 import codec
 from server.app import SERVICE_NAME, RunningServer, ServerConfig, create_server
 from server.proto import inference_pb2 as pb
 from server.proto import inference_pb2_grpc as pb_grpc

@@ -10,7 +10,7 @@ import pytest
 import torch
 from grpc_health.v1 import health_pb2
 
-from server import codec
+from server.adapters.v1 import codec
 from server.client import EmbserveClient
 from server.proto import inference_pb2 as pb
 from tests.conftest import random_batch

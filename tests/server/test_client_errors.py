@@ -13,7 +13,7 @@ import pytest
 import torch
 
 from infer.errors import EmbserveError, RejectedRequestError, RequestError, ServerError, ServerErrorKind
-from server import codec
+from server.adapters.v1 import codec
 from server.client import EmbserveClient
 from server.oip_client import infer_request
 from server.proto import inference_pb2 as pb

@@ -17,7 +17,7 @@ import torch
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection_pb2, reflection_pb2_grpc
 
-from server import codec
+from server.adapters.v1 import codec
 from server.app import SERVICE_NAME, create_server
 from server.proto import inference_pb2 as pb
 from server.proto import inference_pb2_grpc as pb_grpc
@@ -152,7 +152,7 @@ def test_the_grace_lasts_while_calls_are_in_flight_and_serves_calls_that_arrive(
     draining = loop_thread.submit(served.running.drain(60.0, 3 * CALL_TIMEOUT, 0.0))
     assert next(watch).status == NOT_SERVING
     late = stub.Lookup.future(lookup_request(second), timeout=3 * CALL_TIMEOUT)  # arrives during the grace
-    wait_until(lambda: served.running.servicer.in_flight == 2, what="the late call to be accepted")
+    wait_until(lambda: served.running.pipeline.in_flight == 2, what="the late call to be accepted")
     assert not draining.done()  # a call in flight holds the grace open
     gate.release()
     assert torch.equal(codec.decode_embeddings(held.result()), dense_runtime.lookup(first))

@@ -23,7 +23,7 @@ from infer.errors import RequestError
 from infer.features import SparseFeatures
 from infer.quant.quantize import quantize
 from infer.weights import random_weights
-from server import codec
+from server.adapters.v1 import codec
 from server.client import EmbserveClient
 from server.proto import inference_pb2 as pb
 from tests.server.oip_support import (

@@ -13,7 +13,7 @@ from grpc_health.v1 import health_pb2
 from grpc_reflection.v1alpha import reflection_pb2, reflection_pb2_grpc
 
 from infer.errors import ConfigError
-from server import codec
+from server.adapters.v1 import codec
 from server.app import SERVICE_NAME, create_server
 from server.client import EmbserveClient
 from server.proto import inference_pb2_grpc as pb_grpc

@@ -12,7 +12,7 @@ import torch
 from grpc_health.v1 import health_pb2
 
 from infer.features import SparseFeatures
-from server import codec
+from server.adapters.v1 import codec
 from server.client import EmbserveClient
 from server.proto import inference_pb2 as pb
 from tests.conftest import mixed_spec, random_batch
@@ -471,7 +471,7 @@ def test_an_unexpected_failure_is_internal_with_a_request_id_and_no_internals(
     served = start_server(Runtime(sparse_runtime.path, sparse_runtime.manifest, failing))  # type: ignore[arg-type]
     failing.fail = True
     batch = random_batch(spec, batch_size=2)
-    with caplog.at_level("ERROR", logger="server.service"):
+    with caplog.at_level("ERROR", logger="server.pipeline"):
         with EmbserveClient(served.address, timeout=CALL_TIMEOUT) as c:
             error = rpc_error(lambda: c.lookup(batch))
     assert error.code() == grpc.StatusCode.INTERNAL

@@ -97,7 +97,7 @@ def _raw_inputs(batch: SparseFeatures, offsets: bool = False) -> list:  # type: 
 
 
 def test_oip_inputs_in_any_order_as_lengths_or_offsets_bytes_or_arrays():
-    from server.oip_codec import accept_raw
+    from server.adapters.oip.codec import accept_raw
 
     batch = random_batch(CORPUS_SPEC, batch_size=5, seed=11)
     expected = batch.validate(CORPUS_SPEC)
@@ -111,7 +111,7 @@ def test_oip_inputs_in_any_order_as_lengths_or_offsets_bytes_or_arrays():
 
 
 def test_oip_inputs_the_fast_path_leaves_to_the_explaining_one():
-    from server.oip_codec import accept_raw
+    from server.adapters.oip.codec import accept_raw
 
     batch = random_batch(CORPUS_SPEC, batch_size=3, seed=12)
     inputs = _raw_inputs(batch)

@@ -26,8 +26,8 @@ import torch
 
 from infer.config import ModelSpec
 from infer.features import SparseFeatures
-from server import codec
-from server import oip_codec as oc
+from server.adapters.oip import codec as oc
+from server.adapters.v1 import codec
 from server.app import SERVING_LINE
 from server.oip_client import infer_request
 from server.proto import inference_pb2 as pb

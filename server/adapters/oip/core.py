@@ -1,10 +1,11 @@
-"""The Open Inference Protocol (KServe v2) on embserve's gRPC port: ``inference.GRPCInferenceService``.
+"""The Open Inference Protocol's core (KServe v2), shared by its gRPC and REST adapters.
 
-It shares the embserve.v1 service's batchers, validation, metrics, auth and TLS: a ``ModelInfer`` call
-is decoded by ``server.oip_codec`` (the per-feature tensor contract), validated like every embserve
-request, queued on the same dynamic batchers and answered with ``raw_output_contents`` (what
-tritonclient's ``as_numpy`` reads). ``OpenInference`` holds the protocol-neutral calls that the gRPC
-servicer here and the REST server (``server.oip_http``) both use.
+``OpenInference`` holds the protocol's calls, independent of gRPC or REST: an infer call is decoded by
+``server.adapters.oip.codec`` (the per-feature tensor contract), validated like every embserve request, and
+run on the shared pipeline (``server.pipeline``: its gate, batchers and metrics); ``ServedModel`` is one
+version of one model as the protocol serves it, and a ``ModelSet`` (one artifact, or a model repository)
+finds them. The gRPC adapter is ``server.adapters.oip.grpc_service``, the REST one
+``server.adapters.oip.rest_server``.
 """
 
 from __future__ import annotations
@@ -12,7 +13,6 @@ from __future__ import annotations
 import contextlib
 import json
 import logging
-import time
 from collections.abc import AsyncIterator, Callable, Iterable, Sequence
 from dataclasses import dataclass
 from typing import Any, Protocol
@@ -23,24 +23,19 @@ import torch
 from infer.artifact.runtime import Runtime
 from infer.errors import RequestError
 from infer.version import __version__
-from server import oip_codec as oc
-from server import wire
+from server.adapters.oip import codec as oc
 from server.batcher import DynamicBatcher
-from server.proto import open_inference_grpc_pb2 as pb
-from server.proto import open_inference_grpc_pb2_grpc as pb_grpc
-from server.service import InferenceServicer, Undecodable, _Failure, lenient, too_large
+from server.pipeline import Failure, Pipeline, too_large
 from server.validated import RequestLayout, ValidatedBatch
 
 logger = logging.getLogger(__name__)
 
-SERVICE_NAME = pb.DESCRIPTOR.services_by_name["GRPCInferenceService"].full_name
-_RAW_OUTPUTS_FIELD = wire.field_number(pb.ModelInferResponse, "raw_output_contents")
 SERVER_NAME = "embserve"
 PLATFORM = "embserve_torchscript"
 EXTENSIONS = ("binary_tensor_data", "model_repository")
 
 
-class ModelNotFound(_Failure):
+class ModelNotFound(Failure):
     """No such model, or no such version of it (NOT_FOUND; HTTP 404)."""
 
     def __init__(self, message: str) -> None:
@@ -112,7 +107,7 @@ class ServedModel:
         raw: Callable[[], Iterable[oc.RawInput] | None] | None = None,
     ) -> oc.Decoded:
         """Decode and validate once: ``raw`` inputs (gRPC, when the request has them; else ``inputs``, e.g. REST's)
-        read in place if plainly valid, else ``inputs`` through ``oip_codec.decode_inputs``, which names what is
+        read in place if plainly valid, else ``inputs`` through ``codec.decode_inputs``, which names what is
         wrong."""
         decoded_inputs = None
         if raw is not None:
@@ -233,7 +228,7 @@ class SingleModel:
 
     async def unload(self, name: str) -> None:
         self.find(name, "")
-        raise _Failure(
+        raise Failure(
             grpc.StatusCode.FAILED_PRECONDITION,
             "this server serves one artifact; start it on a repository (REPO/<model>/<version>/) to unload models",
             "unsupported",
@@ -248,36 +243,40 @@ class InferResult:
 
 
 class OpenInference:
-    """The protocol's calls, independent of gRPC or REST; shares the v1 servicer's batchers and metrics."""
+    """The protocol's calls, independent of gRPC or REST, on the shared pipeline (its batchers and metrics)."""
 
     def __init__(
         self,
-        v1: InferenceServicer,
+        pipeline: Pipeline,
         models: ModelSet,
         stop_batchers: Sequence[DynamicBatcher] = (),
         repository: Any = None,
     ) -> None:
-        self.v1 = v1
-        self.metrics = v1.metrics
+        self.pipeline = pipeline
+        self.metrics = pipeline.metrics
         self.models = models
         self.repository = repository  # server.repository.Repository, closed with the protocol
         self.is_ready = False
         self._own_batchers = list(stop_batchers)
-        self.http: Any = None  # the REST server, when one runs (server.oip_http.RestServer, set by server.app)
+        self.http: Any = (
+            None  # the REST server, when one runs (server.adapters.oip.rest_server.RestServer, set by server.app)
+        )
 
     @classmethod
-    def for_servicer(cls, v1: InferenceServicer, name: str, max_queue: int) -> OpenInference:
-        """The artifact of an embserve.v1 servicer as model ``name`` version "1", on its batchers."""
-        lookups = v1.lookups
+    def for_pipeline(cls, pipeline: Pipeline, name: str, max_queue: int) -> OpenInference:
+        """The pipeline's default model as model ``name`` version "1", on its batchers."""
+        lookups = pipeline.lookups
         both = None
-        model = ServedModel(name, SingleModel.VERSION, v1.runtime, lookups, v1.predictions, None, v1.max_batch_size)
-        if v1.predictions is not None:
+        model = ServedModel(
+            name, SingleModel.VERSION, pipeline.runtime, lookups, pipeline.predictions, None, pipeline.max_batch_size
+        )
+        if pipeline.predictions is not None:
             # embeddings and scores from one forward: a batcher of its own (its rows carry both)
-            both = v1.batcher(
+            both = pipeline.batcher(
                 model.run_both, max_queue, lookups.workers, lookups.max_delay_s, lookups.max_merge_examples
             )
             model.both = both
-        return cls(v1, SingleModel(model), [both] if both is not None else [])
+        return cls(pipeline, SingleModel(model), [both] if both is not None else [])
 
     def start(self) -> None:
         for batcher in self._own_batchers:
@@ -285,7 +284,7 @@ class OpenInference:
 
     def stop_accepting(self) -> None:
         """The REST endpoint refuses new connections and closes each one after its next answer
-        (``RestServer.stop_accepting``); model calls are refused once ``v1.closing`` is set."""
+        (``RestServer.stop_accepting``); model calls are refused once ``pipeline.closing`` is set."""
         if self.http is not None:
             self.http.stop_accepting()
 
@@ -330,194 +329,10 @@ class OpenInference:
         known), batch, run and encode.
 
         ``fp16``: the request-level ``output_fp16`` (embeddings as FP16 unless an output says otherwise)."""
-        if not self.v1.ready:
-            raise _Failure(grpc.StatusCode.UNAVAILABLE, "the server is warming up; retry shortly", "warming_up")
-        if self.v1.closing:
-            raise _Failure(
-                grpc.StatusCode.UNAVAILABLE, "the server is shutting down; retry on another replica", "draining"
-            )
+        pipeline = self.pipeline
+        pipeline.accept()  # warm-up, draining
         async with self.models.lease(name, version) as model:
-            started = time.perf_counter()
-            decoded = model.decode(inputs, requested, fp16, raw)
-            self.metrics.observe_stage("decode", time.perf_counter() - started)
+            decoded = pipeline.decode(model.decode, inputs, requested, fp16, raw)
             embeddings, scores = await model.infer(decoded)
-            started = time.perf_counter()
-            outputs = oc.encode_outputs(decoded.outputs, embeddings, scores)
-            self.metrics.observe_stage("encode", time.perf_counter() - started)
+            outputs = pipeline.encode(oc.encode_outputs, decoded.outputs, embeddings, scores)
             return InferResult(model, outputs)
-
-
-# ---------------------------------------------------------------------------------------- gRPC
-def grpc_inputs(request: pb.ModelInferRequest) -> list[oc.InputTensor]:
-    """The request's inputs, from raw_input_contents (one entry per input) or from typed contents."""
-    raw = request.raw_input_contents
-    if raw and len(raw) != len(request.inputs):
-        raise RequestError(
-            f"raw_input_contents has {len(raw)} entries for {len(request.inputs)} inputs; "
-            "send every input raw (one entry each, in order) or every input as typed contents"
-        )
-    tensors = []
-    for index, tensor in enumerate(request.inputs):
-        if raw:
-            tensors.append(oc.tensor_from_raw(tensor.name, tensor.datatype, tensor.shape, raw[index]))
-            continue
-        field = oc.CONTENTS_FIELD.get(tensor.datatype)
-        if field is None:
-            if tensor.datatype in oc.DATATYPES:
-                raise RequestError(f"input {tensor.name!r}: {tensor.datatype} data travel raw (raw_input_contents)")
-            raise oc.refused_datatype(tensor.name, tensor.datatype)
-        values = getattr(tensor.contents, field)
-        tensors.append(oc.tensor_from_values(tensor.name, tensor.datatype, tensor.shape, values))
-    return tensors
-
-
-def grpc_raw_inputs(request: pb.ModelInferRequest) -> list[oc.RawInput] | None:
-    """(name, datatype, shape, bytes) of every input when all travel raw (tritonclient's way), else None."""
-    raw = request.raw_input_contents
-    if not raw or len(raw) != len(request.inputs):
-        return None
-    return [(tensor.name, tensor.datatype, tensor.shape, data) for tensor, data in zip(request.inputs, raw)]
-
-
-def grpc_requested_outputs(request: pb.ModelInferRequest, fp16: bool) -> list[oc.RequestedOutput]:
-    return [
-        oc.RequestedOutput(o.name, fp16 or oc.parameter_flag(o.parameters, oc.FP16_PARAMETER)) for o in request.outputs
-    ]
-
-
-def _metadata_message(metadata: dict[str, Any]) -> pb.ModelMetadataResponse:
-    tensor = pb.ModelMetadataResponse.TensorMetadata
-    return pb.ModelMetadataResponse(
-        name=metadata["name"],
-        versions=metadata["versions"],
-        platform=metadata["platform"],
-        inputs=[tensor(**t) for t in metadata["inputs"]],
-        outputs=[tensor(**t) for t in metadata["outputs"]],
-        properties=metadata["properties"],
-    )
-
-
-class OpenInferenceServicer(pb_grpc.GRPCInferenceServiceServicer):
-    """``inference.GRPCInferenceService``: every call goes through the v1 servicer's error mapping,
-    metrics and drain accounting."""
-
-    def __init__(self, oip: OpenInference) -> None:
-        self.oip = oip
-        self._handle = oip.v1._handle
-
-    async def ServerLive(self, request: pb.ServerLiveRequest, context: Any) -> pb.ServerLiveResponse:
-        return pb.ServerLiveResponse(live=True)
-
-    async def ServerReady(self, request: pb.ServerReadyRequest, context: Any) -> pb.ServerReadyResponse:
-        return pb.ServerReadyResponse(ready=self.oip.is_ready)
-
-    async def ModelReady(self, request: pb.ModelReadyRequest, context: Any) -> pb.ModelReadyResponse:
-        async def work() -> pb.ModelReadyResponse:
-            _decodable(request)
-            return pb.ModelReadyResponse(ready=self.oip.model_ready(request.name, request.version))
-
-        return await self._handle("ModelReady", context, work())
-
-    async def ServerMetadata(self, request: pb.ServerMetadataRequest, context: Any) -> pb.ServerMetadataResponse:
-        return pb.ServerMetadataResponse(**self.oip.server_metadata())
-
-    async def ModelMetadata(self, request: pb.ModelMetadataRequest, context: Any) -> pb.ModelMetadataResponse:
-        async def work() -> pb.ModelMetadataResponse:
-            _decodable(request)
-            return _metadata_message(self.oip.model_metadata(request.name, request.version))
-
-        return await self._handle("ModelMetadata", context, work())
-
-    async def ModelInfer(self, request: pb.ModelInferRequest, context: Any) -> pb.ModelInferResponse:
-        return await self._handle("ModelInfer", context, self._infer(request))
-
-    async def _infer(self, request: pb.ModelInferRequest) -> pb.ModelInferResponse:
-        self.oip.v1._accept(request)  # undecodable bytes, or a call during warm-up
-        fp16 = oc.parameter_flag(request.parameters, oc.FP16_PARAMETER)
-        result = await self.oip.infer(
-            request.model_name,
-            request.model_version,
-            lambda: grpc_inputs(request),
-            grpc_requested_outputs(request, fp16),
-            fp16,
-            lambda: grpc_raw_inputs(request),
-        )
-        response = pb.ModelInferResponse(
-            model_name=result.model.name, model_version=result.model.version, id=request.id
-        )
-        for output in result.outputs:
-            response.outputs.add(name=output.name, datatype=output.datatype, shape=output.shape)
-        raw = [wire.payload(output.data) for output in result.outputs]
-        # the raw contents written once, straight from the outputs (server.wire)
-        return wire.with_bytes_fields(response.SerializeToString(), _RAW_OUTPUTS_FIELD, raw)  # type: ignore[return-value]
-
-    async def RepositoryIndex(self, request: pb.RepositoryIndexRequest, context: Any) -> pb.RepositoryIndexResponse:
-        async def work() -> pb.RepositoryIndexResponse:
-            _decodable(request)
-            index = self.oip.repository_index(request.ready)
-            return pb.RepositoryIndexResponse(models=[pb.RepositoryIndexResponse.ModelIndex(**m) for m in index])
-
-        return await self._handle("RepositoryIndex", context, work())
-
-    async def RepositoryModelLoad(
-        self, request: pb.RepositoryModelLoadRequest, context: Any
-    ) -> pb.RepositoryModelLoadResponse:
-        async def work() -> pb.RepositoryModelLoadResponse:
-            _decodable(request)
-            await self.oip.models.load(request.model_name)
-            return pb.RepositoryModelLoadResponse()
-
-        return await self._handle("RepositoryModelLoad", context, work())
-
-    async def RepositoryModelUnload(
-        self, request: pb.RepositoryModelUnloadRequest, context: Any
-    ) -> pb.RepositoryModelUnloadResponse:
-        async def work() -> pb.RepositoryModelUnloadResponse:
-            _decodable(request)
-            await self.oip.models.unload(request.model_name)
-            return pb.RepositoryModelUnloadResponse()
-
-        return await self._handle("RepositoryModelUnload", context, work())
-
-
-def add_to_server(
-    v1: InferenceServicer, server: grpc.aio.Server, name: str, max_queue: int, repository: Any = None
-) -> OpenInference:
-    """Serve the v1 servicer's artifact (or a repository's models) over the Open Inference Protocol too,
-    on the same gRPC server. With a repository, the v1 service follows the first model's newest version."""
-    if repository is not None:
-        repository.attach_v1(v1)
-        oip = OpenInference(v1, repository, repository=repository)
-        v1.route = repository.v1_for
-    else:
-        oip = OpenInference.for_servicer(v1, name, max_queue)
-        models = oip.models
-
-        def route(model_name: str, version: str) -> InferenceServicer:
-            models.find(model_name or name, version)  # NOT_FOUND for another model or version
-            return v1
-
-        v1.route = route
-    servicer = OpenInferenceServicer(oip)
-    # lenient decoding, as embserve.v1: bytes that are no valid message are INVALID_ARGUMENT, not INTERNAL
-    service = pb.DESCRIPTOR.services_by_name["GRPCInferenceService"]
-    handlers = {
-        method.name: grpc.unary_unary_rpc_method_handler(
-            getattr(servicer, method.name),
-            request_deserializer=lenient(_MESSAGES[method.input_type.name]),
-            response_serializer=wire.serialize,
-        )
-        for method in service.methods
-    }
-    server.add_generic_rpc_handlers((grpc.method_handlers_generic_handler(SERVICE_NAME, handlers),))
-    return oip
-
-
-_MESSAGES: dict[str, Any] = {name: getattr(pb, name) for name in pb.DESCRIPTOR.message_types_by_name}
-
-
-def _decodable(request: Any) -> None:
-    if isinstance(request, Undecodable):
-        raise _Failure(
-            grpc.StatusCode.INVALID_ARGUMENT, f"request is not a valid {request.message_name}", "undecodable"
-        )

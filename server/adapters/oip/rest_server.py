@@ -28,10 +28,10 @@ from urllib.parse import unquote
 import grpc
 
 from infer.errors import EmbserveError, RequestError
-from server import oip_codec as oc
-from server.oip import OpenInference
+from server.adapters.oip import codec as oc
+from server.adapters.oip.core import OpenInference
+from server.pipeline import REJECTIONS, Failure, bounded, rejection
 from server.ports import Port, bind_error
-from server.service import REJECTIONS, _Failure, bounded, rejection
 
 logger = logging.getLogger(__name__)
 
@@ -365,7 +365,7 @@ class RestServer:
             code, message, reason = rejection(err)
         except Exception as err:  # noqa: BLE001 - the client gets 500 and a request id, the log gets the traceback
             request_id = uuid.uuid4().hex[:12]
-            self.oip.v1._log_internal(operation, err, request_id)  # once per kind, then at powers of ten
+            self.oip.pipeline.log_internal(operation, err, request_id)  # once per kind, then at powers of ten
             code, message = grpc.StatusCode.INTERNAL, f"internal error (request id {request_id}); see the server log"
             reason = "internal"
         finally:
@@ -401,7 +401,7 @@ class RestServer:
             if match["action"] == "load":
                 return "REST RepositoryModelLoad", self._repository(self.oip.models.load(name))
             return "REST RepositoryModelUnload", self._repository(self.oip.models.unload(name))
-        raise _Failure(
+        raise Failure(
             grpc.StatusCode.NOT_FOUND, f"no route {method} {request.path}; see the /v2 routes in the README", "no_route"
         )
 

@@ -1,0 +1,1 @@
+"""embserve.v1: the service (``service``) and its request codec (``codec``, shared with ``server.client``)."""
