@@ -29,7 +29,7 @@ from infer.shard.builder import shard_model
 from infer.shard.plans import make_plan
 from infer.weights import random_weights
 from tests.conftest import random_batch
-from tests.support.artifacts import copy_artifact, edit_manifest, rehash
+from tests.support.artifacts import copy_artifact, damage_file, edit_manifest, rehash
 from tests.support.call_contract import Reference, assert_matches
 
 pytestmark = pytest.mark.slow
@@ -155,12 +155,7 @@ def test_a_damaged_weight_file_is_a_checksum_error_before_the_program_gets_it(ma
     _, _, path = mapped
     copy = copy_artifact(path, tmp_path)
     target = _weight_files(copy)[-1]
-    data = bytearray(target.read_bytes())
-    if damage == "flipped_byte":
-        data[len(data) // 2] ^= 0x01
-    else:
-        data = data[: len(data) - 4096]
-    target.write_bytes(bytes(data))
+    damage_file(target, damage)
     with pytest.raises(ArtifactError) as err:
         load(copy, backend="pt2")
     assert err.value.kind == ArtifactErrorKind.CHECKSUM

@@ -16,7 +16,7 @@ from infer.artifact.load import load
 from infer.features import SparseFeatures
 from tests.conftest import mixed_spec, random_batch
 from tests.cpp.support import assert_clean_failure, run
-from tests.support.artifacts import copy_artifact, edit_manifest, rehash
+from tests.support.artifacts import copy_artifact, damage_file, edit_manifest, rehash
 from tests.support.bad_requests import BAD_REQUESTS
 
 Request = tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]
@@ -250,13 +250,7 @@ def test_a_damaged_weight_file_is_a_checksum_error_for_pt2(embserve_run, pt2_art
     """Verified (sizes before mapping, then chunks) before the program gets the mapped weights: ChecksumError
     naming the file, never a program run on them."""
     artifact = copy_artifact(pt2_artifact, tmp_path)
-    target = artifact / "weights-0.bin"
-    data = bytearray(target.read_bytes())
-    if damage == "flipped_byte":
-        data[len(data) // 2] ^= 0x01
-    else:
-        data = data[: len(data) - 4096]
-    target.write_bytes(bytes(data))
+    damage_file(artifact / "weights-0.bin", damage)
     assert_clean_failure(run(embserve_run, artifact, "--backend", "pt2"), "ChecksumError", "weights-0.bin")
 
 

@@ -82,16 +82,21 @@ class Instance:
         return [_requests(port) for port in self.metrics_ports]
 
 
-def _requests(metrics_port: int) -> float:
+def _samples(metrics_port: int, family_name: str, sample_name: str) -> list[float]:
+    """The values of ``sample_name`` in metric family ``family_name`` on one worker's /metrics."""
     with urllib.request.urlopen(f"http://127.0.0.1:{metrics_port}/metrics", timeout=CALL_TIMEOUT) as response:
         text = response.read().decode()
-    return sum(
+    return [
         sample.value
         for family in text_string_to_metric_families(text)
-        if family.name == "embserve_requests"
+        if family.name == family_name
         for sample in family.samples
-        if sample.name == "embserve_requests_total"
-    )
+        if sample.name == sample_name
+    ]
+
+
+def _requests(metrics_port: int) -> float:
+    return sum(_samples(metrics_port, "embserve_requests", "embserve_requests_total"))
 
 
 def _start(artifact: Path, *options: str) -> Instance:
@@ -207,14 +212,7 @@ def test_rest_calls_land_on_both_workers_and_equal_the_reference(start, model):
 
 
 def _in_flight(metrics_port: int) -> float:
-    with urllib.request.urlopen(f"http://127.0.0.1:{metrics_port}/metrics", timeout=CALL_TIMEOUT) as response:
-        text = response.read().decode()
-    return next(
-        sample.value
-        for family in text_string_to_metric_families(text)
-        if family.name == "embserve_in_flight"
-        for sample in family.samples
-    )
+    return _samples(metrics_port, "embserve_in_flight", "embserve_in_flight")[0]
 
 
 def test_sigterm_drains_every_worker_and_answers_every_accepted_call(start, model):

@@ -17,6 +17,18 @@ def copy_artifact(artifact: Path, folder: Path) -> Path:
     return copy
 
 
+def damage_file(path: Path, damage: str) -> None:
+    """``flipped_byte``: one bit of the middle byte flipped; ``truncated``: the last 4 KiB page cut off."""
+    data = bytearray(path.read_bytes())
+    if damage == "flipped_byte":
+        data[len(data) // 2] ^= 0x01
+    elif damage == "truncated":
+        data = data[: len(data) - 4096]
+    else:
+        raise ValueError(f"unknown damage {damage!r}")
+    path.write_bytes(bytes(data))
+
+
 def edit_manifest(artifact: Path, edit: Callable[[dict[str, Any]], Any]) -> None:
     path = artifact / "manifest.json"
     data = json.loads(path.read_text())
