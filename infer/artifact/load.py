@@ -109,17 +109,10 @@ def load(
             raise ConfigError("device_map applies to the torchscript backend; model.pt2 runs where it was compiled for")
         from infer.artifact.formats.pt2_runtime import load_pt2
 
-        waited = []
-
-        def verified() -> None:  # before the mapped weights are handed to the program (hashing twice is slow)
-            waited.append(True)
-            verification.wait()
-
         try:
-            runtime = load_pt2(folder, manifest, verified)
+            runtime = load_pt2(folder, manifest, verification.wait)  # waits before handing over the mapped weights
         finally:
-            if not waited:
-                verification.wait()  # a corrupted file explains a failed load best
+            verification.wait()  # a corrupted file explains a failed load best (a second wait hashes nothing)
         return _timed(runtime, started, library_seconds)
     mapping = dict(device_map or {})
     targets = [mapping.get(d, d) for d in manifest.devices]

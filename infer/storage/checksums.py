@@ -162,7 +162,7 @@ class ChunkedFile:
 class PendingVerification:
     """Chunk hashing under way (in this process's threads, in a child process, or not started yet); ``wait``
     finishes it and raises ``ArtifactError(kind=CHECKSUM)`` naming the file and byte range of the first chunk
-    that does not match."""
+    that does not match. Every file is hashed once: a later ``wait`` returns or raises what the first did."""
 
     def __init__(self, files: Sequence[ChunkedFile], overlap: bool, in_threads: bool = False) -> None:
         """``overlap``: start hashing now, in this process's threads (``in_threads``) or a child process."""
@@ -176,8 +176,22 @@ class PendingVerification:
             self._child = _start_child(self.files)
         if self._child is not None:  # a load that fails before ``wait`` leaves no hasher running
             self._stop = weakref.finalize(self, _stop_child, self._child)
+        self._done = False
+        self._failure: ArtifactError | None = None
 
     def wait(self) -> None:
+        if self._failure is not None:
+            raise self._failure
+        if self._done:
+            return
+        try:
+            self._finish()
+        except ArtifactError as err:
+            self._failure = err
+            raise
+        self._done = True
+
+    def _finish(self) -> None:
         found = _child_result(self._child, self.files) if self._child is not None else None
         if self._child is not None:
             self._stop.detach()
