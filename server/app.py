@@ -158,7 +158,7 @@ class RunningServer:
             self.oip.is_ready = False
         await self.health.end_watches()  # health streams would otherwise hold the stop for its whole timeout
         deadline = time.monotonic() + (timeout_s or 0.0)
-        self.pipeline.closing = True
+        self.pipeline.begin_closing()
         if self.oip is not None:
             self.oip.stop_accepting()
         await self._answer_accepted(deadline)

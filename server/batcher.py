@@ -14,6 +14,7 @@ import time
 from collections.abc import Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
+from typing import Any
 
 import torch
 
@@ -132,6 +133,8 @@ class DynamicBatcher:
         self._carry: list[_Pending] = []  # a request that did not fit the last batch goes first next time
         self.held = 0  # requests submitted and not yet answered
         self._concurrent_at = -CONCURRENCY_MEMORY_S  # when two requests last waited here together
+        self.flushing = False  # set by ``flush``: no batch waits for company any more (the server is draining)
+        self._flushed: asyncio.Future[None] | None = None  # resolved by ``flush``: wakes every waiting batch
 
     @property
     def depth(self) -> int:
@@ -139,7 +142,19 @@ class DynamicBatcher:
 
     def start(self) -> None:
         if not self._tasks:
+            if self._flushed is None:
+                self._flushed = asyncio.get_running_loop().create_future()
+                if self.flushing:
+                    self._flushed.set_result(None)
             self._tasks = [asyncio.create_task(self._consume()) for _ in range(self.workers)]
+
+    def flush(self) -> None:
+        """Stop waiting for company: a batch waiting out the delay runs now, and every later one at once. The
+        server calls this when its drain begins: no new call will join a waiting batch, so waiting out a long
+        ``--max-delay-us`` would only hold the shutdown back."""
+        self.flushing = True
+        if self._flushed is not None and not self._flushed.done():
+            self._flushed.set_result(None)
 
     async def submit(self, batch: ValidatedBatch | SparseFeatures, dense: torch.Tensor | None = None) -> torch.Tensor:
         """Queue one validated request and wait for its rows of the batched output (a ``SparseFeatures`` must
@@ -174,6 +189,8 @@ class DynamicBatcher:
 
     def _expecting_more(self) -> bool:
         """Worth waiting for: callers have overlapped lately, or calls are accepted and not yet queued."""
+        if self.flushing:
+            return False
         memory = max(CONCURRENCY_MEMORY_S, 2 * self.max_delay_s)
         if self.always_wait or self.arriving is None or time.monotonic() - self._concurrent_at < memory:
             return True
@@ -192,16 +209,31 @@ class DynamicBatcher:
                 remaining = deadline - loop.time()
                 if remaining <= 0 or not self._expecting_more():
                     break
-                try:
-                    item = await asyncio.wait_for(self._queue.get(), remaining)
-                except asyncio.TimeoutError:  # not the builtin TimeoutError before Python 3.11
+                waited = await self._wait_for_company(remaining)
+                if waited is None:
                     break
+                item = waited
             if size + item.batch.batch_size > self._merge_limit:
                 self._carry.append(item)
                 break
             items.append(item)
             size += item.batch.batch_size
         return items
+
+    async def _wait_for_company(self, timeout_s: float) -> _Pending | None:
+        """The next request within ``timeout_s``, or None once the time is up or ``flush`` was called. A
+        request the queue handed over is never dropped: a getter cancelled before it ran left it queued."""
+        getter = asyncio.ensure_future(self._queue.get())
+        waits: set[asyncio.Future[Any]] = {getter}
+        if self._flushed is not None:
+            waits.add(self._flushed)
+        try:
+            await asyncio.wait(waits, timeout=timeout_s, return_when=asyncio.FIRST_COMPLETED)
+        finally:
+            taken = getter.done()
+            if not taken:
+                getter.cancel()
+        return getter.result() if taken else None
 
     def _forward(self, batches: list[ValidatedBatch]) -> tuple[list[torch.Tensor], tuple[float, float, float]]:
         """Merge, run and split on a forward thread: every request's rows, and the three stages' seconds."""

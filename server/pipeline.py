@@ -176,11 +176,18 @@ class Pipeline:
         while self._in_flight:
             await self._idle.wait()
 
+    def begin_closing(self) -> None:
+        """Refuse new model calls from now on, and run the batches waiting for company at once: no new call
+        will join them, so waiting out the batching delay would only hold the drain back."""
+        self.closing = True
+        for batcher in self._batchers:
+            batcher.flush()
+
     async def quiesce(self, quiet_s: float, timeout_s: float) -> None:
         """Refuse new calls (UNAVAILABLE), then return once none is in flight and none arrived for ``quiet_s``
         (or after ``timeout_s``). grpc cancels calls it received but had not handed to a handler when the
         server stops; refusing them here first turns that CANCELLED into a clean, retryable UNAVAILABLE."""
-        self.closing = True
+        self.begin_closing()
         deadline = time.monotonic() + timeout_s
         while time.monotonic() < deadline:
             try:

@@ -494,6 +494,8 @@ class Repository:
 
         async def retire() -> None:
             entry.v1_view = None  # no new v1 call finds it; the ones holding it count as in flight
+            for b in entry.batchers:
+                b.flush()  # the calls left on it need not wait for company that will not come
             await entry.idle.wait()
             for b in entry.batchers:
                 await b.close()
@@ -541,6 +543,13 @@ class Repository:
             entry = self._entry(name, "")
             self._v1.pipeline.follow(entry.model.runtime)
             _bind_v1(self._v1, entry)
+
+    def flush(self) -> None:
+        """The server's drain began: every version's batches run now instead of waiting for company."""
+        for versions in self._models.values():
+            for entry in versions.values():
+                for b in entry.batchers:
+                    b.flush()
 
     async def close(self) -> None:
         if self._poll_task is not None:

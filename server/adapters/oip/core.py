@@ -284,9 +284,12 @@ class OpenInference:
 
     def stop_accepting(self) -> None:
         """The REST endpoint refuses new connections and closes each one after its next answer
-        (``RestServer.stop_accepting``); model calls are refused once ``pipeline.closing`` is set."""
+        (``RestServer.stop_accepting``); model calls are refused once ``pipeline.closing`` is set. A repository's
+        batches stop waiting for company."""
         if self.http is not None:
             self.http.stop_accepting()
+        if self.repository is not None:
+            self.repository.flush()
 
     async def close(self, grace: float | None = None, quiet_s: float = 0.0) -> None:
         """Stop the REST endpoint (its calls in flight finish first, up to ``grace`` s; connections in use get
