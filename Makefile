@@ -57,7 +57,7 @@ typecheck: $(STAMP)
 	$(BIN)/mypy infer server
 
 pytest: $(STAMP) cpp
-	$(BIN)/python -m pytest -q
+	$(BIN)/python -m pytest -q --durations=20
 
 test: lint typecheck pytest
 
