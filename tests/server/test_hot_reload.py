@@ -1,5 +1,5 @@
 """Zero-downtime reloads under load: 16 tritonclient threads for 30 s against ``embserve serve REPO --poll-s``
-while a new version (then, in a second test, a broken one) lands in the repository.
+while a new version lands in the repository (then, in a second test, 16 s while a broken one lands).
 
 The server runs in a subprocess so that its RSS is its own. Every answer must equal the in-process
 runtime of the version its ``model_version`` names; no call may fail. The latency percentiles
@@ -35,6 +35,8 @@ from tests.server.test_repository import break_artifact
 CLIENTS = 16
 LOAD_SECONDS = 30.0
 CHANGE_AT = 8.0  # seconds into the load
+# a broken version fails its load within about a second of landing: half the load shows it changed nothing
+BROKEN_LOAD_SECONDS = 16.0
 MODEL = "emb"
 # ~80 MB of INT8 rows per version: a version that is never freed shows in the server's RSS
 BIG_SPEC = ModelSpec(
@@ -78,18 +80,24 @@ def _p99(latencies: list[float]) -> float:
 
 
 def run_under_load(
-    repo: Path, change: Callable[[], None], expected: dict[str, list[torch.Tensor]], batches: list[SparseFeatures]
+    repo: Path,
+    change: Callable[[], None],
+    expected: dict[str, list[torch.Tensor]],
+    batches: list[SparseFeatures],
+    seconds: float = LOAD_SECONDS,
+    after: Callable[[int], None] | None = None,
 ) -> tuple[list[Call], list[str], float, int, int]:
-    """Load the server of ``repo`` from CLIENTS threads; ``change()`` the repository CHANGE_AT s in.
+    """Load the server of ``repo`` from CLIENTS threads for ``seconds``; ``change()`` the repository CHANGE_AT s in.
 
     Returns the calls, the failures, when the change was made, and the server's RSS before it and at the end.
+    ``after(port)`` runs once the load is over, before the server stops.
     """
     process, port = spawn_server(repo, "--poll-s", "0.25", "--max-delay-us", "1000")
     calls: list[Call] = []
     failures: list[str] = []
     lock = threading.Lock()
     begin = time.perf_counter()
-    stop_at = begin + LOAD_SECONDS
+    stop_at = begin + seconds
 
     def worker(index: int) -> None:
         with client("grpc", f"127.0.0.1:{port}") as c:
@@ -122,8 +130,10 @@ def run_under_load(
         changed = time.perf_counter() - begin
         change()
         for thread in threads:
-            thread.join(LOAD_SECONDS + 30)
+            thread.join(seconds + 30)
         rss_after = rss_bytes(process.pid)
+        if after is not None:
+            after(port)
     finally:
         process.send_signal(signal.SIGTERM)
         assert process.wait(60) == 0
@@ -132,14 +142,16 @@ def run_under_load(
     return calls, failures, changed, rss_before, rss_after
 
 
-def _report(case: str, calls: list[Call], changed: float, swapped: float, rss_before: int, rss_after: int) -> None:
+def _report(
+    case: str, calls: list[Call], changed: float, swapped: float, rss_before: int, rss_after: int, seconds: float
+) -> None:
     before = [c.latency for c in calls if 2.0 <= c.started < changed]
     during = [c.latency for c in calls if changed <= c.started <= swapped + 1.0]
     line = {
         "case": case,
         "calls": len(calls),
         "clients": CLIENTS,
-        "seconds": LOAD_SECONDS,
+        "seconds": seconds,
         "p99_before_ms": round(1e3 * _p99(before), 2),
         "p99_swap_ms": round(1e3 * _p99(during), 2),
         "p99_ratio": round(_p99(during) / _p99(before), 3),
@@ -173,7 +185,7 @@ def test_a_new_version_swaps_in_under_load(tmp_path, big_versions):
     assert {c.version for c in calls} == {"1", "2"}
     assert all(c.version == "2" for c in calls if c.started > first_new + 2.0)  # then only the new version
     assert rss_after <= 1.10 * rss_before, f"RSS {rss_before / 2**20:.0f} MB -> {rss_after / 2**20:.0f} MB"
-    _report("new_version", calls, changed, first_new, rss_before, rss_after)
+    _report("new_version", calls, changed, first_new, rss_before, rss_after, LOAD_SECONDS)
 
 
 def test_a_broken_version_changes_nothing_under_load(tmp_path, big_versions):
@@ -181,10 +193,19 @@ def test_a_broken_version_changes_nothing_under_load(tmp_path, big_versions):
     shutil.copytree(big_versions["2"], repo / MODEL / "2")
     batches = _batches()
     expected = {"2": [load(big_versions["2"]).lookup(b) for b in batches]}
+    refusals: list[dict[str, str]] = []
+
+    def refused(port: int) -> None:  # the server did see version 3, and refused it
+        with client("grpc", f"127.0.0.1:{port}") as c:
+            rows = c.get_model_repository_index(as_json=True).get("models", [])
+        refusals.extend(r for r in rows if r.get("version") == "3")
+
     calls, failures, changed, rss_before, rss_after = run_under_load(
-        repo, lambda: _stage(big_versions["broken"], repo, "3"), expected, batches
+        repo, lambda: _stage(big_versions["broken"], repo, "3"), expected, batches, BROKEN_LOAD_SECONDS, refused
     )
+    assert [r.get("state") for r in refusals] == ["UNAVAILABLE"], refusals
+    assert "fails its sha256 check" in refusals[0].get("reason", ""), refusals
     assert failures == []
     assert {c.version for c in calls} == {"2"}
     assert rss_after <= 1.10 * rss_before, f"RSS {rss_before / 2**20:.0f} MB -> {rss_after / 2**20:.0f} MB"
-    _report("broken_version", calls, changed, changed + 1.0, rss_before, rss_after)
+    _report("broken_version", calls, changed, changed + 1.0, rss_before, rss_after, BROKEN_LOAD_SECONDS)
