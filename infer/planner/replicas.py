@@ -30,8 +30,7 @@ def _check_count(replicas: int, hosts: int) -> None:
 
 
 def _hosts(topology: Topology) -> int:
-    local = topology.local_world_size or topology.world_size
-    return topology.world_size // local
+    return topology.world_size // topology.local_world_size  # Topology fills in local_world_size (>= 1)
 
 
 def replica_topology(topology: Topology, replicas: int) -> Topology:
@@ -59,9 +58,8 @@ def slot_holders(hosts: int, replicas: int, slot: int) -> tuple[int, ...]:
 
 def host_bytes(plan: ShardingPlan, replicas: int) -> list[int]:
     """Device bytes per host of ``plan`` when each host holds its ``replicas`` slots."""
-    topology = plan.topology
-    local = topology.local_world_size or topology.world_size
-    hosts = topology.world_size // local
+    local = plan.topology.local_world_size
+    hosts = _hosts(plan.topology)
     per_slot = [0] * hosts
     for rank, storage in enumerate(plan.device_storage()):
         per_slot[rank // local] += storage.device
@@ -74,7 +72,7 @@ def place_replicas(plan: ShardingPlan, replicas: int, capacity: Topology | None 
     topology = capacity or plan.topology
     hosts = _hosts(plan.topology)
     _check_count(replicas, hosts)
-    local = topology.local_world_size or topology.world_size
+    local = topology.local_world_size
     for host, used in enumerate(host_bytes(plan, replicas)):
         available = sum(topology.device_memory[host * local : (host + 1) * local])
         if used > available:
