@@ -128,8 +128,6 @@ def hot_rows_from_sample(spec: ModelSpec, path: str | Path, max_rows: int) -> di
     from infer.errors import PlanError
     from infer.planner.access import load_sample_ids
 
-    if max_rows < 1:
-        raise ConfigError(f"the hot-row cache needs at least 1 row, got {max_rows}; pass --hot-rows N with N >= 1")
     try:
         sample = load_sample_ids(path, spec)
     except PlanError as err:
