@@ -47,19 +47,20 @@ class Membership:
     def rank_of(self, host: int) -> int:
         return self.members.index(host)
 
+    def live_holders(self, slot: int) -> list[int]:
+        """The members holding ``slot``'s shards, in ring order (its own host first)."""
+        return [h for h in slot_holders(self.slots, self.replicas, slot) if h in self.members]
+
     def owners(self) -> tuple[int, ...] | None:
         """The member rank serving each slot (the first live holder in ring order); None when a slot has no live
         holder."""
-        owners = []
-        for slot in range(self.slots):
-            live = [h for h in slot_holders(self.slots, self.replicas, slot) if h in self.members]
-            if not live:
-                return None
-            owners.append(self.members.index(live[0]))
-        return tuple(owners)
+        if self.uncovered():
+            return None
+        return tuple(self.members.index(self.live_holders(slot)[0]) for slot in range(self.slots))
 
     def uncovered(self) -> list[int]:
-        return [s for s in range(self.slots) if not set(slot_holders(self.slots, self.replicas, s)) & set(self.members)]
+        """The slots no member holds."""
+        return [slot for slot in range(self.slots) if not self.live_holders(slot)]
 
 
 def step_group(store: dist.Store, membership: Membership, host: int, timeout_s: float) -> dist.ProcessGroupGloo:
