@@ -52,6 +52,11 @@ class WorkerSpec:
     workers: int
     metrics_port: int | None
 
+    def options(self) -> list[str]:
+        """The worker's own ``embserve serve`` flags (``parse_worker_flag`` reads the first back)."""
+        metrics = ["--metrics-port", str(self.metrics_port)] if self.metrics_port is not None else []
+        return [WORKER_FLAG, f"{self.index}/{self.workers}", *metrics]
+
 
 def parse_worker_flag(value: str) -> tuple[int, int]:
     """``"<index>/<workers>"`` -> (index, workers)."""
@@ -168,9 +173,8 @@ def serve_workers(artifact: str, worker_options: list[str], config: Any, workers
     started: list[_Worker] = []
     try:
         for index, metrics_port in enumerate(_worker_ports(config.metrics_port, workers)):
-            options = [WORKER_FLAG, f"{index}/{workers}"]
-            options += ["--metrics-port", str(metrics_port)] if metrics_port is not None else []
-            started.append(_Worker(WorkerSpec(index, workers, metrics_port), [*command, *options]))
+            spec = WorkerSpec(index, workers, metrics_port)
+            started.append(_Worker(spec, [*command, *spec.options()]))
         logger.info("instance on port %d: %d workers (pids %s)", grpc_port, workers, [w.process.pid for w in started])
         return _supervise(started, grpc_port, wakeup_read, stopping)
     finally:
@@ -193,6 +197,7 @@ def _supervise(workers: list[_Worker], port: int, wakeup: int, stopping: list[in
         selector.register(worker.stdout, selectors.EVENT_READ, worker)
     failed: str | None = None
     went = announced = False
+    passed_on = 0  # the signals in ``stopping`` passed on to the workers
     while any(not w.exited for w in workers):
         for key, _ in selector.select():
             if key.data is None:
@@ -211,9 +216,9 @@ def _supervise(workers: list[_Worker], port: int, wakeup: int, stopping: list[in
                 continue
             for line in worker.lines(data):
                 _read_line(worker, line)
-        if stopping and not all(w.exited for w in workers) and stopping[-1] != -1:
+        if len(stopping) > passed_on and not all(w.exited for w in workers):
             logger.info("signal %d: every worker drains", stopping[-1])
-            stopping.append(-1)  # passed on once
+            passed_on = len(stopping)
             _stop_all(workers)
         if not announced and failed is None and not stopping:
             if not went and all(w.warm_metrics_port is not None for w in workers):
