@@ -8,6 +8,7 @@ import signal
 import subprocess
 import sys
 import time
+from pathlib import Path
 
 import pytest
 import torch
@@ -19,6 +20,24 @@ from tests.distributed.test_serving import _expected, _Load
 from tests.server.support import LineReader
 
 
+def _static(host: int, port: int) -> list[str]:
+    """torchrun's static rendezvous: fixed node ranks, host 0's store at ``port``."""
+    return ["--node-rank", str(host), "--master-addr", "127.0.0.1", "--master-port", str(port)]
+
+
+def _launcher(
+    host: int, port: int, launch: list[str], artifact: Path, serve: list[str], log: Path
+) -> subprocess.Popen[str]:
+    """Host ``host``'s ``server.group.launch`` (torchrun's arguments: 2 nodes of 1 worker, then ``launch``) of
+    ``embserve serve artifact`` on a free port with ``serve``; stdout piped, stderr to ``log``."""
+    env = group_env(host, 2, port)
+    for name in ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT", "LOCAL_RANK", "LOCAL_WORLD_SIZE"):
+        env.pop(name)  # torchrun sets them for its worker
+    command = [sys.executable, "-m", "server.group.launch", "--nnodes", "2", "--nproc-per-node", "1", *launch,
+               "-m", "infer.cli", "serve", str(artifact), "--host", "127.0.0.1", "--port", "0", *serve]  # fmt: skip
+    return subprocess.Popen(command, env=env, stdout=subprocess.PIPE, stderr=open(log, "w"), text=True, cwd=ROOT)
+
+
 @pytest.mark.parametrize("stopped", [0, 1], ids=["host0", "host1"])
 def test_sigterm_to_either_launcher_exits_0_everywhere(host_artifacts, quantized, tmp_path, stopped):
     artifact = host_artifacts[(2, "column")]
@@ -26,17 +45,8 @@ def test_sigterm_to_either_launcher_exits_0_everywhere(host_artifacts, quantized
     expected, _ = _expected(quantized, "column", 2, 1, batches)
     port = free_port()
     logs = [tmp_path / f"launcher{h}.err" for h in range(2)]
-    launchers = []
-    for host in range(2):
-        env = group_env(host, 2, port)
-        for name in ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT", "LOCAL_RANK", "LOCAL_WORLD_SIZE"):
-            env.pop(name)  # torchrun sets them for its worker
-        command = [sys.executable, "-m", "server.group.launch", "--nnodes", "2", "--nproc-per-node", "1",
-                   "--node-rank", str(host), "--master-addr", "127.0.0.1", "--master-port", str(port),
-                   "-m", "infer.cli", "serve", str(artifact), "--host", "127.0.0.1", "--port", "0",
-                   "--collective-timeout-s", "10", "--drain-grace-s", "0.3"]  # fmt: skip
-        launchers.append(subprocess.Popen(command, env=env, stdout=subprocess.PIPE, stderr=open(logs[host], "w"),
-                                          text=True, cwd=ROOT))  # fmt: skip
+    serve = ["--collective-timeout-s", "10", "--drain-grace-s", "0.3"]
+    launchers = [_launcher(host, port, _static(host, port), artifact, serve, logs[host]) for host in range(2)]
     try:
         readers = [LineReader(p.stdout) for p in launchers]
         ports = [int(r.wait_for(SERVING_LINE, timeout=180).rsplit(" ", 1)[1]) for r in readers]
@@ -85,21 +95,14 @@ def test_a_killed_worker_is_restarted_and_the_group_serves_again(host_artifacts,
     expected, _ = _expected(quantized, "column", 2, 1, [batch])
     port = free_port()
     logs = [tmp_path / f"launcher{h}.err" for h in range(2)]
-    launchers = []
-    for host in range(2):
-        env = group_env(host, 2, port)
-        for name in ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT", "LOCAL_RANK", "LOCAL_WORLD_SIZE"):
-            env.pop(name)
-        if rendezvous == "static":
-            where = ["--node-rank", str(host), "--master-addr", "127.0.0.1", "--master-port", str(port)]
-        else:
-            where = ["--rdzv-backend", "c10d", "--rdzv-endpoint", f"127.0.0.1:{port}", "--rdzv-id", "restart-test"]
-        command = [sys.executable, "-m", "server.group.launch", "--nnodes", "2", "--nproc-per-node", "1", *where,
-                   "--max-restarts", "1", "--monitor-interval", "0.5", "-m", "infer.cli", "serve", str(artifact),
-                   "--host", "127.0.0.1", "--port", "0", "--collective-timeout-s", "4", "--failure-grace-s", "1",
-                   "--drain-grace-s", "0.3"]  # fmt: skip
-        launchers.append(subprocess.Popen(command, env=env, stdout=subprocess.PIPE, stderr=open(logs[host], "w"),
-                                          text=True, cwd=ROOT))  # fmt: skip
+    c10d = ["--rdzv-backend", "c10d", "--rdzv-endpoint", f"127.0.0.1:{port}", "--rdzv-id", "restart-test"]
+    restarts = ["--max-restarts", "1", "--monitor-interval", "0.5"]
+    serve = ["--collective-timeout-s", "4", "--failure-grace-s", "1", "--drain-grace-s", "0.3"]
+
+    def launch(host: int) -> list[str]:
+        return [*(_static(host, port) if rendezvous == "static" else c10d), *restarts]
+
+    launchers = [_launcher(host, port, launch(host), artifact, serve, logs[host]) for host in range(2)]
     workers: list[int] = []
     try:
         readers = [LineReader(p.stdout) for p in launchers]
