@@ -22,7 +22,6 @@ Prints one JSON line per case.
 from __future__ import annotations
 
 import argparse
-import dataclasses
 import json
 import os
 import re
@@ -34,16 +33,17 @@ import threading
 import time
 from pathlib import Path
 
+# Run as ``python bench/multihost_failover.py``, this folder heads sys.path and bench/server.py would shadow the
+# ``server`` package: import the bench helpers as ``bench.multihost_serving`` from the repository root instead.
+ROOT = Path(__file__).resolve().parent.parent
 if sys.path and os.path.abspath(sys.path[0]) == os.path.dirname(os.path.abspath(__file__)):
-    del sys.path[0]
+    sys.path[0] = str(ROOT)
 
 import grpc
 import torch
 
-from infer.config import DataType, ModelSpec, TableConfig
+from bench.multihost_serving import table_wise_over_hosts
 from infer.features import SparseFeatures
-from infer.planner.types import ComputeDevice, ShardingType, Topology
-from infer.shard.plans import make_plan
 from server.app import SERVING_LINE
 from server.client import EmbserveClient
 from server.group.members import REFORMED_LINE
@@ -240,19 +240,8 @@ def main(argv: list[str] | None = None) -> int:
 
     from infer.artifact.hosts import export_hosts
     from infer.planner.replicas import place_replicas
-    from infer.quant.quantize import quantize
-    from infer.weights import random_weights
 
-    spec = ModelSpec(
-        tuple(
-            TableConfig(f"t{i}", args.rows, args.dim, (f"f{i}",), data_type=DataType.INT8) for i in range(args.tables)
-        )
-    )
-    model = quantize(spec, random_weights(spec, seed=0))
-    layout = {t.name: (ShardingType.TABLE_WISE, (i % HOSTS,)) for i, t in enumerate(spec.tables)}
-    plan = dataclasses.replace(
-        make_plan(spec, HOSTS, layout), topology=Topology(HOSTS, ComputeDevice.CPU, local_world_size=1)
-    )
+    spec, model, plan = table_wise_over_hosts(args.tables, args.rows, args.dim, HOSTS)
     batches = [SparseFeatures.random(spec, batch_size=args.batch, ids_per_bag=20, seed=s) for s in range(4)]
     with tempfile.TemporaryDirectory(prefix="embserve-multihost-failover-") as tmp:
         plain = export_hosts(model, Path(tmp) / "plain", plan)

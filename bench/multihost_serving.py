@@ -28,6 +28,7 @@ import tempfile
 import threading
 import time
 from pathlib import Path
+from typing import Any
 
 if sys.path and os.path.abspath(sys.path[0]) == os.path.dirname(os.path.abspath(__file__)):
     del sys.path[0]
@@ -36,7 +37,7 @@ import torch
 
 from infer.config import DataType, ModelSpec, TableConfig
 from infer.features import SparseFeatures
-from infer.planner.types import ComputeDevice, ShardingType, Topology
+from infer.planner.types import ComputeDevice, ShardingPlan, ShardingType, Topology
 from infer.shard.plans import make_plan
 from server.app import SERVING_LINE
 from server.client import EmbserveClient
@@ -87,6 +88,19 @@ def _free_port() -> int:
         return int(sock.getsockname()[1])
 
 
+def table_wise_over_hosts(tables: int, rows: int, dim: int, hosts: int) -> tuple[ModelSpec, Any, ShardingPlan]:
+    """``tables`` INT8 tables of ``rows`` x ``dim`` (random weights, seed 0), table ``i`` on host ``i % hosts``:
+    the spec, the quantized model and the plan of one CPU device per host."""
+    from infer.quant.quantize import quantize
+    from infer.weights import random_weights
+
+    spec = ModelSpec(tuple(TableConfig(f"t{i}", rows, dim, (f"f{i}",), data_type=DataType.INT8) for i in range(tables)))
+    model = quantize(spec, random_weights(spec, seed=0))
+    layout = {t.name: (ShardingType.TABLE_WISE, (i % hosts,)) for i, t in enumerate(spec.tables)}
+    plan = make_plan(spec, hosts, layout)
+    return spec, model, dataclasses.replace(plan, topology=Topology(hosts, ComputeDevice.CPU, local_world_size=1))
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[1])
     parser.add_argument("--tables", type=int, default=8)
@@ -103,26 +117,16 @@ def main(argv: list[str] | None = None) -> int:
 
     from infer.artifact.export import export
     from infer.artifact.hosts import export_hosts
-    from infer.quant.quantize import quantize
     from infer.shard.builder import shard_model
-    from infer.weights import random_weights
 
-    spec = ModelSpec(
-        tuple(
-            TableConfig(f"t{i}", args.rows, args.dim, (f"f{i}",), data_type=DataType.INT8) for i in range(args.tables)
-        )
-    )
-    model = quantize(spec, random_weights(spec, seed=0))
-    layout = {t.name: (ShardingType.TABLE_WISE, (i % HOSTS,)) for i, t in enumerate(spec.tables)}
-    plan = make_plan(spec, HOSTS, layout)
+    spec, model, hosts_plan = table_wise_over_hosts(args.tables, args.rows, args.dim, HOSTS)
     batches = [
         SparseFeatures.random(spec, batch_size=args.batch, ids_per_bag=args.ids_per_bag, seed=s) for s in range(8)
     ]
     with tempfile.TemporaryDirectory(prefix="embserve-multihost-serving-") as tmp:
         folder = Path(tmp)
-        hosts_plan = dataclasses.replace(plan, topology=Topology(HOSTS, ComputeDevice.CPU, local_world_size=1))
         group_artifact = export_hosts(model, folder / "hosts", hosts_plan)
-        one_plan = dataclasses.replace(plan, topology=Topology(HOSTS, ComputeDevice.CPU))
+        one_plan = dataclasses.replace(hosts_plan, topology=Topology(HOSTS, ComputeDevice.CPU))
         one_artifact = export(shard_model(model, one_plan), folder / "one", plan=one_plan)
         del model
 
