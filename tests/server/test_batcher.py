@@ -4,6 +4,7 @@ none of their requests."""
 from __future__ import annotations
 
 import asyncio
+from collections.abc import Awaitable, Callable
 
 import torch
 
@@ -40,60 +41,56 @@ def _expected(batch: ValidatedBatch) -> torch.Tensor:
     return torch.tensor(sums, dtype=torch.int64).view(-1, 1)
 
 
-def _batcher() -> DynamicBatcher:
-    # every request waits the whole delay for company (--batch-wait always)
-    return DynamicBatcher(_sum_of_ids, max_delay_s=LONG_DELAY_S, always_wait=True)  # type: ignore[arg-type]
+def _run(scenario: Callable[[DynamicBatcher], Awaitable[None]], flushed_first: bool = False) -> None:
+    """``scenario`` on a running batcher whose every request waits the whole delay for company (--batch-wait
+    always); ``flushed_first``: flushed before it starts (the flag must hold once the consumers run)."""
+
+    async def main() -> None:
+        batcher = DynamicBatcher(_sum_of_ids, max_delay_s=LONG_DELAY_S, always_wait=True)  # type: ignore[arg-type]
+        if flushed_first:
+            batcher.flush()
+        batcher.start()
+        try:
+            await scenario(batcher)
+        finally:
+            await batcher.close()
+
+    asyncio.run(main())
 
 
 def test_flush_runs_the_waiting_batch_at_once_and_loses_none_of_its_requests():
-    async def scenario() -> None:
-        batcher = _batcher()
-        batcher.start()
-        try:
-            batches = [_batch(seed, 1 + seed % 3) for seed in range(5)]
-            calls = [asyncio.ensure_future(batcher.submit(b)) for b in batches]
-            while batcher.held < len(batches):  # every request handed to the batcher
-                await asyncio.sleep(0.01)
-            await asyncio.sleep(0.05)  # the consumer took the first and waits out the delay for more
-            assert not any(call.done() for call in calls)
-            batcher.flush()
-            answers = await asyncio.wait_for(asyncio.gather(*calls), ANSWER_TIMEOUT_S)
-            for batch, answer in zip(batches, answers, strict=True):
-                assert torch.equal(answer, _expected(batch))
-        finally:
-            await batcher.close()
+    async def scenario(batcher: DynamicBatcher) -> None:
+        batches = [_batch(seed, 1 + seed % 3) for seed in range(5)]
+        calls = [asyncio.ensure_future(batcher.submit(b)) for b in batches]
+        while batcher.held < len(batches):  # every request handed to the batcher
+            await asyncio.sleep(0.01)
+        await asyncio.sleep(0.05)  # the consumer took the first and waits out the delay for more
+        assert not any(call.done() for call in calls)
+        batcher.flush()
+        answers = await asyncio.wait_for(asyncio.gather(*calls), ANSWER_TIMEOUT_S)
+        for batch, answer in zip(batches, answers, strict=True):
+            assert torch.equal(answer, _expected(batch))
 
-    asyncio.run(scenario())
+    _run(scenario)
 
 
 def test_after_a_flush_no_request_waits_for_company():
-    async def scenario() -> None:
-        batcher = _batcher()
-        batcher.flush()  # before start: the flag holds once the consumers run
-        batcher.start()
-        try:
-            for seed in range(3):
-                batch = _batch(seed, 2)
-                answer = await asyncio.wait_for(batcher.submit(batch), ANSWER_TIMEOUT_S)
-                assert torch.equal(answer, _expected(batch))
-        finally:
-            await batcher.close()
+    async def scenario(batcher: DynamicBatcher) -> None:
+        for seed in range(3):
+            batch = _batch(seed, 2)
+            answer = await asyncio.wait_for(batcher.submit(batch), ANSWER_TIMEOUT_S)
+            assert torch.equal(answer, _expected(batch))
 
-    asyncio.run(scenario())
+    _run(scenario, flushed_first=True)
 
 
 def test_without_a_flush_the_batch_keeps_waiting_for_company():
     """The control: the same request does wait (so the flush tests above can fail)."""
 
-    async def scenario() -> None:
-        batcher = _batcher()
-        batcher.start()
-        try:
-            call = asyncio.ensure_future(batcher.submit(_batch(0, 1)))
-            await asyncio.sleep(0.3)
-            assert not call.done()
-            call.cancel()
-        finally:
-            await batcher.close()
+    async def scenario(batcher: DynamicBatcher) -> None:
+        call = asyncio.ensure_future(batcher.submit(_batch(0, 1)))
+        await asyncio.sleep(0.3)
+        assert not call.done()
+        call.cancel()
 
-    asyncio.run(scenario())
+    _run(scenario)
