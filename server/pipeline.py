@@ -110,11 +110,8 @@ class Pipeline:
         max_merge_examples: int = MAX_MERGE_EXAMPLES,
         always_wait: bool = False,
     ) -> None:
-        self.runtime = runtime
-        self.spec = runtime.spec
+        self.follow(runtime)  # runtime, spec, version
         self.metrics = metrics
-        manifest = runtime.manifest
-        self.version = manifest.file(manifest.model_file).sha256[:16]
         self.max_batch_size = max_batch_size
         self.always_wait = always_wait
         self._batchers: list[DynamicBatcher] = []
