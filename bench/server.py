@@ -57,13 +57,15 @@ from dataclasses import dataclass, field, replace
 from pathlib import Path
 
 # Run as ``python bench/server.py``, this file's folder heads sys.path and the file's own name would
-# shadow the ``server`` package it measures (hence the imports below this, and E402 off for the file).
+# shadow the ``server`` package it measures (hence the imports below this, and E402 off for the file); the
+# repository root takes its place (``bench.loadgen`` is imported from there).
 if sys.path and os.path.abspath(sys.path[0]) == os.path.dirname(os.path.abspath(__file__)):
-    del sys.path[0]
+    sys.path[0] = os.path.dirname(sys.path[0])
 
 import grpc
 import torch
 
+from bench.loadgen import process_cpu_seconds
 from infer.artifact.export import export
 from infer.artifact.load import load
 from infer.artifact.runtime import Runtime
@@ -116,12 +118,6 @@ def dense_batch(batch: SparseFeatures, num_dense: int, seed: int) -> torch.Tenso
 
 
 # ---------------------------------------------------------------------------------------------- server process
-def _cpu_of(pid: int) -> float:
-    """utime + stime of one process, seconds (/proc/<pid>/stat)."""
-    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
-    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
-
-
 class ServerProcess:
     """``embserve serve`` on a free loopback port; ``stop`` sends SIGTERM and returns the exit code."""
 
@@ -167,12 +163,7 @@ class ServerProcess:
     def cpu_seconds(self) -> float:
         """User + system CPU of the server process and of its worker processes (``--workers N``: the
         instance's children; Linux /proc); NaN elsewhere."""
-        pid = self.process.pid
-        try:
-            children = Path(f"/proc/{pid}/task/{pid}/children").read_text().split()
-            return sum(_cpu_of(p) for p in [pid, *map(int, children)])
-        except OSError:
-            return float("nan")
+        return process_cpu_seconds(self.process.pid)
 
     def stop(self, timeout_s: float = 60.0) -> int | None:
         """SIGTERM, then wait; a server that does not exit in time is killed and reported as None."""
