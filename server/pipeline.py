@@ -96,6 +96,29 @@ def check_deadline(context: grpc.aio.ServicerContext) -> None:
         )
 
 
+def run_lookup(
+    runtime: Runtime,
+    values: torch.Tensor,
+    lengths: torch.Tensor,
+    weights: torch.Tensor | None,
+    dense: torch.Tensor | None,
+) -> torch.Tensor:
+    """A batcher's lookup forward on ``runtime``: its unchecked entry, the batch validated once, on decode."""
+    return runtime.lookup_unchecked(values, lengths, weights)  # type: ignore[no-any-return]
+
+
+def run_predict(
+    runtime: Runtime,
+    values: torch.Tensor,
+    lengths: torch.Tensor,
+    weights: torch.Tensor | None,
+    dense: torch.Tensor | None,
+) -> torch.Tensor:
+    """A batcher's predict forward on ``runtime`` (validated once, on decode): float32 ``[batch]`` scores."""
+    assert dense is not None
+    return runtime.lookup_and_predict_unchecked(dense, values, lengths, weights)[1]  # type: ignore[no-any-return]
+
+
 class Pipeline:
     """The shared request path: the default model's runtime and batchers, calls in flight, readiness and drain."""
 
@@ -200,13 +223,12 @@ class Pipeline:
     def _run_lookup(
         self, values: torch.Tensor, lengths: torch.Tensor, weights: torch.Tensor | None, dense: torch.Tensor | None
     ) -> torch.Tensor:
-        return self.runtime.lookup_unchecked(values, lengths, weights)  # validated once, on decode
+        return run_lookup(self.runtime, values, lengths, weights, dense)  # the runtime follow() set last
 
     def _run_predict(
         self, values: torch.Tensor, lengths: torch.Tensor, weights: torch.Tensor | None, dense: torch.Tensor | None
     ) -> torch.Tensor:
-        assert dense is not None
-        return self.runtime.lookup_and_predict_unchecked(dense, values, lengths, weights)[1]  # float32 [batch]
+        return run_predict(self.runtime, values, lengths, weights, dense)
 
     def start(self) -> None:
         self.lookups.start()

@@ -14,6 +14,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import copy
+import functools
 import logging
 import os
 import threading
@@ -37,7 +38,7 @@ from server.adapters.v1 import codec
 from server.adapters.v1.service import InferenceServicer
 from server.batcher import MAX_MERGE_EXAMPLES, DynamicBatcher
 from server.metrics import ServerMetrics
-from server.pipeline import Failure
+from server.pipeline import Failure, run_lookup, run_predict
 
 logger = logging.getLogger(__name__)
 
@@ -193,19 +194,6 @@ class _CountedBatcher:
 
     async def close(self) -> None:
         pass
-
-
-def _make_runners(runtime: Any) -> tuple[Callable[..., torch.Tensor], Callable[..., torch.Tensor]]:
-    """A version's forwards: the model's unchecked entries, as for one artifact (``InferenceServicer``) — every
-    request was decoded and validated once against this version's own spec before it was queued."""
-
-    def run_lookup(values: Any, lengths: Any, weights: Any, dense: Any) -> torch.Tensor:
-        return runtime.lookup_unchecked(values, lengths, weights)  # type: ignore[no-any-return]
-
-    def run_predict(values: Any, lengths: Any, weights: Any, dense: Any) -> torch.Tensor:
-        return runtime.lookup_and_predict_unchecked(dense, values, lengths, weights)[1]  # type: ignore[no-any-return]
-
-    return run_lookup, run_predict
 
 
 class Repository:
@@ -456,7 +444,9 @@ class Repository:
             loader.shutdown(wait=False)
         settings = self.settings
         runtime.set_threads(settings.threads or runtime.thread_budget(settings.workers))
-        run_lookup, run_predict = _make_runners(runtime)
+        # the version's forwards, as for one artifact: every request was decoded and validated once against this
+        # version's own spec before it was queued
+        lookup, predict = functools.partial(run_lookup, runtime), functools.partial(run_predict, runtime)
 
         def batcher(run: Callable[..., torch.Tensor]) -> DynamicBatcher:
             return DynamicBatcher(
@@ -469,8 +459,8 @@ class Repository:
                 settings.max_merge_examples,
             )
 
-        lookups = batcher(run_lookup)
-        predictions = batcher(run_predict) if runtime.has_dense else None
+        lookups = batcher(lookup)
+        predictions = batcher(predict) if runtime.has_dense else None
         model = ServedModel(name, version, runtime, lookups, predictions, None, settings.max_batch_size)
         if predictions is not None:
             model.both = batcher(model.run_both)
