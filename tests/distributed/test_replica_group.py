@@ -7,10 +7,9 @@ from __future__ import annotations
 
 import signal
 
-import grpc
 import pytest
 import torch
-from grpc_health.v1 import health_pb2, health_pb2_grpc
+from grpc_health.v1 import health_pb2
 
 from infer.artifact.hosts import export_hosts
 from infer.planner.replicas import place_replicas
@@ -20,7 +19,8 @@ from server.client import EmbserveClient
 from server.group.members import REFORMED_LINE
 from tests.conftest import random_batch
 from tests.distributed.conftest import host_plan
-from tests.distributed.test_serving import _Group, _Load
+from tests.distributed.test_serving import _Group, _health, _Load
+from tests.support.call_contract import assert_matches
 
 HOSTS = 3
 REPLICAS = 2
@@ -41,15 +41,6 @@ def fp32_reference(quantized):
     return FloatEmbeddingBagCollection(quantized.spec, dequantized_weights(quantized.spec, quantized))
 
 
-def _close(got: torch.Tensor, want: torch.Tensor) -> bool:
-    return bool((got - want).abs().max() <= 1e-5 * max(1.0, float(want.abs().max())))
-
-
-def _health(port: int) -> int:
-    with grpc.insecure_channel(f"127.0.0.1:{port}") as channel:
-        return health_pb2_grpc.HealthStub(channel).Check(health_pb2.HealthCheckRequest(service=""), timeout=10).status
-
-
 @pytest.mark.parametrize("kind", ["table", "row"])
 def test_replicated_plan_serves_the_fp32_reference_on_every_front_end(replica_artifacts, fp32_reference, quantized,
                                                                       tmp_path, kind):  # fmt: skip
@@ -63,7 +54,8 @@ def test_replicated_plan_serves_the_fp32_reference_on_every_front_end(replica_ar
                     got = client.lookup(batch)
                     with torch.inference_mode():
                         want = fp32_reference(batch)
-                    assert float(want.abs().max()) > 0 and _close(got, want), (kind, port)
+                    assert float(want.abs().max()) > 0, (kind, port)
+                    assert_matches(got, want)
         group.processes[1].send_signal(signal.SIGTERM)
         assert [p.wait(timeout=60) for p in group.processes] == [0, 0, 0], group.stderr(0)
     finally:
@@ -97,7 +89,7 @@ def test_a_lost_host_the_survivors_reform_and_serve_every_call(replica_artifacts
         for port in survivors:
             assert _health(port) == health_pb2.HealthCheckResponse.SERVING
             with EmbserveClient(f"127.0.0.1:{port}") as client:
-                assert _close(client.lookup(batches[0]), expected[0])
+                assert_matches(client.lookup(batches[0]), expected[0])
         load.join(30)
         assert set(load.outcomes) == {"OK"} and load.wrong == 0, load.outcomes
         group.processes[0].send_signal(signal.SIGTERM)

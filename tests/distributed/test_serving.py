@@ -32,6 +32,13 @@ TIMEOUT_S = 4.0  # --collective-timeout-s of these groups
 HANG_GUARD_S = 120.0  # waits for an event give up after this long: a hang guard, not a target
 
 
+def _health(port: int, timeout: float = 10.0) -> int:
+    """The overall health status (service "") of the front end on ``port``."""
+    with grpc.insecure_channel(f"127.0.0.1:{port}") as channel:
+        request = health_pb2.HealthCheckRequest(service="")
+        return health_pb2_grpc.HealthStub(channel).Check(request, timeout=timeout).status
+
+
 class _Group:
     def __init__(self, artifact: Path, hosts: int, folder: Path, *options: str, wait: bool = True) -> None:
         port = free_port()
@@ -172,10 +179,7 @@ def test_failed_rank_under_load_turns_rank0_unavailable(host_artifacts, quantize
         group.processes[victim].send_signal(signum)
         # the event itself; the bound only keeps a broken build from hanging the suite
         assert load.unavailable.wait(HANG_GUARD_S), (load.outcomes, group.stderr(0))
-        channel = grpc.insecure_channel(f"127.0.0.1:{group.port}")
-        status = health_pb2_grpc.HealthStub(channel).Check(health_pb2.HealthCheckRequest(service=""), timeout=5)
-        channel.close()
-        assert status.status == health_pb2.HealthCheckResponse.NOT_SERVING
+        assert _health(group.port, timeout=5) == health_pb2.HealthCheckResponse.NOT_SERVING
         load.join(30)
         assert group.processes[0].wait(timeout=30) == 1, group.stderr(0)
         survivor = 1 if victim == 2 else 2
