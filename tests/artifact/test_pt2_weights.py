@@ -68,16 +68,18 @@ def _export(folder: Path, rows: int = 3000, sharded: bool = False, weights: str 
     return spec, reference, export(exported, folder, plan=plan, pt2=True, weights=weights)
 
 
-@pytest.fixture(scope="module", params=["unsharded", "sharded"])
-def mapped(request, tmp_path_factory):  # type: ignore[no-untyped-def]
-    """(spec, reference, artifact path) of a mapped artifact with model.pt2."""
-    return _export(tmp_path_factory.mktemp("pt2w"), sharded=request.param == "sharded")
-
-
 @pytest.fixture(scope="module")
 def small(tmp_path_factory):  # type: ignore[no-untyped-def]
-    """The unsharded model of ``mapped``, alone (compared with ``large``)."""
+    """(spec, reference, artifact path) of the unsharded mapped artifact with model.pt2 (compared with ``large``)."""
     return _export(tmp_path_factory.mktemp("pt2w_small"))
+
+
+@pytest.fixture(scope="module", params=["unsharded", "sharded"])
+def mapped(request, tmp_path_factory):  # type: ignore[no-untyped-def]
+    """(spec, reference, artifact path) of a mapped artifact with model.pt2 (unsharded: ``small``, compiled once)."""
+    if request.param == "unsharded":
+        return request.getfixturevalue("small")
+    return _export(tmp_path_factory.mktemp("pt2w"), sharded=True)
 
 
 @pytest.fixture(scope="module")
