@@ -7,6 +7,7 @@ import json
 import socket
 import threading
 import time
+import urllib.request
 from collections.abc import Callable, Coroutine
 from concurrent.futures import Future
 from pathlib import Path
@@ -16,6 +17,7 @@ import grpc
 import pytest
 import torch
 from grpc_health.v1 import health_pb2, health_pb2_grpc
+from prometheus_client.parser import text_string_to_metric_families
 
 from infer.artifact.load import load
 from infer.artifact.runtime import Runtime
@@ -217,3 +219,11 @@ class LineReader:
                     return line
             time.sleep(0.02)
         raise AssertionError(f"{text!r} not printed within {timeout} s; got {self.lines}")
+
+
+def scrape_metrics(port: int) -> dict[str, list[Any]]:
+    """The samples of every metric family on ``http://127.0.0.1:<port>/metrics``, by family name."""
+    with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=CALL_TIMEOUT) as response:
+        assert response.status == 200
+        text = response.read().decode()
+    return {family.name: family.samples for family in text_string_to_metric_families(text)}

@@ -8,18 +8,10 @@ import urllib.request
 import grpc
 import pytest
 import torch
-from prometheus_client.parser import text_string_to_metric_families
 
 from server.client import EmbserveClient
 from tests.conftest import random_batch
-from tests.server.support import CALL_TIMEOUT, rpc_error, wait_until
-
-
-def _scrape(port: int) -> dict[str, list]:
-    with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=5) as response:
-        assert response.status == 200
-        text = response.read().decode()
-    return {family.name: family.samples for family in text_string_to_metric_families(text)}
+from tests.server.support import CALL_TIMEOUT, rpc_error, scrape_metrics, wait_until
 
 
 def _value(samples: list, name: str, **labels: str) -> float:
@@ -43,7 +35,7 @@ def test_metrics_endpoint(start_server, dense_artifact, dense_runtime, spec):
         client.predict(random_batch(spec, batch_size=2), torch.zeros(2, 5))
         client.metadata()
 
-    metrics = _scrape(port)
+    metrics = scrape_metrics(port)
     requests = metrics["embserve_requests"]
     assert _value(requests, "embserve_requests_total", method="Lookup", code="OK") == 3
     assert _value(requests, "embserve_requests_total", method="Lookup", code="INVALID_ARGUMENT") == 2
@@ -69,7 +61,7 @@ def test_metrics_endpoint(start_server, dense_artifact, dense_runtime, spec):
 def test_metrics_endpoint_closes_with_the_server(start_server, dense_artifact):
     served = start_server(dense_artifact, metrics_port=0)
     port = served.running.metrics_port
-    assert "embserve_requests" in _scrape(port)
+    assert "embserve_requests" in scrape_metrics(port)
     served.stop(grace=1.0)
     with pytest.raises(urllib.error.URLError):
         urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=2)
@@ -88,7 +80,7 @@ def test_every_stage_of_the_pipeline_is_measured_per_request(start_server, dense
         for seed in range(requests):
             batch = random_batch(spec, batch_size=2, seed=seed)
             assert torch.equal(client.lookup(batch), dense_runtime.lookup(batch))
-    samples = _scrape(port)["embserve_stage_seconds"]
+    samples = scrape_metrics(port)["embserve_stage_seconds"]
     for stage in ("decode", "queue", "merge", "lookup", "split", "encode"):
         assert _value(samples, "embserve_stage_seconds_count", stage=stage) == requests, stage
         assert _value(samples, "embserve_stage_seconds_sum", stage=stage) > 0, stage

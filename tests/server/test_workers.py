@@ -13,7 +13,6 @@ import os
 import signal
 import subprocess
 import sys
-import urllib.request
 from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
@@ -24,7 +23,6 @@ import grpc
 import numpy as np
 import pytest
 import torch
-from prometheus_client.parser import text_string_to_metric_families
 
 from infer.artifact.export import export
 from infer.features import SparseFeatures
@@ -35,7 +33,7 @@ from server.launch import spawn_server
 from server.workers import WORKER_LINE
 from tests.conftest import TinyOverArch, random_batch
 from tests.server.oip_support import client, requested, triton_inputs
-from tests.server.support import CALL_TIMEOUT, NUM_DENSE, free_port, rpc_error, wait_until
+from tests.server.support import CALL_TIMEOUT, NUM_DENSE, free_port, rpc_error, scrape_metrics, wait_until
 from tests.support.call_contract import Reference, assert_matches
 
 REPO = Path(__file__).resolve().parents[2]
@@ -84,15 +82,7 @@ class Instance:
 
 def _samples(metrics_port: int, family_name: str, sample_name: str) -> list[float]:
     """The values of ``sample_name`` in metric family ``family_name`` on one worker's /metrics."""
-    with urllib.request.urlopen(f"http://127.0.0.1:{metrics_port}/metrics", timeout=CALL_TIMEOUT) as response:
-        text = response.read().decode()
-    return [
-        sample.value
-        for family in text_string_to_metric_families(text)
-        if family.name == family_name
-        for sample in family.samples
-        if sample.name == sample_name
-    ]
+    return [sample.value for sample in scrape_metrics(metrics_port).get(family_name, []) if sample.name == sample_name]
 
 
 def _requests(metrics_port: int) -> float:
