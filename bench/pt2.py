@@ -65,12 +65,13 @@ def _rss_after_load(path: Path, backend: str) -> dict[str, float]:
     every table (ids 16 rows apart, built before the first reading): a copy of the tables is anonymous memory,
     a mapping's pages are file-backed."""
     script = (
-        "import re, sys, torch, infer, fbgemm_gpu\n"
+        "import sys, torch, infer, fbgemm_gpu\n"
         "from infer.artifact.manifest import Manifest\n"
         "from infer.features import SparseFeatures\n"
+        "from infer.storage.memory import memory_use\n"
         "def status():\n"
-        "    text = open('/proc/self/status').read()\n"
-        "    return [int(re.search(key + r':\\s+(\\d+)', text).group(1)) / 1024 for key in ('RssAnon', 'RssFile')]\n"
+        "    use = memory_use()\n"
+        "    return [use.rss_anon / 2**20, use.rss_file / 2**20]\n"
         "from pathlib import Path\n"
         f"spec = Manifest.read(Path({str(path)!r})).spec\n"
         "ids = [torch.arange(0, f.num_embeddings, 16) for f in spec.features]\n"

@@ -201,10 +201,11 @@ LOAD_AND_REPORT = textwrap.dedent(
     from infer.artifact.fbgemm_libs import load_fbgemm
     from infer.artifact.load import load
     from infer.features import SparseFeatures
+    from infer.storage.memory import memory_use
 
     def status():
-        fields = dict(line.split(":", 1) for line in open("/proc/self/status").read().splitlines())
-        return {key: int(fields[key].split()[0]) * 1024 for key in ("RssAnon", "RssFile")}
+        use = memory_use()
+        return {"RssAnon": use.rss_anon, "RssFile": use.rss_file}
 
     load_fbgemm()
     before = status()
