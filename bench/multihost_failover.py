@@ -42,7 +42,7 @@ if sys.path and os.path.abspath(sys.path[0]) == os.path.dirname(os.path.abspath(
 import grpc
 import torch
 
-from bench.multihost_serving import table_wise_over_hosts
+from bench.multihost_serving import add_model_arguments, table_wise_over_hosts
 from infer.features import SparseFeatures
 from server.app import SERVING_LINE
 from server.client import EmbserveClient
@@ -225,10 +225,7 @@ def _case(artifact: Path, replicas: int, signum: signal.Signals, args: argparse.
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[1])
-    parser.add_argument("--tables", type=int, default=8)
-    parser.add_argument("--rows", type=int, default=100_000)
-    parser.add_argument("--dim", type=int, default=64)
-    parser.add_argument("--batch", type=int, default=512)
+    add_model_arguments(parser)
     parser.add_argument("--clients", type=int, default=8)
     parser.add_argument("--timeout", type=float, default=5.0, help="--collective-timeout-s of the group")
     parser.add_argument("--warmup-s", type=float, default=3.0, help="load before the loss and after the re-form")

@@ -88,6 +88,14 @@ def _free_port() -> int:
         return int(sock.getsockname()[1])
 
 
+def add_model_arguments(parser: argparse.ArgumentParser) -> None:
+    """``--tables --rows --dim`` (``table_wise_over_hosts``) and ``--batch``, the examples per request."""
+    parser.add_argument("--tables", type=int, default=8)
+    parser.add_argument("--rows", type=int, default=100_000)
+    parser.add_argument("--dim", type=int, default=64)
+    parser.add_argument("--batch", type=int, default=512)
+
+
 def table_wise_over_hosts(tables: int, rows: int, dim: int, hosts: int) -> tuple[ModelSpec, Any, ShardingPlan]:
     """``tables`` INT8 tables of ``rows`` x ``dim`` (random weights, seed 0), table ``i`` on host ``i % hosts``:
     the spec, the quantized model and the plan of one CPU device per host."""
@@ -103,10 +111,7 @@ def table_wise_over_hosts(tables: int, rows: int, dim: int, hosts: int) -> tuple
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[1])
-    parser.add_argument("--tables", type=int, default=8)
-    parser.add_argument("--rows", type=int, default=100_000)
-    parser.add_argument("--dim", type=int, default=64)
-    parser.add_argument("--batch", type=int, default=512)
+    add_model_arguments(parser)
     parser.add_argument("--ids-per-bag", type=int, default=20)
     parser.add_argument("--clients", type=int, default=16)
     parser.add_argument("--seconds", type=float, default=10.0)
