@@ -37,12 +37,9 @@ $(STAMP): pyproject.toml Makefile
 	$(BIN)/python -m pip install --quiet --disable-pip-version-check torch==$(TORCH_VERSION)
 	$(BIN)/python -m pip install --quiet --disable-pip-version-check $(FBGEMM_PKG) $(SERVING_PKGS) \
 		pytest ruff mypy numpy scipy matplotlib "hypothesis==6.140.0" "setuptools>=64"
-	$(BIN)/python -m pip install --quiet --disable-pip-version-check --no-deps $(TRITON_PKGS)
-	$(BIN)/python -m pip install --quiet --disable-pip-version-check --no-deps $(TORCHREC_PKGS)
+	$(BIN)/python -m pip install --quiet --disable-pip-version-check --no-deps \
+		$(sort $(TRITON_PKGS) $(TORCHREC_PKGS) $(ONNX_PKGS) $(SAFETENSORS_PKGS) $(BENCH_PKGS))
 	$(BIN)/python -c "import torchrec.distributed, torchrec.models.dlrm, torchrec.quant"
-	$(BIN)/python -m pip install --quiet --disable-pip-version-check --no-deps $(ONNX_PKGS)
-	$(BIN)/python -m pip install --quiet --disable-pip-version-check --no-deps $(SAFETENSORS_PKGS)
-	$(BIN)/python -m pip install --quiet --disable-pip-version-check --no-deps $(BENCH_PKGS)
 	$(BIN)/python -m pip install --quiet --disable-pip-version-check --no-build-isolation --no-deps -e .
 	touch $(STAMP)
 
@@ -59,7 +56,10 @@ typecheck: $(STAMP)
 pytest: $(STAMP) cpp
 	$(BIN)/python -m pytest -q --durations=20
 
-test: lint typecheck pytest
+# ruff and mypy run beside the C++ build (each waits on its own inputs only), then the tests
+test: $(STAMP)
+	$(MAKE) --no-print-directory -j3 lint typecheck cpp
+	$(MAKE) --no-print-directory pytest
 
 bench: $(STAMP)
 	$(BIN)/python bench/lookup.py
