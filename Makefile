@@ -29,6 +29,10 @@ SAFETENSORS_PKGS := safetensors==0.8.0
 # the embserve[bench] extra: MLPerf LoadGen drives bench/loadgen.py (imported only there)
 BENCH_PKGS := mlcommons-loadgen==6.0.17
 STAMP := $(VENV)/.installed
+# pytest-xdist workers for make test: one per core, at most 4 (each worker imports torch and fbgemm; the
+# suite alone keeps one of two cores busy). Test files are the unit of distribution (--dist loadfile), so a
+# module's fixtures (an exported or compiled artifact) are built once.
+PYTEST_WORKERS ?= $(shell n=$$(nproc 2>/dev/null || echo 1); echo $$(( n < 4 ? n : 4 )))
 
 .PHONY: demo test lint typecheck pytest bench clean cpp cpp-deps
 
@@ -36,7 +40,8 @@ $(STAMP): pyproject.toml Makefile
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
 	$(BIN)/python -m pip install --quiet --disable-pip-version-check torch==$(TORCH_VERSION)
 	$(BIN)/python -m pip install --quiet --disable-pip-version-check $(FBGEMM_PKG) $(SERVING_PKGS) \
-		pytest ruff mypy numpy scipy matplotlib "hypothesis==6.140.0" "setuptools>=64"
+		pytest pytest-xdist==3.8.0 execnet==2.1.2 ruff mypy numpy scipy matplotlib "hypothesis==6.140.0" \
+		"setuptools>=64"
 	$(BIN)/python -m pip install --quiet --disable-pip-version-check --no-deps \
 		$(sort $(TRITON_PKGS) $(TORCHREC_PKGS) $(ONNX_PKGS) $(SAFETENSORS_PKGS) $(BENCH_PKGS))
 	$(BIN)/python -c "import torchrec.distributed, torchrec.models.dlrm, torchrec.quant"
@@ -54,7 +59,7 @@ typecheck: $(STAMP)
 	$(BIN)/mypy infer server
 
 pytest: $(STAMP) cpp
-	$(BIN)/python -m pytest -q --durations=20
+	$(BIN)/python -m pytest -q --durations=20 -n $(PYTEST_WORKERS) --dist loadfile
 
 # ruff and mypy run beside the C++ build (each waits on its own inputs only), then the tests
 test: $(STAMP)
