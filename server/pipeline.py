@@ -82,6 +82,9 @@ def too_large(batch_size: int, max_batch_size: int) -> str:
     return f"batch of {batch_size} examples exceeds the server's max batch size {max_batch_size}; split the request"
 
 
+DRAINING = "the server is shutting down; retry on another replica"  # the refusal once the server stops taking calls
+
+
 def check_decodable(request: Any) -> None:
     """Bytes that did not parse as the method's message are INVALID_ARGUMENT (every gRPC adapter)."""
     if isinstance(request, Undecodable):
@@ -241,14 +244,14 @@ class Pipeline:
             await self.predictions.close()
 
     # ---------------------------------------------------------------- the request path
-    def accept(self) -> None:
-        """Gate every model call: refused during warm-up and once the server stops taking calls."""
+    def accept(self, request: Any = None) -> None:
+        """Gate every model call: a gRPC ``request`` whose bytes did not parse first (``check_decodable``), then
+        refused during warm-up and once the server stops taking calls."""
+        check_decodable(request)
         if not self.ready:
             raise Failure(grpc.StatusCode.UNAVAILABLE, "the server is warming up; retry shortly", "warming_up")
         if self.closing:
-            raise Failure(
-                grpc.StatusCode.UNAVAILABLE, "the server is shutting down; retry on another replica", "draining"
-            )
+            raise Failure(grpc.StatusCode.UNAVAILABLE, DRAINING, "draining")
 
     def decode(self, decode: Callable[..., Any], *args: Any) -> Any:
         """Decode and validate once (``decode(*args)``, the adapter's codec over ``server.validated``), timed."""

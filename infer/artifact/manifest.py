@@ -220,6 +220,11 @@ class Manifest:
         """Its CPU kernels' weights lie in weight files beside ``model.pt`` (``infer.artifact.mapped``)."""
         return self.format_version == MAPPED_FORMAT_VERSION
 
+    @property
+    def file_bytes(self) -> dict[str, int]:
+        """Each listed file's size in bytes, by name."""
+        return {e.name: e.bytes for e in self.files}
+
     def file(self, name: str) -> FileEntry:
         for entry in self.files:
             if entry.name == name:
@@ -403,7 +408,7 @@ class Manifest:
 
     def _check_weight_files(self, data: Mapping[str, Any]) -> None:
         """Version 3 keeps every CPU kernel's weights in a listed file, inside it; version 2 none."""
-        sizes = {e.name: e.bytes for e in self.files}
+        sizes = self.file_bytes
         for index, (kernel, raw) in enumerate(zip(self.kernels, data["kernels"])):
             where = f"{MANIFEST_FILE}: kernels[{index}]"
             if "weights" in raw and "shared_storage" in raw:

@@ -160,7 +160,7 @@ def attach_weight_constants(lookup: Any, folder: Path, manifest: Manifest, packa
             path=str(package),
             kind=MODEL,
         )
-    views, mappings = map_kernel_weights(folder, kernels, {e.name: e.bytes for e in manifest.files})
+    views, mappings = map_kernel_weights(folder, kernels, manifest.file_bytes)
     constants = {name: _borrowed(view) for (name, _), view in zip(wanted, views) if view is not None}
     try:  # the active buffer, a partial update (the package's small constants stay), user-managed: no copy
         lookup.load_constants(constants, False, False, True)

@@ -87,7 +87,7 @@ def attach_mapped_weights(
     if len(tbes) != len(kernels):
         raise ArtifactError(f"the model has {len(tbes)} kernels, {MANIFEST_FILE} lists {len(kernels)}", kind=MODEL)
     check_no_saved_weights(folder / (model_file or manifest.model_file), tbes, kernels)
-    attach_weights(folder, tbes, kernels, {e.name: e.bytes for e in manifest.files})
+    attach_weights(folder, tbes, kernels, manifest.file_bytes)
     mark_weights(module, attached=True)
 
 

@@ -109,8 +109,7 @@ class OpenInferenceServicer(pb_grpc.GRPCInferenceServiceServicer):
         return await self._handle("ModelInfer", context, self._infer(request))
 
     async def _infer(self, request: pb.ModelInferRequest) -> pb.ModelInferResponse:
-        check_decodable(request)
-        self.oip.pipeline.accept()  # a call during warm-up or draining
+        self.oip.pipeline.accept(request)  # undecodable bytes, a call during warm-up or draining
         fp16 = oc.parameter_flag(request.parameters, oc.FP16_PARAMETER)
         result = await self.oip.infer(
             request.model_name,

@@ -17,7 +17,7 @@ from infer.errors import RequestError
 from infer.version import __version__
 from server import wire
 from server.adapters.v1 import codec
-from server.pipeline import Failure, Pipeline, Undecodable, check_deadline, check_decodable, lenient
+from server.pipeline import DRAINING, Failure, Pipeline, Undecodable, check_deadline, lenient
 from server.proto import inference_pb2 as pb
 from server.proto import inference_pb2_grpc as pb_grpc
 from server.validated import RequestLayout
@@ -85,7 +85,7 @@ class InferenceServicer(pb_grpc.InferenceServiceServicer):
     ) -> pb.ModelMetadata:
         if self.pipeline.closing:
             self.metrics.requests.labels("GetModelMetadata", "UNAVAILABLE").inc()
-            await context.abort(grpc.StatusCode.UNAVAILABLE, "the server is shutting down; retry on another replica")
+            await context.abort(grpc.StatusCode.UNAVAILABLE, DRAINING)
         if not isinstance(request, Undecodable) and (request.model_name or request.model_version):
 
             async def named() -> pb.ModelMetadata:
@@ -105,13 +105,8 @@ class InferenceServicer(pb_grpc.InferenceServiceServicer):
             )
         return self.route(request.model_name, request.model_version)
 
-    def _accept(self, request: Any) -> None:
-        """Gate every model call: undecodable bytes first, then the pipeline's gate (warm-up, draining)."""
-        check_decodable(request)
-        self.pipeline.accept()
-
     async def _lookup(self, request: pb.LookupRequest, context: grpc.aio.ServicerContext) -> pb.LookupResponse:
-        self._accept(request)
+        self.pipeline.accept(request)
         if request.output_type not in (pb.OUTPUT_TYPE_FP32, pb.OUTPUT_TYPE_FP16):
             raise RequestError(f"unknown output_type {request.output_type}")
         target = self._target(request)
@@ -134,7 +129,7 @@ class InferenceServicer(pb_grpc.InferenceServiceServicer):
         return wire.with_bytes_fields(head, _EMBEDDINGS_FIELD, [wire.payload(embeddings)])
 
     async def _predict(self, request: pb.PredictRequest, context: grpc.aio.ServicerContext) -> pb.PredictResponse:
-        self._accept(request)
+        self.pipeline.accept(request)
         target = self._target(request)
         if target.predictions is None:
             raise Failure(
