@@ -7,13 +7,19 @@ from __future__ import annotations
 import signal
 import subprocess
 import sys
+import threading
 import time
 from pathlib import Path
+from types import SimpleNamespace
+from typing import Any
 
 import pytest
 import torch
+from torch.distributed import TCPStore
+from torch.distributed.elastic.agent.server.api import SimpleElasticAgent
 
 from server.app import SERVING_LINE
+from server.group.launch import linger
 from tests.conftest import random_batch
 from tests.distributed.conftest import ROOT, free_port, group_env
 from tests.distributed.test_serving import _expected, _Load
@@ -36,6 +42,45 @@ def _launcher(
     command = [sys.executable, "-m", "server.group.launch", "--nnodes", "2", "--nproc-per-node", "1", *launch,
                "-m", "infer.cli", "serve", str(artifact), "--host", "127.0.0.1", "--port", "0", *serve]  # fmt: skip
     return subprocess.Popen(command, env=env, stdout=subprocess.PIPE, stderr=open(log, "w"), text=True, cwd=ROOT)
+
+
+class _SlowAnswers:
+    """A store client whose first wait (the exit barrier's) gets its answer ``delay_s`` late, as on a busy machine."""
+
+    def __init__(self, store: TCPStore, delay_s: float) -> None:
+        self.store, self.delay_s = store, delay_s
+        self.answered = float("inf")  # when its first wait returned
+
+    def wait(self, keys: list[str]) -> None:
+        self.store.wait(keys)
+        if self.answered == float("inf"):
+            time.sleep(self.delay_s)
+            self.answered = time.monotonic()
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self.store, name)
+
+
+def _agent(store: Any) -> SimpleNamespace:
+    """What torchrun's ``SimpleElasticAgent._exit_barrier`` reads of its agent."""
+    group = SimpleNamespace(group_world_size=2, state="SUCCEEDED")
+    return SimpleNamespace(_store=store, _worker_group=group, _exit_barrier_timeout=30.0, _in_exit_barrier=False)
+
+
+def test_the_store_host_leaves_the_exit_barrier_after_every_other_agent():
+    """The store's host reaches torchrun's exit barrier last; the other agent's answer comes 0.5 s late. Its host
+    must not return (and close the store: pytorch/pytorch#69520) before that answer came."""
+    host_store = TCPStore("127.0.0.1", 0, 2, is_master=True, wait_for_workers=False)
+    other = _SlowAnswers(TCPStore("127.0.0.1", host_store.port, 2, is_master=False), delay_s=0.5)
+    exit_barrier = linger(SimpleElasticAgent._exit_barrier)
+    waiting = threading.Thread(target=exit_barrier, args=(_agent(other),))
+    waiting.start()
+    time.sleep(0.2)  # the other agent waits in the barrier
+    exit_barrier(_agent(host_store))
+    host_left = time.monotonic()
+    waiting.join(30)
+    assert not waiting.is_alive()
+    assert other.answered <= host_left, f"the host left {other.answered - host_left:.3f} s before the answer came"
 
 
 @pytest.mark.parametrize("stopped", [0, 1], ids=["host0", "host1"])
