@@ -20,6 +20,7 @@ import torch
 
 from infer.errors import ConfigError, EmbserveError
 from infer.features import SparseFeatures
+from server.statistics import StageTimes
 from server.validated import ValidatedBatch
 
 logger = logging.getLogger(__name__)
@@ -47,6 +48,7 @@ class _Pending:
     batch: ValidatedBatch
     future: asyncio.Future[torch.Tensor]
     enqueued: float = field(default_factory=time.perf_counter)
+    timing: StageTimes | None = None  # filled in for a caller that asked (the statistics extension)
 
 
 def merge(
@@ -124,6 +126,9 @@ class DynamicBatcher:
         self.workers = workers
         self.on_batch = on_batch  # (requests, examples) of every batch, for metrics
         self.on_stage = on_stage
+        # (examples, merge s, forward s, split s) of every batched forward: the model version's statistics
+        # (server.statistics), set by whoever serves a model on this batcher
+        self.on_execution: Callable[[int, float, float, float], None] | None = None
         # calls accepted but not yet queued (None: unknown, so always wait up to the delay)
         self.arriving = arriving
         self.always_wait = always_wait  # --batch-wait always: every request waits the delay for company
@@ -139,6 +144,11 @@ class DynamicBatcher:
     @property
     def depth(self) -> int:
         return self._queue.qsize() + len(self._carry)
+
+    @property
+    def merges(self) -> bool:
+        """Whether concurrent requests can share a forward (the model configuration's dynamic batching)."""
+        return self._merge_limit > 1
 
     def start(self) -> None:
         if not self._tasks:
@@ -156,14 +166,20 @@ class DynamicBatcher:
         if self._flushed is not None and not self._flushed.done():
             self._flushed.set_result(None)
 
-    async def submit(self, batch: ValidatedBatch | SparseFeatures, dense: torch.Tensor | None = None) -> torch.Tensor:
+    async def submit(
+        self,
+        batch: ValidatedBatch | SparseFeatures,
+        dense: torch.Tensor | None = None,
+        timing: StageTimes | None = None,
+    ) -> torch.Tensor:
         """Queue one validated request and wait for its rows of the batched output (a ``SparseFeatures`` must
-        have passed ``SparseFeatures.validate``; ``dense`` goes with it)."""
+        have passed ``SparseFeatures.validate``; ``dense`` goes with it). ``timing``, if given, receives the
+        request's seconds in the queue and its forward's stages."""
         if isinstance(batch, SparseFeatures):
             batch = ValidatedBatch.of_features(batch, dense)
         future: asyncio.Future[torch.Tensor] = asyncio.get_running_loop().create_future()
         try:
-            self._queue.put_nowait(_Pending(batch, future))
+            self._queue.put_nowait(_Pending(batch, future, timing=timing))
         except asyncio.QueueFull:
             raise QueueFullError(f"the request queue is full ({self._queue.maxsize} requests); retry later") from None
         self.held += 1
@@ -261,8 +277,15 @@ class DynamicBatcher:
                     if not item.future.done():
                         item.future.set_exception(err)
                 continue
+            examples = sum(b.batch_size for b in batches)
             if self.on_batch is not None:
-                self.on_batch(len(items), sum(b.batch_size for b in batches))
+                self.on_batch(len(items), examples)
+            if self.on_execution is not None:
+                self.on_execution(examples, *stages)
+            for item in items:
+                if item.timing is not None:
+                    item.timing.queue = gathered - item.enqueued
+                    item.timing.merge, item.timing.forward, item.timing.split = stages
             if self.on_stage is not None:
                 for item in items:
                     self.on_stage("queue", gathered - item.enqueued)

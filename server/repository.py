@@ -259,6 +259,9 @@ class Repository:
     def versions(self, name: str) -> list[str]:
         return sorted(self._versions_of(name), key=int)
 
+    def served(self) -> list[ServedModel]:
+        return [versions[v].model for _, versions in sorted(self._models.items()) for v in sorted(versions, key=int)]
+
     def ready(self, name: str, version: str) -> bool:
         try:
             self._entry(name, version)
@@ -464,6 +467,7 @@ class Repository:
         model = ServedModel(name, version, runtime, lookups, predictions, None, settings.max_batch_size)
         if predictions is not None:
             model.both = batcher(model.run_both)
+            model.count_executions(model.both)
         batchers = [b for b in (lookups, predictions, model.both) if b is not None]
         entry = _Loaded(model, batchers)
         for b in batchers:

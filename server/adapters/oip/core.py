@@ -13,6 +13,7 @@ from __future__ import annotations
 import contextlib
 import json
 import logging
+import time
 from collections.abc import AsyncIterator, Callable, Iterable, Sequence
 from dataclasses import dataclass
 from typing import Any, Protocol
@@ -26,13 +27,15 @@ from infer.version import __version__
 from server.adapters.oip import codec as oc
 from server.batcher import DynamicBatcher
 from server.pipeline import Failure, Pipeline, too_large
+from server.statistics import StageTimes, VersionStatistics
 from server.validated import RequestLayout, ValidatedBatch
 
 logger = logging.getLogger(__name__)
 
 SERVER_NAME = "embserve"
 PLATFORM = "embserve_torchscript"
-EXTENSIONS = ("binary_tensor_data", "model_repository")
+BACKEND = "embserve"  # the model configuration's backend
+EXTENSIONS = ("binary_tensor_data", "model_repository", "model_configuration", "statistics")
 
 
 class ModelNotFound(Failure):
@@ -66,6 +69,15 @@ class ServedModel:
         self.max_batch_size = max_batch_size
         self.sha256 = runtime.manifest.file(runtime.manifest.model_file).sha256
         self._layout: RequestLayout | None = None
+        self.statistics = VersionStatistics()
+        self.count_executions(lookups, predictions, both)
+
+    def count_executions(self, *batchers: DynamicBatcher | None) -> None:
+        """This version's statistics count the forwards of ``batchers`` (its own; in single-artifact mode the
+        pipeline's, which embserve.v1 calls share)."""
+        for batcher in batchers:
+            if batcher is not None:
+                batcher.on_execution = self.statistics.execution
 
     @property
     def has_dense(self) -> bool:
@@ -79,18 +91,21 @@ class ServedModel:
         pooled, scores = self.runtime.lookup_and_predict_unchecked(dense, values, lengths, weights)
         return torch.cat([pooled, scores.unsqueeze(1)], dim=1)
 
-    async def infer(self, decoded: oc.Decoded) -> tuple[torch.Tensor | None, torch.Tensor | None]:
-        """(embeddings, scores) of a validated request, through the shared batchers."""
+    async def infer(
+        self, decoded: oc.Decoded, timing: StageTimes | None = None
+    ) -> tuple[torch.Tensor | None, torch.Tensor | None]:
+        """(embeddings, scores) of a validated request, through the shared batchers (``timing`` receives its
+        stages' seconds)."""
         batch = decoded.batch
         if batch.batch_size > self.max_batch_size:
             raise RequestError(too_large(batch.batch_size, self.max_batch_size))
         if decoded.mode is oc.Mode.LOOKUP:
-            return await self.lookups.submit(batch), None
+            return await self.lookups.submit(batch, timing=timing), None
         if decoded.mode is oc.Mode.PREDICT:
             assert self.predictions is not None
-            return None, await self.predictions.submit(batch)
+            return None, await self.predictions.submit(batch, timing=timing)
         assert self.both is not None
-        out = await self.both.submit(batch)
+        out = await self.both.submit(batch, timing=timing)
         return out[:, :-1], out[:, -1]
 
     @property
@@ -160,6 +175,30 @@ class ServedModel:
             "properties": properties,
         }
 
+    def config(self) -> dict[str, Any]:
+        """Triton's model configuration (its JSON shape; gRPC parses it into ``ModelConfig``): the tensors of the
+        metadata with their whole shapes, ``max_batch_size`` 0 because the inputs are ragged (a client that
+        put a batch dimension in front of ``<feature>__values`` would send ids of no bag), the server's largest
+        request in the parameter ``max_batch_size``, and the batcher as dynamic batching."""
+        metadata = self.metadata([self.version])
+        required = {f"{feature}__values" for feature in self.spec.feature_names}
+
+        def tensor(entry: dict[str, Any]) -> dict[str, Any]:
+            return {"name": entry["name"], "data_type": f"TYPE_{entry['datatype']}", "dims": entry["shape"]}
+
+        config: dict[str, Any] = {
+            "name": self.name,
+            "platform": PLATFORM,
+            "backend": BACKEND,
+            "max_batch_size": 0,
+            "input": [{**tensor(t), "optional": t["name"] not in required} for t in metadata["inputs"]],
+            "output": [tensor(t) for t in metadata["outputs"]],
+            "parameters": {key: {"string_value": value} for key, value in metadata["properties"].items()},
+        }
+        if self.lookups.merges:
+            config["dynamic_batching"] = {"max_queue_delay_microseconds": round(self.lookups.max_delay_s * 1e6)}
+        return config
+
 
 class ModelSet(Protocol):
     """Where the protocol finds its models: one artifact, or a repository of versions."""
@@ -171,6 +210,10 @@ class ModelSet(Protocol):
     def find(self, name: str, version: str) -> ServedModel: ...
 
     def versions(self, name: str) -> list[str]: ...
+
+    def served(self) -> list[ServedModel]:
+        """Every loaded version of every model (the statistics of all models)."""
+        ...
 
     def ready(self, name: str, version: str) -> bool: ...
 
@@ -209,6 +252,9 @@ class SingleModel:
     def versions(self, name: str) -> list[str]:
         self.find(name, "")
         return [self.VERSION]
+
+    def served(self) -> list[ServedModel]:
+        return [self.model]
 
     def ready(self, name: str, version: str) -> bool:
         try:
@@ -276,6 +322,7 @@ class OpenInference:
                 model.run_both, max_queue, lookups.workers, lookups.max_delay_s, lookups.max_merge_examples
             )
             model.both = both
+            model.count_executions(both)
         return cls(pipeline, SingleModel(model), [both] if both is not None else [])
 
     def start(self) -> None:
@@ -313,6 +360,21 @@ class OpenInference:
             metadata["properties"]["failed_versions"] = json.dumps(failures, sort_keys=True)
         return metadata
 
+    def model_config(self, name: str, version: str) -> dict[str, Any]:
+        """The configuration extension: Triton's ``ModelConfig`` of a model version, in its JSON shape."""
+        return self.models.find(name, version).config()
+
+    def model_statistics(self, name: str, version: str) -> dict[str, Any]:
+        """The statistics extension: every loaded version of every model (no ``name``), of one model (no
+        ``version``), or one version; an unknown model or version is NOT_FOUND as in ``model_metadata``."""
+        if not name:
+            models = self.models.served()
+        elif version:
+            models = [self.models.find(name, version)]
+        else:
+            models = [self.models.find(name, v) for v in self.models.versions(name)]
+        return {"model_stats": [m.statistics.as_json(m.name, m.version) for m in models]}
+
     def repository_index(self, ready_only: bool) -> list[dict[str, str]]:
         return self.models.index(ready_only)
 
@@ -332,10 +394,23 @@ class OpenInference:
         known), batch, run and encode.
 
         ``fp16``: the request-level ``output_fp16`` (embeddings as FP16 unless an output says otherwise)."""
+        started = time.perf_counter()
         pipeline = self.pipeline
         pipeline.accept()  # warm-up, draining
         async with self.models.lease(name, version) as model:
-            decoded = pipeline.decode(model.decode, inputs, requested, fp16, raw)
-            embeddings, scores = await model.infer(decoded)
-            outputs = pipeline.encode(oc.encode_outputs, decoded.outputs, embeddings, scores)
+            timing = StageTimes()
+            try:
+                decoded = pipeline.decode(model.decode, inputs, requested, fp16, raw)
+                decoded_at = time.perf_counter()
+                embeddings, scores = await model.infer(decoded, timing)
+                ran_at = time.perf_counter()
+                outputs = pipeline.encode(oc.encode_outputs, decoded.outputs, embeddings, scores)
+            except BaseException:  # refused, failed or cancelled: a failed request of this version
+                model.statistics.request_failed(time.perf_counter() - started)
+                raise
+            finished = time.perf_counter()
+            examples = decoded.batch.batch_size
+            model.statistics.request_succeeded(
+                examples, finished - started, decoded_at - started, finished - ran_at, timing
+            )
             return InferResult(model, outputs)

@@ -11,6 +11,7 @@ from __future__ import annotations
 from typing import Any
 
 import grpc
+from google.protobuf import json_format
 
 from infer.errors import RequestError
 from server import wire
@@ -127,6 +128,22 @@ class OpenInferenceServicer(pb_grpc.GRPCInferenceServiceServicer):
         raw = [wire.payload(output.data) for output in result.outputs]
         # the raw contents written once, straight from the outputs (server.wire)
         return wire.with_bytes_fields(response.SerializeToString(), _RAW_OUTPUTS_FIELD, raw)  # type: ignore[return-value]
+
+    async def ModelConfig(self, request: pb.ModelConfigRequest, context: Any) -> pb.ModelConfigResponse:
+        async def work() -> pb.ModelConfigResponse:
+            check_decodable(request)
+            config = self.oip.model_config(request.name, request.version)
+            return pb.ModelConfigResponse(config=json_format.ParseDict(config, pb.ModelConfig()))
+
+        return await self._handle("ModelConfig", context, work())
+
+    async def ModelStatistics(self, request: pb.ModelStatisticsRequest, context: Any) -> pb.ModelStatisticsResponse:
+        async def work() -> pb.ModelStatisticsResponse:
+            check_decodable(request)
+            statistics = self.oip.model_statistics(request.name, request.version)
+            return json_format.ParseDict(statistics, pb.ModelStatisticsResponse())
+
+        return await self._handle("ModelStatistics", context, work())
 
     async def RepositoryIndex(self, request: pb.RepositoryIndexRequest, context: Any) -> pb.RepositoryIndexResponse:
         async def work() -> pb.RepositoryIndexResponse:

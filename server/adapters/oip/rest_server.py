@@ -38,7 +38,9 @@ logger = logging.getLogger(__name__)
 HEADER_LENGTH = "inference-header-content-length"
 _MAX_HEADER_LINES = 100
 _MAX_LINE = 64 * 1024
-_MODEL_PATH = re.compile(r"^/v2/models/(?P<name>[^/]+)(?:/versions/(?P<version>[^/]+))?(?P<action>/ready|/infer)?$")
+_MODEL_PATH = re.compile(
+    r"^/v2/models/(?P<name>[^/]+)(?:/versions/(?P<version>[^/]+))?(?P<action>/ready|/infer|/config|/stats)?$"
+)
 _REPOSITORY_PATH = re.compile(r"^/v2/repository/models/(?P<name>[^/]+)/(?P<action>load|unload)$")
 _OPEN_PATHS = ("/v2/health/",)  # probes work without the token, as on gRPC
 _HTTP_STATUS = {
@@ -383,11 +385,17 @@ class RestServer:
             return "REST health", _done(HttpResponse(HTTPStatus.OK if ok else HTTPStatus.SERVICE_UNAVAILABLE))
         if method == "GET" and path == "/v2":
             return "REST ServerMetadata", _done(_json_response(self.oip.server_metadata()))
+        if method == "GET" and path == "/v2/models/stats":  # every model's (Triton's route; no model "stats")
+            return "REST ModelStatistics", self._answer(self.oip.model_statistics, "", "")
         match = _MODEL_PATH.match(path)
         if match is not None:
             name, version, action = unquote(match["name"]), unquote(match["version"] or ""), match["action"]
             if method == "GET" and action is None:
-                return "REST ModelMetadata", self._model_metadata(name, version)
+                return "REST ModelMetadata", self._answer(self.oip.model_metadata, name, version)
+            if method == "GET" and action == "/config":
+                return "REST ModelConfig", self._answer(self.oip.model_config, name, version)
+            if method == "GET" and action == "/stats":
+                return "REST ModelStatistics", self._answer(self.oip.model_statistics, name, version)
             if method == "GET" and action == "/ready":
                 ready = self.oip.model_ready(name, version)
                 return "REST ModelReady", _done(HttpResponse(HTTPStatus.OK if ready else HTTPStatus.BAD_REQUEST))
@@ -405,8 +413,9 @@ class RestServer:
             grpc.StatusCode.NOT_FOUND, f"no route {method} {request.path}; see the /v2 routes in the README", "no_route"
         )
 
-    async def _model_metadata(self, name: str, version: str) -> HttpResponse:
-        return _json_response(self.oip.model_metadata(name, version))
+    async def _answer(self, call: Any, name: str, version: str) -> HttpResponse:
+        """A GET of one of the protocol's JSON documents (metadata, configuration, statistics)."""
+        return _json_response(call(name, version))
 
     async def _index(self, body: bytes) -> HttpResponse:
         """Triton's ``POST /v2/repository/index``: an optional body ``{"ready": true}``; a JSON list back."""
