@@ -28,13 +28,21 @@ ONNX_PKGS := onnx==1.23.2 onnxruntime==1.32.0 ml-dtypes==0.5.4 flatbuffers==25.1
 SAFETENSORS_PKGS := safetensors==0.8.0
 # the embserve[bench] extra: MLPerf LoadGen drives bench/loadgen.py (imported only there)
 BENCH_PKGS := mlcommons-loadgen==6.0.17
+# perf_analyzer, Triton's load generator (tests/server/test_perf_analyzer.py, bench/perf_analyzer.py). PyPI's
+# perf-analyzer 0.1.0 is an empty placeholder (no binary) and its 2.58.0+ wheels are manylinux_2_38 (glibc 2.38;
+# Debian 12 has 2.36); the binary tritonclient's manylinux wheels carried until 2.53 needs glibc <= 2.34 up to
+# 2.51.0. It goes into a folder of its own (--target, so the tritonclient 2.73.0 above stays) with the CUDA
+# runtime it is linked against (libcudart.so.12 only has to load: gRPC load needs no GPU) and Debian's libb64;
+# $(BIN)/perf_analyzer is a launcher that points the loader at that folder.
+PERF_ANALYZER_PKGS := tritonclient==2.51.0 nvidia-cuda-runtime-cu12==12.9.79
+PERF_ANALYZER_DIR := $(VENV)/perf_analyzer
 STAMP := $(VENV)/.installed
 # pytest-xdist workers for make test: one per core, at most 4 (each worker imports torch and fbgemm; the
 # suite alone keeps one of two cores busy). Test files are the unit of distribution (--dist loadfile), so a
 # module's fixtures (an exported or compiled artifact) are built once.
 PYTEST_WORKERS ?= $(shell n=$$(nproc 2>/dev/null || echo 1); echo $$(( n < 4 ? n : 4 )))
 
-.PHONY: demo test lint typecheck pytest bench clean cpp cpp-deps
+.PHONY: demo test lint typecheck pytest bench clean cpp cpp-deps perf-analyzer
 
 $(STAMP): pyproject.toml Makefile
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
@@ -58,7 +66,7 @@ lint: $(STAMP)
 typecheck: $(STAMP)
 	$(BIN)/mypy infer server
 
-pytest: $(STAMP) cpp
+pytest: $(STAMP) cpp perf-analyzer
 	$(BIN)/python -m pytest -q --durations=20 -n $(PYTEST_WORKERS) --dist loadfile
 
 # ruff and mypy run beside the C++ build (each waits on its own inputs only), then the tests
@@ -68,6 +76,17 @@ test: $(STAMP)
 
 bench: $(STAMP)
 	$(BIN)/python bench/lookup.py
+
+perf-analyzer: $(BIN)/perf_analyzer
+
+$(BIN)/perf_analyzer: $(STAMP)
+	@dpkg -s libb64-0d >/dev/null 2>&1 || ($(SUDO) apt-get update && $(SUDO) apt-get install -y libb64-0d)
+	$(BIN)/python -m pip install --quiet --disable-pip-version-check --no-deps --upgrade \
+		--target $(PERF_ANALYZER_DIR) $(PERF_ANALYZER_PKGS)
+	test -x $(PERF_ANALYZER_DIR)/bin/perf_analyzer
+	printf '%s\n' '#!/bin/sh' 'here="$$(dirname "$$(readlink -f "$$0")")/../perf_analyzer"' \
+		'LD_LIBRARY_PATH="$$here/nvidia/cuda_runtime/lib$${LD_LIBRARY_PATH:+:$$LD_LIBRARY_PATH}" exec "$$here/bin/perf_analyzer" "$$@"' > $@
+	chmod +x $@
 
 # The C++ loader (cpp_loader/): libtorch from the torch wheel in .venv; needs cmake, a C++17 compiler,
 # nlohmann-json3-dev and libssl-dev (installed with apt-get where missing, e.g. on a fresh CI machine).
