@@ -75,12 +75,20 @@ def write_input_data(
 
 
 def perf_analyzer_command(
-    binary: str, model: str, url: str, input_data: Path, concurrency: int, requests: int, report: Path
+    binary: str,
+    model: str,
+    url: str,
+    input_data: Path,
+    concurrency: int,
+    requests: int,
+    report: Path,
+    protocol: str = "grpc",
 ) -> list[str]:
-    """One measurement at one concurrency: count windows of ``requests`` requests; stability is not required
-    (``-s 1000``: a shared host never holds latency within perf_analyzer's 10 %), so it always ends."""
+    """One measurement at one concurrency over ``protocol`` (grpc or http): count windows of ``requests``
+    requests; stability is not required (``-s 1000``: a shared host never holds latency within perf_analyzer's
+    10 %), so it always ends."""
     return [
-        binary, "-m", model, "-i", "grpc", "-u", url, "--input-data", str(input_data),
+        binary, "-m", model, "-i", protocol, "-u", url, "--input-data", str(input_data),
         "--concurrency-range", f"{concurrency}:{concurrency}", "--measurement-mode", "count_windows",
         "--measurement-request-count", str(requests), "-s", "1000", "--max-trials", "3", "--percentile", "99",
         "-f", str(report),
