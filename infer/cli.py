@@ -37,13 +37,42 @@ def _print_progress(name: str, done: int, total: int) -> None:
 
 
 def _parse_table_dtypes(items: Sequence[str]) -> dict[str, str]:
-    overrides = {}
+    return _parse_table_values(items, "--table-dtype", "NAME=DTYPE, e.g. user_id=fp16")
+
+
+def _parse_table_values(items: Sequence[str], flag: str, form: str) -> dict[str, str]:
+    values = {}
     for item in items:
-        name, sep, dtype = item.partition("=")
-        if not sep or not name or not dtype:
-            raise EmbserveError(f"--table-dtype {item!r} must look like NAME=DTYPE, e.g. user_id=fp16")
-        overrides[name] = dtype
-    return overrides
+        name, sep, value = item.partition("=")
+        if not sep or not name or not value:
+            raise EmbserveError(f"{flag} {item!r} must look like {form}")
+        values[name] = value
+    return values
+
+
+def _stated_pooling(spec: ModelSpec, args: argparse.Namespace) -> ModelSpec:
+    """The spec with every table's pooling stated, by the spec itself, --pooling, or the pooled layout that
+    --dense-arch records (saved from ``infer.from_torchrec``); else a ``ConfigError`` naming each table left
+    unstated and how to state it: a guessed pooling serves a MEAN-trained table summed without an error."""
+    flags = _parse_table_values(args.pooling, "--pooling", "TABLE=POOLING, e.g. category=mean")
+    stated = {t.name: t.pooling.value for t in spec.tables if t.pooling_stated}
+    for name, pooling in flags.items():
+        if stated.get(name, pooling.lower()) != pooling.lower():
+            logger.warning("table %s: the spec says %s pooling, --pooling says %s; exporting %s", name,
+                           stated[name], pooling.lower(), pooling.lower())  # fmt: skip
+    spec = spec.with_pooling(flags)
+    if spec.unstated_pooling and args.dense_arch:
+        from infer.interop.dense_arch import recorded_pooling
+
+        recorded = recorded_pooling(args.dense_arch)
+        spec = spec.with_pooling({name: recorded[name] for name in spec.unstated_pooling if name in recorded})
+    example = spec.unstated_pooling[0] if spec.unstated_pooling else ""
+    spec.require_stated_pooling(
+        f'set "pooling" to "sum" or "mean" for each in {args.spec!r} (as the model\'s EmbeddingBagConfig.pooling '
+        f"says), or pass --pooling TABLE=sum|mean for each (e.g. --pooling {example}=mean); a --dense-arch saved "
+        "from infer.from_torchrec(model).dense_arch states it too"
+    )
+    return spec
 
 
 def cmd_demo(args: argparse.Namespace) -> int:
@@ -91,7 +120,7 @@ def cmd_export(args: argparse.Namespace) -> int:
     if bool(args.weights) == bool(args.from_torchrec):
         raise ConfigError("give the tables with exactly one of --weights CKPT and --from-torchrec PATH")
     overrides = _parse_table_dtypes(args.table_dtype)
-    spec = ModelSpec.load(args.spec).with_data_types(args.dtype, overrides)
+    spec = _stated_pooling(ModelSpec.load(args.spec).with_data_types(args.dtype, overrides), args)
     # the precision planner measures each table's error on its rows: the tables are needed before the plan
     plan = _export_plan(args, spec, _export_source(args, spec) if _wants_precision(args) else None)
     if plan is not None:
@@ -240,6 +269,8 @@ def cmd_spec(args: argparse.Namespace) -> int:
     text = spec.to_json() + "\n"
     if args.out is None:
         print(text, end="")
+        if spec.unstated_pooling:
+            print(_unstated_pooling_hint(spec, "the spec"), file=sys.stderr)
         return 0
     out = Path(args.out)
     if out.exists() and not args.force:
@@ -247,10 +278,20 @@ def cmd_spec(args: argparse.Namespace) -> int:
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(text)
     print(
-        f"wrote {out}: {len(spec.tables)} tables, one feature per table named like it, SUM pooling, int8, "
-        f"num_dense_features {spec.num_dense_features}; edit feature names, pooling and data types before exporting"
+        f"wrote {out}: {len(spec.tables)} tables, one feature per table named like it, int8, "
+        f"num_dense_features {spec.num_dense_features}; edit feature names and data types before exporting"
     )
+    if spec.unstated_pooling:
+        print(_unstated_pooling_hint(spec, str(out)))
     return 0
+
+
+def _unstated_pooling_hint(spec: ModelSpec, spec_file: str) -> str:
+    return (
+        f"pooling: null for {list(spec.unstated_pooling)}: a state dict does not record it, and export refuses to "
+        f'guess; set each table\'s "pooling" in {spec_file} to "sum" or "mean" as its EmbeddingBagConfig.pooling '
+        "says (TorchRec's default is sum), or pass --pooling TABLE=sum|mean to export"
+    )
 
 
 def _export_source(args: argparse.Namespace, spec: ModelSpec) -> TableSource:
@@ -663,6 +704,14 @@ def build_parser() -> argparse.ArgumentParser:
     exp.add_argument("--out", required=True, help="artifact folder to write")
     exp.add_argument("--dtype", default=None, help="data type for every table (int8, int4, int2, fp16, fp32)")
     exp.add_argument("--table-dtype", action="append", default=[], metavar="NAME=DTYPE", help="per-table data type")
+    exp.add_argument(
+        "--pooling",
+        action="append",
+        default=[],
+        metavar="TABLE=POOLING",
+        help='per-table pooling (sum or mean), for tables whose spec says "pooling": null (a state dict does not '
+        "record it) or to replace the spec's",
+    )
     exp.add_argument("--world-size", type=int, default=0, help="shard over this many devices (planned)")
     exp.add_argument("--hosts", type=int, default=0, help="shard over this many hosts (one part per host)")
     exp.add_argument("--devices-per-host", type=int, default=1, help="devices of each host, with --hosts")

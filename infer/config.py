@@ -6,6 +6,7 @@ with the table's name in the message.
 
 from __future__ import annotations
 
+import dataclasses
 import enum
 import json
 import re
@@ -73,6 +74,9 @@ class TableConfig:
     """One embedding table and the features that look it up.
 
     Several features may share a table; each produces its own pooled output columns.
+    ``pooling_stated=False`` marks a pooling nobody has stated (a spec written from a state dict, which does
+    not record it: ``"pooling": null`` in JSON); ``pooling`` is then a placeholder that planning may use
+    (bytes do not depend on it) and export refuses (``ModelSpec.require_stated_pooling``).
     """
 
     name: str
@@ -81,6 +85,7 @@ class TableConfig:
     feature_names: tuple[str, ...]
     pooling: PoolingType = PoolingType.SUM
     data_type: DataType = DataType.INT8
+    pooling_stated: bool = True
 
     def __post_init__(self) -> None:
         if not isinstance(self.name, str) or not _NAME.match(self.name):
@@ -118,14 +123,11 @@ class TableConfig:
             raise ConfigError(f"table {self.name!r}: {err}") from None
 
     def with_data_type(self, data_type: DataType | str) -> TableConfig:
-        return TableConfig(
-            self.name,
-            self.num_embeddings,
-            self.embedding_dim,
-            self.feature_names,
-            self.pooling,
-            DataType.parse(data_type),
-        )
+        return dataclasses.replace(self, data_type=DataType.parse(data_type))
+
+    def with_pooling(self, pooling: PoolingType | str) -> TableConfig:
+        """A copy whose pooling is stated: ``pooling``."""
+        return dataclasses.replace(self, pooling=_parse_pooling(pooling, self.name), pooling_stated=True)
 
     def to_dict(self) -> dict[str, Any]:
         return {
@@ -133,7 +135,7 @@ class TableConfig:
             "num_embeddings": self.num_embeddings,
             "embedding_dim": self.embedding_dim,
             "feature_names": list(self.feature_names),
-            "pooling": self.pooling.value,
+            "pooling": self.pooling.value if self.pooling_stated else None,
             "data_type": self.data_type.value,
         }
 
@@ -147,13 +149,16 @@ class TableConfig:
         missing = {"name", "num_embeddings", "embedding_dim", "feature_names"} - set(data)
         if missing:
             raise ConfigError(f"table {name!r}: missing keys {sorted(missing)}")
+        # "pooling": null is a pooling nobody has stated yet (``embserve spec`` writes it); absent means sum
+        pooling = data.get("pooling", "sum")
         return cls(
             name=data["name"],
             num_embeddings=data["num_embeddings"],
             embedding_dim=data["embedding_dim"],
             feature_names=tuple(data["feature_names"]),
-            pooling=data.get("pooling", "sum"),
+            pooling=PoolingType.SUM if pooling is None else pooling,
             data_type=data.get("data_type", "int8"),
+            pooling_stated=pooling is not None,
         )
 
 
@@ -256,6 +261,35 @@ class ModelSpec:
             except ConfigError as err:
                 raise ConfigError(f"table {table.name!r}: {err}") from None
         return ModelSpec(tuple(tables), self.num_dense_features, self.dense_arch)
+
+    @property
+    def unstated_pooling(self) -> tuple[str, ...]:
+        """The tables whose pooling nobody has stated (``"pooling": null``), in order."""
+        return tuple(t.name for t in self.tables if not t.pooling_stated)
+
+    def with_pooling(self, pooling: Mapping[str, PoolingType | str]) -> ModelSpec:
+        """A copy with the pooling of the tables named in ``pooling`` stated."""
+        unknown = sorted(set(pooling) - {t.name for t in self.tables})
+        if unknown:
+            raise ConfigError(f"pooling for unknown table(s) {unknown}; the spec has {[t.name for t in self.tables]}")
+        tables = tuple(t.with_pooling(pooling[t.name]) if t.name in pooling else t for t in self.tables)
+        return ModelSpec(tables, self.num_dense_features, self.dense_arch)
+
+    def require_stated_pooling(self, fix: str | None = None) -> None:
+        """``ConfigError`` naming every table whose pooling nobody has stated: serving it summed when the model
+        was trained with MEAN (or the reverse) answers wrong without any error. ``fix`` says how to state it."""
+        unstated = self.unstated_pooling
+        if not unstated:
+            return
+        fix = fix or (
+            f"state it: spec.with_pooling({{{unstated[0]!r}: 'mean', ...}}), TableConfig(..., pooling=...), or "
+            '"pooling": "sum" or "mean" in the spec JSON'
+        )
+        raise ConfigError(
+            f'the pooling of table(s) {list(unstated)} is not stated ("pooling": null: it was not read from a '
+            "model; a state dict does not record it), and serving a MEAN-trained table summed (or the reverse) "
+            f"answers wrong without an error; {fix}"
+        )
 
     def with_dense_arch(self, dense_arch: torch.nn.Module | None, num_dense_features: int) -> ModelSpec:
         return ModelSpec(self.tables, num_dense_features, dense_arch)

@@ -103,6 +103,10 @@ class PooledLayout:
                 "(or take the spec from the model: infer.from_torchrec)"
             )
 
+    def table_pooling(self) -> dict[str, PoolingType]:
+        """Each table's pooling as the model was trained with it."""
+        return {f.table: f.pooling for f in self.features}
+
     def describe(self) -> str:
         """``table(pooling): feature, feature; ...`` in column order: the spec to write."""
         tables: dict[str, list[PooledColumns]] = {}

@@ -489,3 +489,37 @@ def test_configs_are_hashable_and_equal_by_value():
     assert hash(table()) == hash(table())
     assert shared_spec() == shared_spec()
     assert table(rows=100) != table(rows=101)
+
+
+# --- issue 39 item 1: a pooling nobody stated -----------------------------------------------------------------
+
+
+def test_null_pooling_round_trips_and_is_refused_until_stated():
+    import infer
+    from infer.weights import random_weights
+
+    text = json.dumps(
+        {
+            "tables": [
+                {"name": "a", "num_embeddings": 10, "embedding_dim": 4, "feature_names": ["fa"], "pooling": None},
+                {"name": "b", "num_embeddings": 10, "embedding_dim": 4, "feature_names": ["fb"], "pooling": "mean"},
+                {"name": "c", "num_embeddings": 10, "embedding_dim": 4, "feature_names": ["fc"]},  # documented: sum
+            ]
+        }
+    )
+    spec = ModelSpec.from_json(text)
+    assert spec.unstated_pooling == ("a",)
+    assert ModelSpec.from_json(spec.to_json()) == spec
+    assert json.loads(spec.to_json())["tables"][0]["pooling"] is None
+    assert spec.with_data_types("fp16").unstated_pooling == ("a",)  # copies keep it unstated
+    with pytest.raises(ConfigError) as info:
+        infer.quantize(spec, random_weights(spec))
+    assert "table(s) ['a'] is not stated" in str(info.value) and "with_pooling" in str(info.value)
+    stated = spec.with_pooling({"a": "mean"})
+    assert stated.unstated_pooling == () and stated.table("a").pooling == PoolingType.MEAN
+    assert json.loads(stated.to_json())["tables"][0]["pooling"] == "mean"
+    infer.quantize(stated, random_weights(stated))
+    with pytest.raises(ConfigError, match="unknown table"):
+        spec.with_pooling({"z": "sum"})
+    with pytest.raises(ConfigError, match="unknown pooling 'max'"):
+        spec.with_pooling({"a": "max"})

@@ -89,6 +89,7 @@ def export_streaming(
     after every chunk, and a line per table (rows/s) and a summary are logged."""
     if chunk_bytes < 1:
         raise ConfigError(f"chunk_bytes must be positive, got {chunk_bytes}")
+    spec.require_stated_pooling()
     if plan is not None:
         _check_streamable(plan)
     check_source(spec, source)

@@ -10,8 +10,8 @@ from pathlib import Path
 import torch
 from torch import nn
 
-from infer.config import ModelSpec
-from infer.dense_layout import checked_layout
+from infer.config import ModelSpec, PoolingType
+from infer.dense_layout import checked_layout, recorded_layout
 from infer.errors import ConfigError
 
 logger = logging.getLogger(__name__)
@@ -58,6 +58,18 @@ def load_dense_arch(path: str | Path, spec: ModelSpec) -> nn.Module:
                 f"dense arch {str(path)!r} returned {shape} for a batch of {batch}; it must return scores [B] or [B, k]"
             )
     return module
+
+
+def recorded_pooling(path: str | Path) -> dict[str, PoolingType]:
+    """Each table's pooling as the dense part at ``path`` records it (a TorchScript file saved from
+    ``infer.from_torchrec(model).dense_arch``); empty when the file records none or is not TorchScript (the
+    full check, ``load_dense_arch``, reports what is wrong with it later, in pipeline order)."""
+    try:
+        module = torch.jit.load(str(path), map_location="cpu")
+    except Exception:  # noqa: BLE001 - not TorchScript (or unreadable): it records nothing we can read here
+        return {}
+    layout = recorded_layout(module)
+    return layout.table_pooling() if layout is not None else {}
 
 
 def _load(path: Path, spec: ModelSpec) -> nn.Module:

@@ -366,8 +366,9 @@ def load_torchrec_checkpoint(source: str | Path | Mapping[str, Any], spec: Model
 
 def spec_from_checkpoint(source: str | Path) -> ModelSpec:
     """A starting spec from a TorchRec checkpoint: one table per ``embedding_bags.<table>.weight`` with its
-    shape, a feature named like the table, SUM pooling, INT8; ``num_dense_features`` from a DLRM's dense arch
-    when the checkpoint has one. Edit feature names, pooling and data types before exporting."""
+    shape, a feature named like the table, INT8, and its pooling not stated (``"pooling": null``: a state dict
+    does not record it, and export refuses to guess); ``num_dense_features`` from a DLRM's dense arch when the
+    checkpoint has one. State each table's pooling, edit feature names and data types before exporting."""
     path = Path(source)
     all_shapes: dict[str, tuple[int, ...]] = {}
     if path.is_dir():
@@ -390,7 +391,7 @@ def spec_from_checkpoint(source: str | Path) -> ModelSpec:
     for name, shape in shapes.items():
         if len(shape) != 2:
             raise WeightsError(f"{str(path)!r}: table {name!r} has shape {list(shape)}; expected [rows, dim]")
-        tables.append(TableConfig(name, int(shape[0]), int(shape[1]), (name,)))
+        tables.append(TableConfig(name, int(shape[0]), int(shape[1]), (name,), pooling_stated=False))
     return ModelSpec(tuple(tables), num_dense)
 
 

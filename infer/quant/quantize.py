@@ -40,6 +40,7 @@ def quantize(
     Each table is stored in its ``data_type``; all tables of the device share one TBE.
     Returns an ``EmbserveModel`` (carrying ``spec.dense_arch`` when present).
     """
+    spec.require_stated_pooling()
     check_weights(spec, weights)
     collection = QuantizedEmbeddingBagCollection(spec, device=device)
     targets = collection.table_weights()

@@ -54,6 +54,7 @@ def test_spec_from_torchrec_writes_an_editable_spec(trained, tmp_path, capsys):
         assert [(t.name, t.num_embeddings, t.embedding_dim, t.feature_names) for t in spec.tables] == [
             (t.name, t.num_embeddings, t.embedding_dim, (t.name,)) for t in imported.spec.tables
         ]
+        assert spec.unstated_pooling == tuple(t.name for t in spec.tables)  # a state dict does not say it
     assert main(["spec", "--from-torchrec", str(folder / "model.pt"), "--out", str(out)]) == 2
     assert "--force" in _error(capsys)
 
@@ -205,3 +206,83 @@ def test_a_wrong_checkpoint_is_reported_before_the_dense_part_is_probed(trained,
     # the pipeline reads the tables before it runs the dense part: the checkpoint is what is named
     assert "wrong_ckpt.pt" in message and "missing ['city']" in message
     assert "wrong_dense.pt" not in message
+
+
+# --- issue 39 item 1: a pooling nobody stated is never guessed ------------------------------------------------
+
+
+def _served_equals_torchrec(runtime, dlrm) -> None:
+    """The artifact's lookups equal the trained EBC's own fp32 pooled output within INT8 error, MEAN table too."""
+    ebc = dlrm.sparse_arch.embedding_bag_collection
+    keys = [f for cfg in ebc.embedding_bag_configs() for f in cfg.feature_names]
+    rows = {f: cfg.num_embeddings for cfg in ebc.embedding_bag_configs() for f in cfg.feature_names}
+    kjt = random_kjt(keys, rows, max_len=6)
+    with torch.no_grad():
+        expected = ebc(kjt).values()
+    torch.testing.assert_close(runtime.lookup(SparseFeatures.from_kjt(kjt)), expected, atol=0.05, rtol=0)
+
+
+def _edit_spec(path, dlrm, pooling: bool, features: bool = True) -> None:
+    """What a user does to the spec `embserve spec` wrote: the model's feature names, and its pooling if asked."""
+    configs = {cfg.name: cfg for cfg in dlrm.sparse_arch.embedding_bag_collection.embedding_bag_configs()}
+    data = json.loads(path.read_text())
+    for table in data["tables"]:
+        if features:
+            table["feature_names"] = list(configs[table["name"]].feature_names)
+        if pooling:
+            table["pooling"] = configs[table["name"]].pooling.name.lower()
+    path.write_text(json.dumps(data))
+
+
+def test_a_state_dict_spec_is_refused_at_export_until_each_pooling_is_stated(trained, tmp_path, capsys):
+    dlrm, _, folder = trained
+    assert {c.pooling.name for c in dlrm.sparse_arch.embedding_bag_collection.embedding_bag_configs()} == {
+        "SUM",
+        "MEAN",
+    }
+    state, spec = tmp_path / "dlrm_state.pt", tmp_path / "spec.json"
+    torch.save(dlrm.state_dict(), state)
+    assert main(["spec", "--from-torchrec", str(state), "--out", str(spec)]) == 0
+    said = capsys.readouterr().out
+    assert "pooling: null" in said and "--pooling TABLE=sum|mean" in said
+    tables = [t["name"] for t in json.loads(spec.read_text())["tables"]]
+    assert all(t["pooling"] is None for t in json.loads(spec.read_text())["tables"])
+    # exactly as the issue ran it: a summed MEAN table before; now refused, naming every table and the fixes
+    export = ["export", "--spec", str(spec), "--from-torchrec", str(state), "--no-dense"]
+    for extra in ([], ["--weights-format", "embedded"]):  # streamed and in-memory exports alike
+        assert main([*export, "--out", str(tmp_path / "refused"), *extra]) == 2
+        message = _error(capsys)
+        assert f"the pooling of table(s) {tables} is not stated" in message
+        assert '"pooling" to "sum" or "mean"' in message and str(spec) in message and "--pooling TABLE=" in message
+        assert not (tmp_path / "refused").exists()
+    # stating some but not all: the rest are still named
+    pooled = ["--pooling", "category=mean", "--pooling", "user=sum"]
+    assert main([*export, *pooled, "--out", str(tmp_path / "refused")]) == 2
+    assert "table(s) ['item', 'city', 'device', 'query'] is not stated" in _error(capsys)
+    _edit_spec(spec, dlrm, pooling=False)
+    # every table stated with --pooling: exported, and served as trained (MEAN table included)
+    pooled += [a for t in ("item", "city", "device", "query") for a in ("--pooling", f"{t}=sum")]
+    assert main([*export, *pooled, "--out", str(tmp_path / "flags")]) == 0
+    served = infer.load(tmp_path / "flags")
+    assert served.spec.table("category").pooling.value == "mean"
+    _served_equals_torchrec(served, dlrm)
+    # the reviewed spec (each "pooling" filled in, as the hint says) exports without flags
+    _edit_spec(spec, dlrm, pooling=True)
+    assert main([*export, "--out", str(tmp_path / "edited")]) == 0
+    _served_equals_torchrec(infer.load(tmp_path / "edited"), dlrm)
+
+
+def test_a_dense_part_from_the_model_states_the_pooling(trained, tmp_path, capsys):
+    dlrm, _, folder = trained
+    spec = tmp_path / "spec.json"
+    assert main(["spec", "--from-torchrec", str(folder / "model.pt"), "--out", str(spec)]) == 0
+    _edit_spec(spec, dlrm, pooling=False)  # feature names only: "pooling" stays null
+    args = ["export", "--spec", str(spec), "--from-torchrec", str(folder / "model.pt"), "--out", str(tmp_path / "a")]
+    assert main([*args, "--dense-arch", str(folder / "dense.pt")]) == 0
+    served = infer.load(tmp_path / "a")
+    assert served.has_dense and served.spec.table("category").pooling.value == "mean"
+    assert all(t.pooling.value == "sum" for t in served.spec.tables if t.name != "category")
+    _served_equals_torchrec(served, dlrm)
+    # a flag that contradicts the dense part's record is refused by the layout check, naming the table
+    assert main([*args, "--force", "--dense-arch", str(folder / "dense.pt"), "--pooling", "category=sum"]) == 2
+    assert "table 'category' is pooled mean in the trained model, sum in the spec" in _error(capsys)
