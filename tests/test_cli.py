@@ -103,3 +103,23 @@ def test_demo_runs_end_to_end(tmp_path):
     assert "server stopped on SIGTERM with exit code 0" in out
     runtime = load(tmp_path / "demo")
     assert runtime.has_dense and len(runtime.spec.tables) == 8
+
+
+def test_inspect_prints_binary_sizes_with_binary_units(tmp_path, capsys):
+    """Issue 39 item 7: sizes divided by 1024**2 are MiB, not MB (a 2 MB table is 1.9 MiB)."""
+    import re
+
+    spec = ModelSpec((TableConfig("big", 30_000, 64, ("f",)), TableConfig("small", 100, 8, ("g",))))
+    (tmp_path / "spec.json").write_text(spec.to_json())
+    torch.save(random_weights(spec), tmp_path / "ckpt.pt")
+    args = ["export", "--spec", str(tmp_path / "spec.json"), "--weights", str(tmp_path / "ckpt.pt")]
+    assert main([*args, "--world-size", "2", "--out", str(tmp_path / "art")]) == 0
+    capsys.readouterr()
+    assert main(["inspect", str(tmp_path / "art")]) == 0
+    printed = capsys.readouterr().out
+    # the big table's INT8 rows: 30,000 x (64 codes + 4 bytes scale/bias) = 2,040,000 bytes = 1.95 MiB (2.04 MB)
+    found = re.search(r"big\s+resident\s+([\d.]+) (\w+) resident", printed)
+    assert found is not None, printed
+    assert found[2] == "MiB" and abs(float(found[1]) - 30_000 * 68 / 1024**2) < 0.1
+    assert "GiB" in printed  # the memory tiers line
+    assert not re.search(r"\d (MB|GB|KB)\b", printed.split("\nfile ")[0]), printed

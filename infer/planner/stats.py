@@ -51,8 +51,8 @@ def format_stats(plan: ShardingPlan) -> str:
         f"batch {plan.batch_size}, {'inference' if plan.is_inference else 'training'} estimates",
         *([f"topology: {plan.planner['topology_source']}"] if plan.planner.get("topology_source") else []),
         "",
-        f"{'device':>6} {'memory GB (used/usable/cap)':>28} {'use%':>6} {'host GB':>8} {'cost us':>9} "
-        f"{'in MB':>8} {'out MB':>8}  shards",
+        f"{'device':>6} {'memory GiB (used/usable/cap)':>28} {'use%':>6} {'host GiB':>8} {'cost us':>9} "
+        f"{'in MiB':>8} {'out MiB':>8}  shards",
     ]
     for d in range(topo.world_size):
         used = storage[d].device
@@ -168,7 +168,7 @@ def plot_frontier(precision: Mapping[str, Any], path: str | Path) -> Path:
                    zorder=3, label=label)  # fmt: skip
     if precision.get("memory_budget") is not None:
         ax.axvline(precision["memory_budget"] / C.GB, color="black", linestyle="--", linewidth=1, label="budget")
-    ax.set_xlabel("table bytes (GB)")
+    ax.set_xlabel("table bytes (GiB)")
     ax.set_ylabel("weighted relative error of pooled outputs (%)")
     ax.set_yscale("symlog", linthresh=0.01)
     ax.legend(fontsize=8)
@@ -182,10 +182,10 @@ def plot_frontier(precision: Mapping[str, Any], path: str | Path) -> Path:
 def format_tiers(tiers: Mapping[str, Any]) -> str:
     """One line: resident bytes of the resident budget, paged bytes of the mapped capacity, access source."""
     mapped = tiers.get("mapped_capacity")
-    capacity = "unbounded" if mapped is None else f"{_gb(mapped)} GB"
+    capacity = "unbounded" if mapped is None else f"{_gb(mapped)} GiB"
     return (
-        f"memory tiers: resident {_gb(tiers['resident_bytes'])} of {_gb(tiers['resident_budget'])} GB (RAM for "
-        f"weights), paged {_gb(tiers['paged_bytes'])} GB (mapped capacity {capacity}); hottest bytes first, "
+        f"memory tiers: resident {_gb(tiers['resident_bytes'])} of {_gb(tiers['resident_budget'])} GiB (RAM for "
+        f"weights), paged {_gb(tiers['paged_bytes'])} GiB (mapped capacity {capacity}); hottest bytes first, "
         f"access {tiers['access']}"
     )
 
@@ -222,7 +222,7 @@ def plan_figure(plan: ShardingPlan) -> Any:
         devices, [topo.device_memory[d] / C.GB for d in devices], _BAR_WIDTH, color="#dddddd", label="capacity"
     )
     memory_ax.bar(devices, [storage[d].device / C.GB for d in devices], _BAR_WIDTH, color="#4c72b0", label="planned")
-    memory_ax.set_ylabel("device memory (GB)")
+    memory_ax.set_ylabel("device memory (GiB)")
     memory_ax.legend(loc="upper right", fontsize=8)
     cost_ax.bar(devices, [c * 1e6 for c in costs], _BAR_WIDTH, color="#dd8452", label="estimated cost")
     cost_ax.axhline(plan.lower_bound * 1e6, color="black", linestyle="--", linewidth=1, label="lower bound")

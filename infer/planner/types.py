@@ -285,7 +285,7 @@ def _default_device_memory(cuda: bool, world_size: int) -> tuple[tuple[int, ...]
 
 
 def _gb(size: int) -> str:
-    return f"{size / C.GB:.2f} GB"
+    return f"{size / C.GB:.2f} GiB"
 
 
 @dataclass(frozen=True)

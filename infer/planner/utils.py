@@ -31,13 +31,13 @@ def parse_bytes(value: str | int | float) -> int:
 
 
 def format_bytes(num_bytes: float) -> str:
-    """``81.2 GB``, ``512.0 MB``, ``3.0 KB`` or ``17 B`` (binary units, like the rest of the planner)."""
-    for unit, scale in (("GB", GB), ("MB", MB), ("KB", 1024)):
+    """``81.2 GiB``, ``512.0 MiB``, ``3.0 KiB`` or ``17 B``: binary units, named as such (1 MiB = 1024**2 bytes)."""
+    for unit, scale in (("GiB", GB), ("MiB", MB), ("KiB", 1024)):
         if abs(num_bytes) >= scale:
             return f"{num_bytes / scale:.1f} {unit}"
     return f"{int(num_bytes)} B"
 
 
 def format_gb(num_bytes: float) -> str:
-    """``12.34 GB`` (binary units): the unit the planner's messages use for device and host memory."""
-    return f"{num_bytes / GB:.2f} GB"
+    """``12.34 GiB``: the unit the planner's messages use for device and host memory."""
+    return f"{num_bytes / GB:.2f} GiB"

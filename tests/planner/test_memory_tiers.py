@@ -62,7 +62,7 @@ def test_without_a_mapped_tier_or_with_too_little_the_plan_fails_naming_what_is_
     with pytest.raises(PlanError) as info:
         plan_for_inference(spec, Topology(2, ComputeDevice.CPU, (400 * C.MB,), mapped_capacity=2 * C.GB))
     assert info.value.kind == PlanErrorKind.INSUFFICIENT_MEMORY
-    assert "mapped capacity 2.00 GB" in str(info.value) and "--mapped-capacity" in str(info.value)
+    assert "mapped capacity 2.00 GiB" in str(info.value) and "--mapped-capacity" in str(info.value)
 
 
 def test_everything_resident_when_it_fits_ram():

@@ -169,8 +169,8 @@ def test_insufficient_memory_names_the_table_and_every_device() -> None:
     message = str(err.value)
     # equal costs, so both passes go by bytes: big -> d0, small_a -> d1, and small_b fits on neither
     assert "table 'small_b'" in message
-    assert "device 0: needs 17.0 GB" in message and "device 1: needs 16.0 GB" in message
-    assert message.count("has 10.0 GB") == 2
+    assert "device 0: needs 17.0 GiB" in message and "device 1: needs 16.0 GiB" in message
+    assert message.count("has 10.0 GiB") == 2
 
 
 def test_host_memory_is_one_pool_per_host() -> None:

@@ -134,7 +134,7 @@ def test_too_small_a_budget_names_what_the_smallest_choice_needs():
         with pytest.raises(PlanError) as info:
             choose()
         assert info.value.kind == PlanErrorKind.INSUFFICIENT_MEMORY
-        assert f"needs {need / C.GB:.2f} GB" in str(info.value) and "'big'" in str(info.value)
+        assert f"needs {need / C.GB:.2f} GiB" in str(info.value) and "'big'" in str(info.value)
     assert choose_exact(problem, need).total_bytes == need
 
 
