@@ -681,6 +681,40 @@ def _add_planning_data_flags(parser: argparse.ArgumentParser) -> None:
     )
 
 
+class DefaultsHelpFormatter(argparse.HelpFormatter):
+    """Help that shows every option's default: ``(default: 50051)`` after the help of an option whose default is a
+    value (not None, not an empty list, not a flag's off), unless its help already says it."""
+
+    def _get_help_string(self, action: argparse.Action) -> str:
+        text = action.help or ""
+        if shows_default(action) and "%(default)" not in text and f"default: {action.default}" not in text:
+            text += " (default: %(default)s)"
+        return text
+
+
+def shows_default(action: argparse.Action) -> bool:
+    """Whether ``action``'s help must show its default: an option with a value for a default (a flag's off, None,
+    an empty list or string and suppressed help say nothing)."""
+    default = action.default
+    return (
+        bool(action.option_strings)
+        and action.help != argparse.SUPPRESS
+        and action.nargs != 0  # store_true/store_false/store_const: absent is the default
+        and default is not None
+        and default is not argparse.SUPPRESS
+        and default not in ("", [])
+    )
+
+
+def _show_defaults(parser: argparse.ArgumentParser) -> None:
+    """Every parser and subparser (server.cli's too) formats its help with ``DefaultsHelpFormatter``."""
+    parser.formatter_class = DefaultsHelpFormatter
+    for action in parser._actions:
+        if isinstance(action, argparse._SubParsersAction):
+            for child in action.choices.values():
+                _show_defaults(child)
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="embserve", description="Quantize, export and serve embedding tables.")
     parser.add_argument("-v", "--verbose", action="store_true", help="debug logging")
@@ -824,6 +858,7 @@ def build_parser() -> argparse.ArgumentParser:
     )
     add_hot_rows_arguments(run)
     run.set_defaults(func=cmd_run)
+    _show_defaults(parser)
     return parser
 
 

@@ -123,3 +123,44 @@ def test_inspect_prints_binary_sizes_with_binary_units(tmp_path, capsys):
     assert found[2] == "MiB" and abs(float(found[1]) - 30_000 * 68 / 1024**2) < 0.1
     assert "GiB" in printed  # the memory tiers line
     assert not re.search(r"\d (MB|GB|KB)\b", printed.split("\nfile ")[0]), printed
+
+
+def _parsers(parser, name="embserve"):
+    """Every parser of the CLI with its command path, subparsers (server.cli's too) included."""
+    import argparse
+
+    yield name, parser
+    for action in parser._actions:
+        if isinstance(action, argparse._SubParsersAction):
+            for command, child in action.choices.items():
+                yield from _parsers(child, f"{name} {command}")
+
+
+def test_every_option_with_a_default_shows_it_in_its_help():
+    """Issue 39 item 7: `--help` of every subcommand shows each option's default (a flag's off, None, an empty
+    list and suppressed help have none to show)."""
+    import argparse
+
+    from infer.cli import build_parser
+
+    checked = []
+    for command, parser in _parsers(build_parser()):
+        formatter = parser._get_formatter()
+        for action in parser._actions:
+            default = action.default
+            if not action.option_strings or action.help == argparse.SUPPRESS or action.nargs == 0:
+                continue
+            if default is None or default is argparse.SUPPRESS or default in ("", []):
+                continue
+            shown = " ".join(formatter._expand_help(action).split())
+            assert "default" in shown and str(default) in shown, f"{command} {action.option_strings[0]}: {shown!r}"
+            checked.append(f"{command} {action.option_strings[0]}")
+    assert "embserve serve --port" in checked and "embserve plan --batch-size" in checked and len(checked) > 40
+
+
+def test_serve_help_shows_port_and_max_batch_defaults():
+    printed = subprocess.run(
+        [sys.executable, "-m", "infer.cli", "serve", "--help"], capture_output=True, text=True, check=True
+    ).stdout
+    flat = " ".join(printed.split())
+    assert "(default: 50051)" in flat and "examples per batched forward (default: 4096)" in flat
