@@ -11,9 +11,11 @@ from infer.errors import ConfigError
 from infer.planner import constants as C
 from infer.planner.memory_tiers import table_tier
 from infer.planner.types import ShardingPlan, ShardingType
-from infer.planner.utils import format_bytes
+from infer.planner.utils import binary_unit, format_bytes
 
 _BAR_WIDTH = 0.8
+# the memory axis runs up to the devices' capacity while the most used device fills at least 1/4 of it
+_CAPACITY_SHOWN = 4
 
 _SHORT = {
     ShardingType.TABLE_WISE: "TW",
@@ -218,11 +220,17 @@ def plan_figure(plan: ShardingPlan) -> Any:
     storage = plan.device_storage()
     costs = plan.device_costs()
     fig, (memory_ax, cost_ax) = plt.subplots(2, 1, figsize=(max(6.0, 0.35 * topo.world_size + 3), 6), sharex=True)
-    memory_ax.bar(
-        devices, [topo.device_memory[d] / C.GB for d in devices], _BAR_WIDTH, color="#dddddd", label="capacity"
-    )
-    memory_ax.bar(devices, [storage[d].device / C.GB for d in devices], _BAR_WIDTH, color="#4c72b0", label="planned")
-    memory_ax.set_ylabel("device memory (GiB)")
+    used = [storage[d].device for d in devices]
+    capacity = [topo.device_memory[d] for d in devices]
+    # the axis spans what is used: a small model's bars would be a hair at the foot of an 80 GiB capacity bar
+    top = max(max(used), 1)
+    limit = max(capacity) if max(capacity) <= _CAPACITY_SHOWN * top else 1.25 * top
+    unit, scale = binary_unit(limit)
+    off_scale = "" if limit >= max(capacity) else f", {format_bytes(max(capacity))}: above the axis"
+    memory_ax.bar(devices, [c / scale for c in capacity], _BAR_WIDTH, color="#dddddd", label=f"capacity{off_scale}")
+    memory_ax.bar(devices, [u / scale for u in used], _BAR_WIDTH, color="#4c72b0", label="planned")
+    memory_ax.set_ylim(0, limit / scale)
+    memory_ax.set_ylabel(f"device memory ({unit})")
     memory_ax.legend(loc="upper right", fontsize=8)
     cost_ax.bar(devices, [c * 1e6 for c in costs], _BAR_WIDTH, color="#dd8452", label="estimated cost")
     cost_ax.axhline(plan.lower_bound * 1e6, color="black", linestyle="--", linewidth=1, label="lower bound")

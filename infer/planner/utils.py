@@ -30,12 +30,18 @@ def parse_bytes(value: str | int | float) -> int:
         ) from None
 
 
-def format_bytes(num_bytes: float) -> str:
-    """``81.2 GiB``, ``512.0 MiB``, ``3.0 KiB`` or ``17 B``: binary units, named as such (1 MiB = 1024**2 bytes)."""
+def binary_unit(num_bytes: float) -> tuple[str, int]:
+    """The largest binary unit ``num_bytes`` fills at least one of: ``("GiB", 1024**3)`` ... ``("B", 1)``."""
     for unit, scale in (("GiB", GB), ("MiB", MB), ("KiB", 1024)):
         if abs(num_bytes) >= scale:
-            return f"{num_bytes / scale:.1f} {unit}"
-    return f"{int(num_bytes)} B"
+            return unit, scale
+    return "B", 1
+
+
+def format_bytes(num_bytes: float) -> str:
+    """``81.2 GiB``, ``512.0 MiB``, ``3.0 KiB`` or ``17 B``: binary units, named as such (1 MiB = 1024**2 bytes)."""
+    unit, scale = binary_unit(num_bytes)
+    return f"{num_bytes / scale:.1f} {unit}" if scale > 1 else f"{int(num_bytes)} B"
 
 
 def format_gb(num_bytes: float) -> str:

@@ -248,3 +248,33 @@ def test_the_plot_has_one_labelled_tick_per_device_and_limits_around_the_bars(tm
     labels = [label.get_text() for label in axes[-1].get_xticklabels()]
     assert labels == [f"cpu:{d}" for d in range(devices)]
     assert plot_plan(plan, tmp_path / "plan.png").read_bytes()[:4] == b"\x89PNG"
+
+
+def _memory_bars(plan):
+    """The memory axis of the plan's figure, its planned bars' heights and its capacity bars' heights."""
+    from infer.planner.stats import plan_figure
+
+    memory_ax = plan_figure(plan).axes[0]
+    bars = {
+        container.get_label().split(",")[0]: [p.get_height() for p in container] for container in memory_ax.containers
+    }
+    return memory_ax, bars["planned"], bars["capacity"]
+
+
+def test_the_plot_scales_memory_to_what_is_used():
+    """Issue 39 item 7: a small model's bars on a 1 GiB device were 0.03% of the axis (invisible); the axis now
+    spans what is used, in a unit that fits it."""
+    plan = plan_for_inference(spec_of(2, rows=1000), Topology(2, ComputeDevice.CPU, (C.GB,)))
+    memory_ax, planned, _ = _memory_bars(plan)
+    low, high = memory_ax.get_ylim()
+    assert low == 0 and max(planned) / high >= 0.5
+    used = [s.device for s in plan.device_storage()]
+    unit = memory_ax.get_ylabel().split("(")[1].rstrip(")")
+    scale = {"GiB": 1024**3, "MiB": 1024**2, "KiB": 1024, "B": 1}[unit]
+    assert [h * scale for h in planned] == pytest.approx(used)  # heights are the planned bytes in that unit
+    assert "above the axis" in " ".join(t.get_text() for t in memory_ax.get_legend().get_texts())
+    # a device that is mostly used keeps its capacity on the axis
+    capacity = 2 * max(used)
+    plan = plan_for_inference(spec_of(2, rows=1000), Topology(2, ComputeDevice.CPU, (capacity,)))
+    memory_ax, planned, capacities = _memory_bars(plan)
+    assert memory_ax.get_ylim()[1] >= max(capacities) and max(planned) / memory_ax.get_ylim()[1] >= 0.25
