@@ -2,14 +2,18 @@
 
 from __future__ import annotations
 
-from collections.abc import Mapping
-from dataclasses import dataclass
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass, replace
+from typing import TYPE_CHECKING
 
 import torch
 
 from infer.config import DataType, ModelSpec
 from infer.features import SparseFeatures
 from infer.reference import FloatEmbeddingBagCollection
+
+if TYPE_CHECKING:
+    from infer.storage.sources import TableSource
 
 
 @dataclass(frozen=True)
@@ -32,6 +36,44 @@ def accuracy_report(
     with torch.no_grad():
         expected = reference(batch)
         got = model(batch.values, batch.lengths, batch.weights).cpu()
+    return _compare(spec, expected, got)
+
+
+def sampled_accuracy_report(
+    spec: ModelSpec,
+    source: TableSource,
+    lookup: Callable[[SparseFeatures], torch.Tensor],
+    batch: SparseFeatures | None = None,
+) -> list[TableAccuracy]:
+    """``accuracy_report`` for tables that were never in memory (a streamed export): the fp32 reference reads
+    only the probe batch's rows from ``source`` (a few thousand per table), and ``lookup`` (the exported
+    artifact's) answers the same batch from the rows it holds."""
+    from infer.quant.measured_error import rows_from_source
+
+    batch = batch if batch is not None else SparseFeatures.random(spec)
+    rows_of = rows_from_source(source)
+    per_feature = batch.lengths.to(torch.int64).view(len(batch.keys), -1).sum(dim=1).tolist()
+    bounds = torch.tensor([0, *per_feature]).cumsum(0).tolist()
+    features = {f.name: i for i, f in enumerate(spec.features)}
+    # each table's sampled rows, compacted: the reference sees a table of only those rows, its ids renumbered
+    values = batch.values.to(torch.int64).clone()
+    tables, weights = [], {}
+    for table in spec.tables:
+        spans = [(bounds[features[f]], bounds[features[f] + 1]) for f in table.feature_names]
+        ids = torch.cat([values[start:end] for start, end in spans]).unique()
+        rows = rows_of(table, ids) if ids.numel() else torch.zeros(1, table.embedding_dim)
+        for start, end in spans:
+            values[start:end] = torch.searchsorted(ids, values[start:end])
+        tables.append(replace(table, num_embeddings=max(1, int(ids.numel()))))
+        weights[table.name] = rows
+    sampled = ModelSpec(tuple(tables), spec.num_dense_features)
+    with torch.no_grad():
+        expected = FloatEmbeddingBagCollection(sampled, weights)(replace(batch, values=values))
+        got = lookup(batch).cpu()
+    return _compare(spec, expected, got)
+
+
+def _compare(spec: ModelSpec, expected: torch.Tensor, got: torch.Tensor) -> list[TableAccuracy]:
     report = []
     for table in spec.tables:
         cols = [torch.arange(f.column_start, f.column_end) for f in spec.features if f.table == table.name]
