@@ -293,12 +293,18 @@ def cmd_spec(args: argparse.Namespace) -> int:
         raise ConfigError(f"{str(out)!r} exists; pass --force to overwrite it")
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(text)
-    print(
-        f"wrote {out}: {len(spec.tables)} tables, one feature per table named like it, int8, "
-        f"num_dense_features {spec.num_dense_features}; edit feature names and data types before exporting"
-    )
     if spec.unstated_pooling:
+        print(
+            f"wrote {out}: {len(spec.tables)} tables, one feature per table named like it, int8, "
+            f"num_dense_features {spec.num_dense_features}; edit feature names and data types before exporting"
+        )
         print(_unstated_pooling_hint(spec, str(out)))
+    else:
+        print(
+            f"wrote {out}: {len(spec.tables)} tables with their features and pooling as the model's "
+            f"EmbeddingBagConfigs say, int8, num_dense_features {spec.num_dense_features}; edit data types before "
+            "exporting (the tables' rows come from a state dict or DCP folder: --from-torchrec)"
+        )
     return 0
 
 

@@ -368,13 +368,23 @@ def spec_from_checkpoint(source: str | Path) -> ModelSpec:
     """A starting spec from a TorchRec checkpoint: one table per ``embedding_bags.<table>.weight`` with its
     shape, a feature named like the table, INT8, and its pooling not stated (``"pooling": null``: a state dict
     does not record it, and export refuses to guess); ``num_dense_features`` from a DLRM's dense arch when the
-    checkpoint has one. State each table's pooling, edit feature names and data types before exporting."""
+    checkpoint has one. State each table's pooling, edit feature names and data types before exporting.
+
+    A pickled TorchRec module (``torch.save(model)``) gives the whole spec instead: its ``EmbeddingBagConfig``
+    tables, features and pooling (stated), read as data without running the file (``infer.interop.pickled``)."""
     path = Path(source)
     all_shapes: dict[str, tuple[int, ...]] = {}
     if path.is_dir():
         all_shapes = {key: shape for key, (shape, _) in dcp_tensors(path).items()}
     elif path.is_file():
-        all_shapes = {key: tuple(value.shape) for key, value in _torch_load(path).items() if hasattr(value, "shape")}
+        try:
+            state = _torch_load(path)
+        except WeightsError:
+            pickled = _spec_from_pickled_module(path)
+            if pickled is None:
+                raise
+            return pickled
+        all_shapes = {key: tuple(value.shape) for key, value in state.items() if hasattr(value, "shape")}
     else:
         raise WeightsError(f"TorchRec checkpoint {str(path)!r} does not exist (a state dict file or a DCP folder)")
     shapes: dict[str, tuple[int, ...]] = {}
@@ -393,6 +403,28 @@ def spec_from_checkpoint(source: str | Path) -> ModelSpec:
             raise WeightsError(f"{str(path)!r}: table {name!r} has shape {list(shape)}; expected [rows, dim]")
         tables.append(TableConfig(name, int(shape[0]), int(shape[1]), (name,), pooling_stated=False))
     return ModelSpec(tuple(tables), num_dense)
+
+
+def _spec_from_pickled_module(path: Path) -> ModelSpec | None:
+    """The spec a pickled TorchRec module states (its configs read without running it), or None when the file
+    holds none."""
+    from infer.interop.pickled import read_pickled_model
+
+    model = read_pickled_model(path)
+    if model is None:
+        return None
+    poolings = {"SUM": PoolingType.SUM, "MEAN": PoolingType.MEAN}
+    tables = []
+    for table in model.tables:
+        if table.pooling not in poolings:
+            raise ConfigError(f"table {table.name!r}: pooling {table.pooling} is not served; use SUM or MEAN")
+        tables.append(
+            TableConfig(
+                table.name, table.num_embeddings, table.embedding_dim, table.feature_names, poolings[table.pooling]
+            )
+        )
+    logger.info("%s: %d tables read from the pickled %s (not run)", path, len(tables), model.root)
+    return ModelSpec(tuple(tables), model.num_dense_features)
 
 
 def _torch_load(path: Path) -> Mapping[str, Any]:

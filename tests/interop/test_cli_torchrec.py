@@ -150,16 +150,50 @@ def test_weights_and_from_torchrec_are_exclusive(trained, tmp_path, capsys):
 # --- issue 24: errors a user can act on ---------------------------------------------------------------------
 
 
-def test_spec_from_a_pickled_model_says_what_the_file_is_and_how_to_make_a_state_dict(trained, tmp_path, capsys):
-    dlrm, _, _ = trained
-    torch.save(dlrm, tmp_path / "pickled.pt")  # the whole module, not its state dict
+def test_spec_from_a_pickled_object_says_what_the_file_is_and_how_to_make_a_state_dict(tmp_path, capsys):
+    torch.save(torch.nn.Linear(3, 1), tmp_path / "pickled.pt")  # a whole module, not a state dict, and no TorchRec
     assert main(["spec", "--from-torchrec", str(tmp_path / "pickled.pt")]) == 2
     captured = capsys.readouterr()
     message = captured.err
-    assert "pickled.pt" in message and "torchrec.models.dlrm.DLRM" in message
+    assert "pickled.pt" in message and "torch.nn.modules.linear.Linear" in message
     assert "not a state dict" in message and "torch.save(model.state_dict(), path)" in message
     assert "\x1b[" not in message and "Traceback" not in message and "WeightsUnpickler" not in message
     assert captured.out == ""
+
+
+class _RunsCode:
+    """Pickles as a call of ``open(marker, "w")``: unpickling it the ordinary way creates the file."""
+
+    def __init__(self, marker: str) -> None:
+        self.marker = marker
+
+    def __reduce__(self):  # noqa: ANN204
+        return (open, (self.marker, "w"))
+
+
+def test_spec_from_a_pickled_torchrec_model_reads_its_configs_without_running_it(trained, tmp_path, capsys):
+    """Issue 39 item 1: a pickled DLRM carries each EmbeddingBagConfig's pooling; the spec states it (and the
+    features), so the state dict exports with no flag and serves the MEAN table as trained."""
+    dlrm, imported, _ = trained
+    torch.save(dlrm, tmp_path / "dlrm.pt")
+    torch.save(dlrm.state_dict(), tmp_path / "dlrm_state.pt")
+    spec = tmp_path / "spec.json"
+    assert main(["spec", "--from-torchrec", str(tmp_path / "dlrm.pt"), "--out", str(spec)]) == 0
+    assert "pooling as the model's EmbeddingBagConfigs say" in capsys.readouterr().out
+    written = ModelSpec.load(spec)
+    assert written == imported.spec and written.num_dense_features == NUM_DENSE and not written.unstated_pooling
+    export = ["export", "--spec", str(spec), "--from-torchrec", str(tmp_path / "dlrm_state.pt"), "--no-dense"]
+    assert main([*export, "--out", str(tmp_path / "art")]) == 0
+    _served_equals_torchrec(infer.load(tmp_path / "art"), dlrm)
+    # nothing in the file is run: a pickle that would create a file is refused, and the file is not created
+    marker = tmp_path / "ran"
+    torch.save({"model": dlrm.sparse_arch, "hook": _RunsCode(str(marker))}, tmp_path / "hostile.pt")
+    assert main(["spec", "--from-torchrec", str(tmp_path / "hostile.pt"), "--out", str(tmp_path / "h.json")]) == 0
+    assert not marker.exists()
+    assert ModelSpec.load(tmp_path / "h.json").table("category").pooling.value == "mean"
+    torch.save(_RunsCode(str(marker)), tmp_path / "only_code.pt")
+    assert main(["spec", "--from-torchrec", str(tmp_path / "only_code.pt")]) == 2
+    assert "not a state dict" in _error(capsys) and not marker.exists()
 
 
 def test_a_torchrec_state_dict_given_to_weights_suggests_from_torchrec(trained, tmp_path, capsys):
