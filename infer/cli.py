@@ -363,6 +363,9 @@ def _precision_plan(
     if args.eval:
         from infer.quant.eval_error import load_eval_sample, measure_eval_errors
 
+        # the model's loss depends on each table's pooling (the pooled error measure does not: a mean scales both)
+        spec.require_stated_pooling(f'set "pooling" to "sum" or "mean" for each in {args.spec!r}, as the model says')
+
         model_spec = _with_dense_part(spec, getattr(args, "dense_arch", None))
         measured = measure_eval_errors(model_spec, source, load_eval_sample(args.eval, model_spec), measure)
     else:

@@ -199,3 +199,19 @@ def test_a_streamed_export_prints_the_measured_error_of_what_it_wrote(tmp_path, 
         )
         assert shown[table.name] == pytest.approx(float(error), abs=1e-5)
     assert shown["users"] < 0.01 < shown["items"]  # INT8 ~0.5 %, INT4 several %
+
+
+def test_plan_with_eval_refuses_a_pooling_nobody_stated(tmp_path, capsys):
+    """The model's loss depends on each table's pooling: --eval does not guess it either (issue 39 item 1)."""
+    spec = ModelSpec((TableConfig("users", 50, 8, ("user",)),), num_dense_features=2)
+    data = json.loads(spec.to_json())
+    data["tables"][0]["pooling"] = None
+    (tmp_path / "spec.json").write_text(json.dumps(data))
+    torch.save(random_weights(spec), tmp_path / "ckpt.pt")
+    args = ["plan", "--spec", str(tmp_path / "spec.json"), "--world-size", "1", "--compute-device", "cpu"]
+    args += ["--weights", str(tmp_path / "ckpt.pt"), "--eval", str(tmp_path / "eval.pt"), "--memory-budget", "1MB"]
+    assert main([*args, "--out", str(tmp_path / "plan.json")]) == 2
+    message = capsys.readouterr().err
+    assert "table(s) ['users'] is not stated" in message and '"pooling" to "sum" or "mean"' in message
+    # the plan itself does not depend on the pooling: without --eval it is made
+    assert main([*args[:-4], "--out", str(tmp_path / "plan.json")]) == 0
