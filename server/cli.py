@@ -226,7 +226,10 @@ def serve_demo(artifact: Path) -> int:
     from server.launch import spawn_server
 
     print("\nserving the artifact over gRPC (loopback) and querying it with the Python client:", flush=True)
-    server, port = spawn_server(artifact, "--drain-grace-s", "1")
+    # The dense part's matmuls round differently with another intra-op thread count: the server runs its
+    # forwards with this process's count, so its answers can be compared bit for bit.
+    threads = str(torch.get_num_threads())
+    server, port = spawn_server(artifact, "--drain-grace-s", "1", "--intra-op-threads", threads)
     try:
         runtime = load(artifact)
         batch = SparseFeatures.random(runtime.spec, batch_size=8, ids_per_bag=10, seed=3)
