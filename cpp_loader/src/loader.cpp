@@ -1165,6 +1165,11 @@ std::string cause_of(const std::exception& err) {
 // constant that takes the kernel's mapped weight buffer and the size the program was compiled for; absent when
 // model.pt2 carries its tables itself (infer.artifact.formats.pt2_program.WEIGHT_CONSTANTS_KEY).
 constexpr const char* kWeightConstantsKey = "embserve.weight_constants";
+// The constant a program over mapped weights checks before anything runs: zeros in the package, ones from the
+// loaders with the weights; without them the program throws, telling a bare caller to load through embserve
+// (infer.artifact.formats.pt2_program.TABLES_ATTACHED, TABLES_ATTACHED_ENTRIES). Absent from older packages.
+constexpr const char* kTablesAttached = "tables_attached";
+constexpr int64_t kTablesAttachedEntries = 16;
 
 std::vector<std::pair<std::string, int64_t>> read_weight_constants(const std::string& entry,
                                                                    const std::string& pt2_path) {
@@ -1186,8 +1191,8 @@ std::vector<std::pair<std::string, int64_t>> read_weight_constants(const std::st
 }
 
 // A mapped artifact's model.pt2 holds no tables: hand the lookup program every kernel's view of its mapped weight
-// file as a user-managed constant (infer.artifact.formats.pt2_runtime.attach_weight_constants), after the
-// artifact is verified. AOTInductor (libtorch 2.13) keeps a tensor handle of each user-managed constant that it
+// file as a user-managed constant (infer.artifact.formats.pt2_runtime.attach_weight_constants), and ones for its
+// tables_attached check, after the artifact is verified. AOTInductor (libtorch 2.13) keeps a tensor handle of each user-managed constant that it
 // never frees, so it gets a view that does not own the mapping; the returned mappings must outlive the program.
 // Then checks that the program's constants are the mapped bytes themselves (no copy).
 std::vector<std::shared_ptr<void>> attach_pt2_weights(torch::inductor::AOTIModelPackageLoader& program,
@@ -1225,6 +1230,9 @@ std::vector<std::shared_ptr<void>> attach_pt2_weights(torch::inductor::AOTIModel
     first_bytes.emplace(wanted[k].first, view.data_ptr());
     held.push_back(mapping);
   }
+  // AOTInductor keeps a handle of each user-managed constant, which keeps this small tensor alive
+  if (std::find(fqns.begin(), fqns.end(), kTablesAttached) != fqns.end())
+    constants.emplace(kTablesAttached, at::ones({kTablesAttachedEntries}, at::kLong));
   try {
     program.load_constants(constants, /*use_inactive=*/false, /*check_full_update=*/false, /*user_managed=*/true);
   } catch (const std::exception& err) {

@@ -19,6 +19,7 @@ import pytest
 import torch
 
 from infer.artifact.export import export
+from infer.artifact.fbgemm_libs import load_fbgemm
 from infer.artifact.formats.pt2_program import WEIGHT_CONSTANTS_KEY
 from infer.artifact.load import load
 from infer.config import DataType, ModelSpec, PoolingType, TableConfig
@@ -116,14 +117,31 @@ def test_the_package_names_one_mapped_buffer_per_kernel(mapped):
     _, _, path = mapped
     from torch._C._aoti import AOTIModelPackageLoader
 
-    from infer.artifact.fbgemm_libs import load_fbgemm
-
     load_fbgemm()
     program = AOTIModelPackageLoader(str(path / "model.pt2"), "model", False, 1, -1)
     entries = [item.split("=") for item in program.get_metadata()[WEIGHT_CONSTANTS_KEY].split(",")]
     kernels = json.loads((path / "manifest.json").read_text())["kernels"]
     assert [int(size) for _, size in entries] == [k["weights"]["bytes"] for k in kernels]
     assert {name for name, _ in entries} <= set(program.get_constant_fqns())
+
+
+@pytest.mark.parametrize("batch_size", [1, 4096])
+def test_a_bare_load_of_the_package_raises_naming_embserve_loaders(mapped, batch_size):
+    """What torch documents for an AOTInductor package, ``torch._inductor.aoti_load_package(path / "model.pt2")``
+    and a call with the program's documented inputs, raises (a mapped artifact's package lacks its tables: it
+    would read past their 64-byte stand-ins), telling the user to load the artifact through embserve."""
+    spec, reference, path = mapped
+    load_fbgemm()  # the program calls fbgemm's operators: a bare user imports fbgemm_gpu
+    program = torch._inductor.aoti_load_package(str(path / "model.pt2"))
+    batch = random_batch(spec, batch_size, max_len=9, seed=batch_size)
+    values, lengths = batch.values.to(torch.int64), batch.lengths.to(torch.int64)  # the documented dtypes
+    with pytest.raises(RuntimeError) as err:
+        program(values, lengths, torch.ones(values.numel()))
+    message = str(err.value)
+    assert "infer.load(folder, backend='pt2')" in message and "embserve::Model::load" in message, message
+    assert "weight files" in message, message
+    # the artifact still loads and looks up through embserve in the same process
+    assert_matches(load(path, backend="pt2").lookup(batch), reference.pooled(batch))
 
 
 def test_package_size_does_not_grow_with_the_tables(small, large):
@@ -192,6 +210,12 @@ def test_an_embedded_artifact_keeps_the_tables_in_its_package(tmp_path):
     for batch in _batches(spec):
         assert_matches(runtime.lookup(batch), reference.pooled(batch))
     assert (path / "model.pt2").stat().st_size > 3000 * 68  # the INT8 table's rows are inside
+    # it holds its tables, so a bare load (torch._inductor.aoti_load_package) runs it as torch documents
+    load_fbgemm()
+    program = torch._inductor.aoti_load_package(str(path / "model.pt2"))
+    batch = random_batch(spec, 300, max_len=12, seed=7)
+    values, lengths = batch.values.to(torch.int64), batch.lengths.to(torch.int64)
+    assert_matches(program(values, lengths, torch.ones(values.numel())), reference.pooled(batch))
 
 
 LOAD_AND_REPORT = textwrap.dedent(

@@ -18,6 +18,13 @@ buffer (``dev_weights``) and the tables' places in its weight file (``weights_of
 program the mapped buffer as an AOTInductor user-managed constant (``weights_constant``), so ``model.pt2`` holds
 no table bytes. A kernel without a weight file keeps its buffer as a constant inside the package.
 
+Such a program cannot run on its stand-ins: its first step checks ``TABLES_ATTACHED`` (a constant compiled as
+zeros; with the weights, the loaders hand it ones) and raises ``NOT_ATTACHED`` otherwise, so a package loaded
+bare (``torch._inductor.aoti_load_package``, or C++ ``AOTIModelPackageLoader``) and called as torch documents
+raises, naming embserve's loaders, instead of reading past a stand-in. The check is ``torch._assert_async``:
+AOTInductor compiles it to a C++ ``throw`` of that message, which reaches the caller (Python: ``RuntimeError``);
+a ``torch._check`` would lose the message (export words its runtime asserts itself).
+
 The signature is fixed (the C++ loader's contract):
 ``forward(values int64[N], lengths int64[F*B], weights float32[N]) -> float32[B, output_dim]``; a request
 without weights passes ones (a weight of 1.0 leaves every product exact).
@@ -52,6 +59,25 @@ STAND_IN_BYTES = 64
 # that many bytes). Absent when the package carries its tables itself (an embedded artifact's, or one exported
 # before the package took its weights from the weight files). The C++ loader reads the same entry.
 WEIGHT_CONSTANTS_KEY = "embserve.weight_constants"
+# The constant a program over mapped weights checks first: zeros in the package, ones from the loaders with the
+# weights (``tables_attached``); over 8 entries for the reason above. A package without it (an embedded artifact's,
+# or one exported before the check) runs without.
+TABLES_ATTACHED = "tables_attached"
+TABLES_ATTACHED_ENTRIES = 16
+# What a program run without its weights raises. AOTInductor pastes it into a C++ string literal: no quotes,
+# no backslashes.
+NOT_ATTACHED = (
+    "this model.pt2 belongs to an embserve artifact whose tables are in the artifact's weight files, not in "
+    "model.pt2, and they were not handed over (a bare torch._inductor.aoti_load_package or AOTIModelPackageLoader "
+    "would run the program on 64-byte stand-ins). Load the artifact folder with embserve: "
+    "infer.load(folder, backend='pt2') in Python, embserve::Model::load with Backend::Pt2 in C++ (cpp_loader), "
+    "or embserve serve --backend pt2"
+)
+
+
+def tables_attached() -> Tensor:
+    """The value the loaders hand ``TABLES_ATTACHED`` with the weights."""
+    return torch.ones(TABLES_ATTACHED_ENTRIES, dtype=torch.int64)
 
 
 def weights_constant(kernel: int) -> str:
@@ -96,7 +122,9 @@ class KernelCall(nn.Module):
         on_host = int(tbe.host_size) > 0
         weights = tbe.weights_host if on_host else tbe.weights_dev
         offsets = tbe.weights_offsets
+        self.takes_weights = False  # True: the loaders hand over the weight buffer (a mapped kernel)
         if mapped is not None and mapped.weights is not None and mapped.shared is not None:
+            self.takes_weights = True
             weights = torch.zeros(STAND_IN_BYTES, dtype=torch.uint8, device=weights.device)
             places = mapped.shared.table_offsets
             offsets = torch.tensor([places[t] for t in mapped.feature_table_map], dtype=offsets.dtype)
@@ -218,6 +246,10 @@ class LookupProgram(nn.Module):
         column_feature = [f for f, dim in enumerate(feature_dims) for _ in range(dim)]
         device = kernels[0].rows_per_table.device
         self.register_buffer("feature_rows", torch.tensor(feature_rows, dtype=torch.int64, device=device))
+        self.takes_weights = any(kernel.takes_weights for kernel in kernels)
+        if self.takes_weights:
+            attached = torch.zeros(TABLES_ATTACHED_ENTRIES, dtype=torch.int64, device=device)
+            self.register_buffer(TABLES_ATTACHED, attached)
         self.register_buffer("bounds_check_warning", torch.zeros(1, dtype=torch.int64, device=device))
         self.register_buffer("column_feature", torch.tensor(column_feature, dtype=torch.int64, device=device))
         is_mean = [f in set(mean_features) for f in column_feature]
@@ -232,6 +264,8 @@ class LookupProgram(nn.Module):
             self.register_buffer(f"replicas_{k}", torch.tensor(count, dtype=torch.int64, device=device))
 
     def forward(self, values: Tensor, lengths: Tensor, weights: Tensor) -> Tensor:
+        if self.takes_weights:  # first: no kernel runs on the stand-ins
+            torch._assert_async(getattr(self, TABLES_ATTACHED)[0] == 1, NOT_ATTACHED)
         num_features = self.num_features
         batch = lengths.shape[0] // num_features
         torch._check(lengths.shape[0] == num_features * batch)

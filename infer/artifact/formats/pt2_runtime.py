@@ -13,9 +13,10 @@ every call is one program run. A C++ host may split a batch into example ranges 
 
 A mapped artifact's package holds no tables (its metadata names the constants it lacks): once the artifact is
 verified, each kernel's view of its mapped weight file is handed to the program as a user-managed constant (no
-copy: the program reads the mapping). AOTInductor (torch 2.13) keeps a tensor handle of every user-managed
-constant that it never frees, which would keep the mapping alive forever; so the program gets a view that does
-not own the mapping (``_borrowed``), and ``Pt2Module`` holds the mappings as long as it lives.
+copy: the program reads the mapping), with ones for its ``tables_attached`` check (without them the program
+raises, telling a bare caller to load through embserve). AOTInductor (torch 2.13) keeps a tensor handle of every
+user-managed constant that it never frees, which would keep the mapping alive forever; so the program gets a view
+that does not own the mapping (``_borrowed``), and ``Pt2Module`` holds the mappings as long as it lives.
 """
 
 from __future__ import annotations
@@ -31,7 +32,12 @@ import torch
 
 from infer import request_rules as rules
 from infer.artifact.fbgemm_libs import load_fbgemm
-from infer.artifact.formats.pt2_program import WEIGHT_CONSTANTS_KEY, read_weight_constants
+from infer.artifact.formats.pt2_program import (
+    TABLES_ATTACHED,
+    WEIGHT_CONSTANTS_KEY,
+    read_weight_constants,
+    tables_attached,
+)
 from infer.artifact.manifest import MANIFEST_FILE, PT2_INPUTS, PT2_TABLES_IN_WEIGHT_FILES, Manifest
 from infer.artifact.mapped import map_kernel_weights
 from infer.artifact.runtime import Runtime
@@ -162,6 +168,8 @@ def attach_weight_constants(lookup: Any, folder: Path, manifest: Manifest, packa
         )
     views, mappings = map_kernel_weights(folder, kernels, manifest.file_bytes)
     constants = {name: _borrowed(view) for (name, _), view in zip(wanted, views) if view is not None}
+    if TABLES_ATTACHED in known:  # the program's check that its weights were handed over (a 128-byte tensor)
+        constants[TABLES_ATTACHED] = tables_attached()
     try:  # the active buffer, a partial update (the package's small constants stay), user-managed: no copy
         lookup.load_constants(constants, False, False, True)
     except RuntimeError as err:
