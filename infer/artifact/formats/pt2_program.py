@@ -71,7 +71,8 @@ NOT_ATTACHED = (
     "model.pt2, and they were not handed over (a bare torch._inductor.aoti_load_package or AOTIModelPackageLoader "
     "would run the program on 64-byte stand-ins). Load the artifact folder with embserve: "
     "infer.load(folder, backend='pt2') in Python, embserve::Model::load with Backend::Pt2 in C++ (cpp_loader), "
-    "or embserve serve --backend pt2"
+    "or embserve serve --backend pt2 (an embserve older than the export that wrote it does not hand them over: "
+    "update it)"
 )
 
 
