@@ -17,6 +17,8 @@ LATENCY_BUCKETS = (0.0005, 0.001, 0.002, 0.005, 0.01, 0.02, 0.05, 0.1, 0.2, 0.5,
 STAGE_BUCKETS = (1e-5, 2e-5, 5e-5, 1e-4, 2e-4, 5e-4, 0.001, 0.002, 0.005, 0.01, 0.02, 0.05, 0.1, 0.5)
 STAGES = ("decode", "queue", "merge", "lookup", "split", "encode")
 BATCH_BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 1024, 2048, 4096, 8192)
+# a model version's load and warm-up, per phase: a millisecond (a structure copied) to tens of seconds (GBs hashed)
+LOAD_BUCKETS = (0.001, 0.005, 0.01, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0)
 # how often the /metrics thread looks for a stop: prometheus_client's own server polls every 0.5 s,
 # which alone made a stop take half a second
 _STOP_POLL_S = 0.02
@@ -86,6 +88,15 @@ class ServerMetrics:
             buckets=STAGE_BUCKETS,
             registry=self.registry,
         )
+        self.load_seconds = Histogram(
+            "embserve_model_load_seconds",
+            "time to bring a model version in, by phase: the load's (manifest, libraries, small files, plan, model, "
+            "weights, checksums, checks, runtime), then batchers and the warm-up of each forward kind (warm-up "
+            "lookup, warm-up predict, warm-up both), and total",
+            ["phase"],
+            buckets=LOAD_BUCKETS,
+            registry=self.registry,
+        )
         self._calls: dict[tuple[str, str], Any] = {}  # labelled children, looked up once
         self._latencies: dict[str, Any] = {}
         self._stages = {stage: self.stage_seconds.labels(stage) for stage in STAGES}  # labels() costs a lookup
@@ -121,6 +132,12 @@ class ServerMetrics:
         if latency is None:
             latency = self._latencies[method] = self.latency.labels(method)
         latency.observe(seconds)
+
+    def observe_load(self, phases: dict[str, float]) -> None:
+        """One version brought in: the seconds of each of its phases, and their total."""
+        for phase, seconds in phases.items():
+            self.load_seconds.labels(phase).observe(seconds)
+        self.load_seconds.labels("total").observe(sum(phases.values()))
 
     def observe_batch(self, requests: int, examples: int) -> None:
         self.batch_requests.observe(requests)

@@ -18,7 +18,6 @@ import functools
 import logging
 import os
 import threading
-import time
 from collections.abc import AsyncIterator, Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
@@ -30,6 +29,7 @@ import torch
 
 from infer.artifact.load import load
 from infer.artifact.manifest import MANIFEST_FILE, Manifest
+from infer.artifact.runtime import PhaseClock
 from infer.artifact.structures import StructureCache
 from infer.errors import ArtifactError, ConfigError, EmbserveError
 from infer.features import SparseFeatures
@@ -150,6 +150,7 @@ class _Loaded:
     in_flight: int = 0
     idle: asyncio.Event = field(default_factory=asyncio.Event)
     v1_view: InferenceServicer | None = None  # embserve.v1 calls that name this version run on it
+    phases: dict[str, float] = field(default_factory=dict)  # seconds of each phase of its load and warm-up
 
     def __post_init__(self) -> None:
         self.idle.set()
@@ -268,6 +269,10 @@ class Repository:
         except ModelNotFound:
             return False
         return True
+
+    def load_phases(self, name: str, version: str) -> dict[str, float]:
+        """Seconds of each phase of bringing a loaded version in (load, batchers, warm-up), as its log line says."""
+        return dict(self._entry(name, version).phases)
 
     def failures(self, name: str) -> dict[str, str]:
         """version -> why it failed to load, for the versions of ``name`` that did."""
@@ -427,6 +432,7 @@ class Repository:
 
     async def _load_version(self, name: str, version: str) -> _Loaded:
         folder = self.root / name / version
+        clock = PhaseClock()
         if self.check_memory:
             needed = artifact_bytes(folder)
             available = available_memory_bytes()
@@ -436,15 +442,16 @@ class Repository:
                     f"{available / 2**20:.0f} MiB are free beside the loaded versions; free memory, unload a "
                     "version or narrow the version policy"
                 )
+            clock.mark("memory check")
         # a thread of its own: its lowered priority must not stay with a pool thread that serves later
         loader = ThreadPoolExecutor(max_workers=1, thread_name_prefix="embserve-load")
-        started = time.perf_counter()
         try:
             runtime = await asyncio.get_running_loop().run_in_executor(
                 loader, _load_in_background, folder, self.settings.verify, self.structures
             )
         finally:
             loader.shutdown(wait=False)
+        clock.mark("load")
         settings = self.settings
         runtime.set_threads(settings.threads or runtime.thread_budget(settings.workers))
         # the version's forwards, as for one artifact: every request was decoded and validated once against this
@@ -472,15 +479,17 @@ class Repository:
         entry = _Loaded(model, batchers)
         for b in batchers:
             b.start()
-        loaded = time.perf_counter()
+        clock.mark("batchers")
         try:
-            await _warm_up(model, settings.warmup_batches)
+            await _warm_up(model, settings.warmup_batches, clock)
         except BaseException:
             for b in batchers:
                 await b.close()
             raise
-        logger.info("model %s version %s loaded in %.3f s (verify %s) and warmed up in %.3f s",
-                    name, version, loaded - started, settings.verify, time.perf_counter() - loaded)  # fmt: skip
+        phases = entry.phases = _load_phases(clock.seconds, runtime.load_phases)
+        self.metrics.observe_load(phases)
+        logger.info("model %s version %s ready in %.3f s (verify %s): %s", name, version, clock.total,
+                    settings.verify, ", ".join(f"{p} {s:.3f}" for p, s in phases.items()))  # fmt: skip
         return entry
 
     def _retire(self, entry: _Loaded) -> None:
@@ -592,16 +601,53 @@ def _bind_v1(servicer: InferenceServicer, entry: _Loaded) -> None:
     servicer._metadata = servicer._build_metadata()
 
 
-async def _warm_up(model: ServedModel, batches: int) -> None:
-    """Run a few random batches through the new version's batchers (each kind of forward) before it serves."""
+def _load_phases(seconds: dict[str, float], load_phases: dict[str, float]) -> dict[str, float]:
+    """The phases of bringing a version in, in order, with the load's own phases in place of the load: what the
+    loader thread spent beyond them (starting, waiting for the event loop) is its ``hand-off``."""
+    phases: dict[str, float] = {}
+    for phase, spent in seconds.items():
+        if phase == "load":
+            phases.update(load_phases)
+            phases["hand-off"] = max(0.0, spent - sum(load_phases.values()))
+        else:
+            phases[phase] = spent
+    return phases
+
+
+async def _warm_up(model: ServedModel, batches: int, clock: PhaseClock | None = None) -> None:
+    """Run a few random batches through the new version's batchers (each kind of forward) before it serves; every
+    answer must have the shape the model's spec promises, embeddings finite (else ``LoadError``: the version is
+    refused). ``clock`` charges each kind of forward to a phase of its own."""
     spec = model.spec
+    clock = clock or PhaseClock()
     for seed in range(max(1, batches)):
         features = SparseFeatures.random(spec, batch_size=min(64, model.max_batch_size), ids_per_bag=8, seed=seed)
-        await model.lookups.run_now(features)
+        size = features.batch_size
+        _check_warm_answer(model, "lookup", await model.lookups.run_now(features), (size, spec.output_dim))
+        clock.mark("warm-up lookup")
         if model.predictions is not None and model.both is not None:
-            dense = torch.zeros(features.batch_size, spec.num_dense_features)
-            await model.predictions.run_now(features, dense)
-            await model.both.run_now(features, dense)
+            dense = torch.zeros(size, spec.num_dense_features)
+            _check_warm_answer(model, "predict", await model.predictions.run_now(features, dense), (size,))
+            clock.mark("warm-up predict")
+            both = await model.both.run_now(features, dense)
+            _check_warm_answer(model, "lookup and predict", both, (size, spec.output_dim + 1))
+            clock.mark("warm-up both")
+
+
+def _check_warm_answer(model: ServedModel, kind: str, answer: torch.Tensor, shape: tuple[int, ...]) -> None:
+    """A warm-up answer as the spec promises it: ``shape``, float32, and the embeddings' columns finite (a score
+    is the dense part's business)."""
+    embeddings = answer[:, : model.spec.output_dim] if answer.dim() == 2 else None
+    if tuple(answer.shape) == shape and answer.dtype == torch.float32:
+        if embeddings is None or bool(torch.isfinite(embeddings).all()):
+            return
+        problem = "non-finite embeddings"
+    else:
+        problem = f"{answer.dtype} {list(answer.shape)} where {list(shape)} float32 was due"
+    raise LoadError(
+        f"model {model.name!r} version {model.version}: its warm-up {kind} answered {problem} "
+        f"({model.runtime.path}); re-export the version"
+    )
 
 
 async def open_repository(path: str | Path, config: Any, metrics: ServerMetrics) -> Repository:

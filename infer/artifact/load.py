@@ -4,19 +4,18 @@ from __future__ import annotations
 
 import logging
 import os
-import time
 from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
 import torch
 
-from infer.artifact.fbgemm_libs import load_fbgemm
+from infer.artifact.fbgemm_libs import load_fbgemm, load_operators
 from infer.artifact.formats import torchscript
 from infer.artifact.kernels import check_routing, expected_kernels
 from infer.artifact.manifest import MANIFEST_FILE, Manifest
 from infer.artifact.paged import check_prefetch_mode, page_model, prefetch_wanted
-from infer.artifact.runtime import Runtime
+from infer.artifact.runtime import PhaseClock, Runtime
 from infer.artifact.schema import parse_document, schema, validate
 from infer.artifact.structures import StructureCache
 from infer.errors import ArtifactError, ArtifactErrorKind, ConfigError, EmbserveError
@@ -81,29 +80,31 @@ def load(
     if hot_rows and backend != "torchscript":
         raise ConfigError(f"hot_rows applies to the torchscript backend, not {backend!r}")
     check_verify_mode(verify)
-    started = time.perf_counter()
+    clock = PhaseClock()
     folder = Path(artifact_dir)
     if not folder.is_dir():
         raise ArtifactError(f"{folder} is not a folder; pass the artifact folder written by export", path=str(folder))
     manifest = Manifest.read(folder)
     if manifest.host_parts:
         raise whole_load_refused(folder, manifest)
-    library_seconds = 0.0
+    clock.mark("manifest")
     if backend in ("torchscript", "pt2"):
         # first: a child hashing the chunks while fbgemm's libraries import made the import ~3x slower (2 cores)
-        libraries_started = time.perf_counter()
-        load_fbgemm()
-        library_seconds = time.perf_counter() - libraries_started
+        # a TorchScript model needs fbgemm's operators only; pt2's loader uses the package's Python side too
+        load_operators() if backend == "torchscript" else load_fbgemm()
+        clock.mark("libraries")
     # small files are checked now; the chunks of large ones are hashed meanwhile, in parallel with the load
     verification = manifest.start_verify(folder, overlap=backend in ("torchscript", "pt2"), verify=verify)
+    clock.mark("small files")
     plan = verify_plan(folder, manifest) if manifest.plan_file is not None else None
+    clock.mark("plan")
     if backend == "onnxruntime":
         if device_map:
             raise ConfigError("device_map applies to the torchscript backend; the ONNX graph runs on onnxruntime's CPU")
         from infer.artifact.formats.onnx_runtime import load_onnx
 
         verification.wait()
-        return _timed(load_onnx(folder, manifest, intra_op_threads or None), started)
+        return _timed(load_onnx(folder, manifest, intra_op_threads or None), clock)
     if backend == "pt2":
         if device_map:
             raise ConfigError("device_map applies to the torchscript backend; model.pt2 runs where it was compiled for")
@@ -113,7 +114,7 @@ def load(
             runtime = load_pt2(folder, manifest, verification.wait)  # waits before handing over the mapped weights
         finally:
             verification.wait()  # a corrupted file explains a failed load best (a second wait hashes nothing)
-        return _timed(runtime, started, library_seconds)
+        return _timed(runtime, clock)
     mapping = dict(device_map or {})
     targets = [mapping.get(d, d) for d in manifest.devices]
     missing = [d for d in targets if d.startswith("cuda") and not _cuda_device_exists(d)]
@@ -128,10 +129,13 @@ def load(
     model_path = folder / manifest.model_file
     cache = structures if structures is not None and _structure_only(manifest) else None
     module = torchscript.read_model(model_path, manifest.devices, mapping, verification.wait, cache)
+    clock.mark("model")
     try:
         torchscript.attach_mapped_weights(folder, module, manifest)
+        clock.mark("weights")
     finally:
         verification.wait()  # a chunk that fails drops the loaded module with the error
+        clock.mark("checksums")  # what was left to hash once the model was read
     torchscript.check_model_kernels(module, manifest.kernels, model_path)
     if plan is not None:
         check_routing(module, manifest.spec, plan)
@@ -140,7 +144,8 @@ def load(
     paged = prefetch_wanted(prefetch, manifest.mapped, plan)
     runtime = Runtime(folder, manifest, page_model(module, manifest.spec, manifest.kernels, paged, hot_rows))
     runtime.set_threads(threads if threads is not None else runtime.thread_budget())
-    return _timed(runtime, started, library_seconds)
+    clock.mark("checks")
+    return _timed(runtime, clock)
 
 
 def _structure_only(manifest: Manifest) -> bool:
@@ -149,12 +154,14 @@ def _structure_only(manifest: Manifest) -> bool:
     return manifest.mapped and all(k.weights is not None for k in manifest.kernels)
 
 
-def _timed(runtime: Runtime, started: float, library_seconds: float = 0.0) -> Runtime:
-    """Record what the load read and verified, how long it took and how much of that was importing fbgemm's
-    libraries (``embserve run`` prints the rate)."""
+def _timed(runtime: Runtime, clock: PhaseClock) -> Runtime:
+    """Record what the load read and verified, how long it took, in which phases, and how much of that was
+    loading fbgemm's libraries (``embserve run`` prints the rate, a repository logs the phases)."""
+    clock.mark("runtime")
     runtime.load_bytes = sum(e.bytes for e in runtime.manifest.files)
-    runtime.load_seconds = time.perf_counter() - started
-    runtime.library_seconds = library_seconds
+    runtime.load_seconds = clock.total
+    runtime.load_phases = dict(clock.seconds)
+    runtime.library_seconds = clock.seconds.get("libraries", 0.0)
     return runtime
 
 

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import os
 import re
+import time
 from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
@@ -18,6 +19,27 @@ from infer.features import SparseFeatures, check_dense_features
 from infer.request_rules import REQUEST_ERROR_PREFIX
 
 _SCRIPT_REQUEST_ERROR = re.compile(re.escape(REQUEST_ERROR_PREFIX) + "(.*)")
+
+# False: a model on CPU runs through TorchScript's optimizing executor too (bench/warmup.py compares the two)
+PLAIN_EXECUTION_ON_CPU = True
+
+
+class PhaseClock:
+    """Seconds spent in each named phase of a load or a warm-up, in the order they first ran: ``mark(phase)``
+    charges the time since the previous mark (or the start) to ``phase``."""
+
+    def __init__(self) -> None:
+        self.seconds: dict[str, float] = {}
+        self._started = self._last = time.perf_counter()
+
+    def mark(self, phase: str) -> None:
+        now = time.perf_counter()
+        self.seconds[phase] = self.seconds.get(phase, 0.0) + now - self._last
+        self._last = now
+
+    @property
+    def total(self) -> float:
+        return self._last - self._started
 
 
 class Runtime:
@@ -35,7 +57,14 @@ class Runtime:
         self.threads = 1
         self.load_bytes = 0  # bytes of the artifact's files read and verified by ``load``
         self.load_seconds = 0.0  # how long ``load`` took, checks included
-        self.library_seconds = 0.0  # of which importing fbgemm's libraries (the first load of a process)
+        self.load_phases: dict[str, float] = {}  # of which each phase (``infer.artifact.load``), in seconds
+        self.library_seconds = 0.0  # of which loading fbgemm's libraries (the first load of a process)
+        # TorchScript's optimizing executor re-plans each method of a newly loaded model on its first calls: ~0.3 s
+        # of CPU per call for three calls per method (a 2-shard DLRM: 3.6 s of CPU to warm up, 4-8 s of swap delay
+        # on a busy 2-core host). On CPU, where torch fuses nothing, the plan it arrives at runs no faster than the
+        # unoptimized one (bench/warmup.py), so a model whose kernels are all on CPU runs unoptimized: its first
+        # call of each method is its whole warm-up. CUDA models keep the optimizer (it fuses the dense part there).
+        self.plain_execution = PLAIN_EXECUTION_ON_CPU and all(k.device == "cpu" for k in manifest.kernels)
 
     @property
     def cpu_devices(self) -> int:
@@ -121,15 +150,17 @@ class Runtime:
                 f"{self.path}: {err}; re-export the artifact", path=str(self.path), kind=ArtifactErrorKind.MODEL
             ) from None
 
-    @staticmethod
-    def _call_pair(method: Any, *args: Any) -> tuple[torch.Tensor, torch.Tensor]:
-        pair: tuple[torch.Tensor, torch.Tensor] = Runtime._call(method, *args)  # type: ignore[assignment]
+    def _call_pair(self, method: Any, *args: Any) -> tuple[torch.Tensor, torch.Tensor]:
+        pair: tuple[torch.Tensor, torch.Tensor] = self._call(method, *args)  # type: ignore[assignment]
         return pair
 
-    @staticmethod
-    def _call(method: Any, *args: Any) -> torch.Tensor:
+    def _call(self, method: Any, *args: Any) -> torch.Tensor:
         try:
-            return method(*args)
+            if not self.plain_execution:
+                return method(*args)
+            # the executor's setting is per thread: this call's (and only this call's) methods run unoptimized
+            with torch.jit.optimized_execution(False):
+                return method(*args)
         except (torch.jit.Error, RuntimeError) as err:  # RuntimeError: a forked device's error, via its future
             found = _SCRIPT_REQUEST_ERROR.findall(str(err))
             if found:

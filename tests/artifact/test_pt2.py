@@ -24,7 +24,6 @@ from infer.artifact.formats.pt2_export import export_program, program_device
 from infer.artifact.formats.pt2_program import lookup_program
 from infer.artifact.formats.pt2_runtime import Pt2Module
 from infer.artifact.load import load
-from infer.artifact.runtime import Runtime
 from infer.config import DataType, ModelSpec, PoolingType, TableConfig
 from infer.errors import ArtifactError, ArtifactErrorKind, ConfigError, RequestError
 from infer.features import SparseFeatures
@@ -216,7 +215,7 @@ def test_bad_requests_give_the_torchscript_messages(compiled):
     ]
     for case_values, case_lengths, weights in cases:
         with pytest.raises(RequestError) as reference:
-            Runtime._call(scripted.module.forward, case_values, case_lengths, weights)
+            scripted._call(scripted.module.forward, case_values, case_lengths, weights)
         with pytest.raises(RequestError) as raised:
             pt2.module(case_values, case_lengths, weights)
         assert str(reference.value) in str(raised.value)  # the Python rules may add where the id sits
