@@ -586,7 +586,8 @@ def cmd_run(args: argparse.Namespace) -> int:
     checked = "checksums verified" if args.verify == "full" else "sizes checked, checksums not verified"
     threads = f"; each CPU kernel splits a batch over up to {runtime.threads} threads" if runtime.threads > 1 else ""
     print(f"loaded {args.artifact} ({checked}, {runtime.backend}) in {time.monotonic() - started:.2f}s{threads}")
-    libraries = f" ({runtime.library_seconds:.2f}s of it importing fbgemm)" if runtime.library_seconds >= 0.01 else ""
+    seconds = runtime.library_seconds
+    libraries = f" ({seconds:.2f}s of it loading fbgemm's operators)" if seconds >= 0.01 else ""
     included = "checksums included" if args.verify == "full" else "no checksums"
     print(f"load rate: {_gb_rate(runtime.load_bytes, runtime.load_seconds)}, {included}{libraries}")
     cache = describe_hot_rows(runtime)
