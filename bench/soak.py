@@ -209,7 +209,7 @@ def export_swap_version(spec, seed: int, out: Path) -> Path:  # type: ignore[no-
     return out
 
 
-def link_version(source: Path, repo: Path, version: int) -> None:
+def link_version(source: Path, repo: Path, version: int, model: str = SWAP_MODEL) -> None:
     """REPO/<model>/<version>/ as hard links to ``source``'s files (staged, then renamed in)."""
     staging = repo / ".staging" / str(version)
     for path in source.rglob("*"):
@@ -217,7 +217,7 @@ def link_version(source: Path, repo: Path, version: int) -> None:
             target = staging / path.relative_to(source)
             target.parent.mkdir(parents=True, exist_ok=True)
             os.link(path, target)
-    os.rename(staging, repo / SWAP_MODEL / str(version))
+    os.rename(staging, repo / model / str(version))
 
 
 def maps_under(pid: int, folder: Path) -> bool:

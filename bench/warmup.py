@@ -41,6 +41,8 @@ from typing import Any
 if sys.path and os.path.abspath(sys.path[0]) == os.path.dirname(os.path.abspath(__file__)):
     sys.path[0] = os.path.dirname(sys.path[0])
 
+from bench.soak import link_version
+
 MODEL = "demo"
 WAYS = ("new", "old")
 TARGET_S = 1.0  # issue 39: a version of the demo model warms in at most 1 s on a quiet host
@@ -73,17 +75,6 @@ def export_versions(store: Path, quick: bool) -> dict[str, tuple[Path, Path]]:
     return {case: (paths[0], paths[1]) for case, paths in found.items()}
 
 
-def link_version(source: Path, repo: Path, version: int) -> None:
-    """REPO/<model>/<version>/ as hard links to ``source``'s files (staged, then renamed in)."""
-    staging = repo / ".staging" / str(version)
-    for path in source.rglob("*"):
-        if path.is_file():
-            target = staging / path.relative_to(source)
-            target.parent.mkdir(parents=True, exist_ok=True)
-            os.link(path, target)
-    os.rename(staging, repo / MODEL / str(version))
-
-
 def child(way: str, first: Path, second: Path, workdir: Path) -> dict[str, Any]:
     """In a fresh process: bring in versions 1, 2 (new structure) and 3 (version 2's structure) one at a time."""
     import torch
@@ -101,7 +92,7 @@ def child(way: str, first: Path, second: Path, workdir: Path) -> dict[str, Any]:
     with tempfile.TemporaryDirectory(dir=workdir) as folder:
         repo = Path(folder) / "repo"
         (repo / MODEL).mkdir(parents=True)
-        link_version(first, repo, 1)
+        link_version(first, repo, 1, MODEL)
         settings = BatchSettings(max_batch_size=4096, max_delay_s=0.001, max_queue=64, workers=2)
 
         async def run() -> dict[str, Any]:
@@ -109,9 +100,9 @@ def child(way: str, first: Path, second: Path, workdir: Path) -> dict[str, Any]:
             found: dict[str, Any] = {}
             for version, bring_in in (("1", repository.load_all), ("2", repository.poll_once), ("3", None)):
                 if version == "2":
-                    link_version(second, repo, 2)
+                    link_version(second, repo, 2, MODEL)
                 if version == "3":
-                    link_version(second, repo, 3)
+                    link_version(second, repo, 3, MODEL)
                     bring_in = repository.poll_once
                 started, cpu = time.perf_counter(), time.process_time()
                 assert bring_in is not None
