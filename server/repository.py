@@ -488,7 +488,7 @@ class Repository:
             raise
         phases = entry.phases = _load_phases(clock.seconds, runtime.load_phases)
         self.metrics.observe_load(phases)
-        logger.info("model %s version %s ready in %.3f s (verify %s): %s", name, version, clock.total,
+        logger.info("model %s version %s ready in %.3f s (verify %s); seconds by phase: %s", name, version, clock.total,
                     settings.verify, ", ".join(f"{p} {s:.3f}" for p, s in phases.items()))  # fmt: skip
         return entry
 
