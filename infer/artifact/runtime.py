@@ -63,7 +63,7 @@ class Runtime:
         # of CPU per call for three calls per method (a 2-shard DLRM: 3.6 s of CPU to warm up, 4-8 s of swap delay
         # on a busy 2-core host). On CPU, where torch fuses nothing, the plan it arrives at runs no faster than the
         # unoptimized one (bench/warmup.py), so a model whose kernels are all on CPU runs unoptimized: its first
-        # call of each method is its whole warm-up. CUDA models keep the optimizer (it fuses the dense part there).
+        # call of each method is its whole warm-up. CUDA models keep the optimizer (TorchScript fuses on GPUs).
         self.plain_execution = PLAIN_EXECUTION_ON_CPU and all(k.device == "cpu" for k in manifest.kernels)
 
     @property
