@@ -25,6 +25,7 @@ runtime; target 0), the load's and the unmap's median seconds, and the load aver
 
     python bench/soak.py --minutes 10
     python bench/soak.py --stop-rounds 5 --clients 16 -- --drain-grace-s 0.5
+    python bench/soak.py --stop-rounds 10 --clients 16 --stop-graces 0,0.2,1   # tests/server/test_stop_race.py x 10/3
     python bench/soak.py --swap --clients 16 --rounds 12          # --quick: 100,000 rows per table, 3 rounds
 """
 
@@ -166,17 +167,21 @@ class Soak:
         return calls, errors, latencies
 
 
-def stop_rounds(artifact: Path, runtime, rounds: int, clients: int, options: tuple[str, ...]) -> int:  # type: ignore[no-untyped-def]
+def stop_rounds(  # type: ignore[no-untyped-def]
+    artifact: Path, runtime, rounds: int, clients: int, options: tuple[str, ...], graces: tuple[str, ...] = ()
+) -> int:
+    """``rounds`` stop races; with ``graces``, round i adds ``--drain-grace-s graces[i % len(graces)]``."""
     from tests.support.stop_race import cases, race_stop, start_server
 
     pool = cases(runtime.spec, runtime.lookup)
     total_lost = 0
     for index in range(rounds):
-        result = race_stop(start_server(artifact, artifact.parent / f"round{index}.log", *options), pool, clients)
+        grace = ("--drain-grace-s", graces[index % len(graces)]) if graces else ()
+        server = start_server(artifact, artifact.parent / f"round{index}.log", *options, *grace)
+        result = race_stop(server, pool, clients)
         total_lost += result.lost + (result.exit_code != 0)
-        print(
-            json.dumps({"bench": "stop_race", "round": index + 1, "clients": clients, **result.summary()}), flush=True
-        )
+        line = {"bench": "stop_race", "round": index + 1, "clients": clients, "grace_s": grace[1] if grace else None}
+        print(json.dumps({**line, **result.summary()}), flush=True)
     return 1 if total_lost else 0
 
 
@@ -338,6 +343,9 @@ def main() -> int:
     parser.add_argument("--clients", type=int, default=8)
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--stop-rounds", type=int, default=0, help="race the stop this many rounds instead")
+    parser.add_argument(
+        "--stop-graces", default="", help="--stop-rounds: comma-separated --drain-grace-s values, one per round in turn"
+    )
     parser.add_argument("--swap", action="store_true", help="measure the repository's hot swap instead")
     parser.add_argument("--rounds", type=int, default=12, help="--swap: swaps")
     parser.add_argument("--tables", type=int, default=4, help="--swap: tables of D=128 INT8")
@@ -357,7 +365,8 @@ def main() -> int:
         artifact = export(quantize(spec, random_weights(spec, seed=1)), Path(folder) / "demo")
         runtime = load(artifact)
         if args.stop_rounds:
-            return stop_rounds(artifact, runtime, args.stop_rounds, args.clients, tuple(args.serve_options))
+            graces = tuple(g for g in args.stop_graces.split(",") if g)
+            return stop_rounds(artifact, runtime, args.stop_rounds, args.clients, tuple(args.serve_options), graces)
         server, port = spawn_server(artifact, "--drain-grace-s", "1")
         soak = Soak(f"127.0.0.1:{port}", runtime, args.seed)
         threads = [
