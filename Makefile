@@ -104,6 +104,7 @@ cpp: $(STAMP) cpp-deps
 		-DEMBSERVE_PYTHON=$(abspath $(BIN)/python) \
 		-DCMAKE_PREFIX_PATH="$$($(BIN)/python -c 'import torch; print(torch.utils.cmake_prefix_path)')"
 	cmake --build $(CPP_BUILD) -j2
+	cmake --install $(CPP_BUILD) --prefix $(CPP_BUILD)/install
 
 clean:
 	rm -rf $(VENV) artifacts build $(CPP_BUILD)

@@ -18,10 +18,12 @@ from tests.support.call_contract import ColumnScores
 ROOT = Path(__file__).resolve().parents[2]
 CPP = ROOT / "cpp_loader"
 BUILD = CPP / "build"
+INSTALL = BUILD / "install"  # `make cpp` installs the loader's CMake package here too
 
 
 def build_cpp_loader() -> Path:
-    """Configure (once) and build cpp_loader/build; incremental when `make cpp` already built it."""
+    """Configure (once), build and install cpp_loader/build (into INSTALL); incremental when `make cpp` already
+    did it."""
     if shutil.which("cmake") is None:
         pytest.skip("cmake is not installed")
     if not (BUILD / "CMakeCache.txt").is_file():
@@ -39,8 +41,9 @@ def build_cpp_loader() -> Path:
             capture_output=True,
             text=True,
         )
-    result = subprocess.run(["cmake", "--build", str(BUILD), "-j2"], capture_output=True, text=True)
-    assert result.returncode == 0, result.stdout[-4000:] + result.stderr[-4000:]
+    for step in (["--build", str(BUILD), "-j2"], ["--install", str(BUILD), "--prefix", str(INSTALL)]):
+        result = subprocess.run(["cmake", *step], capture_output=True, text=True)
+        assert result.returncode == 0, result.stdout[-4000:] + result.stderr[-4000:]
     return BUILD
 
 

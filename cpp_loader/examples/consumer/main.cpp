@@ -1,7 +1,7 @@
 // A minimal serving binary: load an embserve artifact and run one lookup (one id per bag, batch 2).
 #include <embserve/loader.h>
 
-#include <torch/torch.h>
+#include <ATen/ATen.h>  // tensors only: a serving binary needs no torch::nn (torch/torch.h doubles the compile)
 
 #include <iostream>
 
@@ -14,8 +14,8 @@ int main(int argc, char** argv) {
     embserve::Model model = embserve::Model::load(argv[1]);
     const int64_t batch = 2;
     const auto num_features = static_cast<int64_t>(model.features().size());
-    at::Tensor lengths = torch::ones({num_features * batch}, torch::kInt32);  // feature-major
-    at::Tensor values = torch::arange(num_features * batch, torch::kInt64) % 7;
+    at::Tensor lengths = at::ones({num_features * batch}, at::kInt);  // feature-major
+    at::Tensor values = at::arange(num_features * batch, at::kLong) % 7;
     at::Tensor pooled = model.lookup(values, lengths);
     std::cout << "features:";
     for (const auto& name : model.feature_names()) std::cout << " " << name;
