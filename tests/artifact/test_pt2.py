@@ -2,8 +2,9 @@
 
 The reference is always the TorchScript artifact loaded from the same export (``infer.load(path)``), never
 the program under test. Compiling takes up to a minute per model, so each model is compiled once per
-session (three compiles: unsharded with a dense part, table-wise over 2 CPU devices, and column-wise +
-replicated + table-wise over 3); the export logs a progress line.
+session (three compiles, tests/support/pt2_models.py: unsharded with a dense part, table-wise over 2 CPU devices,
+and column-wise + replicated + table-wise over 3; the C++ loader's tests run the first two); the export logs a
+progress line.
 """
 
 from __future__ import annotations
@@ -14,7 +15,6 @@ import signal
 import subprocess
 import sys
 import textwrap
-from pathlib import Path
 
 import pytest
 import torch
@@ -24,7 +24,7 @@ from infer.artifact.formats.pt2_export import export_program, program_device
 from infer.artifact.formats.pt2_program import lookup_program
 from infer.artifact.formats.pt2_runtime import Pt2Module
 from infer.artifact.load import load
-from infer.config import DataType, ModelSpec, PoolingType, TableConfig
+from infer.config import ModelSpec
 from infer.errors import ArtifactError, ArtifactErrorKind, ConfigError, RequestError
 from infer.features import SparseFeatures
 from infer.planner.types import ComputeDevice, ShardingType
@@ -34,67 +34,20 @@ from infer.shard.plans import make_plan
 from infer.weights import random_weights
 from server.client import EmbserveClient
 from server.launch import spawn_server
-from tests.conftest import TinyOverArch, mixed_spec, random_batch
+from tests.conftest import random_batch
 from tests.support.artifacts import copy_artifact, edit_manifest
 from tests.support.bad_requests import BAD_REQUESTS, CORPUS_SPEC
+from tests.support.pt2_models import NUM_DENSE, PT2_KINDS, compiled_pt2, pt2_spec
 
 pytestmark = pytest.mark.slow
 
-TABLE_WISE = ShardingType.TABLE_WISE
-NUM_DENSE = 4
 
-
-def pt2_spec() -> ModelSpec:
-    """INT8, INT4 and FP16 tables, each with SUM and MEAN features (plus INT2 and FP32): the shared mixed spec
-    and one table of the other pooling for each of INT8, INT4 and FP16."""
-    return ModelSpec(
-        mixed_spec().tables
-        + (
-            TableConfig("t_int8_mean", 700, 32, ("f_int8_mean",), PoolingType.MEAN, DataType.INT8),
-            TableConfig("t_int4_sum", 400, 16, ("f_int4_sum",), PoolingType.SUM, DataType.INT4),
-            TableConfig("t_fp16_sum", 250, 16, ("f_fp16_sum",), PoolingType.SUM, DataType.FP16),
-        )
-    )
-
-
-# Device 1 reads consecutive input features (f_int4, f_int2), device 0 the rest: the program gathers each
-# device's ids with a mask (a data-dependent slice miscompiles in AOTInductor, torch 2.13).
-TABLE_WISE_LAYOUT = {
-    "t_int4": (TABLE_WISE, (1,)),
-    "t_int2": (TABLE_WISE, (1,)),
-    **{name: (TABLE_WISE, (0,)) for name in ("t_int8", "t_fp16", "t_fp32", "t_int8_mean", "t_int4_sum", "t_fp16_sum")},
-}
-# Every sharding the program takes at once: a table's columns from two devices, tables replicated over two
-# and three devices (each replica serves a slice of the batch), table-wise tables on the third device.
-MIXED_LAYOUT = {
-    "t_int8": (ShardingType.COLUMN_WISE, (0, 1)),
-    "t_int4": (TABLE_WISE, (2,)),
-    "t_int2": (TABLE_WISE, (2,)),
-    "t_fp16": (ShardingType.REPLICATED, (0, 1, 2)),
-    "t_fp16_sum": (ShardingType.REPLICATED, (0, 1)),
-}
-
-
-def _export(name: str, folder: Path):  # type: ignore[no-untyped-def]
-    """Unsharded with a dense part (the package's second program), table-wise without one."""
-    spec = pt2_spec()
-    if name == "unsharded":
-        torch.manual_seed(0)
-        spec = spec.with_dense_arch(TinyOverArch(NUM_DENSE, spec.output_dim), NUM_DENSE)
-    model = quantize(spec, random_weights(spec, seed=41))
-    plan = None
-    if name != "unsharded":
-        plan = make_plan(spec, 2, TABLE_WISE_LAYOUT) if name == "table_wise" else make_plan(spec, 3, MIXED_LAYOUT)
-        model = shard_model(model, plan)
-    path = export(model, folder / name, plan=plan, pt2=True)
-    return spec, path
-
-
-@pytest.fixture(scope="session", params=["unsharded", "table_wise", "mixed_sharding"])
+@pytest.fixture(scope="session", params=PT2_KINDS)
 def compiled(request, tmp_path_factory):
-    """(name, spec, artifact path, TorchScript runtime, pt2 runtime); compiled once per session."""
+    """(name, spec, artifact path, TorchScript runtime, pt2 runtime); compiled once per session (shared with the
+    C++ loader's pt2 tests: tests/support/pt2_models.py)."""
     logging.getLogger("infer.artifact.formats.pt2_export").info("tests: compiling a pt2 model (about a minute)")
-    spec, path = _export(request.param, tmp_path_factory.mktemp("pt2"))
+    spec, path = compiled_pt2(tmp_path_factory, request.param)
     return request.param, spec, path, load(path), load(path, backend="pt2")
 
 

@@ -1,7 +1,8 @@
 """The call contract (issue 24) on the pt2 backend, exported the way the user did it: ``embserve export --pt2``
 with a ``torch.jit.script``ed dense part (``--dense-arch dense.pt``) returning ``[B, 1]``.
 
-One compile for the module (about a minute). The reference is fp32 ``F.embedding_bag`` on the dequantized
+One compile per session (about a minute; tests/support/pt2_models.py: the C++ loader's contract tests run the same
+artifact). The reference is fp32 ``F.embedding_bag`` on the dequantized
 tables and the dense part applied to it (``tests/support/call_contract.py``), never the program under test.
 """
 
@@ -14,7 +15,6 @@ import torch
 
 from infer.artifact.export import export
 from infer.artifact.load import load
-from infer.cli import main
 from infer.errors import ConfigError, RequestError
 from infer.features import SparseFeatures
 from infer.quant.quantize import quantize
@@ -31,6 +31,7 @@ from tests.support.call_contract import (
     dense_of,
     refused_call,
 )
+from tests.support.pt2_models import contract_pt2
 
 pytestmark = pytest.mark.slow
 
@@ -38,17 +39,8 @@ pytestmark = pytest.mark.slow
 @pytest.fixture(scope="module")
 def exported(tmp_path_factory):
     """``embserve export --pt2 --dense-arch dense.pt`` (TorchScript), and the reference of the same tables."""
-    folder = tmp_path_factory.mktemp("pt2-contract")
-    spec = contract_spec()
-    weights = random_weights(spec, seed=2)
-    torch.save(weights, folder / "weights.pt")
-    (folder / "spec.json").write_text(json.dumps(spec.to_dict()))
-    assert spec.dense_arch is not None
-    torch.jit.save(torch.jit.script(spec.dense_arch), str(folder / "dense.pt"))
-    args = ["export", "--spec", str(folder / "spec.json"), "--weights", str(folder / "weights.pt")]
-    args += ["--dense-arch", str(folder / "dense.pt"), "--pt2", "--out", str(folder / "art")]
-    assert main(args) == 0
-    return folder / "art", Reference(spec, quantize(spec, weights))
+    artifact = contract_pt2(tmp_path_factory)
+    return artifact.path, Reference(artifact.spec, quantize(artifact.spec, artifact.weights))
 
 
 @pytest.fixture(scope="module")

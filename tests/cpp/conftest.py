@@ -13,7 +13,9 @@ import pytest
 import torch
 
 from infer.config import ModelSpec
-from tests.support.call_contract import ColumnScores
+from tests.support.call_contract import NUM_DENSE, ColumnScores
+from tests.support.once import built_once, digest
+from tests.support.pt2_models import compiled_pt2, contract_pt2
 
 ROOT = Path(__file__).resolve().parents[2]
 CPP = ROOT / "cpp_loader"
@@ -127,33 +129,15 @@ def onnx_artifact(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 @pytest.fixture(scope="session")
 def pt2_artifact(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    """mixed_spec (INT8, INT4, INT2, FP16, FP32 tables; SUM and MEAN) with model.pt and model.pt2."""
-    from infer.artifact.export import export
-    from infer.quant.quantize import quantize
-    from infer.weights import random_weights
-    from tests.conftest import mixed_spec
-
-    spec = mixed_spec()
-    print("compiling model.pt2 for mixed_spec (about a minute)", flush=True)
-    return export(quantize(spec, random_weights(spec, seed=11)), tmp_path_factory.mktemp("pt2") / "mixed", pt2=True)
+    """pt2_spec (INT8, INT4, INT2, FP16, FP32 tables; SUM and MEAN) unsharded, with a dense part; model.pt and
+    model.pt2, compiled once per session with tests/artifact/test_pt2.py's (tests/support/pt2_models.py)."""
+    return compiled_pt2(tmp_path_factory, "unsharded")[1]
 
 
 @pytest.fixture(scope="session")
 def sharded_pt2_artifact(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    """mixed_spec sharded table-wise over 2 CPU devices, with model.pt and model.pt2 (one program)."""
-    from infer.artifact.export import export
-    from infer.planner.types import ShardingType
-    from infer.quant.quantize import quantize
-    from infer.shard.builder import shard_model
-    from infer.shard.plans import make_plan
-    from infer.weights import random_weights
-    from tests.conftest import mixed_spec
-
-    spec = mixed_spec()
-    plan = make_plan(spec, 2, {t.name: (ShardingType.TABLE_WISE, (i % 2,)) for i, t in enumerate(spec.tables)})
-    model = shard_model(quantize(spec, random_weights(spec, seed=12)), plan)
-    print("compiling model.pt2 for mixed_spec, table-wise over 2 devices (about a minute)", flush=True)
-    return export(model, tmp_path_factory.mktemp("pt2") / "sharded_tw2", plan=plan, pt2=True)
+    """pt2_spec sharded table-wise over 2 CPU devices, with model.pt and model.pt2 (one program)."""
+    return compiled_pt2(tmp_path_factory, "table_wise")[1]
 
 
 @pytest.fixture(scope="session")
@@ -164,12 +148,16 @@ def corpus_pt2_artifact(tmp_path_factory: pytest.TempPathFactory) -> Path:
     from infer.weights import random_weights
     from tests.support.bad_requests import CORPUS_SPEC
 
-    print("compiling model.pt2 for the bad-request corpus's model (about a minute)", flush=True)
-    model = quantize(CORPUS_SPEC, random_weights(CORPUS_SPEC, seed=0))
-    return export(model, tmp_path_factory.mktemp("pt2") / "corpus", pt2=True)
+    weights = random_weights(CORPUS_SPEC, seed=0)
+
+    def build(folder: Path) -> Path:
+        print("compiling model.pt2 for the bad-request corpus's model (about a minute)", flush=True)
+        return export(quantize(CORPUS_SPEC, weights), folder / "corpus", pt2=True)
+
+    return built_once(tmp_path_factory, f"pt2-corpus-{digest(CORPUS_SPEC.to_dict(), weights)}", build)
 
 
-DENSE_INPUTS = 3
+DENSE_INPUTS = NUM_DENSE  # the call contract's model's, which dense_pt2_artifact is
 
 
 @dataclass(frozen=True)
@@ -183,24 +171,13 @@ class DenseArtifact:
 
 @pytest.fixture(scope="session")
 def dense_pt2_artifact(tmp_path_factory: pytest.TempPathFactory) -> DenseArtifact:
-    """An INT8 SUM table read by two features and an FP16 MEAN table, a dense part returning ``[B, 1]``;
-    model.pt and model.pt2 (its lookup and dense programs)."""
-    from infer.artifact.export import export
-    from infer.config import DataType, PoolingType, TableConfig
+    """The call contract's model (an INT8 SUM table read by two features and an FP16 MEAN table, a dense part
+    returning ``[B, 1]``) exported with ``embserve export --pt2 --dense-arch``: model.pt and model.pt2 (its lookup
+    and dense programs), compiled once per session with tests/artifact/test_pt2_contract.py's."""
     from infer.quant.quantize import quantize
-    from infer.weights import random_weights
 
-    spec = ModelSpec(
-        (
-            TableConfig("t_sum", 50, 8, ("f_sum", "f_shared")),
-            TableConfig("t_mean", 30, 16, ("f_mean",), PoolingType.MEAN, DataType.FP16),
-        )
-    )
-    torch.manual_seed(11)
-    spec = spec.with_dense_arch(ColumnScores(DENSE_INPUTS, spec.output_dim).eval(), DENSE_INPUTS)
-    model = quantize(spec, random_weights(spec, seed=13))
-    print("compiling model.pt2 with a dense program (about two minutes)", flush=True)
-    return DenseArtifact(spec, model, export(model, tmp_path_factory.mktemp("pt2") / "dense", pt2=True))
+    artifact = contract_pt2(tmp_path_factory)
+    return DenseArtifact(artifact.spec, quantize(artifact.spec, artifact.weights), artifact.path)
 
 
 @pytest.fixture(scope="session")

@@ -1,6 +1,7 @@
 """The C++ loader's Pt2 backend (model.pt2, AOTInductor) against the Python TorchScript artifact: same outputs bit
 for bit, the same request errors, typed load errors. Each model.pt2 is compiled once per session (export(...,
-pt2=True), about a minute each on this machine kind: three artifacts)."""
+pt2=True), about a minute each on this machine kind: the unsharded and table-wise pt2_spec models, shared with
+tests/artifact/test_pt2.py, and the bad-request corpus's model), and the embedded-tables test compiles its own."""
 
 from __future__ import annotations
 
@@ -15,10 +16,11 @@ import torch
 from infer.artifact.cpp_io import read_responses, write_requests
 from infer.artifact.load import load
 from infer.features import SparseFeatures
-from tests.conftest import mixed_spec, random_batch
+from tests.conftest import random_batch
 from tests.cpp.support import assert_clean_failure, run
 from tests.support.artifacts import copy_artifact, damage_file, edit_manifest, rehash
 from tests.support.bad_requests import BAD_REQUESTS
+from tests.support.pt2_models import PT2_SEED, pt2_spec
 
 Request = tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]
 
@@ -59,7 +61,7 @@ def parity_requests(batch: int) -> list[Request]:
         [(torch.int64, False), (torch.int32, False), (torch.int64, True), (torch.int32, True)]
     ):
         b = random_batch(
-            mixed_spec(), batch_size=batch, max_len=8, weighted=weighted, seed=seed + batch, id_dtype=id_dtype
+            pt2_spec(), batch_size=batch, max_len=8, weighted=weighted, seed=seed + batch, id_dtype=id_dtype
         )
         requests.append((b.values, b.lengths, b.weights))
     return requests
@@ -82,7 +84,7 @@ def test_pt2_outputs_equal_torchscript(batch, embserve_run, any_pt2_artifact, tm
 @pytest.mark.parametrize("kernel_threads", [1, 2, 3])
 def test_pt2_split_batches_are_bit_identical(kernel_threads, embserve_run, any_pt2_artifact, tmp_path):
     """A batch cut into example ranges run on threads gives the TorchScript model's rows exactly."""
-    b = random_batch(mixed_spec(), batch_size=1024, max_len=40, seed=9, weighted=True)  # ~120k ids: 3 ranges
+    b = random_batch(pt2_spec(), batch_size=1024, max_len=40, seed=9, weighted=True)  # ~120k ids: 3 ranges
     requests: list[Request] = [(b.values, b.lengths, b.weights), (b.values.to(torch.int32), b.lengths, None)]
     result, responses = run_requests(
         embserve_run,
@@ -102,7 +104,7 @@ def test_pt2_split_batches_are_bit_identical(kernel_threads, embserve_run, any_p
 def test_pt2_edge_batches(embserve_run, any_pt2_artifact, tmp_path):
     """No ids at all, one id, and an empty batch: the same answers as the TorchScript model."""
     pt2_artifact = any_pt2_artifact
-    features = len(mixed_spec().features)
+    features = len(pt2_spec().features)
     one = torch.zeros(features * 2, dtype=torch.int32)
     one[4] = 1  # feature 2 (f_int4, MEAN), example 0: a single id
     requests: list[Request] = [
@@ -214,16 +216,12 @@ def test_manifest_check_accepts_pt2_and_wants_its_checksum(cpp_build, pt2_artifa
 
 
 def test_bench_names_the_backend(embserve_run, pt2_artifact, tmp_path):
-    b = random_batch(mixed_spec(), batch_size=1, seed=2)
+    b = random_batch(pt2_spec(), batch_size=1, seed=2)
     write_requests(tmp_path / "r.bin", [(b.values, b.lengths, None)])
     result = run(embserve_run, pt2_artifact, "--backend", "pt2", "--requests", tmp_path / "r.bin", "--bench", 50)
     assert result.returncode == 0, result.stderr
     line = json.loads(result.stdout.strip().splitlines()[-1])
     assert line["backend"] == "pt2" and line["calls"] == 50 and line["lookups_per_s"] > 0
-
-
-# the seeds of conftest's pt2_artifact and sharded_pt2_artifact (quantize is deterministic)
-PT2_ARTIFACT_SEEDS = {"mixed": 11, "sharded_tw2": 12}
 
 
 def test_pt2_takes_its_tables_from_the_weight_files_and_matches_fp32(embserve_run, any_pt2_artifact, tmp_path):
@@ -236,8 +234,8 @@ def test_pt2_takes_its_tables_from_the_weight_files_and_matches_fp32(embserve_ru
 
     manifest = Manifest.read(any_pt2_artifact)
     assert manifest.mapped and all(k.weights is not None for k in manifest.kernels)
-    spec = mixed_spec()
-    reference = Reference(spec, quantize(spec, random_weights(spec, seed=PT2_ARTIFACT_SEEDS[any_pt2_artifact.name])))
+    spec = pt2_spec()
+    reference = Reference(spec, quantize(spec, random_weights(spec, seed=PT2_SEED)))
     requests = parity_requests(64)
     result, responses = run_requests(embserve_run, any_pt2_artifact, requests, tmp_path)
     assert result.returncode == 0, result.stderr
@@ -257,9 +255,10 @@ def test_a_damaged_weight_file_is_a_checksum_error_for_pt2(embserve_run, pt2_art
 
 def test_a_pt2_package_from_another_export_is_a_model_error(embserve_run, pt2_artifact, sharded_pt2_artifact, tmp_path):
     """model.pt2 compiled for other weight buffers (re-hashed into the manifest) is refused naming model.pt2 and
-    the fix, never run over buffers it was not compiled for."""
-    artifact = copy_artifact(pt2_artifact, tmp_path)
-    (artifact / "model.pt2").write_bytes((sharded_pt2_artifact / "model.pt2").read_bytes())
+    the fix, never run over buffers it was not compiled for. (The table-wise manifest with the unsharded package:
+    that one has a dense program too, which the table-wise manifest does not name.)"""
+    artifact = copy_artifact(sharded_pt2_artifact, tmp_path)
+    (artifact / "model.pt2").write_bytes((pt2_artifact / "model.pt2").read_bytes())
     rehash(artifact, "model.pt2")
     assert_clean_failure(run(embserve_run, artifact, "--backend", "pt2"), "ModelError", "model.pt2", "re-export")
 
@@ -272,7 +271,7 @@ def test_an_embedded_pt2_keeps_its_tables_and_matches_fp32(embserve_run, tmp_pat
     from infer.weights import random_weights
     from tests.support.call_contract import Reference, assert_matches
 
-    spec = mixed_spec()
+    spec = pt2_spec()
     model = quantize(spec, random_weights(spec, seed=13))
     artifact = export(model, tmp_path / "embedded", pt2=True, weights="embedded")
     assert not list(artifact.glob("weights-*.bin"))
