@@ -42,7 +42,7 @@ STAMP := $(VENV)/.installed
 # module's fixtures (an exported or compiled artifact) are built once.
 PYTEST_WORKERS ?= $(shell n=$$(nproc 2>/dev/null || echo 1); echo $$(( n < 4 ? n : 4 )))
 
-.PHONY: demo test lint typecheck pytest bench clean cpp cpp-deps perf-analyzer
+.PHONY: demo test setup lint typecheck pytest bench clean cpp cpp-deps perf-analyzer
 
 $(STAMP): pyproject.toml Makefile
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
@@ -69,10 +69,24 @@ typecheck: $(STAMP)
 pytest: $(STAMP) cpp perf-analyzer
 	$(BIN)/python -m pytest -q --durations=20 -n $(PYTEST_WORKERS) --dist loadfile
 
-# ruff and mypy run beside the C++ build (each waits on its own inputs only), then the tests
-test: $(STAMP)
-	$(MAKE) --no-print-directory -j3 lint typecheck cpp
-	$(MAKE) --no-print-directory pytest
+# ruff and mypy run beside the C++ build (each waits on its own inputs only), then the tests; at the end the
+# wall time of each phase (pytest's own --durations lists the 20 slowest tests above it). setup: the venv and
+# perf_analyzer.
+PHASE_TIMES := build/make-test-phases.txt
+test:
+	@mkdir -p $(dir $(PHASE_TIMES)) && rm -f $(PHASE_TIMES)
+	@$(MAKE) --no-print-directory timed-setup
+	@$(MAKE) --no-print-directory -j3 timed-lint timed-typecheck timed-cpp
+	@$(MAKE) --no-print-directory timed-pytest; status=$$?; \
+		echo "make test: wall time per phase (lint, typecheck and cpp side by side):"; cat $(PHASE_TIMES); exit $$status
+
+setup: $(STAMP) perf-analyzer
+
+# timed-X: make X, then append its wall time to $(PHASE_TIMES)
+timed-%:
+	@start=$$(date +%s); $(MAKE) --no-print-directory $*; status=$$?; \
+		printf '  %-10s %5d s%s\n' $* $$(( $$(date +%s) - start )) "$$([ $$status = 0 ] || echo ' (failed)')" \
+		>> $(PHASE_TIMES); exit $$status
 
 bench: $(STAMP)
 	$(BIN)/python bench/lookup.py
