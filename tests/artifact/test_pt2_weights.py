@@ -32,6 +32,7 @@ from infer.weights import random_weights
 from tests.conftest import random_batch
 from tests.support.artifacts import copy_artifact, damage_file, edit_manifest, rehash
 from tests.support.call_contract import Reference, assert_matches
+from tests.support.pt2_models import PT2_SEED, embedded_pt2
 
 pytestmark = pytest.mark.slow
 
@@ -200,16 +201,18 @@ def test_a_package_from_another_export_is_refused_naming_the_file(mapped, tmp_pa
     assert "model.pt2" in str(err.value) and "Re-export" in str(err.value)
 
 
-def test_an_embedded_artifact_keeps_the_tables_in_its_package(tmp_path):
+def test_an_embedded_artifact_keeps_the_tables_in_its_package(tmp_path_factory):
     """An artifact without weight files (``weights="embedded"``, as every pt2 package was before) compiles its
-    tables into model.pt2 and loads as before."""
-    spec, reference, path = _export(tmp_path / "embedded", weights="embedded")
+    tables into model.pt2 and loads as before (pt2_spec's package, compiled once with the C++ loader's test)."""
+    spec, path = embedded_pt2(tmp_path_factory)
+    reference = Reference(spec, quantize(spec, random_weights(spec, seed=PT2_SEED)))
     assert not _weight_files(path)
     runtime = load(path, backend="pt2")
     assert runtime.module.mappings == ()
     for batch in _batches(spec):
         assert_matches(runtime.lookup(batch), reference.pooled(batch))
-    assert (path / "model.pt2").stat().st_size > 3000 * 68  # the INT8 table's rows are inside
+    table_bytes = sum(t.num_embeddings * (t.embedding_dim + 4) for t in spec.tables if t.data_type == DataType.INT8)
+    assert (path / "model.pt2").stat().st_size > table_bytes  # the INT8 tables' rows are inside
     # it holds its tables, so a bare load (torch._inductor.aoti_load_package) runs it as torch documents
     load_fbgemm()
     program = torch._inductor.aoti_load_package(str(path / "model.pt2"))

@@ -1,7 +1,8 @@
 """The C++ loader's Pt2 backend (model.pt2, AOTInductor) against the Python TorchScript artifact: same outputs bit
 for bit, the same request errors, typed load errors. Each model.pt2 is compiled once per session (export(...,
 pt2=True), about a minute each on this machine kind: the unsharded and table-wise pt2_spec models, shared with
-tests/artifact/test_pt2.py, and the bad-request corpus's model), and the embedded-tables test compiles its own."""
+tests/artifact/test_pt2.py, the bad-request corpus's model, and pt2_spec with its tables inside, shared with
+tests/artifact/test_pt2_weights.py)."""
 
 from __future__ import annotations
 
@@ -20,7 +21,7 @@ from tests.conftest import random_batch
 from tests.cpp.support import assert_clean_failure, run
 from tests.support.artifacts import copy_artifact, damage_file, edit_manifest, rehash
 from tests.support.bad_requests import BAD_REQUESTS
-from tests.support.pt2_models import PT2_SEED, pt2_spec
+from tests.support.pt2_models import PT2_SEED, embedded_pt2, pt2_spec
 
 Request = tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]
 
@@ -263,17 +264,16 @@ def test_a_pt2_package_from_another_export_is_a_model_error(embserve_run, pt2_ar
     assert_clean_failure(run(embserve_run, artifact, "--backend", "pt2"), "ModelError", "model.pt2", "re-export")
 
 
-def test_an_embedded_pt2_keeps_its_tables_and_matches_fp32(embserve_run, tmp_path):
+def test_an_embedded_pt2_keeps_its_tables_and_matches_fp32(embserve_run, tmp_path_factory, tmp_path):
     """An artifact without weight files (``weights="embedded"``, as every model.pt2 was before) compiles its tables
-    into model.pt2: the C++ loader runs it as it is, no mapping handed over, and it equals the fp32 reference."""
-    from infer.artifact.export import export
+    into model.pt2: the C++ loader runs it as it is, no mapping handed over, and it equals the fp32 reference
+    (compiled once with tests/artifact/test_pt2_weights.py's)."""
     from infer.quant.quantize import quantize
     from infer.weights import random_weights
     from tests.support.call_contract import Reference, assert_matches
 
-    spec = pt2_spec()
-    model = quantize(spec, random_weights(spec, seed=13))
-    artifact = export(model, tmp_path / "embedded", pt2=True, weights="embedded")
+    spec, artifact = embedded_pt2(tmp_path_factory)
+    model = quantize(spec, random_weights(spec, seed=PT2_SEED))
     assert not list(artifact.glob("weights-*.bin"))
     requests = parity_requests(16)
     result, responses = run_requests(embserve_run, artifact, requests, tmp_path)

@@ -5,6 +5,8 @@
   ``"unsharded"`` with a dense part, ``"table_wise"`` over 2 CPU devices, ``"mixed_sharding"`` (column-wise,
   replicated and table-wise over 3): tests/artifact/test_pt2.py (against the TorchScript artifact) and the C++
   loader's pt2 tests (tests/cpp: the unsharded and table-wise ones).
+- ``embedded_pt2(...)``: ``pt2_spec()`` unsharded with every table inside model.pt2 (``weights="embedded"``, no
+  weight files): tests/artifact/test_pt2_weights.py and tests/cpp/test_cpp_pt2.py.
 - ``contract_pt2(...)``: the call contract's model (``tests.support.call_contract.contract_spec``, a dense part
   returning ``[B, 1]``) exported as a user does, ``embserve export --pt2 --dense-arch dense.pt`` with the dense
   part ``torch.jit.script``ed: tests/artifact/test_pt2_contract.py and tests/cpp/test_cpp_contract.py.
@@ -96,6 +98,23 @@ def compiled_pt2(tmp_path_factory: pytest.TempPathFactory, kind: str) -> tuple[M
 
     key = digest("pt2", kind, spec.to_dict(), spec.dense_arch, weights, plan.to_dict() if plan else None)
     return spec, built_once(tmp_path_factory, f"pt2-{kind}-{key}", build)
+
+
+def embedded_pt2(tmp_path_factory: pytest.TempPathFactory) -> tuple[ModelSpec, Path]:
+    """(spec, artifact folder "embedded"): ``pt2_spec()`` (no dense part) with its tables compiled into model.pt2."""
+    from infer.artifact.export import export
+    from infer.quant.quantize import quantize
+    from infer.weights import random_weights
+
+    spec = pt2_spec()
+    weights = random_weights(spec, seed=PT2_SEED)
+
+    def build(folder: Path) -> Path:
+        print("compiling model.pt2 for pt2_spec with its tables inside (about a minute)", flush=True)
+        return export(quantize(spec, weights), folder / "embedded", pt2=True, weights="embedded")
+
+    key = digest("pt2-embedded", spec.to_dict(), weights)
+    return spec, built_once(tmp_path_factory, f"pt2-embedded-{key}", build)
 
 
 @dataclass(frozen=True)
