@@ -2,7 +2,18 @@
 
 from __future__ import annotations
 
+import os
+import tempfile
+
 import torch
+
+# AOTInductor's compile cache (/tmp/torchinductor_<user>) is shared by every process: two pytest-xdist workers
+# compiling models whose generated code is the same (mapped models differing only in weights) raced on it and
+# one loaded a half-written wrapper.so ("file too short"). Each worker, and the processes it starts, keep their own.
+if os.environ.get("PYTEST_XDIST_WORKER") and "TORCHINDUCTOR_CACHE_DIR" not in os.environ:
+    os.environ["TORCHINDUCTOR_CACHE_DIR"] = os.path.join(
+        tempfile.gettempdir(), f"torchinductor_embserve_{os.environ['PYTEST_XDIST_WORKER']}"
+    )
 
 from infer.config import DataType, ModelSpec, PoolingType, TableConfig
 from infer.features import SparseFeatures

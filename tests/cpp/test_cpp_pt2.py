@@ -7,7 +7,6 @@ tests/artifact/test_pt2_weights.py)."""
 from __future__ import annotations
 
 import json
-import shutil
 import subprocess
 from pathlib import Path
 
@@ -292,63 +291,15 @@ def test_a_manifest_that_says_the_package_holds_the_tables_is_a_model_error(embs
     assert_clean_failure(run(embserve_run, artifact, "--backend", "pt2"), "ModelError", "model.pt2", "pt2.tables")
 
 
-# What a C++ user gets who loads model.pt2 as torch documents (torch::inductor::AOTIModelPackageLoader) and runs
-# it with the documented inputs (batch 1, id 0 in every bag), after loading fbgemm's operator libraries.
-BARE_LOADER = r"""
-#include <dlfcn.h>
-
-#include <iostream>
-#include <string>
-#include <vector>
-
-#include <ATen/ATen.h>
-#include <torch/csrc/inductor/aoti_package/model_package_loader.h>
-
-int main(int argc, char** argv) {  // model.pt2 num_features fbgemm_library...
-  for (int i = 3; i < argc; ++i)
-    if (dlopen(argv[i], RTLD_NOW | RTLD_GLOBAL) == nullptr) return 2;
-  const int64_t features = std::stoll(argv[2]);
-  try {
-    torch::inductor::AOTIModelPackageLoader loader(argv[1]);
-    const auto outputs = loader.run({at::zeros({features}, at::kLong), at::ones({features}, at::kLong),
-                                     at::ones({features}, at::kFloat)});
-    std::cout << "returned, NaN: " << outputs[0].isnan().any().item<bool>() << std::endl;
-    return 0;
-  } catch (const std::exception& err) {
-    std::cout << "threw: " << err.what() << std::endl;
-    return 1;
-  }
-}
-"""
-
-
-@pytest.mark.slow
-def test_a_bare_aoti_model_package_loader_throws_naming_embserve_loaders(pt2_artifact, tmp_path):
+def test_a_bare_aoti_model_package_loader_throws_naming_embserve_loaders(pt2_artifact, cpp_build):
     """A mapped artifact's model.pt2 run by a bare C++ AOTIModelPackageLoader (no embserve loader to hand it the
-    weight files) throws a std::exception whose what() names embserve's loaders, never returns the stand-ins'
-    NaN."""
-    import torch.utils.cpp_extension as cpp_extension
-
+    weight files; cpp_loader/tests/bare_pt2_check.cpp) throws a std::exception whose what() names embserve's
+    loaders, never returns the stand-ins' NaN."""
     from infer.artifact.fbgemm_libs import required_library_paths
 
-    compiler = shutil.which("c++") or shutil.which("g++")
-    if compiler is None:
-        pytest.skip("no C++ compiler")
-    (tmp_path / "bare.cpp").write_text(BARE_LOADER)
-    library_dirs = cpp_extension.library_paths()
-    built = subprocess.run(
-        [compiler, "-std=c++20", "-O0", "-w", str(tmp_path / "bare.cpp"), "-o", str(tmp_path / "bare")]
-        + [f"-I{folder}" for folder in cpp_extension.include_paths()]
-        + [f"-D_GLIBCXX_USE_CXX11_ABI={int(torch._C._GLIBCXX_USE_CXX11_ABI)}"]
-        + [f"-L{folder}" for folder in library_dirs]
-        + [f"-Wl,-rpath,{folder}" for folder in library_dirs]
-        + ["-Wl,--no-as-needed", "-ltorch", "-ltorch_cpu", "-lc10", "-ldl"],
-        capture_output=True,
-        text=True,
-    )
-    assert built.returncode == 0, built.stderr[-3000:]
     features = len(load(pt2_artifact).feature_names)
-    result = run(tmp_path / "bare", pt2_artifact / "model.pt2", features, *required_library_paths())
+    bare = cpp_build / "embserve_bare_pt2_check"
+    result = run(bare, pt2_artifact / "model.pt2", features, *required_library_paths())
     assert result.returncode == 1, (result.returncode, result.stdout[-2000:], result.stderr[-2000:])
     assert result.stdout.startswith("threw: "), result.stdout
     assert "embserve::Model::load" in result.stdout and "infer.load(folder, backend='pt2')" in result.stdout
