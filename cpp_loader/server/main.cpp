@@ -52,6 +52,7 @@ struct Flags {
   int intra_op_threads = 0;
   int threads = 0;
   int64_t max_message_mb = 64;
+  int64_t max_message_bytes = 0;  // > 0: overrides --max-message-mb (tests use a small cap)
   int metrics_port = -1;  // -1: no /metrics
   std::string metrics_host;
   std::string tls_cert, tls_key, auth_token_file;
@@ -66,7 +67,8 @@ struct Flags {
 const char* kUsage =
     "usage: embserve-server ARTIFACT [--host H] [--port P] [--max-batch-size N] [--max-delay-us N]\n"
     "  [--max-merge-examples N] [--batch-wait overlap|always] [--max-queue N] [--forward-threads N]\n"
-    "  [--intra-op-threads N] [--threads N] [--max-message-mb N] [--metrics-port P] [--metrics-host H]\n"
+    "  [--intra-op-threads N] [--threads N] [--max-message-mb N | --max-message-bytes N] [--metrics-port P]\n"
+    "  [--metrics-host H]\n"
     "  [--tls-cert PEM] [--tls-key PEM] [--auth-token-file F] [--drain-grace-s S] [--drain-quiet-s S]\n"
     "  [--drain-seconds S] [--model-name NAME] [--verify full|none] [--warmup-batches N] [--grpc-threads N]\n"
     "  [--reuse-port]\n";
@@ -93,6 +95,7 @@ Flags parse_flags(int argc, char** argv) {
       {"--intra-op-threads", [&](auto& v) { f.intra_op_threads = number<int>("--intra-op-threads", v); }},
       {"--threads", [&](auto& v) { f.threads = number<int>("--threads", v); }},
       {"--max-message-mb", [&](auto& v) { f.max_message_mb = number<int64_t>("--max-message-mb", v); }},
+      {"--max-message-bytes", [&](auto& v) { f.max_message_bytes = number<int64_t>("--max-message-bytes", v); }},
       {"--metrics-port", [&](auto& v) { f.metrics_port = number<int>("--metrics-port", v); }},
       {"--metrics-host", [&](auto& v) { f.metrics_host = v; }},
       {"--tls-cert", [&](auto& v) { f.tls_cert = v; }},
@@ -256,7 +259,8 @@ int serve(const Flags& flags, const sigset_t& signals) {
   grpc::EnableDefaultHealthCheckService(true);
   grpc::reflection::InitProtoReflectionServerBuilderPlugin();
   grpc::ServerBuilder builder;
-  const int max_bytes = static_cast<int>(std::min<int64_t>(flags.max_message_mb * 1024 * 1024, INT32_MAX));
+  const int64_t cap = flags.max_message_bytes > 0 ? flags.max_message_bytes : flags.max_message_mb * 1024 * 1024;
+  const int max_bytes = static_cast<int>(std::min<int64_t>(cap, INT32_MAX));
   builder.SetMaxReceiveMessageSize(max_bytes);
   builder.SetMaxSendMessageSize(max_bytes);
   // grpc's default (1) lets a second server share a port that serves: off unless asked
