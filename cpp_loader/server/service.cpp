@@ -2,6 +2,7 @@
 #include "service.h"
 
 #include <grpcpp/support/byte_buffer.h>
+#include <grpcpp/impl/codegen/rpc_service_method.h>
 #include <grpcpp/support/slice.h>
 
 #include <algorithm>
@@ -220,6 +221,18 @@ bool parameter_flag(const google::protobuf::Map<std::string, oip::InferParameter
 }
 
 }  // namespace
+
+// A service of `name` for reflection's list only: every real method is left to the generic service; the one
+// method registered here has a name no client calls (grpc lists a service by its registered methods).
+class ListedService : public grpc::Service {
+ public:
+  explicit ListedService(const std::string& name) : path_("/" + name + "/.listed-for-reflection") {
+    AddMethod(new grpc::internal::RpcServiceMethod(path_.c_str(), grpc::internal::RpcMethod::NORMAL_RPC, nullptr));
+  }
+
+ private:
+  std::string path_;
+};
 
 // ============================================================================================ one call
 class Service::Call {
@@ -1054,6 +1067,10 @@ Service::~Service() { stop(); }
 
 void Service::register_with(grpc::ServerBuilder& builder) {
   builder.RegisterAsyncGenericService(&generic_);
+  for (const char* name : {"embserve.v1.InferenceService", "inference.GRPCInferenceService"}) {
+    listed_.push_back(std::make_unique<ListedService>(name));
+    builder.RegisterService(listed_.back().get());
+  }
   for (int i = 0; i < std::max(1, completion_queues); ++i) queues_.push_back(builder.AddCompletionQueue());
 }
 

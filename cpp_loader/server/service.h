@@ -81,6 +81,7 @@ class Service {
   ServiceOptions options_;
   Metrics* metrics_;
   grpc::AsyncGenericService generic_;
+  std::vector<std::unique_ptr<grpc::Service>> listed_;  // the services' names, for reflection
   std::vector<std::unique_ptr<grpc::ServerCompletionQueue>> queues_;
   std::vector<std::thread> threads_;
   std::unique_ptr<Batcher> lookups_, predictions_, both_;
