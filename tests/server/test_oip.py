@@ -16,7 +16,7 @@ from tritonclient.utils import InferenceServerException
 from tests.conftest import random_batch
 from tests.server.native_support import SERVER_KINDS, start_kind
 from tests.server.oip_support import PROTOCOLS, client, make_input, requested, split_features, triton_inputs
-from tests.server.support import NUM_DENSE, Served, local_config
+from tests.server.support import NUM_DENSE, Served
 
 MODEL = "dense"  # the dense artifact's folder name
 

@@ -36,7 +36,7 @@ from tests.server.oip_support import (
     triton_inputs,
     triton_module,
 )
-from tests.server.support import CALL_TIMEOUT, Served, local_config
+from tests.server.support import CALL_TIMEOUT, Served
 from tests.support.call_contract import (
     DOCUMENTED,
     REFUSED,

@@ -49,7 +49,9 @@ def client(dense_server) -> Iterator[EmbserveClient]:
 @pytest.fixture(scope="module", params=SERVER_KINDS)
 def strict_server(request, loop_thread, dense_artifact) -> Iterator[Served]:
     """A server with a small max batch and a small message cap, for the bad-request tests (each kind)."""
-    served = start_kind(request.param, loop_thread, dense_artifact, max_batch_size=MAX_BATCH, max_message_bytes=MAX_MESSAGE)
+    served = start_kind(
+        request.param, loop_thread, dense_artifact, max_batch_size=MAX_BATCH, max_message_bytes=MAX_MESSAGE
+    )
     yield served
     served.close_channels()
     served.stop(grace=1.0)
