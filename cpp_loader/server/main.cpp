@@ -321,6 +321,11 @@ int serve(const Flags& flags, const sigset_t& signals) {
   while (since(drain_started) < flags.drain_grace_s &&
          !(service.seconds_since_last_call() >= flags.drain_quiet_s && service.in_flight() == 0))
     std::this_thread::sleep_for(std::chrono::milliseconds(10));
+  if (since(drain_started) < flags.drain_grace_s)
+    std::cerr << "INFO embserve-server: draining: no call for " << service.seconds_since_last_call()
+              << " s and none in flight: grace ended early" << std::endl;
+  else
+    std::cerr << "INFO embserve-server: draining: the grace of " << flags.drain_grace_s << " s is over" << std::endl;
   service.begin_closing();
   const auto closing = std::chrono::steady_clock::now();
   while (since(closing) < flags.drain_seconds &&
