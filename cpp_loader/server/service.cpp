@@ -2,10 +2,12 @@
 #include "service.h"
 
 #include <grpcpp/support/byte_buffer.h>
+#include <google/protobuf/util/json_util.h>
 #include <grpcpp/impl/codegen/rpc_service_method.h>
 #include <grpcpp/support/slice.h>
 
 #include <algorithm>
+#include <cmath>
 #include <atomic>
 #include <fstream>
 #include <iostream>
@@ -360,6 +362,7 @@ class Service::Call {
         if (name == "ModelInfer") return model_infer();
         if (name == "ModelReady") return model_ready();
         if (name == "ModelMetadata") return model_metadata();
+        if (name == "ModelConfig") return model_config();
         if (name == "RepositoryIndex") return repository_index();
         if (name == "RepositoryModelLoad") return repository_load(false);
         if (name == "RepositoryModelUnload") return repository_load(true);
@@ -630,6 +633,13 @@ class Service::Call {
     auto request = parsed<oip::ModelMetadataRequest>(request_, "ModelMetadataRequest");
     find(request.name(), request.version());
     answer(std::string(service_.oip_metadata_));
+  }
+
+  // the model-configuration extension: Triton's ModelConfig of the one model (ServedModel.config)
+  void model_config() {
+    auto request = parsed<oip::ModelConfigRequest>(request_, "ModelConfigRequest");
+    find(request.name(), request.version());
+    answer(std::string(service_.oip_config_));
   }
 
   void repository_index() {
@@ -1055,11 +1065,38 @@ Service::Service(const Runner& runner, ModelInfo info, ServiceOptions options, M
   props["model_sha256"] = info_.sha256;
   props["embserve_version"] = EMBSERVE_VERSION;
   oip_metadata_ = m.SerializeAsString();
+  // Triton's model configuration, in its JSON shape and parsed as protobuf's JSON (ServedModel.config): the
+  // metadata's tensors with their whole shapes, max_batch_size 0 (the inputs are ragged: no batch dimension in
+  // front), the server's largest request as a parameter, the batcher as dynamic batching
+  nlohmann::json config = {{"name", info_.name}, {"platform", "embserve_torchscript"}, {"backend", "embserve"},
+                           {"max_batch_size", 0}, {"input", nlohmann::json::array()},
+                           {"output", nlohmann::json::array()}, {"parameters", nlohmann::json::object()}};
+  auto tensor = [](const oip::ModelMetadataResponse::TensorMetadata& t) {
+    return nlohmann::json{{"name", t.name()}, {"data_type", "TYPE_" + t.datatype()},
+                          {"dims", std::vector<int64_t>(t.shape().begin(), t.shape().end())}};
+  };
+  for (const auto& t : m.inputs()) {
+    auto entry = tensor(t);
+    const std::string& n = t.name();
+    entry["optional"] = !(n.size() > 8 && n.compare(n.size() - 8, 8, "__values") == 0);
+    config["input"].push_back(entry);
+  }
+  for (const auto& t : m.outputs()) config["output"].push_back(tensor(t));
+  for (const auto& [key, value] : m.properties()) config["parameters"][key] = {{"string_value", value}};
+  if (std::min(options_.batching.max_batch_size, options_.batching.max_merge_examples) > 1)
+    config["dynamic_batching"] = {
+        {"max_queue_delay_microseconds", static_cast<int64_t>(std::llround(options_.batching.max_delay_s * 1e6))}};
+  oip::ModelConfigResponse config_response;
+  google::protobuf::util::JsonParseOptions json_options;
+  if (!google::protobuf::util::JsonStringToMessage(config.dump(), config_response.mutable_config(), json_options).ok())
+    throw std::runtime_error("the model configuration does not parse as inference.ModelConfig");
+  oip_config_ = config_response.SerializeAsString();
   oip::ServerMetadataResponse s;
   s.set_name("embserve");
   s.set_version(EMBSERVE_VERSION);
   s.add_extensions("binary_tensor_data");
   s.add_extensions("model_repository");
+  s.add_extensions("model_configuration");  // the statistics extension comes with the next issue
   server_metadata_ = s.SerializeAsString();
 }
 

@@ -91,6 +91,7 @@ class Service {
   std::atomic<int64_t> last_arrival_ns_{0};
   std::string v1_metadata_;  // ModelMetadata bytes, built once
   std::string oip_metadata_;  // ModelMetadataResponse bytes, built once
+  std::string oip_config_;    // ModelConfigResponse bytes, built once
   std::string server_metadata_;
 
   void poll(grpc::ServerCompletionQueue* queue);
