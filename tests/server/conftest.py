@@ -119,3 +119,12 @@ def start_any(server_kind, loop_thread) -> Iterator[Callable[..., Any]]:
     for served in started:
         served.close_channels()
         served.stop(grace=1.0)
+
+
+@pytest.fixture(scope="module", params=SERVER_KINDS)
+def dense_server_of_each_kind(request, loop_thread, dense_artifact) -> Iterator[Any]:
+    """The dense model on each server in turn (a module's ``dense_server`` when its tests run on both)."""
+    served = start_kind(request.param, loop_thread, dense_artifact, max_delay_us=500)
+    yield served
+    served.close_channels()
+    served.stop(grace=1.0)

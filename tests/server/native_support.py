@@ -16,11 +16,8 @@ from typing import Any
 
 import grpc
 import pytest
-from grpc_health.v1 import health_pb2, health_pb2_grpc
 
-from server.app import SERVICE_NAME
-from server.proto import inference_pb2_grpc as pb_grpc
-from tests.server.support import CALL_TIMEOUT, LineReader, scrape_metrics
+from tests.server.support import Channels, LineReader, scrape_metrics
 
 SERVER_KINDS = ("python", "native")
 # the ServerConfig fields the binary takes, and its flag for each
@@ -57,7 +54,7 @@ def native_binary() -> str:
         pytest.skip(str(err))
 
 
-class NativeServed:
+class NativeServed(Channels):
     """A running embserve-server with ``Served``'s helpers (address, stub, health, metric, stop)."""
 
     kind = "native"
@@ -89,18 +86,6 @@ class NativeServed:
         self.metrics_port = int(self.stderr_path.read_text().split("metrics on port ")[1].split()[0])
         self._channels: list[grpc.Channel] = []
 
-    def channel(self, **kwargs: Any) -> grpc.Channel:
-        channel = grpc.insecure_channel(self.address, **kwargs)
-        self._channels.append(channel)
-        return channel
-
-    def stub(self) -> pb_grpc.InferenceServiceStub:
-        return pb_grpc.InferenceServiceStub(self.channel())
-
-    def health(self, service: str = SERVICE_NAME) -> int:
-        stub = health_pb2_grpc.HealthStub(self.channel())
-        return stub.Check(health_pb2.HealthCheckRequest(service=service), timeout=CALL_TIMEOUT).status
-
     def metric(self, name: str, labels: dict[str, str] | None = None) -> float:
         """A sample of /metrics (0 when absent), as ``Served.metric`` reads the Python server's registry."""
         wanted = labels or {}
@@ -130,11 +115,6 @@ class NativeServed:
 
     def log(self) -> str:
         return self.stderr_path.read_text() if self.stderr_path.exists() else ""
-
-    def close_channels(self) -> None:
-        for channel in self._channels:
-            channel.close()
-        self._channels.clear()
 
 
 def start_kind(kind: str, loop_thread: Any, artifact: Path, **config: Any) -> Any:

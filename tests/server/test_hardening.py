@@ -15,7 +15,6 @@ import sys
 import threading
 import time
 from collections import Counter
-from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -28,7 +27,7 @@ from server.adapters.v1 import codec
 from server.proto import inference_pb2 as pb
 from server.proto import inference_pb2_grpc as pb_grpc
 from tests.conftest import random_batch
-from tests.server.native_support import SERVER_KINDS, native_binary, start_kind
+from tests.server.native_support import native_binary
 from tests.server.support import CALL_TIMEOUT, LineReader, lookup_request, rpc_error, wait_until
 from tests.support.artifacts import copy_artifact, edit_manifest
 
@@ -38,13 +37,10 @@ SERVING = health_pb2.HealthCheckResponse.SERVING
 LOOKUP = "/embserve.v1.InferenceService/Lookup"
 
 
-@pytest.fixture(scope="module", params=SERVER_KINDS)
-def dense_server(request, loop_thread, dense_artifact) -> Iterator[Any]:
+@pytest.fixture(scope="module")
+def dense_server(dense_server_of_each_kind) -> Any:
     """The dense model on each server: malformed bytes must not crash or mislead either."""
-    served = start_kind(request.param, loop_thread, dense_artifact, max_delay_us=500)
-    yield served
-    served.close_channels()
-    served.stop(grace=1.0)
+    return dense_server_of_each_kind
 
 
 def _raw_lookup(channel: grpc.Channel):

@@ -31,13 +31,10 @@ MAX_BATCH = 32
 MAX_MESSAGE = 64 * 1024
 
 
-@pytest.fixture(scope="module", params=SERVER_KINDS)
-def dense_server(request, loop_thread, dense_artifact) -> Iterator[Any]:
+@pytest.fixture(scope="module")
+def dense_server(dense_server_of_each_kind) -> Any:
     """The dense model on each server: the Python one and embserve-server answer alike."""
-    served = start_kind(request.param, loop_thread, dense_artifact, max_delay_us=500)
-    yield served
-    served.close_channels()
-    served.stop(grace=1.0)
+    return dense_server_of_each_kind
 
 
 @pytest.fixture(scope="module")
