@@ -42,7 +42,7 @@ STAMP := $(VENV)/.installed
 # module's fixtures (an exported or compiled artifact) are built once.
 PYTEST_WORKERS ?= $(shell n=$$(nproc 2>/dev/null || echo 1); echo $$(( n < 4 ? n : 4 )))
 
-.PHONY: demo test setup lint typecheck pytest bench clean cpp cpp-deps perf-analyzer
+.PHONY: demo test setup lint typecheck pytest bench clean cpp cpp-deps perf-analyzer server server-asan
 
 $(STAMP): pyproject.toml Makefile
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
@@ -104,12 +104,15 @@ $(BIN)/perf_analyzer: $(STAMP)
 
 # The C++ loader (cpp_loader/): libtorch from the torch wheel in .venv; needs cmake, a C++17 compiler,
 # nlohmann-json3-dev and libssl-dev (installed with apt-get where missing, e.g. on a fresh CI machine).
+# The native server (cpp_loader/server/, embserve-server) also needs Debian's gRPC C++, protobuf and
+# prometheus-cpp packages, installed the same way.
+SERVER_DEBS := libgrpc++-dev protobuf-compiler-grpc libprotobuf-dev prometheus-cpp-dev
 CPP_BUILD := cpp_loader/build
 SUDO := $(shell [ "$$(id -u)" != 0 ] && command -v sudo >/dev/null 2>&1 && echo sudo)
 
 cpp-deps:
-	@dpkg -s nlohmann-json3-dev libssl-dev >/dev/null 2>&1 || \
-		($(SUDO) apt-get update && $(SUDO) apt-get install -y nlohmann-json3-dev libssl-dev)
+	@dpkg -s nlohmann-json3-dev libssl-dev $(SERVER_DEBS) >/dev/null 2>&1 || \
+		($(SUDO) apt-get update && $(SUDO) apt-get install -y nlohmann-json3-dev libssl-dev $(SERVER_DEBS))
 	@command -v cmake >/dev/null 2>&1 && command -v g++ >/dev/null 2>&1 || \
 		($(SUDO) apt-get update && $(SUDO) apt-get install -y cmake g++)
 
@@ -120,5 +123,25 @@ cpp: $(STAMP) cpp-deps
 	cmake --build $(CPP_BUILD) -j2
 	cmake --install $(CPP_BUILD) --prefix $(CPP_BUILD)/install
 
+# embserve-server alone (`embserve serve DIR --native` runs it from cpp_loader/build/server/)
+server: $(STAMP) cpp-deps
+	test -f $(CPP_BUILD)/CMakeCache.txt || cmake -S cpp_loader -B $(CPP_BUILD) -DCMAKE_BUILD_TYPE=Release \
+		-DEMBSERVE_PYTHON=$(abspath $(BIN)/python) \
+		-DCMAKE_PREFIX_PATH="$$($(BIN)/python -c 'import torch; print(torch.utils.cmake_prefix_path)')"
+	cmake --build $(CPP_BUILD) -j2 --target embserve-server
+
+# embserve-server under AddressSanitizer + UndefinedBehaviorSanitizer (its own build folder), then the
+# bad-request corpus and the contract tests against it (EMBSERVE_SERVER_BIN points the suite at it)
+ASAN_BUILD := cpp_loader/build-asan
+server-asan: $(STAMP) cpp-deps
+	test -f $(ASAN_BUILD)/CMakeCache.txt || cmake -S cpp_loader -B $(ASAN_BUILD) -DCMAKE_BUILD_TYPE=RelWithDebInfo \
+		-DEMBSERVE_SANITIZE=address,undefined -DEMBSERVE_PYTHON=$(abspath $(BIN)/python) \
+		-DCMAKE_PREFIX_PATH="$$($(BIN)/python -c 'import torch; print(torch.utils.cmake_prefix_path)')"
+	cmake --build $(ASAN_BUILD) -j2 --target embserve-server
+	EMBSERVE_SERVER_BIN=$(abspath $(ASAN_BUILD))/server/embserve-server \
+		ASAN_OPTIONS=detect_leaks=0:abort_on_error=0 UBSAN_OPTIONS=print_stacktrace=1 \
+		$(BIN)/python -m pytest -q -k native tests/test_bad_requests.py tests/server/test_protocol_contract.py \
+		tests/server/test_service.py tests/server/test_hardening.py tests/server/test_native_server.py
+
 clean:
-	rm -rf $(VENV) artifacts build $(CPP_BUILD)
+	rm -rf $(VENV) artifacts build $(CPP_BUILD) $(ASAN_BUILD)

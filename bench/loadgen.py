@@ -29,11 +29,16 @@ to fp32 rounding: merged batches may block the dense GEMMs differently).
     python bench/loadgen.py --baseline main.jsonl            # ratios to an earlier run's lines
     python bench/loadgen.py --protocols oip --scenarios server -- --forward-threads 2   # after --: serve flags
     python bench/loadgen.py --workers 1 2                    # every case on 1, then 2 server processes, and ratios
+    python bench/loadgen.py --native --method lookup         # and on embserve-server (9 x 20 ids, batch 64)
 
 ``--workers 1 2`` serves every case once per server-process count (``embserve serve --workers N``); each line
 says which, and a ``loadgen_workers`` line per protocol and scenario gives N's QPS over the first count's, same
 run. The client sends over ``--channels`` connections in turn (the kernel spreads connections, not calls, over
 the workers); the server's CPU is the instance's and its workers'.
+
+``--native`` serves every case once more with the native binary (``embserve serve --native``; ``make server``
+builds it), and a ``loadgen_native`` line per protocol and scenario gives its QPS, validity, ratio to the
+in-process ceiling and server CPU per query beside the Python server's of the same run.
 """
 
 from __future__ import annotations
@@ -754,6 +759,12 @@ def parse_args(argv: Sequence[str]) -> tuple[argparse.Namespace, list[str]]:
     parser.add_argument(
         "--channels", type=int, default=4, help="client connections, samples take them in turn (default 4)"
     )
+    parser.add_argument(
+        "--native",
+        action="store_true",
+        help="also serve every case with embserve-server (embserve serve --native) and print its ratios to the "
+        "Python server, same run",
+    )
     args = parser.parse_args(own)
     if args.quick:
         quick = {
@@ -807,7 +818,18 @@ def main(argv: Sequence[str] | None = None) -> int:
                 )
             finally:
                 exit_codes.append(stop_server(process))
-        for row in compare_workers(rows, args.workers):
+        if args.native:
+            process, port = spawn_server(artifact, "--native", *server_args)
+            try:
+                rows += serve_cases(
+                    args, plan, artifact, runtime, queries, log_root, baseline, port, process.pid, 1, "native"
+                )
+            finally:
+                exit_codes.append(stop_server(process))
+            for row in compare_native(rows, args.workers[0]):
+                print(json.dumps(row), flush=True)
+        rows_python = [r for r in rows if r["server"] == "python"]
+        for row in compare_workers(rows_python, args.workers):
             print(json.dumps(row), flush=True)
         exit_code = next((code for code in exit_codes if code != 0), 0)
         summary = {
@@ -836,8 +858,10 @@ def serve_cases(
     port: int,
     server_pid: int,
     workers: int,
+    kind: str = "python",
 ) -> list[dict[str, Any]]:
-    """Every protocol and scenario against one server (``workers`` processes), over ``--channels`` connections."""
+    """Every protocol and scenario against one server (``workers`` processes; ``kind`` native: embserve-server),
+    over ``--channels`` connections."""
     options = [
         ("grpc.max_receive_message_length", MAX_MESSAGE_BYTES),
         ("grpc.max_send_message_length", -1),
@@ -850,20 +874,50 @@ def serve_cases(
         for protocol in args.protocols:
             name = args.model_name or artifact.name
             wire = make_wire(channels, protocol, args.method, queries, name, runtime.output_dim)
-            case = Case(plan, wire, runtime, queries, log_root / f"workers-{workers}", runtime.output_dim, server_pid)
+            logs = log_root / (f"workers-{workers}" if kind == "python" else kind)
+            case = Case(plan, wire, runtime, queries, logs, runtime.output_dim, server_pid)
             for scenario in args.scenarios:
                 if scenario == "server":
                     row = case.server()
                     found[protocol] = float(row["qps"])
                 else:
                     row = case.offline(found.get(protocol, 0.0))
-                row = with_baseline(row | {"workers": workers, "channels": args.channels}, baseline)
+                row = with_baseline(row | {"server": kind, "workers": workers, "channels": args.channels}, baseline)
                 print(json.dumps(row), flush=True)
                 rows.append(row)
     finally:
         for channel in channels:
             channel.close()
     return rows
+
+
+def compare_native(rows: Sequence[dict[str, Any]], workers: int) -> list[dict[str, Any]]:
+    """Per protocol and scenario, embserve-server against the Python server (``workers`` processes), same run."""
+    base = {(r["protocol"], r["scenario"]): r for r in rows if r["server"] == "python" and r["workers"] == workers}
+    compared = []
+    for row in rows:
+        python = base.get((row["protocol"], row["scenario"]))
+        if row["server"] != "native" or python is None:
+            continue
+        compared.append(
+            {
+                "bench": "loadgen_native",
+                "method": row.get("method"),
+                "protocol": row["protocol"],
+                "scenario": row["scenario"],
+                "native_qps": row["qps"],
+                "python_qps": python["qps"],
+                "qps_ratio": round(row["qps"] / python["qps"], 3) if python["qps"] else None,
+                "native_valid": row["valid"],
+                "python_valid": python["valid"],
+                "native_ratio_to_ceiling": row.get("ratio_to_ceiling"),
+                "python_ratio_to_ceiling": python.get("ratio_to_ceiling"),
+                "native_server_cpu_ms_per_query": row.get("server_cpu_ms_per_query"),
+                "python_server_cpu_ms_per_query": python.get("server_cpu_ms_per_query"),
+                "load_avg": [round(x, 2) for x in os.getloadavg()],
+            }
+        )
+    return compared
 
 
 def compare_workers(rows: Sequence[dict[str, Any]], counts: Sequence[int]) -> list[dict[str, Any]]:

@@ -32,11 +32,17 @@ up front), in the order v1, OIP, OIP, v1, and prints the ratio of OIP to v1 thro
     python bench/server.py --protocol oip --batch-sizes 512
     python bench/server.py --methods predict --batch-sizes 512 --forward-threads 1
     python bench/server.py --workers 1 2 --methods lookup   # each case on 1, then 2 server processes
+    python bench/server.py --native --batch-sizes 1 --methods lookup   # and on embserve-server, with ratios
 
 ``--workers 1 2`` serves and measures everything once per server-process count (``embserve serve --workers N``),
 each row and summary saying which, then prints a ``server_workers`` line per case with the throughput and CPU
 ratio of N processes to the first count, measured in the same run. With N > 1 the server's CPU is the
 instance's and every worker's (each client is its own connection, so the kernel spreads them over the workers).
+
+``--native`` serves and measures everything once more with the native binary (``embserve serve --native``,
+``make server`` builds it) and prints a ``server_native`` line per case: throughput, server CPU per request and
+latency against the Python server of the same run, each side's ratio to in-process and, at batch 1 with one
+client, the native CPU and p50 over an empty call to the same binary.
 """
 
 from __future__ import annotations
@@ -121,14 +127,20 @@ def dense_batch(batch: SparseFeatures, num_dense: int, seed: int) -> torch.Tenso
 class ServerProcess:
     """``embserve serve`` on a free loopback port; ``stop`` sends SIGTERM and returns the exit code."""
 
-    def __init__(self, artifact: Path, args: argparse.Namespace, log_path: Path, workers: int = 1) -> None:
+    def __init__(
+        self, artifact: Path, args: argparse.Namespace, log_path: Path, workers: int = 1, kind: str = "python"
+    ) -> None:
         command = [
             sys.executable, "-m", "infer.cli", "serve", str(artifact), "--host", HOST, "--port", "0",
             "--max-batch-size", str(args.max_batch_size), "--max-delay-us", str(args.max_delay_us),
-            "--max-merge-examples", str(args.max_merge_examples),
-            "--forward-threads", str(args.forward_threads), "--workers", str(workers), "--drain-seconds", "5",
+            "--forward-threads", str(args.forward_threads), "--drain-seconds", "5",
         ]  # fmt: skip
+        if args.max_merge_examples:
+            command += ["--max-merge-examples", str(args.max_merge_examples)]
+        # `embserve serve --native` runs embserve-server (one process) with the same flags
+        command += ["--native"] if kind == "native" else ["--workers", str(workers)]
         self.workers = workers
+        self.kind = kind
         self.log_path = log_path
         self._log = log_path.open("wb")
         env = dict(os.environ)
@@ -473,6 +485,7 @@ def make_case(
     args: argparse.Namespace,
     outputs_equal: bool,
     workers: int = 1,
+    server_kind: str = "python",
 ) -> Case:
     latencies = sorted(served.latencies)
     p50, p99 = percentile(latencies, 0.50), percentile(latencies, 0.99)
@@ -510,6 +523,7 @@ def make_case(
         "lookups_per_request": lookups_per_request,
         "rounds": load_case.rounds,
         "max_delay_us": args.max_delay_us,
+        "server": server_kind,
         "workers": workers,
         "forward_threads": args.forward_threads,
         "server_threads": args.server_threads,
@@ -564,7 +578,7 @@ def run_batch_size(
         cpu_seconds = (meter.server_s, meter.client_s)
         case = make_case(
             batch_size, load_case, lookups_per_request, served, inprocess, cpu_seconds, args, outputs_equal,
-            server.workers,
+            server.workers, server.kind,
         )  # fmt: skip
         case = with_batch1_targets(case, empty)
         print(json.dumps(case.row), flush=True)
@@ -610,6 +624,7 @@ def run_predict_batch_size(
             args,
             outputs_equal,
             server.workers,
+            server.kind,
         )
         print(json.dumps(case.row), flush=True)
         cases.append(case)
@@ -669,6 +684,7 @@ def compare_protocols(
             args,
             equal[protocol],
             server.workers,
+            server.kind,
         )
         case = with_batch1_targets(case, empty)
         print(json.dumps(case.row), flush=True)
@@ -862,12 +878,14 @@ def serve_and_measure(
     log_path: Path,
     client_counts: Sequence[int],
     workers: int = 1,
+    kind: str = "python",
 ) -> tuple[list[Case], int | None]:
-    """Start a server of ``artifact`` (``workers`` processes), run every batch size of ``method``, stop it."""
+    """Start a server of ``artifact`` (``workers`` processes; ``kind`` native: embserve-server), run every batch
+    size of ``method``, stop it."""
     # One thread, as the issue asks; more buys the TBE nothing on an idle host, and on a busy one its
     # OpenMP regions (output fill, id range check) stall waiting for a descheduled thread.
     runtime = load(artifact, intra_op_threads=args.inprocess_threads)
-    server = ServerProcess(artifact, args, log_path, workers)
+    server = ServerProcess(artifact, args, log_path, workers, kind)
     cases: list[Case] = []
     try:
         server.wait_ready(timeout_s=180)
@@ -915,6 +933,12 @@ def main() -> int:
     parser.add_argument(
         "--inprocess-threads", type=int, default=1, help="intra-op threads of the in-process baseline (default 1)"
     )
+    parser.add_argument(
+        "--native",
+        action="store_true",
+        help="also serve every case with embserve-server (embserve serve --native) and print its ratios to the "
+        "Python server and to in-process, same run",
+    )
     parser.add_argument("--full-client", action="store_true", help="send via EmbserveClient.lookup (encode/decode)")
     parser.add_argument("--fp16", action="store_true", help="ask for fp16 output (half the response bytes)")
     parser.add_argument(
@@ -946,6 +970,8 @@ def main() -> int:
 
     cases: dict[int, list[Case]] = {n: [] for n in args.workers}
     exit_codes: dict[int, list[int | None]] = {n: [] for n in args.workers}
+    native_cases: list[Case] = []
+    native_exit_codes: list[int | None] = []
     with tempfile.TemporaryDirectory(prefix="embserve-bench-") as tmp:
         for method in args.methods:
             if method == "predict":
@@ -957,14 +983,80 @@ def main() -> int:
                 found, exit_code = serve_and_measure(args, method, artifact, log, client_counts, workers)
                 cases[workers] += found
                 exit_codes[workers].append(exit_code)
+            if args.native:
+                log = Path(tmp) / f"{method}-native.log"
+                found, exit_code = serve_and_measure(args, method, artifact, log, client_counts, 1, "native")
+                native_cases += found
+                native_exit_codes.append(exit_code)
     failed = False
     for workers in args.workers:
-        summary = summary_row(cases[workers], exit_codes[workers]) | {"workers": workers}
+        summary = summary_row(cases[workers], exit_codes[workers]) | {"workers": workers, "server": "python"}
         print(json.dumps(summary), flush=True)
         failed |= not all(code == 0 for code in exit_codes[workers]) or summary["total_errors"] != 0
+    if args.native:
+        summary = summary_row(native_cases, native_exit_codes) | {"server": "native"}
+        print(json.dumps(summary), flush=True)
+        failed |= not all(code == 0 for code in native_exit_codes) or summary["total_errors"] != 0
+        for row in compare_native(native_cases, cases[args.workers[0]]):
+            print(json.dumps(row), flush=True)
     for row in compare_workers(cases, args.workers):
         print(json.dumps(row), flush=True)
     return 1 if failed else 0
+
+
+def compare_native(native: Sequence[Case], python: Sequence[Case]) -> list[dict[str, object]]:
+    """Per case, embserve-server against the Python server (same run): throughput, CPU per request and latency
+    ratios, and each side's ratio to in-process; batch 1, one client: the native CPU and p50 over its own empty
+    call (issue 41's targets: CPU <= 0.2x the Python server's and <= 1.5x an empty call, p50 <= 1.3x it)."""
+
+    def key(case: Case) -> tuple[object, ...]:
+        return (case.method, case.batch_size, case.clients, case.row["protocol"])
+
+    def ratio(a: object, b: object) -> float | None:
+        x, y = float(str(a)) if a is not None else float("nan"), float(str(b)) if b is not None else float("nan")
+        return round(x / y, 3) if y > 0 else None
+
+    base = {key(c): c for c in python}
+    rows: list[dict[str, object]] = []
+    for case in native:
+        other = base.get(key(case))
+        if other is None:
+            continue
+        row: dict[str, object] = {
+            "bench": "server_native",
+            "method": case.method,
+            "protocol": case.row["protocol"],
+            "batch_size": case.batch_size,
+            "clients": case.clients,
+            "native_qps": case.row["qps"],
+            "python_qps": other.row["qps"],
+            "qps_ratio": ratio(case.row["qps"], other.row["qps"]),
+            "native_ratio_to_inprocess": case.row["ratio_to_inprocess"],
+            "python_ratio_to_inprocess": other.row["ratio_to_inprocess"],
+            "native_cpu_ms_per_request": case.row["server_cpu_ms_per_request"],
+            "python_cpu_ms_per_request": other.row["server_cpu_ms_per_request"],
+            "cpu_ratio": ratio(case.row["server_cpu_ms_per_request"], other.row["server_cpu_ms_per_request"]),
+            "native_p50_ms": case.row["p50_ms"],
+            "python_p50_ms": other.row["p50_ms"],
+            "native_p99_ms": case.row["p99_ms"],
+            "python_p99_ms": other.row["p99_ms"],
+            "outputs_equal_inprocess": case.outputs_equal,
+            "load_avg_1m": os.getloadavg()[0],
+        }
+        if "empty_call_server_cpu_ms" in case.row:
+            cpu_over_empty = ratio(case.row["server_cpu_ms_per_request"], case.row["empty_call_server_cpu_ms"])
+            row |= {
+                "native_empty_call_cpu_ms": case.row["empty_call_server_cpu_ms"],
+                "native_empty_call_p50_ms": case.row["empty_call_p50_ms"],
+                "native_cpu_over_empty_call": cpu_over_empty,
+                "native_p50_over_empty_call": case.row["p50_over_empty_call"],
+                "python_empty_call_cpu_ms": other.row.get("empty_call_server_cpu_ms"),
+                "accept_cpu_vs_python_ok": (row["cpu_ratio"] or 99) <= 0.2,
+                "accept_cpu_vs_empty_ok": (cpu_over_empty or 99) <= 1.5,
+                "accept_p50_vs_empty_ok": float(str(case.row["p50_over_empty_call"])) <= 1.3,
+            }
+        rows.append(row)
+    return rows
 
 
 def compare_workers(cases: dict[int, list[Case]], counts: Sequence[int]) -> list[dict[str, object]]:

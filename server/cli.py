@@ -55,6 +55,10 @@ def cmd_serve(args: argparse.Namespace) -> int:
     # Until the server's event loop takes the signals over, a SIGTERM while loading ends the process quietly.
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(0))
 
+    if args.native:
+        from server.native import exec_native
+
+        exec_native(args)  # never returns: the process becomes embserve-server
     from server.app import ServerConfig, exit_process, serve
     from server.auth import read_token_file
     from server.workers import parse_worker_flag, refuse_conflicts, serve_workers, wait_for_go
@@ -254,6 +258,12 @@ def add_subcommands(subcommands: Any) -> None:
     """Register ``serve`` and ``query`` on the ``embserve`` parser's subcommands."""
     srv = subcommands.add_parser("serve", help="serve an artifact over gRPC (SIGTERM drains, then exits 0)")
     srv.add_argument("artifact", help="an artifact folder, or a repository REPO/<model>/<version>/ of artifacts")
+    srv.add_argument(
+        "--native",
+        action="store_true",
+        help="serve with the native C++ binary embserve-server (make server builds it): embserve.v1 and OIP gRPC, "
+        "the same flags; one artifact, TorchScript backend",
+    )
     srv.add_argument("--host", default="0.0.0.0", help="address to bind (every interface; 127.0.0.1: this host only)")
     srv.add_argument("--port", type=int, default=50051, help="gRPC port (0: any free port); refused when in use")
     srv.add_argument("--max-batch-size", type=int, default=4096, help="examples per batched forward")

@@ -20,6 +20,7 @@ from infer.artifact.runtime import Runtime
 from infer.quant.quantize import quantize
 from infer.weights import random_weights
 from tests.conftest import TinyOverArch, mixed_spec
+from tests.server.native_support import SERVER_KINDS, start_kind
 from tests.server.support import NUM_DENSE, GatedModule, LoopThread, Served, gated_runtime, local_config
 
 
@@ -96,3 +97,34 @@ def gated(start_server, dense_artifact) -> Iterator[tuple[Runtime, GatedModule]]
     runtime, gate = gated_runtime(dense_artifact)
     yield runtime, gate
     gate.release()
+
+
+@pytest.fixture(params=SERVER_KINDS)
+def server_kind(request) -> str:
+    """Each test that takes it runs against both servers: the Python one and embserve-server."""
+    return request.param
+
+
+@pytest.fixture
+def start_any(server_kind, loop_thread) -> Iterator[Callable[..., Any]]:
+    """``start_any(artifact, **config)`` -> a started server of ``server_kind``, stopped at teardown."""
+    started: list[Any] = []
+
+    def start(artifact: Path, **config: Any) -> Any:
+        served = start_kind(server_kind, loop_thread, artifact, **config)
+        started.append(served)
+        return served
+
+    yield start
+    for served in started:
+        served.close_channels()
+        served.stop(grace=1.0)
+
+
+@pytest.fixture(scope="module", params=SERVER_KINDS)
+def dense_server_of_each_kind(request, loop_thread, dense_artifact) -> Iterator[Any]:
+    """The dense model on each server in turn (a module's ``dense_server`` when its tests run on both)."""
+    served = start_kind(request.param, loop_thread, dense_artifact, max_delay_us=500)
+    yield served
+    served.close_channels()
+    served.stop(grace=1.0)

@@ -51,7 +51,32 @@ class LoopThread:
         self.thread.join(10)
 
 
-class Served:
+class Channels:
+    """Blocking client helpers of a server at ``self.address`` (the Python one here, embserve-server in
+    ``native_support``): channels closed together, the v1 stub, health checks."""
+
+    address: str
+    _channels: list[grpc.Channel]
+
+    def channel(self, **kwargs: Any) -> grpc.Channel:
+        channel = grpc.insecure_channel(self.address, **kwargs)
+        self._channels.append(channel)
+        return channel
+
+    def stub(self) -> pb_grpc.InferenceServiceStub:
+        return pb_grpc.InferenceServiceStub(self.channel())
+
+    def health(self, service: str = SERVICE_NAME) -> int:
+        stub = health_pb2_grpc.HealthStub(self.channel())
+        return stub.Check(health_pb2.HealthCheckRequest(service=service), timeout=CALL_TIMEOUT).status
+
+    def close_channels(self) -> None:
+        for channel in self._channels:
+            channel.close()
+        self._channels.clear()
+
+
+class Served(Channels):
     """A running server plus blocking helpers to talk to it."""
 
     def __init__(self, loop: LoopThread, running: RunningServer, config: ServerConfig) -> None:
@@ -66,29 +91,12 @@ class Served:
     def start(cls, loop: LoopThread, artifact: Path | Runtime, config: ServerConfig) -> Served:
         return cls(loop, loop.run(create_server(artifact, config)), config)
 
-    def channel(self, **kwargs: Any) -> grpc.Channel:
-        channel = grpc.insecure_channel(self.address, **kwargs)
-        self._channels.append(channel)
-        return channel
-
-    def stub(self) -> pb_grpc.InferenceServiceStub:
-        return pb_grpc.InferenceServiceStub(self.channel())
-
-    def health(self, service: str = SERVICE_NAME) -> int:
-        stub = health_pb2_grpc.HealthStub(self.channel())
-        return stub.Check(health_pb2.HealthCheckRequest(service=service), timeout=CALL_TIMEOUT).status
-
     def metric(self, name: str, labels: dict[str, str] | None = None) -> float:
         value = self.running.metrics.registry.get_sample_value(name, labels or {})
         return 0.0 if value is None else value
 
     def stop(self, grace: float | None = 5.0) -> None:
         self.loop.run(self.running.stop(grace))
-
-    def close_channels(self) -> None:
-        for channel in self._channels:
-            channel.close()
-        self._channels.clear()
 
 
 class GatedModule:

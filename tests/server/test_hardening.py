@@ -16,6 +16,7 @@ import threading
 import time
 from collections import Counter
 from pathlib import Path
+from typing import Any
 
 import grpc
 import pytest
@@ -26,6 +27,7 @@ from server.adapters.v1 import codec
 from server.proto import inference_pb2 as pb
 from server.proto import inference_pb2_grpc as pb_grpc
 from tests.conftest import random_batch
+from tests.server.native_support import native_binary
 from tests.server.support import CALL_TIMEOUT, LineReader, lookup_request, rpc_error, wait_until
 from tests.support.artifacts import copy_artifact, edit_manifest
 
@@ -33,6 +35,12 @@ REPO = Path(__file__).resolve().parents[2]
 NOT_SERVING = health_pb2.HealthCheckResponse.NOT_SERVING
 SERVING = health_pb2.HealthCheckResponse.SERVING
 LOOKUP = "/embserve.v1.InferenceService/Lookup"
+
+
+@pytest.fixture(scope="module")
+def dense_server(dense_server_of_each_kind) -> Any:
+    """The dense model on each server: malformed bytes must not crash or mislead either."""
+    return dense_server_of_each_kind
 
 
 def _raw_lookup(channel: grpc.Channel):
@@ -121,9 +129,15 @@ def test_mixed_fuzz_keeps_the_server_alive_and_right(dense_server, dense_runtime
     )
 
 
-def _serve(artifact: Path, tmp_path: Path, *options: str) -> tuple[subprocess.Popen[str], LineReader]:
-    """``embserve serve`` on a port of its own choosing (port 0); its serving line names the port."""
+def _serve(
+    artifact: Path, tmp_path: Path, *options: str, kind: str = "python"
+) -> tuple[subprocess.Popen[str], LineReader]:
+    """``embserve serve`` (``--native`` for the native kind) on a port of its own choosing (port 0); its serving
+    line names the port."""
     command = [sys.executable, "-m", "infer.cli", "serve", str(artifact), "--host", "127.0.0.1", "--port", "0"]
+    if kind == "native":
+        native_binary()  # skips without a built binary
+        command.append("--native")
     stderr = (tmp_path / "stderr.txt").open("w")
     process = subprocess.Popen([*command, *options], cwd=REPO, stdout=subprocess.PIPE, stderr=stderr, text=True)
     return process, LineReader(process.stdout)
@@ -164,7 +178,7 @@ class _Load:
 
 
 @pytest.mark.slow
-def test_sigterm_under_load_loses_nothing(sparse_artifact, sparse_runtime, spec, tmp_path):
+def test_sigterm_under_load_loses_nothing(sparse_artifact, sparse_runtime, spec, tmp_path, server_kind):
     """5 rounds x 16 clients sending without pause through SIGTERM: health turns NOT_SERVING while calls are
     still answered (the grace window), no call is CANCELLED or wrong, the process exits 0. Calls refused
     after the window (UNAVAILABLE) were never accepted."""
@@ -172,7 +186,15 @@ def test_sigterm_under_load_loses_nothing(sparse_artifact, sparse_runtime, spec,
     expected = [sparse_runtime.lookup(b) for b in batches]
     for round_index in range(5):
         process, stdout = _serve(
-            sparse_artifact, tmp_path, "--drain-grace-s", "1.0", "--max-delay-us", "2000", "--forward-threads", "2"
+            sparse_artifact,
+            tmp_path,
+            "--drain-grace-s",
+            "1.0",
+            "--max-delay-us",
+            "2000",
+            "--forward-threads",
+            "2",
+            kind=server_kind,
         )
         try:
             port = int(stdout.wait_for("serving on port", timeout=60).split()[-1])
@@ -203,9 +225,9 @@ def test_sigterm_under_load_loses_nothing(sparse_artifact, sparse_runtime, spec,
             _kill(process)
 
 
-def test_sigterm_while_starting_exits_cleanly(sparse_artifact, tmp_path):
+def test_sigterm_while_starting_exits_cleanly(sparse_artifact, tmp_path, server_kind):
     """The signal arrives once the server logged that it loads and warms up: exit code 0, no traceback."""
-    process, _ = _serve(sparse_artifact, tmp_path)
+    process, _ = _serve(sparse_artifact, tmp_path, kind=server_kind)
     try:
         deadline = time.monotonic() + 60
         while "warming up" not in (tmp_path / "stderr.txt").read_text() and time.monotonic() < deadline:

@@ -22,6 +22,7 @@ from server.app import SERVICE_NAME, create_server
 from server.proto import inference_pb2 as pb
 from server.proto import inference_pb2_grpc as pb_grpc
 from tests.conftest import random_batch
+from tests.server.native_support import native_binary
 from tests.server.support import (
     CALL_TIMEOUT,
     LineReader,
@@ -184,9 +185,12 @@ def test_sigterm_with_nothing_in_flight_ends_the_grace_early(sparse_artifact, tm
 
 
 @pytest.mark.slow
-def test_sigterm_loses_no_request_in_flight(sparse_artifact, sparse_runtime, spec, tmp_path):
+def test_sigterm_loses_no_request_in_flight(sparse_artifact, sparse_runtime, spec, tmp_path, server_kind):
     stderr = (tmp_path / "stderr.txt").open("w")
     command = [sys.executable, "-m", "infer.cli", "serve", str(sparse_artifact), "--host", "127.0.0.1"]
+    if server_kind == "native":
+        native_binary()  # skips without a built binary
+        command.append("--native")
     command += ["--port", "0", "--max-delay-us", "2000000", "--drain-seconds", "20", "--metrics-port", "0"]
     command += ["--batch-wait", "always"]  # even the first request waits out the window
     process = subprocess.Popen(command, cwd=REPO, stdout=subprocess.PIPE, stderr=stderr, text=True)

@@ -26,6 +26,7 @@ from infer.weights import random_weights
 from server.adapters.v1 import codec
 from server.client import EmbserveClient
 from server.proto import inference_pb2 as pb
+from tests.server.native_support import SERVER_KINDS, start_kind
 from tests.server.oip_support import (
     PROTOCOLS,
     client,
@@ -35,7 +36,7 @@ from tests.server.oip_support import (
     triton_inputs,
     triton_module,
 )
-from tests.server.support import CALL_TIMEOUT, Served, local_config
+from tests.server.support import CALL_TIMEOUT, Served
 from tests.support.call_contract import (
     DOCUMENTED,
     REFUSED,
@@ -61,18 +62,22 @@ OIP_DATATYPE = {
 }
 
 
-@pytest.fixture(scope="module")
-def served(loop_thread, tmp_path_factory) -> Iterator[tuple[Served, Reference]]:
+@pytest.fixture(scope="module", params=SERVER_KINDS)
+def served(request, loop_thread, tmp_path_factory) -> Iterator[tuple[Served, Reference]]:
+    """The contract's model on each server (embserve-server: gRPC only, REST comes with its next issue)."""
     spec = contract_spec()
     model = quantize(spec, random_weights(spec, seed=2))
     path = export(model, tmp_path_factory.mktemp("contract-server") / MODEL)
-    server = Served.start(loop_thread, path, local_config(http_port=0, max_delay_us=200))
+    config: dict = {"max_delay_us": 200} if request.param == "native" else {"http_port": 0, "max_delay_us": 200}
+    server = start_kind(request.param, loop_thread, path, **config)
     yield server, Reference(spec, model)
     server.close_channels()
     server.stop(grace=1.0)
 
 
 def _address(server: Served, protocol: str) -> str:
+    if protocol == "http" and getattr(server, "kind", "python") == "native":
+        pytest.skip("embserve-server has no REST endpoint yet (the next native-server issue)")
     return server.address if protocol == "grpc" else f"127.0.0.1:{server.running.http_port}"
 
 
@@ -152,6 +157,7 @@ def test_oip_refuses_undocumented_dtypes_naming_the_tensor(served, protocol, cas
 
 
 def _post_json(server: Served, body: dict) -> tuple[int, dict]:
+    _address(server, "http")
     connection = http.client.HTTPConnection("127.0.0.1", server.running.http_port, timeout=CALL_TIMEOUT)
     try:
         connection.request("POST", f"/v2/models/{MODEL}/infer", json.dumps(body), {"Content-Type": "application/json"})
@@ -221,7 +227,7 @@ def test_scores_have_one_value_per_example(served):
     """Shape [B] on both protocols (tritonclient keeps the shape the server sends)."""
     server, reference = served
     batch = batch_of(reference.spec, DOCUMENTED[1])
-    for protocol in PROTOCOLS:
+    for protocol in PROTOCOLS if getattr(server, "kind", "python") == "python" else ("grpc",):
         with client(protocol, _address(server, protocol)) as triton:
             result = triton.infer(
                 MODEL, triton_inputs(protocol, batch, dense_of()), outputs=requested(protocol, "scores")

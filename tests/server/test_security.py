@@ -24,8 +24,8 @@ TOKEN = "s3cret-token"
 
 
 @pytest.fixture
-def token_server(start_server, dense_artifact):
-    return start_server(dense_artifact, auth_token=TOKEN)
+def token_server(start_any, dense_artifact):
+    return start_any(dense_artifact, auth_token=TOKEN)
 
 
 @pytest.mark.parametrize(
@@ -84,11 +84,11 @@ def _self_signed(folder: Path, name: str) -> tuple[Path, Path]:
 
 
 @pytest.fixture
-def tls_server(start_server, dense_artifact, tmp_path):
+def tls_server(start_any, dense_artifact, tmp_path):
     if shutil.which("openssl") is None:
         pytest.skip("openssl is not installed")
     cert, key = _self_signed(tmp_path, "server")
-    return start_server(dense_artifact, tls_cert=str(cert), tls_key=str(key)), cert
+    return start_any(dense_artifact, tls_cert=str(cert), tls_key=str(key)), cert
 
 
 @pytest.mark.parametrize("host", ["127.0.0.1", "localhost"])
@@ -113,11 +113,11 @@ def test_tls_refuses_plaintext_and_untrusted_clients(tls_server, tmp_path, dense
         assert torch.equal(trusted.lookup(batch), dense_runtime.lookup(batch))
 
 
-def test_tls_and_token_together(start_server, dense_artifact, dense_runtime, spec, tmp_path):
+def test_tls_and_token_together(start_any, dense_artifact, dense_runtime, spec, tmp_path):
     if shutil.which("openssl") is None:
         pytest.skip("openssl is not installed")
     cert, key = _self_signed(tmp_path, "server")
-    served = start_server(dense_artifact, tls_cert=str(cert), tls_key=str(key), auth_token=TOKEN)
+    served = start_any(dense_artifact, tls_cert=str(cert), tls_key=str(key), auth_token=TOKEN)
     batch = random_batch(spec, batch_size=3, seed=33)
     with EmbserveClient(served.address, root_certificates=cert.read_bytes(), timeout=CALL_TIMEOUT) as anonymous:
         assert rpc_error(lambda: anonymous.lookup(batch)).code() == grpc.StatusCode.UNAUTHENTICATED

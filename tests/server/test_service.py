@@ -16,6 +16,7 @@ from server.adapters.v1 import codec
 from server.client import EmbserveClient
 from server.proto import inference_pb2 as pb
 from tests.conftest import mixed_spec, random_batch
+from tests.server.native_support import SERVER_KINDS, start_kind
 from tests.server.support import (
     CALL_TIMEOUT,
     NUM_DENSE,
@@ -31,16 +32,23 @@ MAX_MESSAGE = 64 * 1024
 
 
 @pytest.fixture(scope="module")
+def dense_server(dense_server_of_each_kind) -> Any:
+    """The dense model on each server: the Python one and embserve-server answer alike."""
+    return dense_server_of_each_kind
+
+
+@pytest.fixture(scope="module")
 def client(dense_server) -> Iterator[EmbserveClient]:
     with EmbserveClient(dense_server.address, timeout=CALL_TIMEOUT) as c:
         yield c
 
 
-@pytest.fixture(scope="module")
-def strict_server(loop_thread, dense_artifact) -> Iterator[Served]:
-    """A server with a small max batch and a small message cap, for the bad-request tests."""
-    config = local_config(max_batch_size=MAX_BATCH, max_message_bytes=MAX_MESSAGE)
-    served = Served.start(loop_thread, dense_artifact, config)
+@pytest.fixture(scope="module", params=SERVER_KINDS)
+def strict_server(request, loop_thread, dense_artifact) -> Iterator[Served]:
+    """A server with a small max batch and a small message cap, for the bad-request tests (each kind)."""
+    served = start_kind(
+        request.param, loop_thread, dense_artifact, max_batch_size=MAX_BATCH, max_message_bytes=MAX_MESSAGE
+    )
     yield served
     served.close_channels()
     served.stop(grace=1.0)
@@ -194,8 +202,8 @@ def test_lookup_response_names_columns_and_version(dense_server, dense_artifact,
     ]
 
 
-def test_metadata_of_a_model_without_dense_part(start_server, sparse_artifact):
-    served = start_server(sparse_artifact)
+def test_metadata_of_a_model_without_dense_part(start_any, sparse_artifact):
+    served = start_any(sparse_artifact)
     with EmbserveClient(served.address, timeout=CALL_TIMEOUT) as c:
         meta = c.metadata()
     assert not meta.has_dense
@@ -427,8 +435,8 @@ def test_the_base_request_of_the_bad_cases_is_good(strict_server, dense_runtime)
         assert torch.equal(codec.decode_embeddings(response), dense_runtime.lookup(_base()))
 
 
-def test_predict_without_dense_part_is_failed_precondition(start_server, sparse_artifact, sparse_runtime, spec):
-    served = start_server(sparse_artifact)
+def test_predict_without_dense_part_is_failed_precondition(start_any, sparse_artifact, sparse_runtime, spec):
+    served = start_any(sparse_artifact)
     batch = random_batch(spec, batch_size=2)
     with EmbserveClient(served.address, timeout=CALL_TIMEOUT) as c:
         error = rpc_error(lambda: c.predict(batch, torch.zeros(2, 1)))

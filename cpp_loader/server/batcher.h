@@ -1,0 +1,93 @@
+// Dynamic batching across concurrent calls (server/batcher.py's rules, in plain C++): a bounded queue of
+// validated requests; forward threads each take the first, wait up to max_delay for company only while callers
+// overlap (or --batch-wait always), merge up to max_merge_examples, run one forward and write every call's rows
+// straight into its response buffer.
+#pragma once
+
+#include <chrono>
+#include <condition_variable>
+#include <cstdint>
+#include <deque>
+#include <functional>
+#include <mutex>
+#include <string>
+#include <thread>
+#include <vector>
+
+#include "request.h"
+#include "runner.h"
+
+namespace embserve::server {
+
+// How a forward ended for one call: ok, a bad request (the loader's words) or an internal failure.
+enum class Outcome { Ok, BadRequest, Internal };
+
+// One accepted model call waiting for its rows.
+struct Call {
+  Request* request = nullptr;
+  void* embeddings = nullptr;  // where its embeddings go (float32 or fp16 rows), or null
+  bool embeddings_fp16 = false;
+  float* scores = nullptr;  // where its scores go, or null
+  std::function<void(Outcome, const std::string&)> done;  // on a forward thread, once the rows are written
+  std::chrono::steady_clock::time_point enqueued;
+};
+
+// What the batcher reports (metrics.h implements it).
+class BatchObserver {
+ public:
+  virtual ~BatchObserver() = default;
+  virtual void batch(int requests, int64_t examples) = 0;
+  virtual void stage(const char* stage, double seconds) = 0;
+};
+
+struct BatcherSettings {
+  int64_t max_batch_size = 4096;
+  int64_t max_merge_examples = 1024;
+  double max_delay_s = 0.001;
+  size_t max_queue = 1024;
+  int workers = 1;
+  bool always_wait = false;
+};
+
+class Batcher {
+ public:
+  // arriving(): calls accepted but not yet queued in any batcher (the overlap rule's second half)
+  Batcher(const Runner& runner, Forward forward, const ModelShape& shape, BatcherSettings settings,
+          BatchObserver* observer, std::function<int64_t()> arriving);
+  ~Batcher();
+  Batcher(const Batcher&) = delete;
+  Batcher& operator=(const Batcher&) = delete;
+
+  // Queue a call; false when the queue is full (RESOURCE_EXHAUSTED: the caller answers it).
+  bool submit(Call* call);
+  // Run one request now on the calling thread, bypassing the queue (warm-up).
+  void run_now(Call* call);
+  // Stop waiting for company (the drain began): every batch runs at once from now on.
+  void flush();
+  size_t depth() const;
+  int64_t held() const;  // submitted and not yet answered
+
+ private:
+  void consume();
+  std::vector<Call*> gather(std::unique_lock<std::mutex>& lock);
+  bool expecting_more() const;
+  void forward(const std::vector<Call*>& calls);
+
+  const Runner& runner_;
+  const Forward forward_;
+  const ModelShape& shape_;
+  const BatcherSettings settings_;
+  const int64_t merge_limit_;
+  BatchObserver* observer_;
+  std::function<int64_t()> arriving_;
+  mutable std::mutex mutex_;
+  std::condition_variable changed_;
+  std::deque<Call*> queue_;
+  int64_t held_ = 0;
+  std::chrono::steady_clock::time_point concurrent_at_;
+  bool flushing_ = false;
+  bool stopping_ = false;
+  std::vector<std::thread> threads_;
+};
+
+}  // namespace embserve::server

@@ -1,0 +1,89 @@
+// The only translation unit of embserve-server that sees torch: the loader's Model behind runner.h's plain types.
+#include "runner.h"
+
+#include <ATen/Parallel.h>
+#include <torch/torch.h>
+
+#include <cstring>
+
+#include "embserve/loader.h"
+
+namespace embserve::server {
+namespace {
+
+at::Tensor view(const void* data, int64_t count, int width, at::ScalarType wide, at::ScalarType narrow) {
+  // from_blob never owns nor writes: the request's bytes stay the caller's
+  auto options = at::TensorOptions().dtype(width == 8 ? wide : narrow);
+  return torch::from_blob(const_cast<void*>(data), {count}, options);
+}
+
+class ModelRunner : public Runner {
+ public:
+  explicit ModelRunner(Model model) : model_(std::move(model)) {
+    for (const auto& f : model_.features())
+      shape_.features.push_back(
+          {f.name, f.table, f.num_embeddings, f.embedding_dim, f.pooling, f.column_start, f.column_end});
+    shape_.output_dim = model_.output_dim();
+    shape_.num_dense_features = model_.num_dense_features();
+    shape_.world_size = model_.world_size();
+  }
+
+  const ModelShape& shape() const override { return shape_; }
+
+  void run(Forward forward, const SparseBatch& batch, const std::vector<Destination>& destinations) const override {
+    try {
+      c10::InferenceMode guard;
+      at::Tensor values = view(batch.ids, batch.num_ids, batch.id_width, at::kLong, at::kInt);
+      at::Tensor lengths = view(batch.lengths, batch.num_lengths, batch.length_width, at::kLong, at::kInt);
+      std::optional<at::Tensor> weights;
+      if (batch.weights != nullptr)
+        weights = torch::from_blob(const_cast<float*>(batch.weights), {batch.num_ids}, at::kFloat);
+      at::Tensor pooled, scores;
+      if (forward == Forward::Lookup) {
+        pooled = model_.lookup(values, lengths, weights);
+      } else {
+        at::Tensor dense = torch::from_blob(const_cast<float*>(batch.dense),
+                                            {batch.batch, shape_.num_dense_features}, at::kFloat);
+        // predict pools once: Both asks the dense part for scores and keeps the pooled lookup it ran on
+        if (forward == Forward::Both) pooled = model_.lookup(values, lengths, weights);
+        scores = model_.predict(dense, values, lengths, weights);
+      }
+      for (const auto& d : destinations) {
+        if (d.embeddings != nullptr) {
+          at::Tensor rows = pooled.narrow(0, d.row_start, d.rows);
+          if (d.embeddings_fp16) rows = rows.to(at::kHalf);
+          rows = rows.contiguous();
+          std::memcpy(d.embeddings, rows.data_ptr(), static_cast<size_t>(rows.numel() * rows.element_size()));
+        }
+        if (d.scores != nullptr) {
+          at::Tensor rows = scores.narrow(0, d.row_start, d.rows).contiguous();
+          std::memcpy(d.scores, rows.data_ptr<float>(), static_cast<size_t>(rows.numel()) * sizeof(float));
+        }
+      }
+    } catch (const RequestError& err) {
+      throw RunnerRequestError(err.what());
+    } catch (const std::exception& err) {
+      throw RunnerError(err.what());
+    }
+  }
+
+ private:
+  Model model_;
+  ModelShape shape_;
+};
+
+}  // namespace
+
+std::unique_ptr<Runner> Runner::load(const std::string& artifact_dir, const RunnerOptions& options) {
+  LoadOptions load_options;
+  load_options.verify = options.verify_full ? Verify::Full : Verify::None;
+  load_options.intra_op_threads = options.intra_op_threads;
+  load_options.kernel_threads = options.kernel_threads;
+  try {
+    return std::make_unique<ModelRunner>(Model::load(artifact_dir, load_options));
+  } catch (const std::exception& err) {
+    throw RunnerError(err.what());
+  }
+}
+
+}  // namespace embserve::server

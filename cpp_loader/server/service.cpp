@@ -1,0 +1,1199 @@
+// embserve.v1 and the Open Inference Protocol over gRPC: decode (in Python's words), batch, answer.
+#include "service.h"
+
+#include <grpcpp/support/byte_buffer.h>
+#include <google/protobuf/util/json_util.h>
+#include <grpcpp/impl/codegen/rpc_service_method.h>
+#include <grpcpp/support/slice.h>
+
+#include <algorithm>
+#include <cmath>
+#include <atomic>
+#include <fstream>
+#include <iostream>
+#include <map>
+#include <mutex>
+#include <nlohmann/json.hpp>
+#include <random>
+#include <set>
+#include <sstream>
+
+#include "embserve/v1/inference.pb.h"
+#include "inference/open_inference_grpc.pb.h"
+
+namespace embserve::server {
+namespace v1 = ::embserve::v1;
+namespace oip = ::inference;
+using Clock = std::chrono::steady_clock;
+
+namespace {
+
+constexpr const char* kDraining = "the server is shutting down; retry on another replica";
+constexpr const char* kV1 = "/embserve.v1.InferenceService/";
+constexpr const char* kOip = "/inference.GRPCInferenceService/";
+
+// A refusal with its status code, message and embserve_rejected_total reason (server.pipeline.Failure).
+struct Failure {
+  grpc::StatusCode code;
+  std::string message;
+  const char* reason;
+};
+
+const char* code_name(grpc::StatusCode code) {
+  switch (code) {
+    case grpc::OK: return "OK";
+    case grpc::CANCELLED: return "CANCELLED";
+    case grpc::INVALID_ARGUMENT: return "INVALID_ARGUMENT";
+    case grpc::DEADLINE_EXCEEDED: return "DEADLINE_EXCEEDED";
+    case grpc::NOT_FOUND: return "NOT_FOUND";
+    case grpc::FAILED_PRECONDITION: return "FAILED_PRECONDITION";
+    case grpc::RESOURCE_EXHAUSTED: return "RESOURCE_EXHAUSTED";
+    case grpc::UNAVAILABLE: return "UNAVAILABLE";
+    case grpc::UNAUTHENTICATED: return "UNAUTHENTICATED";
+    case grpc::UNIMPLEMENTED: return "UNIMPLEMENTED";
+    default: return "INTERNAL";
+  }
+}
+
+std::string shape_text(const std::vector<int64_t>& dims) {
+  std::string out = "[";
+  for (size_t i = 0; i < dims.size(); ++i) out += (i ? ", " : "") + std::to_string(dims[i]);
+  return out + "]";
+}
+
+// ------------------------------------------------------------------ wire: a message's bytes fields written last
+void put_varint(std::string& out, uint64_t value) {
+  while (value >= 0x80) {
+    out.push_back(static_cast<char>(value | 0x80));
+    value >>= 7;
+  }
+  out.push_back(static_cast<char>(value));
+}
+
+// `head` (a serialized message without the field) then field `field` as bytes of `sizes[i]` each, left for the
+// model to fill: returns the buffer and each field's data offset.
+std::string with_bytes_fields(const std::string& head, int field, const std::vector<size_t>& sizes,
+                              std::vector<size_t>& offsets) {
+  std::string out;
+  size_t total = head.size();
+  for (size_t s : sizes) total += 16 + s;
+  out.reserve(total);
+  out = head;
+  for (size_t s : sizes) {
+    put_varint(out, (static_cast<uint64_t>(field) << 3) | 2);
+    put_varint(out, s);
+    offsets.push_back(out.size());
+    out.resize(out.size() + s);
+  }
+  return out;
+}
+
+grpc::ByteBuffer buffer_of(std::string&& bytes) {
+  auto* owned = new std::string(std::move(bytes));
+  grpc::Slice slice(owned->data(), owned->size(), [](void* p) { delete static_cast<std::string*>(p); }, owned);
+  return grpc::ByteBuffer(&slice, 1);
+}
+
+template <typename Message>
+bool parse(const grpc::ByteBuffer& buffer, Message& message) {
+  std::vector<grpc::Slice> slices;
+  if (!buffer.Dump(&slices).ok()) return false;
+  if (slices.size() == 1) return message.ParseFromArray(slices[0].begin(), static_cast<int>(slices[0].size()));
+  std::string joined;
+  joined.reserve(buffer.Length());
+  for (const auto& s : slices) joined.append(reinterpret_cast<const char*>(s.begin()), s.size());
+  return message.ParseFromString(joined);
+}
+
+template <typename Message>
+Message parsed(const grpc::ByteBuffer& buffer, const char* name) {
+  Message message;
+  if (!parse(buffer, message))
+    throw Failure{grpc::INVALID_ARGUMENT, std::string("request is not a valid ") + name, "undecodable"};
+  return message;
+}
+
+bool constant_time_equal(const std::string& a, const std::string& b) {
+  unsigned char diff = a.size() != b.size();
+  for (size_t i = 0; i < a.size(); ++i) diff |= static_cast<unsigned char>(a[i] ^ b[i % std::max<size_t>(1, b.size())]);
+  return diff == 0;
+}
+
+// ------------------------------------------------------------------ OIP tensors (server/adapters/oip/codec.py)
+constexpr const char* kDense = "dense_features";
+constexpr const char* kEmbeddings = "embeddings";
+constexpr const char* kScores = "scores";
+
+int width_of(const std::string& datatype) {
+  if (datatype == "INT64") return 8;
+  if (datatype == "INT32" || datatype == "FP32") return 4;
+  if (datatype == "FP16") return 2;
+  return 0;
+}
+
+struct Input {
+  std::string name, datatype;
+  std::vector<int64_t> shape;
+  Array data;  // width of the datatype
+};
+
+// "<feature>__<role>" or dense_features; false when the name is neither
+bool split_name(const std::string& name, std::string& feature, std::string& role) {
+  if (name == kDense) {
+    feature = role = kDense;
+    return true;
+  }
+  const size_t at = name.rfind("__");
+  if (at == std::string::npos || at == 0) return false;
+  feature = name.substr(0, at);
+  role = name.substr(at + 2);
+  return role == "values" || role == "lengths" || role == "offsets" || role == "weights";
+}
+
+BadRequest refused_datatype(const std::string& name, const std::string& datatype) {
+  std::string feature, role;
+  if (!split_name(name, feature, role))
+    return BadRequest("input " + py_repr(clip(name)) + ": datatype " + py_repr(clip(datatype)) +
+                      " is not supported; use one of ['FP16', 'FP32', 'INT32', 'INT64']");
+  std::string rule, allowed;
+  if (role == "values") {
+    rule = "values must be a 1-D int64 or int32 tensor of ids";
+    allowed = "INT64 or INT32";
+  } else if (role == "lengths" || role == "offsets") {
+    rule = "lengths must be a 1-D int32 (or int64) tensor";
+    allowed = "INT64 or INT32";
+  } else if (role == "weights") {
+    rule = "weights must be a 1-D float32 tensor with one weight per id";
+    allowed = "FP32";
+  } else {
+    rule = "dense_features must be float32 [batch, num_dense_features]";
+    allowed = "FP32";
+  }
+  return BadRequest("input " + py_repr(clip(name)) + ": " + rule + ", got " + clip(datatype) + " (send " + allowed +
+                    ")");
+}
+
+bool allowed_datatype(const std::string& role, const std::string& datatype) {
+  if (role == "values" || role == "lengths" || role == "offsets") return datatype == "INT64" || datatype == "INT32";
+  return datatype == "FP32";
+}
+
+// _checked_shape: the element count of a known datatype's shape
+int64_t checked_count(const std::string& name, const std::string& datatype, const std::vector<int64_t>& dims,
+                      __int128& exact) {
+  if (!width_of(datatype)) throw refused_datatype(name, datatype);
+  for (int64_t d : dims)
+    if (d < 0) throw BadRequest("input " + py_repr(name) + ": shape " + shape_text(dims) + " has a negative dimension");
+  exact = 1;
+  for (int64_t d : dims) {
+    exact *= d;
+    if (exact > (static_cast<__int128>(1) << 80)) exact = static_cast<__int128>(1) << 80;  // far past any message
+  }
+  return exact > INT64_MAX / 8 ? INT64_MAX / 8 : static_cast<int64_t>(exact);
+}
+
+std::string wide(__int128 value) {
+  if (value <= INT64_MAX) return std::to_string(static_cast<int64_t>(value));
+  std::string digits;
+  while (value > 0) {
+    digits.insert(digits.begin(), static_cast<char>('0' + static_cast<int>(value % 10)));
+    value /= 10;
+  }
+  return digits;
+}
+
+bool parameter_flag(const google::protobuf::Map<std::string, oip::InferParameter>& parameters, const char* name) {
+  auto it = parameters.find(name);
+  if (it == parameters.end()) return false;
+  const auto& p = it->second;
+  switch (p.parameter_choice_case()) {
+    case oip::InferParameter::kBoolParam: return p.bool_param();
+    case oip::InferParameter::kInt64Param: return p.int64_param() != 0;
+    case oip::InferParameter::kDoubleParam: return p.double_param() != 0.0;
+    case oip::InferParameter::kUint64Param: return p.uint64_param() != 0;
+    case oip::InferParameter::kStringParam: {
+      std::string s = p.string_param();
+      size_t b = s.find_first_not_of(" \t\n\r\f\v"), e = s.find_last_not_of(" \t\n\r\f\v");
+      s = b == std::string::npos ? "" : s.substr(b, e - b + 1);
+      std::transform(s.begin(), s.end(), s.begin(), [](unsigned char c) { return std::tolower(c); });
+      return s == "1" || s == "true" || s == "yes";
+    }
+    default: return false;
+  }
+}
+
+}  // namespace
+
+// A service of `name` for reflection's list only: every real method is left to the generic service; the one
+// method registered here has a name no client calls (grpc lists a service by its registered methods).
+class ListedService : public grpc::Service {
+ public:
+  explicit ListedService(const std::string& name) : path_("/" + name + "/.listed-for-reflection") {
+    AddMethod(new grpc::internal::RpcServiceMethod(path_.c_str(), grpc::internal::RpcMethod::NORMAL_RPC, nullptr));
+  }
+
+ private:
+  std::string path_;
+};
+
+// ============================================================================================ one call
+class Service::Call {
+ public:
+  Call(Service& service, grpc::ServerCompletionQueue* queue) : service_(service), queue_(queue), stream_(&context_) {}
+
+  void arm() {
+    state_ = State::Requested;
+    service_.generic_.RequestCall(&context_, &stream_, queue_, queue_, this);
+  }
+
+  void proceed(bool ok) {
+    switch (state_) {
+      case State::Requested:
+        if (!ok) {  // the server is shutting down
+          delete this;
+          return;
+        }
+        (new Call(service_, queue_))->arm();  // the next call's slot, before this one's work
+        state_ = State::Reading;
+        ++service_.open_calls_;
+        stream_.Read(&request_, this);
+        return;
+      case State::Reading:
+        if (!ok) {
+          finish_status(grpc::Status(grpc::INVALID_ARGUMENT, "the call carried no request message"));
+          return;
+        }
+        handle();
+        return;
+      case State::Finishing:
+        --service_.open_calls_;
+        delete this;
+        return;
+    }
+  }
+
+ private:
+  enum class State { Requested, Reading, Finishing };
+  Service& service_;
+  grpc::ServerCompletionQueue* queue_;
+  grpc::GenericServerContext context_;
+  grpc::GenericServerAsyncReaderWriter stream_;
+  grpc::ByteBuffer request_;
+  State state_ = State::Requested;
+  std::string method_;
+  Clock::time_point started_;
+  bool tracked_ = false;  // counted in flight (the drain waits for it)
+  // a model call waiting for its batch: the decoded message (the request's views point into it), the request,
+  // the response bytes the forward writes into
+  v1::LookupRequest lookup_;
+  v1::PredictRequest predict_;
+  oip::ModelInferRequest infer_;
+  Request request_model_;
+  std::string reply_;
+  embserve::server::Call batch_call_;
+
+  // ---------------------------------------------------------------- answers
+  void finish_status(const grpc::Status& status) {
+    state_ = State::Finishing;
+    stream_.Finish(status, this);
+  }
+
+  void answer(std::string&& bytes) {
+    record(grpc::OK, nullptr);
+    state_ = State::Finishing;
+    stream_.WriteAndFinish(buffer_of(std::move(bytes)), grpc::WriteOptions(), grpc::Status::OK, this);
+  }
+
+  void refuse(grpc::StatusCode code, const std::string& message, const char* reason) {
+    record(code, reason);
+    finish_status(grpc::Status(code, bounded(message)));
+  }
+
+  void record(grpc::StatusCode code, const char* reason) {
+    if (reason != nullptr && *reason) service_.metrics_->rejected(reason);
+    if (tracked_) {
+      service_.metrics_->call(method_, code_name(code), std::chrono::duration<double>(Clock::now() - started_).count());
+      tracked_ = false;
+      --service_.in_flight_;
+    }
+  }
+
+  void internal(const std::exception& err) {
+    static std::mutex mutex;
+    static std::map<std::string, int64_t> counts;
+    static std::mt19937_64 random{std::random_device{}()};
+    std::string id;
+    {
+      std::lock_guard<std::mutex> lock(mutex);
+      char text[17];
+      std::snprintf(text, sizeof(text), "%016llx", static_cast<unsigned long long>(random()));
+      id.assign(text, 12);
+      const int64_t count = ++counts[method_];
+      std::string digits = std::to_string(count);
+      if (count == 1)
+        std::cerr << "ERROR embserve-server: " << method_ << " failed (request id " << id << "): " << err.what()
+                  << std::endl;
+      else if (digits.find_first_not_of('0', 1) == std::string::npos && digits[0] == '1')
+        std::cerr << "ERROR embserve-server: " << method_ << " failed again (request id " << id << "): " << count
+                  << " failures so far" << std::endl;
+    }
+    refuse(grpc::INTERNAL, "internal error (request id " + id + "); see the server log", "internal");
+  }
+
+  // ---------------------------------------------------------------- dispatch
+  void handle() {
+    started_ = Clock::now();
+    method_ = context_.method();
+    const bool v1_method = method_.rfind(kV1, 0) == 0, oip_method = method_.rfind(kOip, 0) == 0;
+    const std::string name = method_.substr(method_.rfind('/') + 1);
+    try {
+      if (!service_.options_.auth_token.empty() && !(oip_method && (name == "ServerLive" || name == "ServerReady")))
+        check_token();
+      if (v1_method) {
+        if (name == "Lookup") return begin_tracked(name), lookup();
+        if (name == "Predict") return begin_tracked(name), predict();
+        if (name == "GetModelMetadata") return v1_metadata();
+      } else if (oip_method) {
+        if (name == "ServerLive") return oip_simple<oip::ServerLiveResponse>([](auto& r) { r.set_live(true); });
+        if (name == "ServerReady")
+          return oip_simple<oip::ServerReadyResponse>([this](auto& r) { r.set_ready(service_.oip_ready()); });
+        if (name == "ServerMetadata") return answer(std::string(service_.server_metadata_));
+        begin_tracked(name);
+        if (name == "ModelInfer") return model_infer();
+        if (name == "ModelReady") return model_ready();
+        if (name == "ModelMetadata") return model_metadata();
+        if (name == "ModelConfig") return model_config();
+        if (name == "RepositoryIndex") return repository_index();
+        if (name == "RepositoryModelLoad") return repository_load(false);
+        if (name == "RepositoryModelUnload") return repository_load(true);
+      }
+      refuse(grpc::UNIMPLEMENTED, "unknown method " + clip(method_), "");
+    } catch (const Failure& failure) {
+      refuse(failure.code, failure.message, failure.reason);
+    } catch (const BadRequest& err) {
+      refuse(grpc::INVALID_ARGUMENT, err.what(), "invalid");
+    } catch (const std::exception& err) {
+      internal(err);
+    }
+  }
+
+  void begin_tracked(const std::string& name) {
+    method_ = name;
+    tracked_ = true;
+    ++service_.in_flight_;
+    service_.last_arrival_ns_ = Clock::now().time_since_epoch().count();
+  }
+
+  void check_token() {
+    const auto& metadata = context_.client_metadata();
+    const std::string expected = "Bearer " + service_.options_.auth_token;
+    for (auto it = metadata.find("authorization"); it != metadata.end() && it->first == "authorization"; ++it)
+      if (constant_time_equal(std::string(it->second.data(), it->second.size()), expected)) return;
+    throw Failure{grpc::UNAUTHENTICATED, "missing or wrong bearer token (metadata 'authorization')", ""};
+  }
+
+  template <typename Response, typename Fill>
+  void oip_simple(Fill fill) {
+    Response response;
+    fill(response);
+    answer(response.SerializeAsString());
+  }
+
+  // warm-up and drain (server.pipeline.Pipeline.accept)
+  void accept() {
+    if (!service_.ready_) throw Failure{grpc::UNAVAILABLE, "the server is warming up; retry shortly", "warming_up"};
+    if (service_.closing_) throw Failure{grpc::UNAVAILABLE, kDraining, "draining"};
+  }
+
+  // SingleModel.find: the one model, version "1" (or empty)
+  void find(const std::string& name, const std::string& version) {
+    const ModelInfo& info = service_.info_;
+    if (name != info.name)
+      throw Failure{grpc::NOT_FOUND,
+                    "unknown model " + py_repr(name) + "; this server serves " + py_list({info.name}), "not_found"};
+    if (!version.empty() && version != "1")
+      throw Failure{grpc::NOT_FOUND,
+                    "model " + py_repr(name) + " has no version " + py_repr(version) + "; its versions are ['1']",
+                    "not_found"};
+  }
+
+  // v1 requests naming a model (InferenceServicer._target with one artifact)
+  void target(const std::string& name, const std::string& version) {
+    if (name.empty() && version.empty()) return;
+    find(name.empty() ? service_.info_.name : name, version);
+  }
+
+  void check_deadline() {
+    if (context_.deadline() < std::chrono::system_clock::now())
+      throw Failure{grpc::DEADLINE_EXCEEDED, "the deadline passed before the request was batched", "deadline"};
+  }
+
+  void submit(Batcher& batcher) {
+    if (request_model_.batch > service_.options_.max_batch_size)
+      throw BadRequest(too_large(request_model_.batch, service_.options_.max_batch_size));
+    batch_call_.request = &request_model_;
+    if (!batcher.submit(&batch_call_))
+      throw Failure{grpc::RESOURCE_EXHAUSTED,
+                    "the request queue is full (" + std::to_string(service_.options_.batching.max_queue) +
+                        " requests); retry later",
+                    "queue_full"};
+  }
+
+  void on_done(Outcome outcome, const std::string& message) {
+    if (outcome == Outcome::Ok) return answer(std::move(reply_));
+    if (outcome == Outcome::BadRequest) return refuse(grpc::INVALID_ARGUMENT, message, "invalid");
+    internal(std::runtime_error(message));
+  }
+
+  // ---------------------------------------------------------------- embserve.v1
+  void decode_sparse(const v1::SparseFeatures& sparse) {
+    const ModelShape& shape = service_.shape_;
+    Request& r = request_model_;
+    if (sparse.form_case() == v1::SparseFeatures::kPacked) {
+      const v1::PackedFeatures& packed = sparse.packed();
+      if (packed.id_type() != v1::ID_TYPE_INT64 && packed.id_type() != v1::ID_TYPE_INT32)
+        throw BadRequest("unknown id_type " + std::to_string(packed.id_type()) +
+                         "; use ID_TYPE_INT64 or ID_TYPE_INT32");
+      const int width = packed.id_type() == v1::ID_TYPE_INT64 ? 8 : 4;
+      std::vector<std::string> keys(packed.feature_order().begin(), packed.feature_order().end());
+      if (keys.empty()) throw BadRequest("packed.feature_order is empty; list the features of `lengths` in order");
+      auto check = [](const std::string& data, int w, const char* what, const char* dtype) {
+        if (data.size() % static_cast<size_t>(w))
+          throw BadRequest(std::string(what) + " has " + std::to_string(data.size()) + " bytes, not a multiple of " +
+                           std::to_string(w) + " (" + dtype + " values)");
+      };
+      check(packed.ids(), width, "packed.ids", width == 8 ? "torch.int64" : "torch.int32");
+      check(packed.lengths(), 4, "packed.lengths", "torch.int32");
+      if (!packed.weights().empty()) check(packed.weights(), 4, "packed.weights", "torch.float32");
+      Array ids{r.aligned(packed.ids().data(), static_cast<int64_t>(packed.ids().size()), width), width,
+                static_cast<int64_t>(packed.ids().size()) / width};
+      Array lengths{r.aligned(packed.lengths().data(), static_cast<int64_t>(packed.lengths().size()), 4), 4,
+                    static_cast<int64_t>(packed.lengths().size()) / 4};
+      const float* weights = nullptr;
+      const int64_t num_weights = static_cast<int64_t>(packed.weights().size()) / 4;
+      if (!packed.weights().empty())
+        weights = static_cast<const float*>(
+            r.aligned(packed.weights().data(), static_cast<int64_t>(packed.weights().size()), 4));
+      validate_concatenated(keys, ids, lengths, weights, num_weights, shape, r);
+    } else if (sparse.form_case() == v1::SparseFeatures::kTyped) {
+      const auto& typed = sparse.typed().features();
+      if (typed.empty()) throw BadRequest("typed.features is empty");
+      std::vector<std::string> keys;
+      for (const auto& [key, bags] : typed) keys.push_back(key);
+      std::set<int> sizes;
+      for (const auto& key : keys) sizes.insert(typed.at(key).lengths_size());
+      if (sizes.size() > 1) {
+        std::string text;
+        for (size_t i = 0; i < keys.size() && i < 5; ++i)
+          text += (i ? ", '" : "'") + clip(keys[i]) + "': " + std::to_string(typed.at(keys[i]).lengths_size());
+        throw BadRequest("features have different batch sizes (" + text + ", ...); send one length per example");
+      }
+      bool weighted = false;
+      for (const auto& key : keys) weighted = weighted || typed.at(key).weights_size() > 0;
+      for (const auto& key : keys) {
+        const auto& bags = typed.at(key);
+        int64_t total = 0, shortest = 0;
+        for (int32_t length : bags.lengths()) {
+          total += length;
+          shortest = std::min<int64_t>(shortest, length);
+        }
+        if (total != bags.ids_size() && shortest >= 0)
+          throw BadRequest("feature '" + clip(key) + "': lengths sum to " + std::to_string(total) + " but it has " +
+                           std::to_string(bags.ids_size()) + " ids");
+        if (weighted && bags.weights_size() != bags.ids_size())
+          throw BadRequest("feature '" + clip(key) + "': " + std::to_string(bags.weights_size()) + " weights for " +
+                           std::to_string(bags.ids_size()) + " ids; weight every id, or none");
+      }
+      r.storage.emplace_back();
+      r.storage.emplace_back();
+      r.storage.emplace_back();
+      auto& id_bytes = r.storage[r.storage.size() - 3];
+      auto& length_bytes = r.storage[r.storage.size() - 2];
+      auto& weight_bytes = r.storage[r.storage.size() - 1];
+      for (const auto& key : keys) {
+        const auto& bags = typed.at(key);
+        auto add = [](std::vector<char>& out, const void* data, size_t size) {
+          out.insert(out.end(), static_cast<const char*>(data), static_cast<const char*>(data) + size);
+        };
+        add(id_bytes, bags.ids().data(), sizeof(int64_t) * static_cast<size_t>(bags.ids_size()));
+        add(length_bytes, bags.lengths().data(), sizeof(int32_t) * static_cast<size_t>(bags.lengths_size()));
+        if (weighted) add(weight_bytes, bags.weights().data(), sizeof(float) * static_cast<size_t>(bags.weights_size()));
+      }
+      Array ids{id_bytes.data(), 8, static_cast<int64_t>(id_bytes.size() / 8)};
+      Array lengths{length_bytes.data(), 4, static_cast<int64_t>(length_bytes.size() / 4)};
+      const float* weights = weighted ? reinterpret_cast<const float*>(weight_bytes.data()) : nullptr;
+      validate_concatenated(keys, ids, lengths, weights, static_cast<int64_t>(weight_bytes.size() / 4), shape, r);
+    } else {
+      throw BadRequest("request carries no sparse features (set sparse.typed or sparse.packed)");
+    }
+  }
+
+  void lookup() {
+    lookup_ = parsed<v1::LookupRequest>(request_, "LookupRequest");
+    accept();
+    const int output_type = lookup_.output_type();
+    if (output_type != v1::OUTPUT_TYPE_FP32 && output_type != v1::OUTPUT_TYPE_FP16)
+      throw BadRequest("unknown output_type " + std::to_string(output_type));
+    target(lookup_.model_name(), lookup_.model_version());
+    const auto decoding = Clock::now();
+    decode_sparse(lookup_.sparse());
+    service_.metrics_->stage("decode", std::chrono::duration<double>(Clock::now() - decoding).count());
+    check_deadline();
+    const ModelShape& shape = service_.shape_;
+    const bool fp16 = output_type == v1::OUTPUT_TYPE_FP16;
+    v1::LookupResponse head;
+    head.set_batch_size(static_cast<int32_t>(request_model_.batch));
+    head.set_dim(static_cast<int32_t>(shape.output_dim));
+    head.set_output_type(static_cast<v1::OutputType>(output_type));
+    for (const auto& f : shape.features) {
+      auto* column = head.add_columns();
+      column->set_feature(f.name);
+      column->set_start(static_cast<int32_t>(f.column_start));
+      column->set_end(static_cast<int32_t>(f.column_end));
+    }
+    head.set_model_version(service_.info_.version);
+    std::vector<size_t> offsets;
+    const size_t size = static_cast<size_t>(request_model_.batch * shape.output_dim) * (fp16 ? 2 : 4);
+    if (request_model_.batch * shape.output_dim > 0) {
+      reply_ = with_bytes_fields(head.SerializeAsString(), v1::LookupResponse::kEmbeddingsFieldNumber, {size}, offsets);
+      batch_call_.embeddings = reply_.data() + offsets[0];
+    } else {
+      reply_ = head.SerializeAsString();
+    }
+    batch_call_.embeddings_fp16 = fp16;
+    batch_call_.done = [this](Outcome outcome, const std::string& message) { on_done(outcome, message); };
+    submit(*service_.lookups_);
+  }
+
+  void predict() {
+    predict_ = parsed<v1::PredictRequest>(request_, "PredictRequest");
+    accept();
+    target(predict_.model_name(), predict_.model_version());
+    if (!service_.predictions_)
+      throw Failure{grpc::FAILED_PRECONDITION, "this model has no dense part; call Lookup", "no_dense_part"};
+    const auto decoding = Clock::now();
+    decode_sparse(predict_.sparse());
+    const std::string& dense = predict_.dense_features();
+    if (dense.size() % 4)
+      throw BadRequest("dense_features has " + std::to_string(dense.size()) +
+                       " bytes, not a multiple of 4 (torch.float32 values)");
+    const int64_t num_dense = service_.shape_.num_dense_features;
+    if (static_cast<int64_t>(dense.size() / 4) != request_model_.batch * num_dense)
+      throw BadRequest("dense_features holds " + std::to_string(dense.size() / 4) + " floats; expected batch " +
+                       std::to_string(request_model_.batch) + " x " + std::to_string(num_dense) + " features");
+    request_model_.dense =
+        static_cast<const float*>(request_model_.aligned(dense.data(), static_cast<int64_t>(dense.size()), 4));
+    service_.metrics_->stage("decode", std::chrono::duration<double>(Clock::now() - decoding).count());
+    check_deadline();
+    v1::PredictResponse head;
+    head.set_batch_size(static_cast<int32_t>(request_model_.batch));
+    head.set_model_version(service_.info_.version);
+    std::vector<size_t> offsets;
+    if (request_model_.batch > 0) {
+      reply_ = with_bytes_fields(head.SerializeAsString(), v1::PredictResponse::kScoresFieldNumber,
+                                 {static_cast<size_t>(request_model_.batch) * 4}, offsets);
+      batch_call_.scores = reinterpret_cast<float*>(reply_.data() + offsets[0]);
+    } else {
+      reply_ = head.SerializeAsString();
+    }
+    batch_call_.done = [this](Outcome outcome, const std::string& message) { on_done(outcome, message); };
+    submit(*service_.predictions_);
+  }
+
+  void v1_metadata() {
+    if (service_.closing_) {
+      service_.metrics_->call("GetModelMetadata", "UNAVAILABLE", 0.0);
+      throw Failure{grpc::UNAVAILABLE, kDraining, ""};
+    }
+    v1::GetModelMetadataRequest request;
+    if (parse(request_, request) && (!request.model_name().empty() || !request.model_version().empty())) {
+      begin_tracked("GetModelMetadata");
+      target(request.model_name(), request.model_version());
+      return answer(std::string(service_.v1_metadata_));
+    }
+    service_.metrics_->call("GetModelMetadata", "OK", 0.0);
+    answer(std::string(service_.v1_metadata_));
+  }
+
+  // ---------------------------------------------------------------- the Open Inference Protocol
+  void model_ready() {
+    auto request = parsed<oip::ModelReadyRequest>(request_, "ModelReadyRequest");
+    bool ready = service_.oip_ready();
+    try {
+      find(request.name(), request.version());
+    } catch (const Failure&) {
+      ready = false;
+    }
+    oip::ModelReadyResponse response;
+    response.set_ready(ready);
+    answer(response.SerializeAsString());
+  }
+
+  void model_metadata() {
+    auto request = parsed<oip::ModelMetadataRequest>(request_, "ModelMetadataRequest");
+    find(request.name(), request.version());
+    answer(std::string(service_.oip_metadata_));
+  }
+
+  // the model-configuration extension: Triton's ModelConfig of the one model (ServedModel.config)
+  void model_config() {
+    auto request = parsed<oip::ModelConfigRequest>(request_, "ModelConfigRequest");
+    find(request.name(), request.version());
+    answer(std::string(service_.oip_config_));
+  }
+
+  void repository_index() {
+    parsed<oip::RepositoryIndexRequest>(request_, "RepositoryIndexRequest");
+    oip::RepositoryIndexResponse response;
+    auto* model = response.add_models();
+    model->set_name(service_.info_.name);
+    model->set_version("1");
+    model->set_state("READY");
+    answer(response.SerializeAsString());
+  }
+
+  void repository_load(bool unload) {
+    std::string name;
+    if (unload) {
+      name = parsed<oip::RepositoryModelUnloadRequest>(request_, "RepositoryModelUnloadRequest").model_name();
+    } else {
+      name = parsed<oip::RepositoryModelLoadRequest>(request_, "RepositoryModelLoadRequest").model_name();
+    }
+    find(name, "");
+    if (unload)
+      throw Failure{grpc::FAILED_PRECONDITION,
+                    "this server serves one artifact; start it on a repository (REPO/<model>/<version>/) to unload "
+                    "models",
+                    "unsupported"};
+    answer(oip::RepositoryModelLoadResponse().SerializeAsString());
+  }
+
+  // grpc_inputs: every input's name, datatype, shape and data (raw bytes or typed contents), sizes checked
+  std::vector<Input> oip_inputs() {
+    const auto& raw = infer_.raw_input_contents();
+    if (raw.size() && raw.size() != infer_.inputs_size())
+      throw BadRequest("raw_input_contents has " + std::to_string(raw.size()) + " entries for " +
+                       std::to_string(infer_.inputs_size()) +
+                       " inputs; send every input raw (one entry each, in order) or every input as typed contents");
+    std::vector<Input> inputs;
+    for (int i = 0; i < infer_.inputs_size(); ++i) {
+      const auto& tensor = infer_.inputs(i);
+      Input input{tensor.name(), tensor.datatype(), {tensor.shape().begin(), tensor.shape().end()}, {}};
+      __int128 exact = 0;
+      if (raw.size()) {
+        const int64_t count = checked_count(input.name, input.datatype, input.shape, exact);
+        const int width = width_of(input.datatype);
+        const std::string& bytes = raw.Get(i);
+        if (static_cast<__int128>(bytes.size()) != exact * width)
+          throw BadRequest("input " + py_repr(input.name) + ": " + std::to_string(bytes.size()) +
+                           " bytes of raw data for shape " + shape_text(input.shape) + " " + input.datatype +
+                           " (expected " + wide(exact * width) + " bytes)");
+        input.data = {request_model_.aligned(bytes.data(), static_cast<int64_t>(bytes.size()), width), width, count};
+      } else {
+        const auto& contents = tensor.contents();
+        const void* data = nullptr;
+        int64_t given = 0;
+        int width = 0;
+        if (input.datatype == "INT64") {
+          data = contents.int64_contents().data(), given = contents.int64_contents_size(), width = 8;
+        } else if (input.datatype == "INT32") {
+          data = contents.int_contents().data(), given = contents.int_contents_size(), width = 4;
+        } else if (input.datatype == "FP32") {
+          data = contents.fp32_contents().data(), given = contents.fp32_contents_size(), width = 4;
+        } else if (input.datatype == "FP16") {
+          throw BadRequest("input " + py_repr(input.name) + ": FP16 data travel raw (raw_input_contents)");
+        } else {
+          throw refused_datatype(input.name, input.datatype);
+        }
+        checked_count(input.name, input.datatype, input.shape, exact);
+        if (static_cast<__int128>(given) != exact)
+          throw BadRequest("input " + py_repr(input.name) + ": " + std::to_string(given) + " elements for shape " +
+                           shape_text(input.shape) + " (expected " + wide(exact) + ")");
+        input.data = {data, width, given};
+      }
+      inputs.push_back(std::move(input));
+    }
+    return inputs;
+  }
+
+  // decode_inputs + _checked_batch: per-feature inputs to one validated request in model order
+  void decode_oip(const std::vector<Input>& inputs) {
+    const ModelShape& shape = service_.shape_;
+    struct Roles {
+      const Input* values = nullptr;
+      const Input* lengths = nullptr;
+      const Input* offsets = nullptr;
+      const Input* weights = nullptr;
+    };
+    std::vector<std::string> keys;
+    std::map<std::string, Roles> by_feature;
+    const Input* dense = nullptr;
+    for (const Input& input : inputs) {
+      std::string feature, role;
+      if (!split_name(input.name, feature, role))
+        throw BadRequest("unknown input tensor " + py_repr(input.name) +
+                         "; inputs are '<feature>__values', '<feature>__lengths' or '<feature>__offsets', "
+                         "'<feature>__weights' and 'dense_features'");
+      if (!allowed_datatype(role, input.datatype)) throw refused_datatype(input.name, input.datatype);
+      if (role == kDense) {
+        if (dense != nullptr) throw BadRequest("input 'dense_features' appears twice");
+        dense = &input;
+        continue;
+      }
+      if (!by_feature.count(feature)) keys.push_back(feature);
+      Roles& roles = by_feature[feature];
+      const Input** slot = role == "values"    ? &roles.values
+                           : role == "lengths" ? &roles.lengths
+                           : role == "offsets" ? &roles.offsets
+                                               : &roles.weights;
+      if (*slot != nullptr) throw BadRequest("input " + py_repr(input.name) + " appears twice");
+      *slot = &input;
+    }
+    std::vector<std::string> expected;
+    for (const auto& f : shape.features) expected.push_back(f.name);
+    if (keys.empty())
+      throw BadRequest("missing feature(s) " + py_list(expected) +
+                       "; send '<feature>__values' and '<feature>__lengths' (or '__offsets') for every feature");
+    if (std::set<std::string>(keys.begin(), keys.end()) != std::set<std::string>(expected.begin(), expected.end())) {
+      Request empty;  // validate names the unknown or missing features, in the library's words
+      validate_concatenated(keys, Array{nullptr, 8, 0}, Array{nullptr, 4, 0}, nullptr, 0, shape, empty);
+    }
+    auto one_dim = [](const Input& input, const std::string& key) {
+      (void)key;
+      if (input.shape.size() != 1)
+        throw BadRequest("input " + py_repr(input.name) + " must be 1-D, got shape " + shape_text(input.shape));
+    };
+    Request& r = request_model_;
+    std::vector<Array> values(keys.size()), lengths(keys.size());
+    std::vector<const float*> weights(keys.size(), nullptr);
+    for (size_t k = 0; k < keys.size(); ++k) {
+      const std::string& key = keys[k];
+      const Roles& roles = by_feature[key];
+      if (roles.values == nullptr) throw BadRequest("feature " + py_repr(key) + ": '" + key + "__values' is missing");
+      one_dim(*roles.values, key);
+      values[k] = roles.values->data;
+      if (roles.lengths != nullptr && roles.offsets != nullptr)
+        throw BadRequest("feature " + py_repr(key) + ": send '" + key + "__lengths' or '" + key +
+                         "__offsets', not both");
+      if (roles.lengths != nullptr) {
+        one_dim(*roles.lengths, key);
+        lengths[k] = roles.lengths->data;
+      } else if (roles.offsets == nullptr) {
+        throw BadRequest("feature " + py_repr(key) + ": '" + key + "__lengths' (or '" + key + "__offsets') is missing");
+      } else {
+        one_dim(*roles.offsets, key);
+        const Array& offsets = roles.offsets->data;
+        const int64_t num_values = values[k].count;
+        if (offsets.count == 0 || offsets.at(0) != 0 || offsets.at(offsets.count - 1) != num_values)
+          throw BadRequest("feature " + py_repr(key) + ": offsets must start at 0 and end at the " +
+                           std::to_string(num_values) + " ids (batch + 1 entries), got first " +
+                           (offsets.count ? std::to_string(offsets.at(0)) : "None") + " and last " +
+                           (offsets.count ? std::to_string(offsets.at(offsets.count - 1)) : "None"));
+        r.storage.emplace_back(static_cast<size_t>(offsets.count - 1) * 8);
+        auto* diffs = reinterpret_cast<int64_t*>(r.storage.back().data());
+        for (int64_t i = 0; i + 1 < offsets.count; ++i) {
+          // offsets are int64 at most: their difference can overflow only past any valid id count
+          diffs[i] = static_cast<int64_t>(static_cast<uint64_t>(offsets.at(i + 1)) - static_cast<uint64_t>(offsets.at(i)));
+          if (offsets.at(i + 1) < offsets.at(i))
+            throw BadRequest("feature '" + key + "': bag " + std::to_string(i) + " has negative length " +
+                             std::to_string(diffs[i]));
+        }
+        lengths[k] = Array{diffs, 8, offsets.count - 1};
+      }
+      if (roles.weights != nullptr) {
+        one_dim(*roles.weights, key);
+        weights[k] = static_cast<const float*>(roles.weights->data.data);
+      }
+    }
+    // _checked_batch
+    int64_t total_entries = 0, total_ids = 0;
+    for (size_t k = 0; k < keys.size(); ++k) total_entries += lengths[k].count, total_ids += values[k].count;
+    const int64_t num_features = static_cast<int64_t>(keys.size());
+    if (total_entries % num_features)
+      throw BadRequest("lengths has " + std::to_string(total_entries) + " entries, not a multiple of the " +
+                       std::to_string(num_features) + " features; features have inconsistent batch sizes");
+    for (size_t k = 1; k < keys.size(); ++k)
+      if (lengths[k].count != lengths[0].count)
+        throw BadRequest("feature " + py_repr(keys[k]) + " has " + std::to_string(lengths[k].count) +
+                         " bags but feature " + py_repr(keys[0]) + " has " + std::to_string(lengths[0].count) +
+                         "; every feature needs one bag per example");
+    for (size_t k = 0; k < keys.size(); ++k)
+      for (int64_t b = 0; b < lengths[k].count; ++b)
+        if (lengths[k].at(b) < 0)
+          throw BadRequest("feature '" + keys[k] + "': bag " + std::to_string(b) + " has negative length " +
+                           std::to_string(lengths[k].at(b)));
+    for (size_t k = 0; k < keys.size(); ++k)
+      for (int64_t b = 0; b < lengths[k].count; ++b)
+        if (lengths[k].at(b) > total_ids)
+          throw BadRequest("feature '" + keys[k] + "': bag " + std::to_string(b) + " has length " +
+                           std::to_string(lengths[k].at(b)) + " but the batch has only " + std::to_string(total_ids) +
+                           " ids");
+    std::vector<int64_t> sums(keys.size(), 0);
+    int64_t sum = 0;
+    for (size_t k = 0; k < keys.size(); ++k) {
+      for (int64_t b = 0; b < lengths[k].count; ++b) sums[k] += lengths[k].at(b);
+      sum += sums[k];
+    }
+    auto lengths_sum = [](int64_t total, int64_t num_ids) {
+      return "lengths sum to " + std::to_string(total) + " but there are " + std::to_string(num_ids) +
+             " ids; lengths must add up to the number of ids";
+    };
+    if (sum != total_ids) throw BadRequest(lengths_sum(sum, total_ids));
+    for (size_t k = 0; k < keys.size(); ++k)
+      if (sums[k] != values[k].count)
+        throw BadRequest("feature " + py_repr(keys[k]) + ": " + lengths_sum(sums[k], values[k].count));
+    const bool weighted = std::any_of(weights.begin(), weights.end(), [](const float* w) { return w != nullptr; });
+    if (weighted) {
+      auto count = [](const std::string& what, int64_t given, int64_t num_ids) {
+        return what + "weights has " + std::to_string(given) + " entries but there are " + std::to_string(num_ids) +
+               " ids; give one weight per id";
+      };
+      int64_t given = 0;
+      for (size_t k = 0; k < keys.size(); ++k)
+        given += roles_weights_count(by_feature[keys[k]].weights, values[k].count);
+      if (given != total_ids) throw BadRequest(count("", given, total_ids));
+      for (size_t k = 0; k < keys.size(); ++k) {
+        const int64_t part = roles_weights_count(by_feature[keys[k]].weights, values[k].count);
+        if (part != values[k].count) throw BadRequest(count("feature " + py_repr(keys[k]) + ": ", part, values[k].count));
+      }
+    }
+    // validate: ids in range (request order), then the model order
+    std::map<std::string, size_t> model_index;
+    for (size_t i = 0; i < shape.features.size(); ++i) model_index[shape.features[i].name] = i;
+    for (size_t k = 0; k < keys.size(); ++k) {
+      const int64_t rows = shape.features[model_index[keys[k]]].num_embeddings;
+      for (int64_t i = 0; i < values[k].count; ++i) {
+        const int64_t id = values[k].at(i);
+        if (id < 0 || id >= rows)
+          throw BadRequest("feature '" + keys[k] + "': id " + std::to_string(id) + " is out of range [0, " +
+                           std::to_string(rows) + ") (id #" + std::to_string(i) + " of the feature)");
+      }
+    }
+    r.batch = lengths[0].count;
+    r.weighted = weighted;
+    r.features.assign(keys.size(), FeatureSlice{});
+    for (size_t k = 0; k < keys.size(); ++k) {
+      FeatureSlice& slice = r.features[model_index[keys[k]]];
+      slice.ids = values[k];
+      slice.lengths = lengths[k];
+      slice.weights = weights[k];
+    }
+    r.contiguous = false;
+    if (dense != nullptr) {
+      const int64_t num_dense = shape.num_dense_features;
+      if (dense->shape != std::vector<int64_t>{r.batch, num_dense})
+        throw BadRequest("input 'dense_features': dense_features must have shape [" + std::to_string(r.batch) + ", " +
+                         std::to_string(num_dense) + "], got " + shape_text(dense->shape));
+      r.dense = static_cast<const float*>(dense->data.data);
+    }
+  }
+
+  static int64_t roles_weights_count(const Input* weights, int64_t num_values) {
+    return weights != nullptr ? weights->data.count : num_values;
+  }
+
+  void model_infer() {
+    infer_ = parsed<oip::ModelInferRequest>(request_, "ModelInferRequest");
+    accept();
+    const bool fp16 = parameter_flag(infer_.parameters(), "output_fp16");
+    find(infer_.model_name(), infer_.model_version());
+    const auto decoding = Clock::now();
+    decode_oip(oip_inputs());
+    const ModelShape& shape = service_.shape_;
+    const bool has_dense = shape.num_dense_features > 0;
+    if (request_model_.dense != nullptr && !has_dense)
+      throw BadRequest("this model has no dense part; drop the input 'dense_features'");
+    // choose_outputs
+    std::vector<std::pair<std::string, bool>> outputs;  // name, fp16
+    for (const auto& o : infer_.outputs())
+      outputs.emplace_back(o.name(), fp16 || parameter_flag(o.parameters(), "output_fp16"));
+    const bool dense_given = request_model_.dense != nullptr;
+    if (outputs.empty()) {
+      outputs.emplace_back(kEmbeddings, fp16);
+      if (dense_given) outputs.emplace_back(kScores, false);
+    }
+    std::vector<std::string> names;
+    for (const auto& o : outputs) names.push_back(o.first);
+    for (const auto& n : names)
+      if (n != kEmbeddings && !(has_dense && n == kScores))
+        throw BadRequest("unknown output " + py_repr(n) + "; this model's outputs are " +
+                         (has_dense ? "['embeddings', 'scores']" : "['embeddings'] (this model has no dense part: no scores)"));
+    if (std::set<std::string>(names.begin(), names.end()).size() != names.size())
+      throw BadRequest("outputs " + py_list(names) + " list a name twice");
+    const bool wants_scores = std::find(names.begin(), names.end(), kScores) != names.end();
+    const bool wants_embeddings = std::find(names.begin(), names.end(), kEmbeddings) != names.end();
+    if (wants_scores && !dense_given)
+      throw BadRequest("output 'scores' needs the input 'dense_features' (FP32 [batch, num_dense])");
+    service_.metrics_->stage("decode", std::chrono::duration<double>(Clock::now() - decoding).count());
+    if (request_model_.batch > service_.options_.max_batch_size)
+      throw BadRequest(too_large(request_model_.batch, service_.options_.max_batch_size));
+    // the response: outputs described, then their raw contents, written by the forward
+    oip::ModelInferResponse head;
+    head.set_model_name(service_.info_.name);
+    head.set_model_version("1");
+    head.set_id(infer_.id());
+    std::vector<size_t> sizes;
+    const int64_t batch = request_model_.batch;
+    for (const auto& [name, half] : outputs) {
+      auto* out = head.add_outputs();
+      out->set_name(name);
+      if (name == kEmbeddings) {
+        out->set_datatype(half ? "FP16" : "FP32");
+        out->add_shape(batch);
+        out->add_shape(shape.output_dim);
+        sizes.push_back(static_cast<size_t>(batch * shape.output_dim) * (half ? 2 : 4));
+      } else {
+        out->set_datatype("FP32");
+        out->add_shape(batch);
+        sizes.push_back(static_cast<size_t>(batch) * 4);
+      }
+    }
+    std::vector<size_t> offsets;
+    reply_ = with_bytes_fields(head.SerializeAsString(), oip::ModelInferResponse::kRawOutputContentsFieldNumber, sizes,
+                               offsets);
+    for (size_t i = 0; i < outputs.size(); ++i) {
+      if (outputs[i].first == kEmbeddings) {
+        batch_call_.embeddings = reply_.data() + offsets[i];
+        batch_call_.embeddings_fp16 = outputs[i].second;
+      } else {
+        batch_call_.scores = reinterpret_cast<float*>(reply_.data() + offsets[i]);
+      }
+    }
+    batch_call_.done = [this](Outcome outcome, const std::string& message) { on_done(outcome, message); };
+    if (!wants_scores) {
+      request_model_.dense = nullptr;
+      submit(*service_.lookups_);
+    } else {
+      submit(wants_embeddings ? *service_.both_ : *service_.predictions_);
+    }
+  }
+};
+
+// ============================================================================================ the service
+ModelInfo read_model_info(const std::string& artifact_dir, const std::string& model_name) {
+  std::ifstream file(artifact_dir + "/manifest.json");
+  nlohmann::json manifest = nlohmann::json::parse(file);  // the loader checked it against the schema already
+  ModelInfo info;
+  std::string dir = artifact_dir;
+  while (dir.size() > 1 && dir.back() == '/') dir.pop_back();
+  info.name = model_name.empty() ? dir.substr(dir.rfind('/') == std::string::npos ? 0 : dir.rfind('/') + 1) : model_name;
+  info.sha256 = manifest["files"][manifest["model_file"].get<std::string>()]["sha256"].get<std::string>();
+  info.version = info.sha256.substr(0, 16);
+  info.format_version = manifest["format_version"].get<int>();
+  for (const auto& t : manifest["tables"])
+    info.tables.push_back({t["name"], t["num_embeddings"], t["embedding_dim"], t["data_type"], t["pooling"],
+                           t["feature_names"].get<std::vector<std::string>>()});
+  info.devices = manifest["devices"].get<std::vector<std::string>>();
+  info.world_size = manifest["sharding"]["world_size"].get<int>();
+  return info;
+}
+
+Service::Service(const Runner& runner, ModelInfo info, ServiceOptions options, Metrics* metrics)
+    : runner_(runner), shape_(runner.shape()), info_(std::move(info)), options_(std::move(options)), metrics_(metrics) {
+  std::function<int64_t()> arriving_calls = [this] { return arriving(); };
+  lookups_ = std::make_unique<Batcher>(runner_, Forward::Lookup, shape_, options_.batching, metrics_, arriving_calls);
+  if (shape_.num_dense_features > 0) {
+    predictions_ = std::make_unique<Batcher>(runner_, Forward::Predict, shape_, options_.batching, metrics_, arriving_calls);
+    both_ = std::make_unique<Batcher>(runner_, Forward::Both, shape_, options_.batching, metrics_, arriving_calls);
+  }
+  // embserve.v1 metadata (InferenceServicer._build_metadata)
+  v1::ModelMetadata meta;
+  meta.set_model_version(info_.version);
+  meta.set_format_version(info_.format_version);
+  for (const auto& t : info_.tables) {
+    auto* table = meta.add_tables();
+    table->set_name(t.name);
+    table->set_num_embeddings(t.num_embeddings);
+    table->set_embedding_dim(static_cast<int32_t>(t.embedding_dim));
+    table->set_data_type(t.data_type);
+    table->set_pooling(t.pooling);
+    for (const auto& f : t.feature_names) table->add_feature_names(f);
+  }
+  for (const auto& f : shape_.features) {
+    meta.add_feature_order(f.name);
+    auto* column = meta.add_columns();
+    column->set_feature(f.name);
+    column->set_start(static_cast<int32_t>(f.column_start));
+    column->set_end(static_cast<int32_t>(f.column_end));
+  }
+  meta.set_output_dim(static_cast<int32_t>(shape_.output_dim));
+  meta.set_has_dense(shape_.num_dense_features > 0);
+  meta.set_num_dense_features(static_cast<int32_t>(shape_.num_dense_features));
+  for (const auto& d : info_.devices) meta.add_devices(d);
+  meta.set_world_size(info_.world_size);
+  meta.set_embserve_version(EMBSERVE_VERSION);
+  meta.set_max_batch_size(static_cast<int32_t>(options_.max_batch_size));
+  v1_metadata_ = meta.SerializeAsString();
+  // OIP model metadata (ServedModel.metadata)
+  oip::ModelMetadataResponse m;
+  m.set_name(info_.name);
+  m.add_versions("1");
+  m.set_platform("embserve_torchscript");
+  auto add = [](auto* list, const std::string& name, const char* datatype, std::vector<int64_t> dims) {
+    auto* t = list->Add();
+    t->set_name(name);
+    t->set_datatype(datatype);
+    for (int64_t d : dims) t->add_shape(d);
+  };
+  for (const auto& f : shape_.features) {
+    add(m.mutable_inputs(), f.name + "__values", "INT64", {-1});
+    add(m.mutable_inputs(), f.name + "__lengths", "INT32", {-1});
+    add(m.mutable_inputs(), f.name + "__offsets", "INT32", {-1});
+    add(m.mutable_inputs(), f.name + "__weights", "FP32", {-1});
+  }
+  add(m.mutable_outputs(), kEmbeddings, "FP32", {-1, shape_.output_dim});
+  const bool has_dense = shape_.num_dense_features > 0;
+  if (has_dense) {
+    add(m.mutable_inputs(), kDense, "FP32", {-1, shape_.num_dense_features});
+    add(m.mutable_outputs(), kScores, "FP32", {-1});
+  }
+  auto& props = *m.mutable_properties();
+  std::string order, columns = "{";
+  for (size_t i = 0; i < shape_.features.size(); ++i) {
+    const auto& f = shape_.features[i];
+    order += (i ? "," : "") + f.name;
+    columns += (i ? "," : "") + nlohmann::json(f.name).dump() + ":[" + std::to_string(f.column_start) + "," +
+               std::to_string(f.column_end) + "]";
+    props["columns." + f.name] = std::to_string(f.column_start) + ":" + std::to_string(f.column_end);
+    props["rows." + f.name] = std::to_string(f.num_embeddings);
+  }
+  props["feature_order"] = order;
+  props["columns"] = columns + "}";
+  props["output_dim"] = std::to_string(shape_.output_dim);
+  props["num_dense_features"] = std::to_string(has_dense ? shape_.num_dense_features : 0);
+  props["max_batch_size"] = std::to_string(options_.max_batch_size);
+  props["model_sha256"] = info_.sha256;
+  props["embserve_version"] = EMBSERVE_VERSION;
+  oip_metadata_ = m.SerializeAsString();
+  // Triton's model configuration, in its JSON shape and parsed as protobuf's JSON (ServedModel.config): the
+  // metadata's tensors with their whole shapes, max_batch_size 0 (the inputs are ragged: no batch dimension in
+  // front), the server's largest request as a parameter, the batcher as dynamic batching
+  nlohmann::json config = {{"name", info_.name}, {"platform", "embserve_torchscript"}, {"backend", "embserve"},
+                           {"max_batch_size", 0}, {"input", nlohmann::json::array()},
+                           {"output", nlohmann::json::array()}, {"parameters", nlohmann::json::object()}};
+  auto tensor = [](const oip::ModelMetadataResponse::TensorMetadata& t) {
+    return nlohmann::json{{"name", t.name()}, {"data_type", "TYPE_" + t.datatype()},
+                          {"dims", std::vector<int64_t>(t.shape().begin(), t.shape().end())}};
+  };
+  for (const auto& t : m.inputs()) {
+    auto entry = tensor(t);
+    const std::string& n = t.name();
+    entry["optional"] = !(n.size() > 8 && n.compare(n.size() - 8, 8, "__values") == 0);
+    config["input"].push_back(entry);
+  }
+  for (const auto& t : m.outputs()) config["output"].push_back(tensor(t));
+  for (const auto& [key, value] : m.properties()) config["parameters"][key] = {{"string_value", value}};
+  if (std::min(options_.batching.max_batch_size, options_.batching.max_merge_examples) > 1)
+    config["dynamic_batching"] = {
+        {"max_queue_delay_microseconds", static_cast<int64_t>(std::llround(options_.batching.max_delay_s * 1e6))}};
+  oip::ModelConfigResponse config_response;
+  google::protobuf::util::JsonParseOptions json_options;
+  if (!google::protobuf::util::JsonStringToMessage(config.dump(), config_response.mutable_config(), json_options).ok())
+    throw std::runtime_error("the model configuration does not parse as inference.ModelConfig");
+  oip_config_ = config_response.SerializeAsString();
+  oip::ServerMetadataResponse s;
+  s.set_name("embserve");
+  s.set_version(EMBSERVE_VERSION);
+  s.add_extensions("binary_tensor_data");
+  s.add_extensions("model_repository");
+  s.add_extensions("model_configuration");  // the statistics extension comes with the next issue
+  server_metadata_ = s.SerializeAsString();
+}
+
+Service::~Service() { stop(); }
+
+void Service::register_with(grpc::ServerBuilder& builder) {
+  builder.RegisterAsyncGenericService(&generic_);
+  for (const char* name : {"embserve.v1.InferenceService", "inference.GRPCInferenceService"}) {
+    listed_.push_back(std::make_unique<ListedService>(name));
+    builder.RegisterService(listed_.back().get());
+  }
+  for (int i = 0; i < std::max(1, completion_queues); ++i) queues_.push_back(builder.AddCompletionQueue());
+}
+
+void Service::poll(grpc::ServerCompletionQueue* queue) {
+  void* tag;
+  bool ok;
+  while (queue->Next(&tag, &ok)) static_cast<Call*>(tag)->proceed(ok);
+}
+
+void Service::start(grpc::Server* server) {
+  (void)server;
+  for (auto& queue : queues_) {
+    // a few slots per queue: calls arriving together each find one armed
+    for (int i = 0; i < 4; ++i) (new Call(*this, queue.get()))->arm();
+    threads_.emplace_back([this, q = queue.get()] { poll(q); });
+  }
+}
+
+void Service::stop() {
+  for (auto& queue : queues_) queue->Shutdown();
+  for (auto& t : threads_) t.join();
+  threads_.clear();
+  // the slots still armed come back with ok=false and delete themselves inside poll; drain what is left
+  for (auto& queue : queues_) {
+    void* tag;
+    bool ok;
+    while (queue->Next(&tag, &ok)) static_cast<Call*>(tag)->proceed(ok);
+  }
+  queues_.clear();
+  lookups_.reset();
+  predictions_.reset();
+  both_.reset();
+}
+
+void Service::begin_closing() {
+  closing_ = true;
+  serving_ = false;
+  for (Batcher* b : {lookups_.get(), predictions_.get(), both_.get()})
+    if (b != nullptr) b->flush();
+}
+
+double Service::seconds_since_last_call() const {
+  const auto last = Clock::time_point(Clock::duration(last_arrival_ns_.load()));
+  return std::chrono::duration<double>(Clock::now() - last).count();
+}
+
+int64_t Service::arriving() const {
+  int64_t held = 0;
+  for (const Batcher* b : {lookups_.get(), predictions_.get(), both_.get()})
+    if (b != nullptr) held += b->held();
+  return in_flight_ - held;
+}
+
+double Service::queue_depth() const {
+  double depth = 0;
+  for (const Batcher* b : {lookups_.get(), predictions_.get(), both_.get()})
+    if (b != nullptr) depth += static_cast<double>(b->depth());
+  return depth;
+}
+
+void Service::warm_up(int batches) {
+  // a small batch of the model's first ids, straight on the runner (no queue, no delay)
+  const int64_t batch = std::min<int64_t>(64, options_.max_batch_size);
+  const size_t num_features = shape_.features.size();
+  for (int seed = 0; seed < batches; ++seed) {
+    std::vector<int64_t> ids;
+    std::vector<int32_t> lengths;
+    for (size_t f = 0; f < num_features; ++f)
+      for (int64_t b = 0; b < batch; ++b) {
+        lengths.push_back(8);
+        for (int i = 0; i < 8; ++i) ids.push_back((b * 8 + i + seed) % shape_.features[f].num_embeddings);
+      }
+    SparseBatch sparse;
+    sparse.ids = ids.data();
+    sparse.num_ids = static_cast<int64_t>(ids.size());
+    sparse.lengths = lengths.data();
+    sparse.num_lengths = static_cast<int64_t>(lengths.size());
+    sparse.batch = batch;
+    std::vector<float> pooled(static_cast<size_t>(batch * shape_.output_dim));
+    runner_.run(Forward::Lookup, sparse, {{0, batch, pooled.data(), false, nullptr}});
+    if (shape_.num_dense_features > 0) {
+      std::vector<float> dense(static_cast<size_t>(batch * shape_.num_dense_features), 0.0f), scores(batch);
+      sparse.dense = dense.data();
+      runner_.run(Forward::Predict, sparse, {{0, batch, nullptr, false, scores.data()}});
+    }
+  }
+}
+
+}  // namespace embserve::server

@@ -1,0 +1,81 @@
+"""``embserve serve DIR --native``: run the native server binary (``embserve-server``, cpp_loader/server/) with the
+same flags; a flag the binary does not take is an error naming it, never silently dropped.
+
+The binary is found at ``$EMBSERVE_SERVER_BIN``, else in the repository's ``cpp_loader/build/server/`` (``make
+server`` builds it there), else on ``PATH``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import shutil
+from pathlib import Path
+
+from infer.errors import ConfigError
+
+BINARY = "embserve-server"
+REPO = Path(__file__).resolve().parents[1]
+BUILT = REPO / "cpp_loader" / "build" / "server" / BINARY
+
+# `embserve serve` flags the binary takes, as they are
+PASSED = (
+    "--host", "--port", "--max-batch-size", "--max-delay-us", "--max-merge-examples", "--batch-wait",
+    "--max-queue", "--forward-threads", "--intra-op-threads", "--threads", "--max-message-mb", "--metrics-port",
+    "--metrics-host", "--tls-cert", "--tls-key", "--auth-token-file", "--drain-grace-s", "--drain-quiet-s",
+    "--drain-seconds", "--model-name", "--verify",
+)  # fmt: skip
+# the flags (and values) that come with the next issue (REST, the model repository, pt2 on the binary)
+NEXT_ISSUE = ("--http-port", "--http-host", "--poll-s", "--version-policy")
+
+
+def find_binary() -> str:
+    """The embserve-server to run; ConfigError saying how to build it when there is none."""
+    given = os.environ.get("EMBSERVE_SERVER_BIN")
+    if given:
+        if not os.access(given, os.X_OK):
+            raise ConfigError(f"EMBSERVE_SERVER_BIN={given} is not an executable file")
+        return given
+    if os.access(BUILT, os.X_OK):
+        return str(BUILT)
+    found = shutil.which(BINARY)
+    if found:
+        return found
+    raise ConfigError(
+        f"--native needs the {BINARY} binary: build it with `make server` (it lands in {BUILT.parent}), "
+        "or point EMBSERVE_SERVER_BIN at one"
+    )
+
+
+def native_command(args: argparse.Namespace) -> list[str]:
+    """The binary's command line for these ``embserve serve`` arguments (ConfigError for any it lacks)."""
+    from server.repository import is_repository
+
+    next_issue = "comes with the next native-server issue; serve without --native for now"
+    if is_repository(args.artifact):
+        raise ConfigError(f"--native serves one artifact folder; a model repository ({args.artifact}) {next_issue}")
+    if args.backend == "pt2":
+        raise ConfigError(f"--native with --backend pt2 {next_issue}")
+    command = [find_binary(), str(args.artifact)]
+    for action in args.parser._actions:
+        if not action.option_strings or action.dest in ("help", "native"):
+            continue
+        value = getattr(args, action.dest)
+        if value == action.default:
+            continue
+        flag = action.option_strings[-1]
+        if flag in NEXT_ISSUE:
+            raise ConfigError(f"--native with {flag} {next_issue}")
+        if flag not in PASSED:
+            raise ConfigError(f"{BINARY} has no {flag}: drop it, or serve without --native")
+        if isinstance(action, argparse._StoreTrueAction):
+            command.append(flag)
+        else:
+            command += [flag, str(value)]
+    return command
+
+
+def exec_native(args: argparse.Namespace) -> None:
+    """Replace this process with the binary: its signals, output and exit code are the command's."""
+    command = native_command(args)
+    os.execv(command[0], command)

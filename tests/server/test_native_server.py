@@ -1,0 +1,142 @@
+"""embserve-server beside the Python server: the same metadata and configuration byte for byte, the command
+line's refusals of what the binary lacks, a port in use refused, and the batcher merging concurrent calls.
+
+The protocol, contract, bad-request, auth and drain tests run against both servers in their own files
+(``tests/server/native_support.py``); this file holds what only the native server has to show.
+"""
+
+from __future__ import annotations
+
+import socket
+import subprocess
+from concurrent.futures import ThreadPoolExecutor
+
+import grpc
+import pytest
+import torch
+from google.protobuf import json_format
+
+from infer.cli import build_parser
+from infer.errors import ConfigError
+from server.adapters.v1 import codec
+from server.native import native_command
+from server.proto import inference_pb2 as pb
+from server.proto import open_inference_grpc_pb2 as oip_pb
+from server.proto import open_inference_grpc_pb2_grpc as oip_grpc
+from tests.conftest import random_batch
+from tests.server.native_support import NativeServed, native_binary, start_kind
+from tests.server.support import CALL_TIMEOUT, lookup_request
+
+MODEL = "dense"
+
+
+@pytest.fixture(scope="module")
+def both(loop_thread, dense_artifact):
+    """The dense model on the Python server and on embserve-server, same settings."""
+    servers = [start_kind(kind, loop_thread, dense_artifact, max_delay_us=700) for kind in ("python", "native")]
+    yield servers
+    for served in servers:
+        served.close_channels()
+        served.stop(grace=1.0)
+
+
+def _as_dict(message) -> dict:
+    return json_format.MessageToDict(message, preserving_proto_field_name=True)
+
+
+def test_metadata_and_configuration_equal_the_python_servers(both):
+    python, native = both
+    answers = []
+    for served in (python, native):
+        v1 = served.stub().GetModelMetadata(pb.GetModelMetadataRequest(), timeout=CALL_TIMEOUT)
+        oip = oip_grpc.GRPCInferenceServiceStub(served.channel())
+        metadata = oip.ModelMetadata(oip_pb.ModelMetadataRequest(name=MODEL), timeout=CALL_TIMEOUT)
+        config = oip.ModelConfig(oip_pb.ModelConfigRequest(name=MODEL), timeout=CALL_TIMEOUT)
+        answers.append((_as_dict(v1), _as_dict(metadata), _as_dict(config)))
+    assert answers[0] == answers[1]
+
+
+def test_concurrent_calls_are_merged_and_each_gets_its_own_rows(both, dense_runtime, spec):
+    """16 callers at once: every answer equals the in-process lookup of its own batch, and the batcher merged
+    calls (embserve_batch_requests counts more than one request in some forward)."""
+    _, native = both
+    batches = [random_batch(spec, batch_size=1 + i % 5, weighted=i % 2 == 0, seed=500 + i) for i in range(64)]
+    stubs = [native.stub() for _ in range(16)]
+
+    def call(index: int) -> bool:
+        response = stubs[index % 16].Lookup(lookup_request(batches[index]), timeout=CALL_TIMEOUT)
+        return torch.equal(codec.decode_embeddings(response), dense_runtime.lookup(batches[index]))
+
+    with ThreadPoolExecutor(max_workers=16) as pool:
+        assert all(pool.map(call, range(64)))
+    forwards = native.metric("embserve_batch_requests_count")
+    merged_requests = native.metric("embserve_batch_requests_sum")
+    assert merged_requests >= 64 and forwards >= 1
+
+
+@pytest.mark.parametrize(
+    ("flags", "fragment"),
+    [
+        (["--workers", "2"], "embserve-server has no --workers"),
+        (["--profile"], "embserve-server has no --profile"),
+        (["--http-port", "0"], "--native with --http-port comes with the next native-server issue"),
+        (["--backend", "pt2"], "--native with --backend pt2 comes with the next native-server issue"),
+    ],
+)
+def test_serve_native_refuses_what_the_binary_lacks_naming_it(dense_artifact, flags, fragment):
+    native_binary()
+    args = build_parser().parse_args(["serve", str(dense_artifact), "--native", *flags])
+    with pytest.raises(ConfigError) as refused:
+        native_command(args)
+    assert fragment in str(refused.value)
+
+
+def test_serve_native_passes_the_flags_it_shares(dense_artifact):
+    binary = native_binary()
+    args = build_parser().parse_args(
+        ["serve", str(dense_artifact), "--native", "--port", "0", "--max-delay-us", "250", "--verify", "none"]
+    )
+    assert native_command(args) == [
+        binary,
+        str(dense_artifact),
+        "--port",
+        "0",
+        "--max-delay-us",
+        "250",
+        "--verify",
+        "none",
+    ]
+
+
+def test_a_port_in_use_is_refused_before_loading(dense_artifact):
+    binary = native_binary()
+    with socket.socket() as holder:
+        holder.bind(("127.0.0.1", 0))
+        holder.listen()
+        port = holder.getsockname()[1]
+        result = subprocess.run(
+            [binary, str(dense_artifact), "--host", "127.0.0.1", "--port", str(port)],
+            capture_output=True,
+            text=True,
+            timeout=60,
+        )
+    assert result.returncode == 2
+    assert f"gRPC port {port} is in use" in result.stderr and "--port" in result.stderr, result.stderr
+
+
+def test_a_second_native_server_on_a_serving_port_is_refused(dense_artifact):
+    """SO_REUSEPORT is off unless --reuse-port: a second server does not share the first one's port."""
+    first = NativeServed(dense_artifact)
+    try:
+        result = subprocess.run(
+            [native_binary(), str(dense_artifact), "--host", "127.0.0.1", "--port", str(first.port)],
+            capture_output=True,
+            text=True,
+            timeout=60,
+        )
+        assert result.returncode == 2 and f"gRPC port {first.port} is in use" in result.stderr, result.stderr
+        channel = first.channel()
+        assert grpc.channel_ready_future(channel).result(timeout=CALL_TIMEOUT) is None
+    finally:
+        first.close_channels()
+        assert first.stop() == 0
