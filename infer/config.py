@@ -188,6 +188,11 @@ class TableConfig:
         """A copy whose pooling is stated: ``pooling``."""
         return dataclasses.replace(self, pooling=_parse_pooling(pooling, self.name), pooling_stated=True)
 
+    @property
+    def stored_blocks(self) -> tuple[RowBlock, ...]:
+        """The row blocks the kernel holds: ``blocks``, or the whole table in ``data_type``."""
+        return self.blocks or (RowBlock(self.num_embeddings, self.data_type),)
+
     def with_blocks(self, blocks: Sequence[Any]) -> TableConfig:
         """A copy held in ``blocks`` (ranked (rows, data_type) pairs; empty: one type again)."""
         return dataclasses.replace(self, blocks=tuple(blocks))

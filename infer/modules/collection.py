@@ -145,7 +145,7 @@ def tbe_tables(spec: ModelSpec) -> List[List[int]]:
     out: List[List[int]] = []
     index = 0
     for table in spec.tables:
-        count = max(len(table.blocks), 1)
+        count = len(table.stored_blocks)
         out.append(list(range(index, index + count)))
         index += count
     return out
@@ -180,14 +180,11 @@ class QuantizedEmbeddingBagCollection(ValidatingCollection, KernelRunner):
         super().__init__()
         kernel_tables = tbe_tables(spec)
         table_index = {t.name: i for i, t in enumerate(spec.tables)}
-        specs: List[Tuple[str, int, int, DataType]] = []
-        for t in spec.tables:
-            if t.blocks:
-                specs.extend(
-                    (f"{t.name}.block{j}", b.rows, t.embedding_dim, b.data_type) for j, b in enumerate(t.blocks)
-                )
-            else:
-                specs.append((t.name, t.num_embeddings, t.embedding_dim, t.data_type))
+        specs: List[Tuple[str, int, int, DataType]] = [
+            (f"{t.name}.block{j}" if t.blocks else t.name, b.rows, t.embedding_dim, b.data_type)
+            for t in spec.tables
+            for j, b in enumerate(t.stored_blocks)
+        ]
         self.tbe = make_tbe(
             specs,
             [k for f in spec.features for k in kernel_tables[table_index[f.table]]],
