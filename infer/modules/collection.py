@@ -151,6 +151,13 @@ def tbe_tables(spec: ModelSpec) -> List[List[int]]:
     return out
 
 
+def kernel_features(spec: ModelSpec) -> List[Tuple[int, int]]:
+    """The kernel's features as (feature, block), block-major: every feature's first block (or whole table) in
+    feature order, whose pooled columns are then the output's, then each further block of the block tables' features."""
+    counts = [len(spec.table(f.table).stored_blocks) for f in spec.features]
+    return [(f, j) for j in range(max(counts)) for f in range(len(counts)) if j < counts[f]]
+
+
 class QuantizedEmbeddingBagCollection(ValidatingCollection, KernelRunner):
     """All tables of one device in one fbgemm ``IntNBitTableBatchedEmbeddingBagsCodegen``.
 
@@ -169,6 +176,7 @@ class QuantizedEmbeddingBagCollection(ValidatingCollection, KernelRunner):
     block_starts: List[Tensor]
     feature_remap: List[int]
     feature_blocks: List[int]
+    extra_features: List[int]
 
     def __init__(
         self,
@@ -187,7 +195,7 @@ class QuantizedEmbeddingBagCollection(ValidatingCollection, KernelRunner):
         ]
         self.tbe = make_tbe(
             specs,
-            [k for f in spec.features for k in kernel_tables[table_index[f.table]]],
+            [kernel_tables[table_index[spec.features[f].table]][j] for f, j in kernel_features(spec)],
             torch.device(device),
             row_alignment,
             allocate,
@@ -204,6 +212,8 @@ class QuantizedEmbeddingBagCollection(ValidatingCollection, KernelRunner):
         self.feature_remap = [block_slot.get(f.table, -1) for f in spec.features]
         self.feature_blocks = [len(kernel_tables[table_index[f.table]]) for f in spec.features]
         self.block_table_names = [t.name for t in block_tables]
+        # the kernel's features past the first block of each: (feature, its output column) in kernel order
+        self.extra_features = [f for f, j in kernel_features(spec) if j > 0]
         self.init_kernel_runner(sum(self.feature_blocks), str(torch.device(device)))
 
     @torch.jit.unused
@@ -241,14 +251,15 @@ class QuantizedEmbeddingBagCollection(ValidatingCollection, KernelRunner):
     def split_blocks(
         self, values: Tensor, lengths: Tensor, weights: Optional[Tensor]
     ) -> Tuple[Tensor, Tensor, Optional[Tensor]]:
-        """The kernel input of a validated request: each block table's ids remapped (one gather) and split by
-        block, every bag once per block, in block order."""
+        """The kernel input of a validated request (``kernel_features`` order): each block table's ids remapped
+        (one gather) and split by block, every bag once per block."""
         num_features = self.num_features
         batch = lengths.numel() // num_features
         ends: List[int] = lengths.view(num_features, batch).sum(1).cumsum(0).tolist()
-        out_values: List[Tensor] = []
-        out_lengths: List[Tensor] = []
-        out_weights: List[Tensor] = []
+        levels = max(self.feature_blocks)
+        out_values: List[List[Tensor]] = [[] for _ in range(levels)]
+        out_lengths: List[List[Tensor]] = [[] for _ in range(levels)]
+        out_weights: List[List[Tensor]] = [[] for _ in range(levels)]
         bags = torch.arange(batch, dtype=torch.int64)
         start = 0
         for f in range(num_features):
@@ -257,44 +268,54 @@ class QuantizedEmbeddingBagCollection(ValidatingCollection, KernelRunner):
             bag_lengths = lengths[f * batch : (f + 1) * batch]
             slot = self.feature_remap[f]
             if slot < 0:
-                out_values.append(ids)
-                out_lengths.append(bag_lengths)
+                out_values[0].append(ids)
+                out_lengths[0].append(bag_lengths)
                 if weights is not None:
-                    out_weights.append(weights[start:end])
+                    out_weights[0].append(weights[start:end])
             else:
-                rank = self.block_remaps[slot][ids].to(torch.int64)
-                starts = self.block_starts[slot]
-                block = torch.bucketize(rank, starts[1:], right=True)
-                local = rank - starts[block]
+                rank = self.block_remaps[slot][ids]
+                starts: List[int] = self.block_starts[slot].tolist()
                 bag = torch.repeat_interleave(bags, bag_lengths.to(torch.int64))
-                for j in range(self.feature_blocks[f]):
-                    inside = block == j
-                    out_values.append(local[inside].to(values.dtype))
-                    out_lengths.append(torch.bincount(bag[inside], minlength=batch).to(lengths.dtype))
+                count = self.feature_blocks[f]
+                for j in range(count):
+                    # a rank below the next block's start and (from the second block on) not below its own
+                    if j + 1 < count:
+                        inside = rank < starts[j + 1]
+                        if j > 0:
+                            inside &= rank >= starts[j]
+                    else:
+                        inside = rank >= starts[j]
+                    local = rank[inside]
+                    if j > 0:
+                        local = local - starts[j]
+                    out_values[j].append(local.to(values.dtype))
+                    out_lengths[j].append(torch.bincount(bag[inside], minlength=batch).to(lengths.dtype))
                     if weights is not None:
-                        out_weights.append(weights[start:end][inside])
+                        out_weights[j].append(weights[start:end][inside])
             start = end
+        flat_values: List[Tensor] = []
+        flat_lengths: List[Tensor] = []
+        flat_weights: List[Tensor] = []
+        for j in range(levels):
+            flat_values.extend(out_values[j])
+            flat_lengths.extend(out_lengths[j])
+            flat_weights.extend(out_weights[j])
         block_weights: Optional[Tensor] = None
         if weights is not None:
-            block_weights = torch.cat(out_weights)
-        return torch.cat(out_values), torch.cat(out_lengths), block_weights
+            block_weights = torch.cat(flat_weights)
+        return torch.cat(flat_values), torch.cat(flat_lengths), block_weights
 
     def add_blocks(self, pooled: Tensor) -> Tensor:
-        """``[batch, output_dim]``: each feature's columns the sum of its blocks' pooled columns."""
+        """``[batch, output_dim]``: the first blocks' columns (the output's layout) plus every further block's."""
         if pooled.size(1) == self.output_dim:
             return pooled
-        out = torch.empty(pooled.size(0), self.output_dim, dtype=pooled.dtype, device=pooled.device)
-        column = 0
-        for f in range(self.num_features):
+        out = pooled[:, : self.output_dim].contiguous()
+        column = self.output_dim
+        for f in self.extra_features:
             dim = self.feature_dims[f]
-            count = self.feature_blocks[f]
             start = self.column_starts[f]
-            source = pooled[:, column : column + count * dim]
-            if count == 1:
-                out[:, start : start + dim] = source
-            else:
-                out[:, start : start + dim] = source.view(-1, count, dim).sum(1)
-            column += count * dim
+            out[:, start : start + dim] += pooled[:, column : column + dim]
+            column += dim
         return out
 
 
