@@ -253,19 +253,7 @@ def load_mapped_resident(model: torch.nn.Module, folder: str) -> torch.jit.Scrip
 
 def random_int8_model(spec: ModelSpec) -> torch.nn.Module:
     """An INT8 model of ``spec`` with random bytes for rows and a fixed scale/bias (no fp32 tables to quantize)."""
-    from infer.modules.collection import EmbserveModel, QuantizedEmbeddingBagCollection
-
-    collection = QuantizedEmbeddingBagCollection(spec)
-    generator = torch.Generator().manual_seed(0)
-    with torch.no_grad():
-        for data, scale_bias in collection.table_weights():
-            for first in range(0, data.shape[0], 1 << 18):
-                data[first : first + (1 << 18)].random_(0, 256, generator=generator)
-            if scale_bias is not None:
-                scale_bias.copy_(
-                    torch.tensor([0.01, -1.25], dtype=torch.float16).view(torch.uint8).expand_as(scale_bias)
-                )
-    return EmbserveModel(spec, collection)
+    return random_bytes_model(spec)
 
 
 def random_bytes_model(spec: ModelSpec, seed: int = 0) -> torch.nn.Module:

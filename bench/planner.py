@@ -101,19 +101,25 @@ def zipf_ids(rows: int, count: int, alpha: float, rng: np.random.Generator) -> n
     return (ranks * step + rows // 3) % rows
 
 
-def precision_cases(examples: int = 1000, budget_gb: float = 16.0) -> list[dict[str, object]]:
-    import numpy as np
-
+def dlrm_v2_sample(examples: int) -> tuple[ModelSpec, Any]:
+    """DLRM-v2's 26 tables (dim 128) and an ``AccessSample`` of ``examples`` examples' Zipf(1.05) ids (DLRM-v2's
+    multi-hot sizes)."""
     from infer.planner.access import sample_from_ids
-    from infer.planner.precision import choose_exact, choose_greedy, choose_uniform, plan_precision
-    from infer.quant.measured_error import measure_errors, synthetic_normal_rows
 
     tables = tuple(TableConfig(f"t{i:02d}", rows, 128, (f"f{i:02d}",)) for i, rows in enumerate(DLRM_V2_ROWS))
     spec = ModelSpec(tables)
     rng = np.random.default_rng(0)
     ids = {t.feature_names[0]: zipf_ids(t.num_embeddings, examples * hot, 1.05, rng)
            for t, hot in zip(tables, DLRM_V2_MULTI_HOT)}  # fmt: skip
-    sample = sample_from_ids(ids, spec, source=f"Zipf(1.05) ids of {examples} examples")
+    return spec, sample_from_ids(ids, spec, source=f"Zipf(1.05) ids of {examples} examples")
+
+
+def precision_cases(examples: int = 1000, budget_gb: float = 16.0) -> list[dict[str, object]]:
+
+    from infer.planner.precision import choose_exact, choose_greedy, choose_uniform, plan_precision
+    from infer.quant.measured_error import measure_errors, synthetic_normal_rows
+
+    spec, sample = dlrm_v2_sample(examples)
     started = time.perf_counter()
     measured = measure_errors(spec, synthetic_normal_rows(0), sample)
     measure_seconds = time.perf_counter() - started
@@ -157,19 +163,12 @@ def block_cases(examples: int = 20000, budget_gb: float = 16.0) -> list[dict[str
     """Issue 43: the planner choosing precision blocks (a hot block precise, the rest small) on DLRM-v2's shapes
     with Zipf(1.05) ids, at uniform INT4's bytes and at 16 GB: error against uniform INT4 and the whole-table
     optimum, and the planner's seconds (hot shares, options, MILP)."""
-    import numpy as np
 
-    from infer.planner.access import sample_from_ids
     from infer.planner.blocks import block_problem
     from infer.planner.precision import choose_exact, choose_uniform, precision_problem
     from infer.quant.measured_error import measure_errors, synthetic_normal_rows
 
-    tables = tuple(TableConfig(f"t{i:02d}", rows, 128, (f"f{i:02d}",)) for i, rows in enumerate(DLRM_V2_ROWS))
-    spec = ModelSpec(tables)
-    rng = np.random.default_rng(0)
-    ids = {t.feature_names[0]: zipf_ids(t.num_embeddings, examples * hot, 1.05, rng)
-           for t, hot in zip(tables, DLRM_V2_MULTI_HOT)}  # fmt: skip
-    sample = sample_from_ids(ids, spec, source=f"Zipf(1.05) ids of {examples} examples")
+    spec, sample = dlrm_v2_sample(examples)
     measured = measure_errors(spec, synthetic_normal_rows(0), sample)
     whole = precision_problem(spec, measured, sample=sample)
     int4 = choose_uniform(whole, DataType.INT4)
@@ -180,7 +179,7 @@ def block_cases(examples: int = 20000, budget_gb: float = 16.0) -> list[dict[str
         chosen = choose_exact(problem, limit)
         seconds = time.perf_counter() - started
         best_whole = choose_exact(whole, limit)
-        blocks = {t.name: [[b.rows, b.data_type.value] for b in bs] for t, bs in zip(tables, chosen.blocks) if bs}
+        blocks = {t.name: [[b.rows, b.data_type.value] for b in bs] for t, bs in zip(spec.tables, chosen.blocks) if bs}
         cases.append({
             "bench": "precision_blocks_dlrm_v2",
             "budget": name,
