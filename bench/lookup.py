@@ -8,6 +8,7 @@ machine noise hits all of them alike.
     python bench/lookup.py                 # W128 and W64 at full size
     python bench/lookup.py --rows 100000   # smaller tables, for a quick look
     python bench/lookup.py --mapped-only   # mapped weights vs copied into RAM only (random INT8 bytes, no fp32)
+    python bench/lookup.py --blocks --workload W128   # precision blocks (INT8 hot, INT4 rest) vs INT4 alone
 
 ``exported_mapped``: the same model exported with ``weights="mapped"`` and loaded (its weight file mapped
 read-only, every page read once first so that the weights are resident), against ``exported_model`` (the
@@ -252,10 +253,16 @@ def load_mapped_resident(model: torch.nn.Module, folder: str) -> torch.jit.Scrip
 
 def random_int8_model(spec: ModelSpec) -> torch.nn.Module:
     """An INT8 model of ``spec`` with random bytes for rows and a fixed scale/bias (no fp32 tables to quantize)."""
+    return random_bytes_model(spec)
+
+
+def random_bytes_model(spec: ModelSpec, seed: int = 0) -> torch.nn.Module:
+    """A model of ``spec`` (blocks included) with random row bytes and a fixed scale/bias, and for each block table
+    a random id remap: no fp32 tables to quantize."""
     from infer.modules.collection import EmbserveModel, QuantizedEmbeddingBagCollection
 
     collection = QuantizedEmbeddingBagCollection(spec)
-    generator = torch.Generator().manual_seed(0)
+    generator = torch.Generator().manual_seed(seed)
     with torch.no_grad():
         for data, scale_bias in collection.table_weights():
             for first in range(0, data.shape[0], 1 << 18):
@@ -264,7 +271,66 @@ def random_int8_model(spec: ModelSpec) -> torch.nn.Module:
                 scale_bias.copy_(
                     torch.tensor([0.01, -1.25], dtype=torch.float16).view(torch.uint8).expand_as(scale_bias)
                 )
+    for table in spec.tables:
+        if table.blocks:
+            collection.set_block_remap(table.name, torch.randperm(table.num_embeddings, generator=generator))
     return EmbserveModel(spec, collection)
+
+
+def zipf_index_sets(w: Workload, count: int, seed: int, alpha: float = 1.05) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    """``count`` batches of Zipf(``alpha``) ids (ranks scattered over the rows by a fixed permutation)."""
+    generator = torch.Generator().manual_seed(seed)
+    scatter = torch.randperm(w.rows, generator=generator)
+    sets = []
+    for _ in range(count):
+        u = torch.rand(w.num_tables * w.batch_size * w.ids_per_bag, generator=generator, dtype=torch.float64)
+        ranks = torch.floor(((w.rows ** (1 - alpha) - 1) * u + 1) ** (1 / (1 - alpha))).to(torch.int64) - 1
+        values = scatter[ranks.clamp(0, w.rows - 1)]
+        lengths = torch.full((w.num_tables * w.batch_size,), w.ids_per_bag, dtype=torch.int32)
+        sets.append((values, lengths))
+    return sets
+
+
+def run_blocks(w: Workload, rounds: int, index_count: int, hot_share: float = 1 / 32) -> list[dict[str, object]]:
+    """Issue 43: every table in precision blocks (its first ``hot_share`` of rows INT8, the rest INT4; ids remapped
+    through a random permutation) against the same tables in INT4 alone, scripted, same Zipf(1.05) batches and
+    kernel threads."""
+    hot = max(1, int(w.rows * hot_share))
+    one_type = ModelSpec(
+        tuple(TableConfig(f"t{i}", w.rows, w.dim, (f"f{i}",), data_type=DataType.INT4) for i in range(w.num_tables))
+    )
+    blocked = ModelSpec(tuple(t.with_blocks(((hot, "int8"), (w.rows - hot, "int4"))) for t in one_type.tables))
+    sets = zipf_index_sets(w, index_count, seed=1)
+    threads = torch.get_num_threads()
+    models = {}
+    for name, spec in (("one_type_int4", one_type), ("blocks_int8_int4", blocked)):
+        model = random_bytes_model(spec)
+        model.embeddings.threads = threads
+        models[name] = torch.jit.script(model)
+        del model
+    cases: dict[str, Callable[[int], object]] = {
+        name: (lambda i, m=m: m(sets[i][0], sets[i][1], None)) for name, m in models.items()
+    }
+    with torch.inference_mode():
+        seconds = measure(cases, index_count, rounds, {})
+    lookups = w.num_tables * w.batch_size * w.ids_per_bag
+    rows: list[dict[str, object]] = []
+    for name, secs in seconds.items():
+        rows.append(
+            {
+                "workload": w.name,
+                "case": name,
+                "rows": w.rows,
+                "hot_rows": hot if name != "one_type_int4" else 0,
+                "ms_per_call": round(1e3 * secs, 3),
+                "mlookups_per_s": round(lookups / secs / 1e6, 2),
+                "ratio_to_one_type": round(seconds["one_type_int4"] / secs, 3),
+                "kernel_threads": threads,
+                "host_load_1m": round(os.getloadavg()[0], 2),
+            }
+        )
+        print(json.dumps(rows[-1]), flush=True)
+    return rows
 
 
 def run_mapped_only(w: Workload, rounds: int, index_count: int) -> list[dict[str, object]]:
@@ -471,9 +537,13 @@ def main() -> int:
     parser.add_argument("--workload", choices=["W128", "W64"], action="append", help="run only these workloads")
     parser.add_argument("--no-sharded", action="store_true", help="skip the sharded cases")
     parser.add_argument("--mapped-only", action="store_true", help="only exported_model vs exported_mapped")
+    parser.add_argument("--blocks", action="store_true", help="only precision blocks vs one type (issue 43)")
     args = parser.parse_args()
     for w in workloads(args.rows):
         if args.workload and w.name not in args.workload:
+            continue
+        if args.blocks:
+            run_blocks(w, args.rounds * max(1, 2048 // w.batch_size), args.index_sets)
             continue
         if args.mapped_only:
             run_mapped_only(w, args.rounds * max(1, 2048 // w.batch_size), args.index_sets)

@@ -6,6 +6,7 @@ and per-device memory use. Tables: rows log-uniform in [1e3, 3e7], dims in {32, 
     python bench/planner.py
     python bench/planner.py --tables 500 --devices 16
     python bench/planner.py --precision          # issue 28: DLRM-v2 shapes, precision under a budget
+    python bench/planner.py --blocks             # issue 43: the same with precision blocks per table
 
 ``--precision`` prints one JSON line per case: DLRM-v2's 26 tables (dim 128, synthetic N(0,1) rows generated
 per sampled id, never materialized; Zipf(1.05) ids over a random permutation of each table's rows, with
@@ -100,19 +101,25 @@ def zipf_ids(rows: int, count: int, alpha: float, rng: np.random.Generator) -> n
     return (ranks * step + rows // 3) % rows
 
 
-def precision_cases(examples: int = 1000, budget_gb: float = 16.0) -> list[dict[str, object]]:
-    import numpy as np
-
+def dlrm_v2_sample(examples: int) -> tuple[ModelSpec, Any]:
+    """DLRM-v2's 26 tables (dim 128) and an ``AccessSample`` of ``examples`` examples' Zipf(1.05) ids (DLRM-v2's
+    multi-hot sizes)."""
     from infer.planner.access import sample_from_ids
-    from infer.planner.precision import choose_exact, choose_greedy, choose_uniform, plan_precision
-    from infer.quant.measured_error import measure_errors, synthetic_normal_rows
 
     tables = tuple(TableConfig(f"t{i:02d}", rows, 128, (f"f{i:02d}",)) for i, rows in enumerate(DLRM_V2_ROWS))
     spec = ModelSpec(tables)
     rng = np.random.default_rng(0)
     ids = {t.feature_names[0]: zipf_ids(t.num_embeddings, examples * hot, 1.05, rng)
            for t, hot in zip(tables, DLRM_V2_MULTI_HOT)}  # fmt: skip
-    sample = sample_from_ids(ids, spec, source=f"Zipf(1.05) ids of {examples} examples")
+    return spec, sample_from_ids(ids, spec, source=f"Zipf(1.05) ids of {examples} examples")
+
+
+def precision_cases(examples: int = 1000, budget_gb: float = 16.0) -> list[dict[str, object]]:
+
+    from infer.planner.precision import choose_exact, choose_greedy, choose_uniform, plan_precision
+    from infer.quant.measured_error import measure_errors, synthetic_normal_rows
+
+    spec, sample = dlrm_v2_sample(examples)
     started = time.perf_counter()
     measured = measure_errors(spec, synthetic_normal_rows(0), sample)
     measure_seconds = time.perf_counter() - started
@@ -149,6 +156,45 @@ def precision_cases(examples: int = 1000, budget_gb: float = 16.0) -> list[dict[
         })  # fmt: skip
     cases.append(choice_speed_case(measured))
     cases += [choice_placed_case(measured, slack=0.02), choice_placed_case(measured, with_total=False)]
+    return cases
+
+
+def block_cases(examples: int = 20000, budget_gb: float = 16.0) -> list[dict[str, object]]:
+    """Issue 43: the planner choosing precision blocks (a hot block precise, the rest small) on DLRM-v2's shapes
+    with Zipf(1.05) ids, at uniform INT4's bytes and at 16 GB: error against uniform INT4 and the whole-table
+    optimum, and the planner's seconds (hot shares, options, MILP)."""
+
+    from infer.planner.blocks import block_problem
+    from infer.planner.precision import choose_exact, choose_uniform, precision_problem
+    from infer.quant.measured_error import measure_errors, synthetic_normal_rows
+
+    spec, sample = dlrm_v2_sample(examples)
+    measured = measure_errors(spec, synthetic_normal_rows(0), sample)
+    whole = precision_problem(spec, measured, sample=sample)
+    int4 = choose_uniform(whole, DataType.INT4)
+    cases = []
+    for name, limit in (("uniform_int4_bytes", int4.total_bytes), ("16GB", int(budget_gb * C.GB))):
+        started = time.perf_counter()
+        problem = block_problem(spec, measured, sample)
+        chosen = choose_exact(problem, limit)
+        seconds = time.perf_counter() - started
+        best_whole = choose_exact(whole, limit)
+        blocks = {t.name: [[b.rows, b.data_type.value] for b in bs] for t, bs in zip(spec.tables, chosen.blocks) if bs}
+        cases.append({
+            "bench": "precision_blocks_dlrm_v2",
+            "budget": name,
+            "examples_sampled": examples,
+            "budget_gb": round(limit / C.GB, 3),
+            "chosen_gb": round(chosen.total_bytes / C.GB, 3),
+            "chosen_error": round(chosen.error, 6),
+            "uniform_int4_error": round(int4.error, 6),
+            "whole_table_error": round(best_whole.error, 6),
+            "ratio_chosen_to_uniform_int4": round(chosen.error / int4.error, 4),
+            "ratio_whole_table_to_uniform_int4": round(best_whole.error / int4.error, 4),
+            "planner_seconds": round(seconds, 3),
+            "gap": chosen.gap,
+            "block_tables": blocks,
+        })  # fmt: skip
     return cases
 
 
@@ -391,10 +437,16 @@ def main() -> int:
     parser.add_argument("--device-memory-gb", type=float, default=80.0)
     parser.add_argument("--precision", action="store_true", help="the precision planner on DLRM-v2's shapes")
     parser.add_argument("--eval", action="store_true", help="the precision planner by log loss on a trained DLRM")
+    parser.add_argument("--blocks", action="store_true", help="the precision planner with blocks (issue 43)")
+    parser.add_argument("--examples", type=int, default=20000, help="--blocks: examples of sampled ids")
     parser.add_argument("--steps", type=int, default=1500, help="--eval: training steps")
     args = parser.parse_args()
     if args.eval:
         for case in eval_cases(args.steps):
+            print(json.dumps(case), flush=True)
+        return 0
+    if args.blocks:
+        for case in block_cases(args.examples):
             print(json.dumps(case), flush=True)
         return 0
     if args.precision:

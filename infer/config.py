@@ -70,6 +70,59 @@ def _parse_pooling(value: str | PoolingType, table: str) -> PoolingType:
 
 
 @dataclass(frozen=True)
+class RowBlock:
+    """One block of a table held in precision blocks: ``rows`` rows stored in ``data_type``. A table's blocks are
+    ranked, hottest first: which ids fall in which block is data (the id remap the model and artifact carry), the
+    config states only the sizes and types."""
+
+    rows: int
+    data_type: DataType
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"rows": self.rows, "data_type": self.data_type.value}
+
+
+def _parse_blocks(value: Any, table: str, num_embeddings: int) -> tuple[RowBlock, ...]:
+    """``blocks`` as RowBlocks (accepting ``RowBlock``, ``(rows, dtype)`` pairs or ``{"rows", "data_type"}``
+    objects); ``ConfigError`` naming the table unless every block has rows and together they cover the table."""
+    if value is None:
+        return ()
+    if isinstance(value, (str, Mapping)) or not isinstance(value, Sequence):
+        raise ConfigError(f"table {table!r}: blocks must be a list of (rows, data_type), got {value!r}")
+    blocks: list[RowBlock] = []
+    for i, raw in enumerate(value):
+        if isinstance(raw, RowBlock):
+            rows, dtype = raw.rows, raw.data_type
+        elif isinstance(raw, Mapping) and set(raw) == {"rows", "data_type"}:
+            rows, dtype = raw["rows"], raw["data_type"]
+        elif isinstance(raw, Sequence) and not isinstance(raw, str) and len(raw) == 2:
+            rows, dtype = raw
+        else:
+            raise ConfigError(
+                f"table {table!r}: blocks[{i}] = {raw!r}; write a block as (rows, data_type) or "
+                '{"rows": N, "data_type": "int8"}'
+            )
+        if isinstance(rows, bool) or not isinstance(rows, int) or rows <= 0:
+            raise ConfigError(f"table {table!r}: blocks[{i}] rows must be a positive int, got {rows!r}")
+        try:
+            blocks.append(RowBlock(rows, DataType.parse(dtype)))
+        except ConfigError as err:
+            raise ConfigError(f"table {table!r}: blocks[{i}]: {err}") from None
+    if len(blocks) == 1:
+        raise ConfigError(
+            f"table {table!r}: one block is the whole table in one type; set data_type={blocks[0].data_type.value!r} "
+            "instead, or state two blocks or more"
+        )
+    total = sum(b.rows for b in blocks)
+    if blocks and total != num_embeddings:
+        raise ConfigError(
+            f"table {table!r}: blocks hold {total} rows but the table has {num_embeddings}; make the blocks' rows "
+            "add up to num_embeddings"
+        )
+    return tuple(blocks)
+
+
+@dataclass(frozen=True)
 class TableConfig:
     """One embedding table and the features that look it up.
 
@@ -77,6 +130,10 @@ class TableConfig:
     ``pooling_stated=False`` marks a pooling nobody has stated (a spec written from a state dict, which does
     not record it: ``"pooling": null`` in JSON); ``pooling`` is then a placeholder that planning may use
     (bytes do not depend on it) and export refuses (``ModelSpec.require_stated_pooling``).
+
+    ``blocks`` (optional) holds the table in precision blocks: ranked row blocks, hottest first, each in its own
+    type (e.g. ``((4096, "int8"), (rows - 4096, "int4"))``); the rows' ranking is given to ``quantize``. A table
+    with blocks ignores ``data_type``.
     """
 
     name: str
@@ -86,6 +143,7 @@ class TableConfig:
     pooling: PoolingType = PoolingType.SUM
     data_type: DataType = DataType.INT8
     pooling_stated: bool = True
+    blocks: tuple[RowBlock, ...] = ()
 
     def __post_init__(self) -> None:
         if not isinstance(self.name, str) or not _NAME.match(self.name):
@@ -121,6 +179,7 @@ class TableConfig:
             object.__setattr__(self, "data_type", DataType.parse(self.data_type))
         except ConfigError as err:
             raise ConfigError(f"table {self.name!r}: {err}") from None
+        object.__setattr__(self, "blocks", _parse_blocks(self.blocks, self.name, self.num_embeddings))
 
     def with_data_type(self, data_type: DataType | str) -> TableConfig:
         return dataclasses.replace(self, data_type=DataType.parse(data_type))
@@ -129,8 +188,17 @@ class TableConfig:
         """A copy whose pooling is stated: ``pooling``."""
         return dataclasses.replace(self, pooling=_parse_pooling(pooling, self.name), pooling_stated=True)
 
+    @property
+    def stored_blocks(self) -> tuple[RowBlock, ...]:
+        """The row blocks the kernel holds: ``blocks``, or the whole table in ``data_type``."""
+        return self.blocks or (RowBlock(self.num_embeddings, self.data_type),)
+
+    def with_blocks(self, blocks: Sequence[Any]) -> TableConfig:
+        """A copy held in ``blocks`` (ranked (rows, data_type) pairs; empty: one type again)."""
+        return dataclasses.replace(self, blocks=tuple(blocks))
+
     def to_dict(self) -> dict[str, Any]:
-        return {
+        data: dict[str, Any] = {
             "name": self.name,
             "num_embeddings": self.num_embeddings,
             "embedding_dim": self.embedding_dim,
@@ -138,10 +206,13 @@ class TableConfig:
             "pooling": self.pooling.value if self.pooling_stated else None,
             "data_type": self.data_type.value,
         }
+        if self.blocks:
+            data["blocks"] = [b.to_dict() for b in self.blocks]
+        return data
 
     @classmethod
     def from_dict(cls, data: Mapping[str, Any]) -> TableConfig:
-        known = {"name", "num_embeddings", "embedding_dim", "feature_names", "pooling", "data_type"}
+        known = {"name", "num_embeddings", "embedding_dim", "feature_names", "pooling", "data_type", "blocks"}
         name = data.get("name", "?")
         unknown = set(data) - known
         if unknown:
@@ -159,6 +230,7 @@ class TableConfig:
             pooling=PoolingType.SUM if pooling is None else pooling,
             data_type=data.get("data_type", "int8"),
             pooling_stated=pooling is not None,
+            blocks=data.get("blocks") or (),
         )
 
 
@@ -237,6 +309,11 @@ class ModelSpec:
     @property
     def output_dim(self) -> int:
         return sum(t.embedding_dim * len(t.feature_names) for t in self.tables)
+
+    @property
+    def block_tables(self) -> tuple[str, ...]:
+        """The tables held in precision blocks, in order."""
+        return tuple(t.name for t in self.tables if t.blocks)
 
     def table(self, name: str) -> TableConfig:
         for table in self.tables:

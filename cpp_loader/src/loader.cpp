@@ -270,6 +270,11 @@ void check_manifest(const schema::Document& data, const std::string& document) {
     const auto& table = tables[t];
     const auto name = table["name"].get<std::string>();
     if (!table_names.insert(name).second) fail("tables[" + std::to_string(t) + "].name '" + name + "' appears twice");
+    if (table.contains("blocks"))
+      throw ModelError(document + ": table '" + name +
+                       "' is held in precision blocks (its 'blocks'; issue 43), which this loader does not serve "
+                       "yet; serve the artifact with the Python loader (infer.load, embserve serve), or export "
+                       "the table in one data type");
     for (const auto& feature_name : table["feature_names"]) {
       const auto fname = feature_name.get<std::string>();
       if (!feature_names.insert(fname).second)

@@ -31,6 +31,7 @@ from infer.artifact.manifest import (
     Manifest,
     OnnxEntry,
     Pt2Entry,
+    RemapEntry,
 )
 from infer.artifact.mapped import (
     MAPPED,
@@ -66,6 +67,24 @@ def staged(out_dir: Path) -> Iterator[Path]:
     except BaseException:
         shutil.rmtree(staging, ignore_errors=True)
         raise
+
+
+def refuse_blocks(spec: Any, plan: ShardingPlan | None, onnx: bool, pt2: bool) -> None:
+    """``ConfigError`` naming the first table held in precision blocks when the export asks for a form that does
+    not serve blocks yet (a sharded model, ONNX, pt2), and the flag to drop."""
+    if not spec.block_tables:
+        return
+    table = spec.block_tables[0]
+    for asked, what, flag in (
+        (plan is not None, "a sharded model", "the plan (--devices/--plan)"),
+        (onnx, "ONNX", "--onnx"),
+        (pt2, "pt2", "--pt2"),
+    ):
+        if asked:
+            raise ConfigError(
+                f"table {table!r} is held in precision blocks, which {what} does not serve yet; export without "
+                f"{flag}, or with the table in one data type"
+            )
 
 
 def output_folder(out_dir: str | Path) -> Path:
@@ -118,6 +137,7 @@ def export(
     if not isinstance(model, EmbserveModel):
         raise ConfigError(f"export takes the model returned by infer.quantize(), got {type(model).__name__}")
     check_weights_format(weights)
+    refuse_blocks(model.spec, plan, onnx, pt2)
     out_dir = output_folder(out_dir)
     dense_expects = checked_layout(model.spec, model.dense_arch if model.has_dense else None)
     if model.has_dense:
@@ -164,6 +184,8 @@ def write_manifest(
 ) -> None:
     from infer.artifact.fbgemm_libs import REQUIRED_LIBRARIES, fbgemm_library_dir, fbgemm_version
 
+    collection = model.embeddings
+    remaps = zip(getattr(collection, "block_table_names", []), getattr(collection, "block_remaps", []))
     manifest = Manifest(
         spec=model.spec,
         has_dense=bool(model.has_dense),
@@ -181,6 +203,7 @@ def write_manifest(
         pt2=pt2_entry,
         dense_expects=dense_expects,
         format_version=format_version,
+        block_remaps=tuple(RemapEntry.of(name, remap) for name, remap in remaps),
     )
     (staging / MANIFEST_FILE).write_text(manifest.to_json(), encoding="utf-8")
 

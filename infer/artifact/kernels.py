@@ -19,6 +19,7 @@ import torch
 from infer.artifact.kernel_attributes import attribute_error, check_attributes, kernel_attributes
 from infer.config import DataType, ModelSpec
 from infer.errors import ArtifactError, ArtifactErrorKind
+from infer.modules.collection import kernel_features, tbe_tables
 from infer.modules.sharded import DeviceShards, device_buckets, row_buckets
 from infer.planner.types import ShardingPlan
 from infer.quant.rowwise import CPU_ROW_ALIGNMENT, CUDA_ROW_ALIGNMENT, TABLE_ALIGNMENT, table_bytes
@@ -106,8 +107,11 @@ def expected_kernels(spec: ModelSpec, plan: ShardingPlan | None, devices: tuple[
     if plan is None:
         device = devices[0]
         index = {t.name: i for i, t in enumerate(spec.tables)}
-        tables = tuple(KernelTable(t.num_embeddings, t.embedding_dim, t.data_type) for t in spec.tables)
-        return [Kernel(0, device, _alignment(device), tables, tuple(index[f.table] for f in spec.features))]
+        tables = tuple(KernelTable(b.rows, t.embedding_dim, b.data_type) for t in spec.tables for b in t.stored_blocks)
+        kernel_tables = tbe_tables(spec)
+        features = spec.features
+        feature_table_map = tuple(kernel_tables[index[features[f].table]][j] for f, j in kernel_features(spec))
+        return [Kernel(0, device, _alignment(device), tables, feature_table_map)]
     names = plan_devices(plan)
     layouts = device_layouts(spec, plan)
     placed = shared_cpu_storage(plan, layouts, names, [t.name for t in spec.tables])

@@ -188,6 +188,32 @@ class Pt2Entry:
 
 
 @dataclass(frozen=True)
+class RemapEntry:
+    """A block table's id remap (id -> rank, int32, ``rows`` of them) as the model file holds it: the sha256 of
+    its bytes, which the loader compares with the loaded model's before the first lookup."""
+
+    table: str
+    rows: int
+    sha256: str
+
+    @classmethod
+    def of(cls, table: str, remap: Any) -> RemapEntry:
+        return cls(table, int(remap.numel()), remap_sha256(remap))
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"rows": self.rows, "dtype": "int32", "sha256": self.sha256}
+
+
+def remap_sha256(remap: Any) -> str:
+    """sha256 of an id remap's bytes: int32, little-endian, in id order."""
+    import numpy as np
+    import torch
+
+    data = remap.detach().to("cpu", torch.int32).contiguous().numpy().astype("<i4", copy=False)
+    return hashlib.sha256(np.ascontiguousarray(data).tobytes()).hexdigest()
+
+
+@dataclass(frozen=True)
 class Manifest:
     spec: ModelSpec
     has_dense: bool
@@ -210,6 +236,8 @@ class Manifest:
     devices_per_host: int = 0
     # the pooled layout the dense part was built against (infer.dense_layout), when it records one
     dense_expects: PooledLayout | None = None
+    # the id remap of every table held in precision blocks (``TableConfig.blocks``), in table order
+    block_remaps: tuple[RemapEntry, ...] = ()
 
     @property
     def num_hosts(self) -> int:
@@ -278,6 +306,8 @@ class Manifest:
             **({"onnx": self.onnx.to_dict()} if self.onnx is not None else {}),
             **({"pt2": self.pt2.to_dict()} if self.pt2 is not None else {}),
         }
+        if self.block_remaps:  # only then: a manifest without blocks stays what every loader already reads
+            data["block_remaps"] = {r.table: r.to_dict() for r in self.block_remaps}
         if self.host_parts:  # only then: a one-host manifest stays what every loader already reads
             data["hosts"] = {
                 "count": len(self.host_parts),
@@ -333,6 +363,9 @@ class Manifest:
             host_parts=tuple(data["hosts"]["parts"]) if "hosts" in data else (),
             devices_per_host=data["hosts"]["devices_per_host"] if "hosts" in data else 0,
             dense_expects=PooledLayout.from_dict(dense["expects"]) if "expects" in dense else None,
+            block_remaps=tuple(
+                RemapEntry(name, entry["rows"], entry["sha256"]) for name, entry in data.get("block_remaps", {}).items()
+            ),
         )
         manifest._check_consistency(data)
         return manifest
@@ -400,11 +433,37 @@ class Manifest:
         if self.host_parts:
             self._check_hosts(data, names)
         self._check_weight_files(data)
+        self._check_block_remaps(fail)
         if self.plan_file is None:
             devices = (self.kernels[0].device,) if self.kernels else self.devices
             expected = [k.layout() for k in self.laid_out(expected_kernels(spec, None, devices), None)]
             if [k.layout() for k in self.kernels] != expected:
                 raise fail("'kernels' disagrees with 'tables' (an unsharded model has one kernel holding every table)")
+
+    def _check_block_remaps(self, fail: Any) -> None:
+        """One remap per block table, in table order, as many ranks as the table has rows."""
+        spec = self.spec
+        listed = [r.table for r in self.block_remaps]
+        if listed != list(spec.block_tables):
+            missing = [t for t in spec.block_tables if t not in listed]
+            extra = [t for t in listed if t not in spec.block_tables]
+            which = (
+                f"table {missing[0]!r} is held in blocks but has no remap"
+                if missing
+                else (
+                    f"block_remaps names {extra[0]!r}, which 'tables' does not hold in blocks"
+                    if extra
+                    else "block_remaps is not in table order"
+                )
+            )
+            raise fail(f"{which}; block_remaps disagrees with 'tables'")
+        for remap in self.block_remaps:
+            rows = spec.table(remap.table).num_embeddings
+            if remap.rows != rows:
+                raise fail(
+                    f"block_remaps[{remap.table!r}] has {remap.rows} ranks but table {remap.table!r} has {rows} rows; "
+                    "block_remaps disagrees with 'tables'"
+                )
 
     def _check_weight_files(self, data: Mapping[str, Any]) -> None:
         """Version 3 keeps every CPU kernel's weights in a listed file, inside it; version 2 none."""

@@ -90,6 +90,12 @@ def export_streaming(
     if chunk_bytes < 1:
         raise ConfigError(f"chunk_bytes must be positive, got {chunk_bytes}")
     spec.require_stated_pooling()
+    if spec.block_tables:
+        raise ConfigError(
+            f"table {spec.block_tables[0]!r} is held in precision blocks, which the streaming export does not write "
+            "yet; export it with infer.quantize(..., block_orders=...) and infer.export, or hold the table in one data "
+            "type"
+        )
     if plan is not None:
         _check_streamable(plan)
     check_source(spec, source)

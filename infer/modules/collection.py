@@ -11,7 +11,7 @@ import torch
 from torch import Tensor, nn
 
 from infer import request_rules as rules
-from infer.config import ModelSpec, PoolingType
+from infer.config import DataType, ModelSpec, PoolingType
 from infer.modules.tbe import KernelRunner, first_id_error, make_tbe
 
 
@@ -139,12 +139,44 @@ class ValidatingCollection(nn.Module):
         return out
 
 
+def tbe_tables(spec: ModelSpec) -> List[List[int]]:
+    """Per spec table, the indices of its TBE tables in the collection's kernel: one, or one per precision block
+    (blocks in rank order, hottest first)."""
+    out: List[List[int]] = []
+    index = 0
+    for table in spec.tables:
+        count = len(table.stored_blocks)
+        out.append(list(range(index, index + count)))
+        index += count
+    return out
+
+
+def kernel_features(spec: ModelSpec) -> List[Tuple[int, int]]:
+    """The kernel's features as (feature, block), block-major: every feature's first block (or whole table) in
+    feature order, whose pooled columns are then the output's, then each further block of the block tables' features."""
+    counts = [len(spec.table(f.table).stored_blocks) for f in spec.features]
+    return [(f, j) for j in range(max(counts)) for f in range(len(counts)) if j < counts[f]]
+
+
 class QuantizedEmbeddingBagCollection(ValidatingCollection, KernelRunner):
     """All tables of one device in one fbgemm ``IntNBitTableBatchedEmbeddingBagsCodegen``.
 
     The kernel pools with SUM and emits fp32; MEAN features are divided by their bag lengths
     afterwards, so SUM and MEAN tables share the single kernel call.
+
+    A table held in precision blocks (``TableConfig.blocks``) is one TBE table per block, in the same kernel
+    (fbgemm takes a type per table). Its id remap (``block_remaps``: id -> rank, an int32 permutation of the
+    table's rows) puts the rank-``r`` row in the block whose rank range holds ``r``; a feature of that table is
+    one kernel feature per block, each fed the bag's ids that fall in its block, and the blocks' pooled sums are
+    added into the feature's columns (MEAN: then divided by the full bag length).
     """
+
+    has_blocks: bool
+    block_remaps: List[Tensor]
+    block_starts: List[Tensor]
+    feature_remap: List[int]
+    feature_blocks: List[int]
+    extra_features: List[int]
 
     def __init__(
         self,
@@ -154,19 +186,55 @@ class QuantizedEmbeddingBagCollection(ValidatingCollection, KernelRunner):
         allocate: bool = True,
     ):
         super().__init__()
+        kernel_tables = tbe_tables(spec)
         table_index = {t.name: i for i, t in enumerate(spec.tables)}
+        specs: List[Tuple[str, int, int, DataType]] = [
+            (f"{t.name}.block{j}" if t.blocks else t.name, b.rows, t.embedding_dim, b.data_type)
+            for t in spec.tables
+            for j, b in enumerate(t.stored_blocks)
+        ]
         self.tbe = make_tbe(
-            [(t.name, t.num_embeddings, t.embedding_dim, t.data_type) for t in spec.tables],
-            [table_index[f.table] for f in spec.features],
+            specs,
+            [kernel_tables[table_index[spec.features[f].table]][j] for f, j in kernel_features(spec)],
             torch.device(device),
             row_alignment,
             allocate,
         )
         self._set_features(spec)
-        self.init_kernel_runner(len(spec.features), str(torch.device(device)))
+        block_tables = [t for t in spec.tables if t.blocks]
+        self.has_blocks = len(block_tables) > 0
+        # identity until ``set_block_remap``: rank = id
+        self.block_remaps = [torch.arange(t.num_embeddings, dtype=torch.int32) for t in block_tables]
+        self.block_starts = [
+            torch.tensor([0] + [b.rows for b in t.blocks[:-1]], dtype=torch.int64).cumsum(0) for t in block_tables
+        ]
+        block_slot = {t.name: i for i, t in enumerate(block_tables)}
+        self.feature_remap = [block_slot.get(f.table, -1) for f in spec.features]
+        self.feature_blocks = [len(kernel_tables[table_index[f.table]]) for f in spec.features]
+        self.block_table_names = [t.name for t in block_tables]
+        # the kernel's features past the first block of each: (feature, its output column) in kernel order
+        self.extra_features = [f for f, j in kernel_features(spec) if j > 0]
+        self.init_kernel_runner(sum(self.feature_blocks), str(torch.device(device)))
+
+    @torch.jit.unused
+    def set_block_remap(self, table: str, remap: Tensor) -> None:
+        """Install ``table``'s id remap (id -> rank, a permutation of its rows; ``ConfigError`` otherwise)."""
+        from infer.errors import ConfigError
+
+        if table not in self.block_table_names:
+            raise ConfigError(
+                f"table {table!r} is not held in precision blocks; its blocks are {self.block_table_names}"
+            )
+        slot = self.block_table_names.index(table)
+        rows = self.block_remaps[slot].numel()
+        error = remap_error(remap, rows)
+        if error is not None:
+            raise ConfigError(f"table {table!r}: the id remap {error}; pass a permutation of [0, {rows})")
+        self.block_remaps[slot] = remap.to(torch.int32).contiguous()
 
     def table_weights(self) -> List[Tuple[Tensor, Optional[Tensor]]]:
-        """Per table: the kernel's row bytes (without padding) and, for INT types, scale/bias bytes."""
+        """Per TBE table (a table's blocks each one, see ``tbe_tables``): the kernel's row bytes (without
+        padding) and, for INT types, scale/bias bytes."""
         return self.tbe.split_embedding_weights()  # type: ignore[operator]
 
     def lookup_validated(self, values: Tensor, lengths: Tensor, weights: Optional[Tensor] = None) -> Tensor:
@@ -174,7 +242,96 @@ class QuantizedEmbeddingBagCollection(ValidatingCollection, KernelRunner):
 
         Reached from outside only through ``EmbserveModel.lookup_unchecked`` (a host that validated already).
         """
-        return self.apply_mean(self.run_kernel(values, lengths, weights), lengths)
+        if not self.has_blocks:
+            return self.apply_mean(self.run_kernel(values, lengths, weights), lengths)
+        block_values, block_lengths, block_weights = self.split_blocks(values, lengths, weights)
+        pooled = self.run_kernel(block_values, block_lengths, block_weights)
+        return self.apply_mean(self.add_blocks(pooled), lengths)
+
+    def split_blocks(
+        self, values: Tensor, lengths: Tensor, weights: Optional[Tensor]
+    ) -> Tuple[Tensor, Tensor, Optional[Tensor]]:
+        """The kernel input of a validated request (``kernel_features`` order): each block table's ids remapped
+        (one gather) and split by block, every bag once per block."""
+        num_features = self.num_features
+        batch = lengths.numel() // num_features
+        ends: List[int] = lengths.view(num_features, batch).sum(1).cumsum(0).tolist()
+        levels = max(self.feature_blocks)
+        out_values: List[List[Tensor]] = [[] for _ in range(levels)]
+        out_lengths: List[List[Tensor]] = [[] for _ in range(levels)]
+        out_weights: List[List[Tensor]] = [[] for _ in range(levels)]
+        bags = torch.arange(batch, dtype=torch.int64)
+        start = 0
+        for f in range(num_features):
+            end = ends[f]
+            ids = values[start:end]
+            bag_lengths = lengths[f * batch : (f + 1) * batch]
+            slot = self.feature_remap[f]
+            if slot < 0:
+                out_values[0].append(ids)
+                out_lengths[0].append(bag_lengths)
+                if weights is not None:
+                    out_weights[0].append(weights[start:end])
+            else:
+                rank = self.block_remaps[slot][ids]
+                starts: List[int] = self.block_starts[slot].tolist()
+                bag = torch.repeat_interleave(bags, bag_lengths.to(torch.int64))
+                count = self.feature_blocks[f]
+                for j in range(count):
+                    # a rank below the next block's start and (from the second block on) not below its own
+                    if j + 1 < count:
+                        inside = rank < starts[j + 1]
+                        if j > 0:
+                            inside &= rank >= starts[j]
+                    else:
+                        inside = rank >= starts[j]
+                    local = rank[inside]
+                    if j > 0:
+                        local = local - starts[j]
+                    out_values[j].append(local.to(values.dtype))
+                    out_lengths[j].append(torch.bincount(bag[inside], minlength=batch).to(lengths.dtype))
+                    if weights is not None:
+                        out_weights[j].append(weights[start:end][inside])
+            start = end
+        flat_values: List[Tensor] = []
+        flat_lengths: List[Tensor] = []
+        flat_weights: List[Tensor] = []
+        for j in range(levels):
+            flat_values.extend(out_values[j])
+            flat_lengths.extend(out_lengths[j])
+            flat_weights.extend(out_weights[j])
+        block_weights: Optional[Tensor] = None
+        if weights is not None:
+            block_weights = torch.cat(flat_weights)
+        return torch.cat(flat_values), torch.cat(flat_lengths), block_weights
+
+    def add_blocks(self, pooled: Tensor) -> Tensor:
+        """``[batch, output_dim]``: the first blocks' columns (the output's layout) plus every further block's."""
+        if pooled.size(1) == self.output_dim:
+            return pooled
+        out = pooled[:, : self.output_dim].contiguous()
+        column = self.output_dim
+        for f in self.extra_features:
+            dim = self.feature_dims[f]
+            start = self.column_starts[f]
+            out[:, start : start + dim] += pooled[:, column : column + dim]
+            column += dim
+        return out
+
+
+def remap_error(remap: Tensor, rows: int) -> Optional[str]:
+    """Why ``remap`` is not a permutation of ``[0, rows)`` (1-D integer), or None."""
+    if remap.dim() != 1 or remap.is_floating_point() or remap.dtype == torch.bool or remap.numel() != rows:
+        return f"is {remap.dtype} of shape {list(remap.shape)}, not {rows} integer ranks"
+    if rows == 0:
+        return None
+    ranks = remap.to(torch.int64)
+    low, high = int(ranks.min()), int(ranks.max())
+    if low < 0 or high >= rows:
+        return f"holds rank {low if low < 0 else high}, outside [0, {rows})"
+    if int(torch.bincount(ranks, minlength=rows).max()) > 1:
+        return "gives two ids the same rank"
+    return None
 
 
 class _NoDenseArch(nn.Module):

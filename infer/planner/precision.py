@@ -23,7 +23,7 @@ from typing import Any
 
 import numpy as np
 
-from infer.config import DataType, ModelSpec, TableConfig
+from infer.config import DataType, ModelSpec, RowBlock, TableConfig
 from infer.errors import PlanError, PlanErrorKind
 from infer.planner.access import AccessSample
 from infer.planner.memory_tiers import UNIFORM_ACCESS, block_reads
@@ -50,6 +50,8 @@ class DtypeOption:
     data_type: DataType
     bytes: int  # the table at this type, as the TBE allocates it
     error: float  # the table's measured relative error of pooled outputs at this type
+    # the table in precision blocks (``infer.planner.blocks``; ``data_type`` is then the coldest block's), else ()
+    blocks: tuple[RowBlock, ...] = ()
 
 
 @dataclass(frozen=True)
@@ -93,6 +95,7 @@ class PrecisionChoice:
     gap: float | None = None  # the solver's relative optimality gap (exact only)
     devices: tuple[int, ...] | None = None  # each table's device, when chosen jointly with device budgets
     device_bytes: tuple[int, ...] | None = None  # then each device's bytes: weights plus the tables' overheads
+    blocks: tuple[tuple[RowBlock, ...], ...] = ()  # per table its precision blocks, () when whole (or none chosen)
 
     def to_dict(self) -> dict[str, Any]:
         return {
@@ -171,6 +174,7 @@ def _choice(method: str, problem: Sequence[TableChoices], picks: Sequence[int], 
         gap,
         None if devices is None else tuple(devices),
         device_bytes,
+        tuple(o.blocks for o in options) if any(o.blocks for o in options) else (),
     )
 
 
@@ -182,13 +186,12 @@ def choose_uniform(problem: Sequence[TableChoices], data_type: DataType) -> Prec
     """Every table at ``data_type``, or its nearest allowed type (a floor above it, or a fixed type)."""
     picks = []
     for table in problem:
-        exact = [i for i, o in enumerate(table.options) if o.data_type == data_type]
+        whole = [i for i, o in enumerate(table.options) if not o.blocks]
+        exact = [i for i in whole if table.options[i].data_type == data_type]
         if exact:
             picks.append(exact[0])
         else:
-            picks.append(
-                min(range(len(table.options)), key=lambda i: abs(table.options[i].data_type.bits - data_type.bits))
-            )
+            picks.append(min(whole, key=lambda i: abs(table.options[i].data_type.bits - data_type.bits)))
     return _choice(f"uniform {data_type.value}", problem, picks)
 
 

@@ -285,6 +285,11 @@ def shard_model(
             f"shard_model takes the unsharded model returned by infer.quantize(), got one whose embeddings are "
             f"{type(source).__name__}; quantize the tables first, then shard that model"
         )
+    if spec.block_tables:
+        raise ConfigError(
+            f"table {spec.block_tables[0]!r} is held in precision blocks, which sharding does not serve yet; serve the "
+            "model unsharded (no --devices/plan), or hold the table in one data type"
+        )
     check_plan(spec, plan)
     devices = plan_devices(plan, device_map)
     if devices == plan_devices(plan):  # the plan's own devices must be here (a device map names where instead)

@@ -10,7 +10,15 @@ from pathlib import Path
 import torch
 
 from infer.artifact.kernels import Kernel, check_kernel, kernel_holders, model_tbes
-from infer.artifact.manifest import MANIFEST_FILE, MODEL_FILE, PLAN_FILE, FileEntry, Manifest
+from infer.artifact.manifest import (
+    MANIFEST_FILE,
+    MODEL_FILE,
+    PLAN_FILE,
+    FileEntry,
+    Manifest,
+    RemapEntry,
+    remap_sha256,
+)
 from infer.artifact.mapped import attach_weights, check_no_saved_weights, mark_weights
 from infer.artifact.structures import StructureCache
 from infer.errors import ArtifactError, ArtifactErrorKind, ConfigError
@@ -101,6 +109,35 @@ def check_model_kernels(module: torch.jit.ScriptModule, kernels: Sequence[Kernel
         raise ArtifactError(f"{source} has {len(holders)} kernels, {MANIFEST_FILE} lists {len(kernels)}", kind=MODEL)
     for index, (holder, kernel) in enumerate(zip(holders, kernels)):
         check_kernel(holder, kernel, index)
+
+
+def check_block_remaps(module: torch.jit.ScriptModule, remaps: Sequence[RemapEntry], source: Path) -> None:
+    """The loaded model's id remaps are the manifest's (``block_remaps``: tables, ranks, sha256) and each is a
+    permutation of its table's rows, before any lookup; ``ArtifactError(kind=MODEL)`` naming the table."""
+    from infer.modules.collection import remap_error
+
+    embeddings = module.embeddings
+    names = list(getattr(embeddings, "block_table_names", []))
+    held = list(getattr(embeddings, "block_remaps", []))
+    if names != [r.table for r in remaps] or len(held) != len(names):
+        raise ArtifactError(
+            f"{source} holds id remaps of tables {names}, {MANIFEST_FILE} lists {[r.table for r in remaps]}; "
+            "re-export the model",
+            path=str(source),
+            kind=ArtifactErrorKind.MODEL,
+        )
+    for entry, remap in zip(remaps, held):
+        problem = remap_error(remap, entry.rows)
+        if problem is None and remap.dtype != torch.int32:
+            problem = f"is {remap.dtype}, not int32"
+        if problem is None and remap_sha256(remap) != entry.sha256:
+            problem = f"differs from the one {MANIFEST_FILE} lists (its sha256)"
+        if problem is not None:
+            raise ArtifactError(
+                f"{source}: the id remap of table {entry.table!r} {problem}; the artifact is corrupted, re-export it",
+                path=str(source),
+                kind=ArtifactErrorKind.MODEL,
+            )
 
 
 def map_location(devices: Sequence[str], mapping: Mapping[str, str]) -> str | None:

@@ -1,0 +1,142 @@
+"""Precision blocks in the precision planner: each table may also be held as a hot block of its most read rows in
+a precise type and the rest in a small one (``TableConfig.blocks``), chosen by the same exact MILP as whole-table
+types (``infer.planner.precision``).
+
+A table's two-block option (``hot`` rows at type A, the rest at type B) costs both blocks' bytes as the kernel lays
+them out plus the id remap (``REMAP_BYTES_PER_ROW`` a row), and its error is the measured errors mixed by the share
+``h`` of the table's reads that hit the hot rows: the relative Frobenius error of pooled bags sums the rows' squared
+errors over the reads, so ``error = sqrt(h * e(A)^2 + (1 - h) * e(B)^2)``. ``h`` is estimated from the sample of
+request ids cross-validated: rows ranked on one half of the sample, hits counted on the other (and the reverse), so
+rows seen once do not count as hot. Without a sample reads are uniform over rows and blocks never pay.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Mapping, Sequence
+
+import numpy as np
+import torch
+
+from infer.config import DataType, ModelSpec, RowBlock, TableConfig
+from infer.errors import PlanError, PlanErrorKind
+from infer.planner.access import AccessSample
+from infer.planner.precision import DtypeOption, PrecisionChoice, TableChoices, precision_problem
+from infer.planner.types import ParameterConstraints
+from infer.quant.blocks import rank_rows
+from infer.quant.measured_error import TableError
+from infer.quant.rowwise import CPU_ROW_ALIGNMENT, table_bytes
+
+# the id remap: one int32 rank per row
+REMAP_BYTES_PER_ROW = 4
+# hot-block sizes tried: the table's rows halved this many times (and never below one row)
+HOT_SIZE_HALVINGS = 24
+
+
+def sample_order(sample: AccessSample, table: TableConfig) -> np.ndarray:
+    """The table's sampled ids in request order (its features' ids one after another)."""
+    parts = [np.asarray(sample.ids[f], dtype=np.int64) for f in table.feature_names if f in sample.ids]
+    return np.concatenate(parts) if parts else np.zeros(0, dtype=np.int64)
+
+
+def hot_shares(ids: np.ndarray, rows: int, hot_sizes: Sequence[int]) -> np.ndarray:
+    """Per hot size ``k``: the share of reads that hit the ``k`` most read rows, estimated on reads the ranking did
+    not see (ranked on even positions, hits counted on odd ones, and the reverse; averaged). 0 without ids."""
+    if ids.size < 2:
+        return np.zeros(len(hot_sizes))
+    sizes = np.asarray(hot_sizes, dtype=np.int64)
+    shares = np.zeros(len(sizes))
+    for ranked, held_out in ((ids[0::2], ids[1::2]), (ids[1::2], ids[0::2])):
+        seen, counts = np.unique(ranked, return_counts=True)  # sorted ids; no table-sized arrays
+        rank_of_seen = np.empty(seen.size, dtype=np.int64)
+        rank_of_seen[np.argsort(-counts, kind="stable")] = np.arange(seen.size)
+        where = np.minimum(np.searchsorted(seen, held_out), max(seen.size - 1, 0))
+        # a row the ranking never saw has no evidence: it ranks after every seen row
+        rank = np.where(seen[where] == held_out, rank_of_seen[where], rows)
+        hits = np.sort(rank)
+        shares += np.searchsorted(hits, sizes, "left") / held_out.size
+    return shares / 2
+
+
+def hot_sizes_of(rows: int) -> list[int]:
+    """The hot-block sizes tried for a table of ``rows`` rows: halvings of the table, largest first."""
+    sizes = sorted({max(1, rows >> j) for j in range(1, HOT_SIZE_HALVINGS + 1)} - {rows}, reverse=True)
+    return sizes
+
+
+def block_option(table: TableConfig, hot: int, precise: DataType, small: DataType, share: float,
+                 measured: TableError, row_alignment: int) -> DtypeOption:  # fmt: skip
+    """``hot`` rows at ``precise``, the rest at ``small``: bytes and mixed error (see the module docstring)."""
+    dim, rows = table.embedding_dim, table.num_embeddings
+    size = table_bytes(hot, dim, precise, row_alignment) + table_bytes(rows - hot, dim, small, row_alignment)
+    size += REMAP_BYTES_PER_ROW * rows
+    error = math.sqrt(share * measured.error(precise) ** 2 + (1 - share) * measured.error(small) ** 2)
+    return DtypeOption(small, size, error, (RowBlock(hot, precise), RowBlock(rows - hot, small)))
+
+
+def pareto(options: Sequence[DtypeOption]) -> tuple[DtypeOption, ...]:
+    """The options no other beats on both bytes and error, fewest bytes first (a dominated option is never the
+    unique optimum of the MILP, so dropping it keeps the exact choice exact)."""
+    kept: list[DtypeOption] = []
+    for option in sorted(options, key=lambda o: (o.bytes, o.error)):
+        if not kept or option.error < kept[-1].error:
+            kept.append(option)
+    return tuple(kept)
+
+
+def block_problem(
+    spec: ModelSpec,
+    measured: Sequence[TableError],
+    sample: AccessSample | None,
+    constraints: Mapping[str, ParameterConstraints] | None = None,
+    row_alignment: int = CPU_ROW_ALIGNMENT,
+    prune: bool = True,
+) -> tuple[TableChoices, ...]:
+    """``precision_problem``'s tables with two-block options beside the whole-table types: every hot size of
+    ``hot_sizes_of`` and every pair of allowed types (the hot one more precise). ``prune``: Pareto options only."""
+    constraints = constraints or {}
+    whole = precision_problem(spec, measured, constraints, sample, row_alignment)
+    by_name = {m.table: m for m in measured}
+    problem = []
+    for table, choices in zip(spec.tables, whole):
+        table_constraints = constraints.get(table.name, ParameterConstraints())
+        options = list(choices.options)
+        ids = sample_order(sample, table) if sample is not None else np.zeros(0, dtype=np.int64)
+        if table_constraints.data_type is None and ids.size >= 2 and table.num_embeddings > 1:
+            sizes = hot_sizes_of(table.num_embeddings)
+            shares = hot_shares(ids, table.num_embeddings, sizes)
+            types = [o.data_type for o in choices.options]
+            for hot, share in zip(sizes, shares):
+                if share <= 0:
+                    continue
+                for precise in types:
+                    for small in types:
+                        if precise.bits > small.bits:
+                            options.append(block_option(table, hot, precise, small, float(share),
+                                                        by_name[table.name], row_alignment))  # fmt: skip
+        kept = pareto(options) if prune else tuple(sorted(options, key=lambda o: (o.bytes, o.error)))
+        problem.append(TableChoices(choices.table, choices.weight, choices.declared, kept))
+    return tuple(problem)
+
+
+def apply_blocks(spec: ModelSpec, choice: PrecisionChoice) -> ModelSpec:
+    """The spec with ``choice``'s types, and its blocks on the tables it holds in blocks."""
+    blocks = choice.blocks or tuple(() for _ in spec.tables)
+    tables = tuple(t.with_data_type(d).with_blocks(b) for t, d, b in zip(spec.tables, choice.data_types, blocks))
+    return ModelSpec(tables, spec.num_dense_features, spec.dense_arch)
+
+
+def block_orders_from_sample(spec: ModelSpec, sample: AccessSample) -> dict[str, torch.Tensor]:
+    """Each block table's rows ranked hottest first by the whole sample (``quantize``'s ``block_orders``)."""
+    orders = {}
+    for table in spec.tables:
+        if table.blocks:
+            ids = sample.table_ids(table)
+            if ids.size == 0:
+                raise PlanError(
+                    f"table {table.name!r} is held in precision blocks but the sample has no ids of it; sample its "
+                    "features' requests",
+                    PlanErrorKind.INVALID_CONSTRAINT,
+                )
+            orders[table.name] = rank_rows(table.num_embeddings, ids, table.name)
+    return orders
