@@ -78,6 +78,27 @@ def test_export_from_torchrec_with_dense_arch(trained, tmp_path, source):
         )
 
 
+def test_export_onnx_with_the_readmes_scripted_dense_part(trained, tmp_path):
+    """`--onnx` with `dense.pt = torch.jit.script(from_torchrec(dlrm).dense_arch)`, as the README writes it: the
+    ONNX model's scores equal the TorchScript artifact's (issue 39 item 3: torch.onnx refused the ScriptModule)."""
+    pytest.importorskip("onnxruntime")
+    _, imported, folder = trained
+    out = tmp_path / "art"
+    args = ["export", "--from-torchrec", str(folder / "model.pt"), "--spec", str(folder / "spec.json"), "--out", str(out)]
+    assert main([*args, "--dense-arch", str(folder / "dense.pt"), "--onnx"]) == 0
+    assert (out / "dense.onnx").is_file()
+    scripted, onnx_runtime = infer.load(out), infer.load(out, backend="onnxruntime")
+    for seed, batch in ((1, 1), (2, 9)):
+        generator = torch.Generator().manual_seed(seed)
+        kjt = random_kjt(
+            list(imported.spec.feature_names), {f.name: f.num_embeddings for f in imported.spec.features}, batch, seed=seed
+        )
+        dense = torch.randn(kjt.stride(), NUM_DENSE, generator=generator)
+        expected = scripted.predict(SparseFeatures.from_kjt(kjt), dense)
+        got = onnx_runtime.predict(SparseFeatures.from_kjt(kjt), dense)
+        torch.testing.assert_close(got, expected, rtol=0, atol=1e-5 * float(expected.abs().max()) + 1e-6)
+
+
 def test_dense_features_without_dense_arch_is_an_error(trained, tmp_path, capsys):
     _, _, folder = trained
     args = ["export", "--from-torchrec", str(folder / "model.pt"), "--spec", str(folder / "spec.json")]

@@ -428,17 +428,27 @@ class _Scores(torch.nn.Module):
 
 def export_dense(dense_arch: torch.nn.Module, num_dense: int, output_dim: int, path: Path) -> Any:
     """``dense.onnx`` (inputs ``dense_features``, ``pooled``; output ``scores``) by torch.onnx's TorchScript-based
-    exporter (dynamo=False: the dynamo exporter needs onnxscript, which the extra does not carry)."""
+    exporter (dynamo=False: the dynamo exporter needs onnxscript, which the extra does not carry).
+
+    Any form of dense part exports: an eager module, a scripted one (``torch.jit.script``, as the README writes
+    ``dense.pt``), a loaded TorchScript file, or an eager module holding scripted parts. The wrapper is traced
+    with ``torch.jit.trace`` first and the traced module handed to torch.onnx: torch.onnx's own trace of an eager
+    wrapper refuses a ScriptModule called inside it ("not part of the active trace"), while a trace by
+    ``torch.jit.trace`` records the call and torch.onnx inlines the scripted graph, control flow included.
+    """
     onnx = _require_onnx()
     example = (torch.zeros(2, num_dense), torch.zeros(2, output_dim))
     # the model itself stays where it is; scores leave the graph float32 [B], as every backend's predict
     module = _Scores(copy.deepcopy(dense_arch).cpu().eval())
     try:
-        with warnings.catch_warnings():
-            # torch 2.13 warns that this exporter is the legacy one; it is the one that needs no onnxscript
+        with warnings.catch_warnings(), torch.no_grad():
+            # torch 2.13 warns that this exporter is the legacy one; it is the one that needs no onnxscript.
+            # The trace's shape guards (scores_of's checks) are Python: export probed this dense part already.
             warnings.simplefilter("ignore", DeprecationWarning)
+            warnings.simplefilter("ignore", torch.jit.TracerWarning)
+            traced = torch.jit.trace(module, example, check_trace=False)
             torch.onnx.export(
-                module,
+                traced,
                 example,
                 str(path),
                 dynamo=False,
@@ -448,8 +458,18 @@ def export_dense(dense_arch: torch.nn.Module, num_dense: int, output_dim: int, p
                 dynamic_axes={"dense_features": {0: "batch"}, "pooled": {0: "batch"}, "scores": {0: "batch"}},
             )
     except Exception as err:  # noqa: BLE001 - torch.onnx raises many error types
-        raise ConfigError(f"the dense part ({type(dense_arch).__name__}) cannot be exported to ONNX: {err}") from None
+        raise ConfigError(
+            f"the dense part ({type(dense_arch).__name__}) cannot be exported to ONNX: {_first_line(err)}; an eager "
+            "module, a torch.jit.script module or a TorchScript file exports when torch.onnx (opset "
+            f"{OPSET}, dynamo=False) supports every op it calls: rewrite that op, or export without --onnx"
+        ) from None
     return onnx.load(str(path))
+
+
+def _first_line(err: BaseException) -> str:
+    """torch.onnx puts the reason first and the whole graph after it."""
+    lines = [line.strip() for line in str(err).splitlines() if line.strip()]
+    return lines[0] if lines else type(err).__name__
 
 
 def _merge_dense(graph: Any, dense: Any) -> None:
