@@ -23,6 +23,22 @@ if TYPE_CHECKING:
 # One feature's bags: a list of id lists, or a pair of 1-D tensors (values, lengths).
 FeatureBags = Sequence[Sequence[int]] | tuple[torch.Tensor, torch.Tensor]
 
+FEATURES_FORMS = (
+    "features must be a non-empty mapping of feature name -> bags, a SparseFeatures "
+    "or a torchrec KeyedJaggedTensor (SparseFeatures.from_kjt)"
+)
+
+
+def is_kjt(obj: object) -> bool:
+    """Whether ``obj`` is a TorchRec ``KeyedJaggedTensor``, told by its methods so that torchrec is not imported."""
+    return not isinstance(obj, Mapping) and all(
+        callable(getattr(obj, name, None)) for name in ("keys", "values", "lengths", "weights_or_none")
+    )
+
+
+def _kind_of(obj: object) -> str:
+    return "an empty mapping" if isinstance(obj, Mapping) else type(obj).__name__
+
 
 @dataclass(frozen=True)
 class SparseFeatures:
@@ -62,7 +78,7 @@ class SparseFeatures:
         ``weights``, when given, must cover every feature with one weight per id.
         """
         if not isinstance(bags, Mapping) or not bags:
-            raise RequestError("features must be a non-empty mapping of feature name -> bags")
+            raise RequestError(FEATURES_FORMS + f", got {_kind_of(bags)}")
         keys = tuple(bags)
         values_parts: list[torch.Tensor] = []
         lengths_parts: list[torch.Tensor] = []
@@ -106,6 +122,24 @@ class SparseFeatures:
             narrow_lengths(torch.cat([n.to(torch.int64) for n in lengths_parts])),
             weight_tensor,
         )
+
+    @classmethod
+    def of(
+        cls,
+        features: SparseFeatures | Mapping[str, FeatureBags] | Any,
+        weights: Mapping[str, Sequence[Sequence[float]] | torch.Tensor] | None = None,
+    ) -> SparseFeatures:
+        """Whatever an entry point takes as features: a ``SparseFeatures``, a TorchRec ``KeyedJaggedTensor``
+        (``from_kjt``: its weights are the per-id weights) or a mapping (``from_dict``, with ``weights``).
+        Per-id weights come one way: with the batch, or as ``weights`` beside a mapping."""
+        if isinstance(features, SparseFeatures) or is_kjt(features):
+            if weights is not None:
+                raise RequestError(
+                    f"weights given beside a {type(features).__name__}; put them in it (its weights) "
+                    "or pass the features as a mapping"
+                )
+            return features if isinstance(features, SparseFeatures) else cls.from_kjt(features)
+        return cls.from_dict(features, weights)
 
     @classmethod
     def random(cls, spec: ModelSpec, batch_size: int = 256, ids_per_bag: int = 20, seed: int = 0) -> SparseFeatures:

@@ -6,6 +6,7 @@ It pools with ``torch.nn.functional.embedding_bag`` only; nothing here touches f
 from __future__ import annotations
 
 from collections.abc import Mapping
+from typing import Any
 
 import torch
 import torch.nn.functional as F
@@ -28,8 +29,9 @@ class FloatEmbeddingBagCollection(torch.nn.Module):
         # A plain dict: table names such as "items" or "a.b" are not valid ParameterDict keys.
         self.tables: dict[str, torch.Tensor] = {t.name: weights[t.name].detach().float() for t in spec.tables}
 
-    def forward(self, batch: SparseFeatures) -> torch.Tensor:
-        batch = batch.validate(self.spec)
+    def forward(self, batch: SparseFeatures | Any) -> torch.Tensor:
+        """``batch``: any form ``SparseFeatures.of`` takes (a mapping, a TorchRec KeyedJaggedTensor)."""
+        batch = SparseFeatures.of(batch).validate(self.spec)
         num_features = len(batch.keys)
         size = batch.batch_size
         lengths = batch.lengths.to(torch.int64).view(num_features, size)

@@ -119,9 +119,7 @@ class EmbserveClient:
     def _features(
         features: SparseFeatures | Mapping[str, Any], weights: Mapping[str, Sequence[Sequence[float]]] | None
     ) -> SparseFeatures:
-        if isinstance(features, SparseFeatures):
-            return features
-        return SparseFeatures.from_dict(features, weights)
+        return SparseFeatures.of(features, weights)
 
     def lookup(
         self,
@@ -129,7 +127,9 @@ class EmbserveClient:
         weights: Mapping[str, Sequence[Sequence[float]]] | None = None,
         fp16: bool = False,
     ) -> torch.Tensor:
-        """Pooled embeddings ``[batch, output_dim]`` (float32; fp16 on the wire when ``fp16``)."""
+        """Pooled embeddings ``[batch, output_dim]`` (float32; fp16 on the wire when ``fp16``). ``features``: a
+        mapping ``{feature: bags}`` (per-id ``weights`` beside it), a ``SparseFeatures`` or a TorchRec
+        ``KeyedJaggedTensor`` (its weights are the per-id weights), as ``SparseFeatures.of`` takes them."""
         if self._oip is not None:
             return self._oip.lookup(self._call, self._features(features, weights), fp16)
         request = pb.LookupRequest(

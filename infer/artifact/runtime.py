@@ -98,12 +98,12 @@ class Runtime:
         return self.manifest.has_dense and bool(getattr(self.module, "has_dense", True))
 
     def _features(self, batch: SparseFeatures | Mapping[str, Any]) -> SparseFeatures:
-        if not isinstance(batch, SparseFeatures):
-            batch = SparseFeatures.from_dict(batch)
-        return batch.validate(self.spec)
+        return SparseFeatures.of(batch).validate(self.spec)
 
     def lookup(self, batch: SparseFeatures | Mapping[str, Any]) -> torch.Tensor:
-        """Pooled embeddings ``[batch, output_dim]`` fp32, columns per feature in input order."""
+        """Pooled embeddings ``[batch, output_dim]`` fp32, columns per feature in input order. ``batch``: a
+        ``SparseFeatures``, a mapping ``{feature: bags}`` or a TorchRec ``KeyedJaggedTensor``
+        (``SparseFeatures.of``; a KJT's weights are the per-id weights)."""
         features = self._features(batch)
         with torch.inference_mode():
             return self._call(self.module.forward, features.values, features.lengths, features.weights).cpu()

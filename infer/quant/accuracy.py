@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, replace
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 import torch
 
@@ -28,10 +28,11 @@ def accuracy_report(
     spec: ModelSpec,
     weights: Mapping[str, torch.Tensor],
     model: torch.nn.Module,
-    batch: SparseFeatures | None = None,
+    batch: SparseFeatures | Any = None,
 ) -> list[TableAccuracy]:
-    """Per table: relative (Frobenius) and max abs error of pooled outputs vs fp32, on a probe batch."""
-    batch = batch if batch is not None else SparseFeatures.random(spec)
+    """Per table: relative (Frobenius) and max abs error of pooled outputs vs fp32, on a probe batch (any form
+    ``SparseFeatures.of`` takes: a mapping, a TorchRec KeyedJaggedTensor; seeded random ids when absent)."""
+    batch = SparseFeatures.of(batch).validate(spec) if batch is not None else SparseFeatures.random(spec)
     reference = FloatEmbeddingBagCollection(spec, weights)
     with torch.no_grad():
         expected = reference(batch)

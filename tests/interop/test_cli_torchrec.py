@@ -84,15 +84,14 @@ def test_export_onnx_with_the_readmes_scripted_dense_part(trained, tmp_path):
     pytest.importorskip("onnxruntime")
     _, imported, folder = trained
     out = tmp_path / "art"
-    args = ["export", "--from-torchrec", str(folder / "model.pt"), "--spec", str(folder / "spec.json"), "--out", str(out)]
-    assert main([*args, "--dense-arch", str(folder / "dense.pt"), "--onnx"]) == 0
+    args = ["export", "--from-torchrec", str(folder / "model.pt"), "--spec", str(folder / "spec.json")]
+    assert main([*args, "--out", str(out), "--dense-arch", str(folder / "dense.pt"), "--onnx"]) == 0
     assert (out / "dense.onnx").is_file()
     scripted, onnx_runtime = infer.load(out), infer.load(out, backend="onnxruntime")
     for seed, batch in ((1, 1), (2, 9)):
         generator = torch.Generator().manual_seed(seed)
-        kjt = random_kjt(
-            list(imported.spec.feature_names), {f.name: f.num_embeddings for f in imported.spec.features}, batch, seed=seed
-        )
+        rows = {f.name: f.num_embeddings for f in imported.spec.features}
+        kjt = random_kjt(list(imported.spec.feature_names), rows, batch, seed=seed)
         dense = torch.randn(kjt.stride(), NUM_DENSE, generator=generator)
         expected = scripted.predict(SparseFeatures.from_kjt(kjt), dense)
         got = onnx_runtime.predict(SparseFeatures.from_kjt(kjt), dense)

@@ -193,6 +193,7 @@ def test_dlrm_predict_equals_torchrec(kind, tmp_path):
     served = runtime.predict(SparseFeatures.from_kjt(kjt), dense)
     assert expected.shape == (16, 1) and served.shape == (16,)  # the call contract: predict returns [B]
     torch.testing.assert_close(served, expected[:, 0], rtol=1e-5, atol=1e-5)
+    assert torch.equal(runtime.predict(kjt, dense), served)  # TorchRec's own input type, as it is
     assert not torch.equal(expected, fp32)  # the comparison is against the quantized model, not fp32
     # the DLRM reads features in the fp32 EBC's KeyedTensor order; so do we
     assert list(runtime.spec.feature_names) == dlrm.sparse_arch.embedding_bag_collection(kjt).keys()
@@ -295,6 +296,44 @@ def test_sparse_features_from_and_to_kjt(trained):
     with_weights = SparseFeatures(features.keys, features.values, features.lengths, torch.rand(features.num_ids()))
     again = SparseFeatures.from_kjt(with_weights.to_kjt())
     assert again.weights is not None and torch.equal(again.weights, with_weights.weights)
+
+
+def _as_mapping(kjt: KeyedJaggedTensor) -> tuple[dict[str, list[list[int]]], dict[str, list[list[float]]] | None]:
+    """The same batch as the mapping form ``{feature: bags}`` (and ``{feature: per-bag weights}``)."""
+    jagged = kjt.to_dict()
+    bags = {key: [bag.tolist() for bag in jagged[key].to_dense()] for key in kjt.keys()}
+    if kjt.weights_or_none() is None:
+        return bags, None
+    return bags, {key: [bag.tolist() for bag in jagged[key].to_dense_weights()] for key in kjt.keys()}
+
+
+@pytest.mark.parametrize("weighted", [False, True], ids=["unweighted", "weighted"])
+def test_runtime_takes_a_kjt(trained, runtime, weighted):
+    """``runtime.lookup(kjt)`` / ``predict(kjt, dense)``: a KJT in another key order, weights as per-id weights;
+    equal to the mapping form and, within INT8 error, to fp32 embedding_bag (issue 39 item 5)."""
+    _, _, imported, _ = trained
+    keys = list(reversed(imported.spec.feature_names))
+    plain = random_kjt(keys, _rows(imported.spec), batch=6, seed=11)
+    weights = torch.rand(plain.values().numel(), generator=torch.Generator().manual_seed(12)) if weighted else None
+    kjt = KeyedJaggedTensor.from_lengths_sync(keys, plain.values(), plain.lengths(), weights)
+    mapping = SparseFeatures.from_dict(*_as_mapping(kjt))
+    got = runtime.lookup(kjt)
+    assert torch.equal(got, runtime.lookup(mapping))
+    reference = infer.FloatEmbeddingBagCollection(imported.spec, imported.weights)(mapping)
+    assert float((got - reference).norm() / reference.norm()) < 0.01
+
+
+def test_kjt_errors_name_the_key_and_the_fix(trained, runtime):
+    _, _, imported, _ = trained
+    keys = [*imported.spec.feature_names, "clicks"]
+    kjt = random_kjt(keys, {**_rows(imported.spec), "clicks": 5}, batch=2)
+    with pytest.raises(RequestError, match=r"unknown feature\(s\) \['clicks'\]") as caught:
+        runtime.lookup(kjt)
+    assert caught.value.feature == "clicks"
+    with pytest.raises(RequestError, match="KeyedJaggedTensor"):
+        runtime.lookup([1, 2, 3])
+    with pytest.raises(RequestError, match="weights given beside a KeyedJaggedTensor"):
+        SparseFeatures.of(kjt, {"clicks": [[1.0]]})
 
 
 def test_variable_batch_kjt_is_refused():

@@ -30,6 +30,22 @@ def test_oip_client_equals_the_runtime(dense_server, dense_runtime, spec, weight
     assert metadata.name == "dense" and list(metadata.versions) == ["1"]
 
 
+@pytest.mark.parametrize("protocol", ["v1", "oip"])
+def test_clients_take_a_kjt(dense_server, dense_runtime, spec, protocol):
+    """``client.lookup(kjt)`` / ``client.predict(kjt, dense)`` with TorchRec's own input type, its weights the
+    per-id weights: the same answers as the same batch as ``SparseFeatures`` (issue 39 item 5)."""
+    pytest.importorskip("torchrec")
+    batch = random_batch(spec, batch_size=5, weighted=True, seed=61)
+    kjt = batch.to_kjt()
+    assert type(kjt).__name__ == "KeyedJaggedTensor"
+    dense = torch.randn(5, NUM_DENSE, generator=torch.Generator().manual_seed(7))
+    with EmbserveClient(dense_server.address, timeout=CALL_TIMEOUT, protocol=protocol, model="dense") as client:
+        assert torch.equal(client.lookup(kjt), dense_runtime.lookup(batch))
+        assert torch.equal(client.predict(kjt, dense), dense_runtime.predict(batch, dense))
+        with pytest.raises(RequestError, match="weights given beside a KeyedJaggedTensor"):
+            client.lookup(kjt, weights={name: [[1.0]] for name in spec.feature_names})
+
+
 def test_oip_client_needs_a_model_name(dense_server):
     with pytest.raises(RequestError, match="model="):
         EmbserveClient(dense_server.address, protocol="oip")
