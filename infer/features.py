@@ -90,9 +90,7 @@ class SparseFeatures:
                 batch_size = lengths.numel()
             elif lengths.numel() != batch_size:
                 raise RequestError(
-                    f"feature '{rules.clip(key)}' has {lengths.numel()} bags but feature '{rules.clip(first_key)}' "
-                    f"has {batch_size}; every feature needs one bag per example (use [] for an empty bag)",
-                    feature=key,
+                    rules.bags_differ(rules.clip(key), lengths.numel(), rules.clip(first_key), batch_size), feature=key
                 )
             values_parts.append(values)
             lengths_parts.append(lengths)
@@ -110,9 +108,7 @@ class SparseFeatures:
                 w = _feature_weights(key, weights[key], lengths)
                 if w.numel() != vals.numel():
                     raise RequestError(
-                        f"feature '{rules.clip(key)}': {w.numel()} weights for {vals.numel()} ids; "
-                        "give one weight per id",
-                        feature=key,
+                        rules.feature_weights_count(rules.clip(key), w.numel(), vals.numel()), feature=key
                     )
                 parts.append(w)
             weight_tensor = torch.cat(parts)
@@ -200,6 +196,27 @@ class SparseFeatures:
     def num_ids(self) -> int:
         return self.values.numel()
 
+    def examples(self, start: int, stop: int) -> SparseFeatures | None:
+        """Examples ``[start, stop)`` of the batch: every feature's bags of them, with their ids and weights (a
+        client splitting a batch larger than the server's). None when the lengths do not lay out a batch (a count
+        not a multiple of the features, a negative length, a sum other than the ids): nothing to split."""
+        num_features = len(self.keys)
+        if self.lengths.numel() % num_features:
+            return None
+        batch = self.batch_size
+        lengths = self.lengths.to(torch.int64)
+        num_ids = self.values.numel()
+        if lengths.numel() and (int(lengths.min()) < 0 or int(lengths.max()) > num_ids):
+            return None  # (checked before the sum, which such lengths could wrap around)
+        if int(lengths.sum()) != num_ids or not 0 <= start <= stop <= batch:
+            return None
+        bag_starts = torch.cat([torch.zeros(1, dtype=torch.int64), lengths.cumsum(0)]).tolist()
+        spans = [(bag_starts[f * batch + start], bag_starts[f * batch + stop]) for f in range(num_features)]
+        values = torch.cat([self.values[lo:hi] for lo, hi in spans])
+        weights = None if self.weights is None else torch.cat([self.weights[lo:hi] for lo, hi in spans])
+        part_lengths = self.lengths.view(num_features, batch)[:, start:stop].reshape(-1)
+        return SparseFeatures(self.keys, values, part_lengths, weights)
+
     def to_dict(self) -> dict[str, list[list[int]]]:
         """The batch as plain lists (for debugging and small tests)."""
         out: dict[str, list[list[int]]] = {}
@@ -242,7 +259,7 @@ class SparseFeatures:
             )
         num_features = len(self.keys)
         if self.lengths.numel() % num_features != 0:
-            raise RequestError(rules.uneven_batch(self.lengths.numel(), num_features))
+            raise RequestError(rules.uneven_batch(self.lengths.numel(), list(self.keys)))
         batch = self.batch_size
         lengths = self.lengths.to(torch.int64)
         num_ids = self.values.numel()

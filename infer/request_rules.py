@@ -131,10 +131,33 @@ def clip_names(names: list[str], count: int = 5) -> str:
     return "[" + ", ".join(["'" + name + "'" for name in shown]) + "]" + more
 
 
-def uneven_batch(entries: int, num_features: int) -> str:
+def feature_list(names: List[str]) -> str:
+    """``['a', 'b', 'c', 'd', 'e'] and 3 more``: the model's features in a message (the first five; a loop, not a
+    comprehension: TorchScript compiles this, and the C++ loader writes the same)."""
+    shown: List[str] = []
+    for i in range(min(len(names), 5)):
+        shown.append("'" + names[i] + "'")
+    more = ""
+    if len(names) > 5:
+        more = " and " + str(len(names) - 5) + " more"
+    return "[" + ", ".join(shown) + "]" + more
+
+
+def uneven_batch(entries: int, feature_names: List[str]) -> str:
+    """The packed form's ``lengths`` cannot be split into one batch per feature."""
+    count = len(feature_names)
     return (
-        f"lengths has {entries} entries, not a multiple of the {num_features} features; "
-        + "features have inconsistent batch sizes"
+        f"lengths has {entries} entries, not a multiple of the {count} features {feature_list(feature_names)}: "
+        + f"it holds one bag length per example and feature (batch size x {count} entries, feature-major), "
+        + "so the features have inconsistent batch sizes"
+    )
+
+
+def bags_differ(feature: str, bags: int, first_feature: str, first_bags: int) -> str:
+    """A per-feature form (a mapping, OIP tensors, embserve.v1 typed) whose features carry different batch sizes."""
+    return (
+        f"feature '{feature}' has {bags} bags but feature '{first_feature}' has {first_bags}: the features have "
+        + "inconsistent batch sizes; every feature needs one bag per example (an empty bag for no ids)"
     )
 
 
@@ -151,12 +174,34 @@ def lengths_sum(total: int, num_ids: int) -> str:
     return f"lengths sum to {total} but there are {num_ids} ids; lengths must add up to the number of ids"
 
 
+def feature_lengths_sum(feature: str, total: int, num_ids: int) -> str:
+    """``lengths_sum`` of one feature of a per-feature form (its own lengths and ids)."""
+    return f"feature '{feature}': " + lengths_sum(total, num_ids)
+
+
 def id_out_of_range(feature: str, bad_id: int, rows: int) -> str:
     return f"feature '{feature}': id {bad_id} is out of range [0, {rows})"
 
 
 def weights_count(num_weights: int, num_ids: int) -> str:
     return f"weights has {num_weights} entries but there are {num_ids} ids; " + "give one weight per id"
+
+
+def feature_weights_count(feature: str, num_weights: int, num_ids: int) -> str:
+    """``weights_count`` of one feature of a per-feature form (its own weights and ids)."""
+    return f"feature '{feature}': " + weights_count(num_weights, num_ids)
+
+
+TOO_LARGE = "exceeds the server's max batch size"  # how a client tells this refusal from the others
+
+
+def too_large(batch_size: int, max_batch_size: int) -> str:
+    """A request larger than a server's batches (every protocol; ``embserve serve --max-batch-size``)."""
+    return (
+        f"batch of {batch_size} examples {TOO_LARGE} {max_batch_size} (embserve serve --max-batch-size "
+        f"{max_batch_size}); split the request into calls of at most {max_batch_size} examples (EmbserveClient "
+        "does: it reads the limit from the model's metadata), or serve with a larger --max-batch-size"
+    )
 
 
 def dense_shape(batch: int, num_dense: int, got: str) -> str:

@@ -8,12 +8,13 @@ INVALID_ARGUMENT, ``ServerError`` with its ``kind`` for any other status (``serv
 
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 import grpc
 import torch
 
+from infer import request_rules as rules
 from infer.errors import EmbserveError, RejectedRequestError, ServerError
 from infer.features import SparseFeatures, check_tensor
 from server.adapters.v1 import codec
@@ -94,6 +95,7 @@ class EmbserveClient:
         self.protocol = protocol
         self.model = model or ""
         self.version = version
+        self._max_batch_size: int | None = None  # the served model's, once a call needed it (max_batch_size)
         self._oip = None
         if protocol == "oip":
             from server.oip_client import OipCalls
@@ -121,6 +123,27 @@ class EmbserveClient:
     ) -> SparseFeatures:
         return SparseFeatures.of(features, weights)
 
+    @property
+    def max_batch_size(self) -> int | None:
+        """The most examples one call may carry, as the served model's metadata advertises it (embserve.v1
+        ``ModelMetadata.max_batch_size``, OIP the ``max_batch_size`` property; ``embserve serve
+        --max-batch-size``); None when the server does not say. Asked once, then kept."""
+        if self._max_batch_size is None:
+            metadata = self.metadata()
+            if self._oip is None:
+                advertised = int(metadata.max_batch_size)
+            else:
+                advertised = int(metadata.properties.get("max_batch_size", "0") or 0)
+            self._max_batch_size = advertised if advertised > 0 else 0
+        return self._max_batch_size or None
+
+    def _advertised_limit(self) -> int | None:
+        """``max_batch_size``, or None when the server does not answer it (the refusal at hand is raised then)."""
+        try:
+            return self.max_batch_size
+        except EmbserveError:
+            return None
+
     def lookup(
         self,
         features: SparseFeatures | Mapping[str, Any],
@@ -129,11 +152,15 @@ class EmbserveClient:
     ) -> torch.Tensor:
         """Pooled embeddings ``[batch, output_dim]`` (float32; fp16 on the wire when ``fp16``). ``features``: a
         mapping ``{feature: bags}`` (per-id ``weights`` beside it), a ``SparseFeatures`` or a TorchRec
-        ``KeyedJaggedTensor`` (its weights are the per-id weights), as ``SparseFeatures.of`` takes them."""
+        ``KeyedJaggedTensor`` (its weights are the per-id weights), as ``SparseFeatures.of`` takes them.
+        A batch over the server's ``max_batch_size`` goes as several calls, their answers joined in order."""
+        return self._in_calls(self._features(features, weights), None, lambda part, _: self._lookup(part, fp16))
+
+    def _lookup(self, features: SparseFeatures, fp16: bool) -> torch.Tensor:
         if self._oip is not None:
-            return self._oip.lookup(self._call, self._features(features, weights), fp16)
+            return self._oip.lookup(self._call, features, fp16)
         request = pb.LookupRequest(
-            sparse=codec.encode_packed(self._features(features, weights)),
+            sparse=codec.encode_packed(features),
             output_type=pb.OUTPUT_TYPE_FP16 if fp16 else pb.OUTPUT_TYPE_FP32,
             model_name=self.model,
             model_version=self.version,
@@ -146,18 +173,60 @@ class EmbserveClient:
         dense_features: torch.Tensor,
         weights: Mapping[str, Sequence[Sequence[float]]] | None = None,
     ) -> torch.Tensor:
-        """Scores ``[batch]`` of the model's dense part."""
+        """Scores ``[batch]`` of the model's dense part (a batch over the server's ``max_batch_size`` goes as
+        several calls, as in ``lookup``)."""
         check_tensor("dense_features", dense_features)  # the call contract: float32, never a silent cast
+        return self._in_calls(self._features(features, weights), dense_features, self._predict)
+
+    def _predict(self, features: SparseFeatures, dense_features: torch.Tensor | None) -> torch.Tensor:
+        assert dense_features is not None
         if self._oip is not None:
-            return self._oip.predict(self._call, self._features(features, weights), dense_features)
+            return self._oip.predict(self._call, features, dense_features)
         request = pb.PredictRequest(
-            sparse=codec.encode_packed(self._features(features, weights)),
+            sparse=codec.encode_packed(features),
             dense_features=dense_features.to(torch.float32).contiguous().numpy().tobytes(),
             model_name=self.model,
             model_version=self.version,
         )
         response = self._call(self._stub.Predict, request)
         return torch.frombuffer(bytearray(response.scores), dtype=torch.float32).clone()
+
+    def _in_calls(
+        self,
+        features: SparseFeatures,
+        dense: torch.Tensor | None,
+        call: Callable[[SparseFeatures, torch.Tensor | None], torch.Tensor],
+    ) -> torch.Tensor:
+        """``call`` on the whole batch, or on consecutive parts of at most the server's ``max_batch_size``
+        examples, their answers concatenated. The limit is asked for only when a batch was refused and is then
+        kept: a batch within it costs no extra call, and one over a known limit is split before it is sent. A
+        refusal is taken for the size limit by ``request_rules.TOO_LARGE`` in the server's words."""
+        known = self._max_batch_size or None
+        if known is None or features.batch_size <= known:
+            try:
+                return call(features, dense)
+            except RejectedRequestError as err:
+                if known is not None or rules.TOO_LARGE not in err.server_message:
+                    raise  # refused for what it holds, not for its size
+                limit = self._advertised_limit()
+                if limit is None or features.batch_size <= limit or features.examples(0, 0) is None:
+                    raise
+        limit = self.max_batch_size
+        assert limit is not None
+        answers = []
+        for start in range(0, features.batch_size, limit):
+            stop = min(start + limit, features.batch_size)
+            part = features.examples(start, stop)
+            if part is None:  # lengths that lay out no batch: the server names what is wrong
+                return call(features, dense)
+            try:
+                answers.append(call(part, None if dense is None else dense[start:stop]))
+            except RejectedRequestError as err:
+                raise RpcRejectedRequestError(
+                    f"{err.server_message} (in examples [{start}, {stop}) of the batch of {features.batch_size}, "
+                    f"sent as one call of the server's max batch size {limit}: bags count from example {start})"
+                ) from err
+        return torch.cat(answers)
 
     def metadata(self) -> Any:
         """embserve.v1's ``ModelMetadata``; with ``protocol="oip"`` the protocol's ``ModelMetadataResponse``."""

@@ -77,11 +77,6 @@ def rejection(err: Exception) -> tuple[grpc.StatusCode, str, str]:
     return grpc.StatusCode.INVALID_ARGUMENT, str(err), "invalid"
 
 
-def too_large(batch_size: int, max_batch_size: int) -> str:
-    """The one wording of a request larger than the server's batches (every protocol)."""
-    return f"batch of {batch_size} examples exceeds the server's max batch size {max_batch_size}; split the request"
-
-
 DRAINING = "the server is shutting down; retry on another replica"  # the refusal once the server stops taking calls
 
 
@@ -264,7 +259,7 @@ class Pipeline:
         """Batch and run a validated request on ``batcher`` (a model's lookups, predictions, ...)."""
         limit = self.max_batch_size if max_batch_size is None else max_batch_size
         if batch.batch_size > limit:
-            raise RequestError(too_large(batch.batch_size, limit))
+            raise RequestError(rules.too_large(batch.batch_size, limit))
         return await batcher.submit(batch)  # type: ignore[no-any-return]
 
     def encode(self, encode: Callable[..., Any], *args: Any) -> Any:

@@ -27,8 +27,9 @@ from typing import Any
 import grpc
 import torch
 
+from infer import request_rules as rules
 from infer.artifact.load import load
-from infer.artifact.manifest import MANIFEST_FILE, Manifest
+from infer.artifact.manifest import MANIFEST_FILE, Manifest, artifact_files
 from infer.artifact.runtime import PhaseClock
 from infer.artifact.structures import StructureCache
 from infer.errors import ArtifactError, ConfigError, EmbserveError
@@ -94,7 +95,12 @@ class BatchSettings:
 def is_repository(path: Any) -> bool:
     """A folder of model folders (no manifest of its own), as opposed to one artifact."""
     folder = Path(path) if isinstance(path, (str, os.PathLike)) else None
-    return folder is not None and folder.is_dir() and not (folder / MANIFEST_FILE).exists()
+    return (
+        folder is not None
+        and folder.is_dir()
+        and not (folder / MANIFEST_FILE).exists()
+        and not artifact_files(folder)  # an artifact that lost its manifest: load names what is missing
+    )
 
 
 def available_memory_bytes() -> int | None:
@@ -344,9 +350,14 @@ class Repository:
                 await self._sync(name, explicit=False)
         if not self._models:
             failures = "; ".join(f"{m}/{v}: {why}" for (m, v), (_, why) in self._failed.items())
+            names = self.model_names()
             raise ConfigError(
-                f"model repository {self.root} has no loadable model (REPO/<model>/<version>/ artifacts)"
-                + (f"; failures: {failures}" if failures else "")
+                f"model repository {self.root} has no loadable model: looked for "
+                f"{self.root / '<model>' / '<version>' / MANIFEST_FILE} (model folders: "
+                + (rules.clip_names(names) if names else "none")
+                + ") and found "
+                + (f"none that loads; failures: {failures}" if failures else "no version folder")
+                + f"; {self.root / MANIFEST_FILE} is missing too, so it is not one artifact either"
             )
 
     async def poll_once(self) -> None:

@@ -135,7 +135,7 @@ def test_open_inference_protocol(case: BadRequest, protocol: str, server: Served
         with pytest.raises(InferenceServerException) as info:
             client.infer(model, corpus_inputs(protocol, case))
         assert str(info.value.status()) == {"grpc": "StatusCode.INVALID_ARGUMENT", "http": "400"}[protocol]
-        assert case.fragment in info.value.message()
+        assert case.per_feature_fragment in info.value.message()
         pooled = client.infer(model, triton_inputs(protocol, GOOD)).as_numpy("embeddings")
     torch.testing.assert_close(torch.tensor(pooled), expected_good, rtol=1e-5, atol=1e-5)
 

@@ -60,13 +60,38 @@ std::string message_of(const std::exception& err) {
   return err.what();
 }
 
+// infer.artifact.manifest.missing_manifest, word for word: where the manifest was looked for, and, when the folder
+// holds an artifact's other files (model.pt, model.pt2, model.onnx, plan.json, weights-<n>.bin), that it is an
+// artifact whose manifest is gone.
+std::string missing_manifest(const fs::path& path) {
+  const fs::path folder = path.parent_path();
+  std::vector<std::string> held;
+  std::error_code ec;
+  for (const char* name : {"model.pt", "model.pt2", "model.onnx", "plan.json"})
+    if (fs::is_regular_file(folder / name, ec)) held.emplace_back(name);
+  std::vector<std::string> weights;
+  for (fs::directory_iterator it(folder, ec), end; !ec && it != end; it.increment(ec)) {
+    const std::string name = it->path().filename().string();
+    if (name.rfind("weights-", 0) == 0 && name.size() >= 12 && name.compare(name.size() - 4, 4, ".bin") == 0 &&
+        it->is_regular_file(ec))
+      weights.push_back(name);
+  }
+  std::sort(weights.begin(), weights.end());
+  held.insert(held.end(), weights.begin(), weights.end());
+  if (held.empty()) return path.string() + " is missing; " + folder.string() + " is not an embserve artifact";
+  std::string shown;
+  for (size_t i = 0; i < std::min<size_t>(held.size(), 4); ++i) shown += (i ? ", " : "") + held[i];
+  if (held.size() > 4) shown += " and " + std::to_string(held.size() - 4) + " more";
+  return path.string() + " is missing: " + folder.string() + " holds an artifact's files (" + shown +
+         ") but not its manifest, which export writes last; the export did not finish or manifest.json was "
+         "removed: re-export the artifact";
+}
+
 // manifest.json or plan.json: size cap, then schema.cpp's parse (BOM, UTF-8, depth, duplicates, NaN) and rules.
 schema::Document read_document(const fs::path& path, const std::string& which) {
   std::error_code ec;
   if (!fs::is_regular_file(path, ec)) {
-    if (which == "manifest")
-      throw ManifestError(path.string() + " is missing; " + path.parent_path().string() +
-                          " is not an embserve artifact");
+    if (which == "manifest") throw ManifestError(missing_manifest(path));
     throw ManifestError(path.string() + " is missing from the artifact");
   }
   const auto size = fs::file_size(path, ec);
@@ -417,6 +442,15 @@ std::vector<Routing> check_plan(const schema::Document& plan, const schema::Docu
     if (entry["data_type"].get<std::string>() != type)
       fail("table '" + name + "': plan says " + entry["data_type"].get<std::string>() + ", model is " + type);
     const int64_t per_byte = 8 / std::min<int64_t>(data_type_bits(type), 8);
+    // infer.shard.builder's _table_size and _shard_text, word for word
+    const std::string table_size = std::to_string(rows) + " rows x " + std::to_string(dim) + " columns";
+    auto shard_text = [](const schema::Document& shard) {
+      const int64_t row_offset = shard["row_offset"].get<int64_t>(), col_offset = shard["col_offset"].get<int64_t>();
+      return "the shard on device " + std::to_string(shard["device"].get<int64_t>()) + " (rows [" +
+             std::to_string(row_offset) + ", " + std::to_string(row_offset + shard["num_rows"].get<int64_t>()) +
+             "), columns [" + std::to_string(col_offset) + ", " +
+             std::to_string(col_offset + shard["num_cols"].get<int64_t>()) + "))";
+    };
     std::vector<std::pair<int64_t, int64_t>> row_ranges, col_ranges;
     for (const auto& shard : entry["shards"]) {
       const int64_t device = shard["device"].get<int64_t>();
@@ -425,7 +459,7 @@ std::vector<Routing> check_plan(const schema::Document& plan, const schema::Docu
       if (device >= plan_world_size)
         fail("table '" + name + "': shard on device " + std::to_string(device) + " outside the topology");
       if (row_offset + num_rows > rows || col_offset + num_cols > dim)
-        fail("table '" + name + "': a shard lies outside the table");
+        fail("table '" + name + "': " + shard_text(shard) + " lies outside the table's " + table_size);
       if (col_offset % std::max<int64_t>(per_byte, 4) != 0 || num_cols % 4 != 0)
         fail("table '" + name + "': column slice " + std::to_string(col_offset) + "+" + std::to_string(num_cols) +
              " is not 4-column aligned");
@@ -454,7 +488,19 @@ std::vector<Routing> check_plan(const schema::Document& plan, const schema::Docu
     else
       covered = all_equal(row_ranges, rows) && all_equal(col_ranges, dim) &&
                 (kind != "table_wise" || entry["shards"].size() == 1);
-    if (!covered) fail("table '" + name + "': " + kind + " shards do not cover the table exactly");
+    if (!covered) {
+      std::string placed;
+      size_t shown = 0;
+      for (const auto& shard : entry["shards"]) {
+        if (shown == 4) {
+          placed += "; ...";
+          break;
+        }
+        placed += (shown++ ? "; " : "") + shard_text(shard);
+      }
+      fail("table '" + name + "': " + kind + " shards do not cover the table's " + table_size + " exactly (" + placed +
+           ")");
+    }
   }
   const int64_t world_size = data["sharding"]["world_size"].get<int64_t>();
   if (plan_world_size != world_size)
@@ -1534,6 +1580,23 @@ std::string to_string_wide(__int128 value) {
   return negative ? "-" + digits : digits;
 }
 
+// infer.request_rules.feature_list: the model's first five features, then how many more.
+std::string feature_list(const std::vector<FeatureInfo>& features) {
+  std::string text = "[";
+  for (size_t f = 0; f < std::min<size_t>(features.size(), 5); ++f) text += (f ? ", '" : "'") + features[f].name + "'";
+  text += "]";
+  if (features.size() > 5) text += " and " + std::to_string(features.size() - 5) + " more";
+  return text;
+}
+
+// infer.request_rules.uneven_batch, word for word.
+std::string uneven_batch(int64_t entries, const std::vector<FeatureInfo>& features) {
+  const std::string count = std::to_string(features.size());
+  return "lengths has " + std::to_string(entries) + " entries, not a multiple of the " + count + " features " +
+         feature_list(features) + ": it holds one bag length per example and feature (batch size x " + count +
+         " entries, feature-major), so the features have inconsistent batch sizes";
+}
+
 // Sums are 128-bit: with every length checked against the ids count first, n lengths of at most 2^63
 // each cannot wrap, so a wrapping int64 request is reported with its true total, never a bogus one.
 template <typename T>
@@ -1584,8 +1647,7 @@ void Model::validate(const at::Tensor& values, const at::Tensor& lengths,
   check_tensor("lengths", kLengthsDtype, lengths, 1, {at::kInt, at::kLong});
   const int64_t num_features = static_cast<int64_t>(features_.size());
   if (lengths.numel() % num_features != 0)
-    throw RequestError("lengths has " + std::to_string(lengths.numel()) + " entries, not a multiple of the " +
-                       std::to_string(num_features) + " features; features have inconsistent batch sizes");
+    throw RequestError(uneven_batch(lengths.numel(), features_));
   const int64_t batch = lengths.numel() / num_features;
   std::vector<int64_t> per_feature(features_.size(), 0);
   at::Tensor lengths_c = lengths.contiguous();

@@ -181,7 +181,11 @@ def verify_plan(folder: Path, manifest: Manifest) -> ShardingPlan:
         plan = ShardingPlan.from_dict(data)
         check_plan(manifest.spec, plan)
     except EmbserveError as err:
-        raise ArtifactError(f"{manifest.plan_file} does not fit the model: {err}", path=str(path)) from None
+        raise ArtifactError(
+            f"{manifest.plan_file} does not fit the tables of {MANIFEST_FILE}: {err}; export wrote both (and the "
+            "weight files) for the same tables, so one of them was edited since: restore it or re-export the artifact",
+            path=str(path),
+        ) from None
     if plan.topology.world_size != manifest.world_size:
         raise ArtifactError(
             f"{manifest.plan_file} plans {plan.topology.world_size} devices, {MANIFEST_FILE} says "

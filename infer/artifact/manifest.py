@@ -38,6 +38,9 @@ READABLE_FORMAT_VERSIONS = (FORMAT_VERSION, MAPPED_FORMAT_VERSION)
 MANIFEST_FILE = "manifest.json"
 MODEL_FILE = "model.pt"
 PLAN_FILE = "plan.json"
+# the files only an artifact holds at its top (besides weights-<n>.bin): a folder with one of them and no manifest
+# is an artifact that lost its manifest, not a repository of artifacts nor an unrelated folder
+ARTIFACT_FILES = (MODEL_FILE, "model.pt2", "model.onnx", PLAN_FILE)
 MAX_MANIFEST_BYTES = 16 * 1024 * 1024
 _CHUNK = 1 << 20
 CHECKSUM = ArtifactErrorKind.CHECKSUM
@@ -49,6 +52,29 @@ def sha256_file(path: Path) -> str:
         while block := handle.read(_CHUNK):
             digest.update(block)
     return digest.hexdigest()
+
+
+def artifact_files(folder: Path) -> list[str]:
+    """The files of ``folder`` that only an artifact holds (``ARTIFACT_FILES``, ``weights-<n>.bin``), by name."""
+    found = [name for name in ARTIFACT_FILES if (folder / name).is_file()]
+    return found + sorted(p.name for p in folder.glob("weights-*.bin") if p.is_file())
+
+
+def missing_manifest(folder: Path) -> str:
+    """The refusal of a folder without ``manifest.json`` (the C++ loader's words too): where it was looked for,
+    and, when the folder holds an artifact's other files, that it is an artifact whose manifest is gone."""
+    path = folder / MANIFEST_FILE
+    held = artifact_files(folder)
+    if not held:
+        return f"{path} is missing; {folder} is not an embserve artifact"
+    root = folder.parent.parent
+    if folder.parent.name == "hosts" and folder.name.isdigit() and (root / MANIFEST_FILE).is_file():
+        return f"{path} is missing: {folder} is host {folder.name}'s part of the multi-host artifact {root}: serve that"
+    shown = ", ".join(held[:4]) + (f" and {len(held) - 4} more" if len(held) > 4 else "")
+    return (
+        f"{path} is missing: {folder} holds an artifact's files ({shown}) but not its manifest, which export "
+        f"writes last; the export did not finish or {MANIFEST_FILE} was removed: re-export the artifact"
+    )
 
 
 @dataclass(frozen=True)
@@ -548,7 +574,7 @@ class Manifest:
     def read(cls, folder: Path) -> Manifest:
         path = folder / MANIFEST_FILE
         if not path.is_file():
-            raise ArtifactError(f"{path} is missing; {folder} is not an embserve artifact", path=str(path))
+            raise ArtifactError(missing_manifest(folder), path=str(path))
         size = path.stat().st_size
         if size > MAX_MANIFEST_BYTES:
             raise ArtifactError(f"{path} is {size} bytes, over the {MAX_MANIFEST_BYTES}-byte cap", path=str(path))

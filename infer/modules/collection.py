@@ -68,7 +68,7 @@ class ValidatingCollection(nn.Module):
             raise ValueError(self._request_error(refused_lengths))
         num_features = self.num_features
         if lengths.numel() % num_features != 0:
-            raise ValueError(self._request_error(rules.uneven_batch(lengths.numel(), num_features)))
+            raise ValueError(self._request_error(rules.uneven_batch(lengths.numel(), self.feature_names)))
         batch = lengths.numel() // num_features
         if lengths.numel() > 0:
             shortest, longest = torch.aminmax(lengths)

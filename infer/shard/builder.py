@@ -65,7 +65,10 @@ def check_plan(spec: ModelSpec, plan: ShardingPlan) -> None:
             inside = 0 <= shard.row_offset and shard.row_offset + shard.num_rows <= table.num_embeddings
             inside = inside and 0 <= shard.col_offset and shard.col_offset + shard.num_cols <= table.embedding_dim
             if not inside or shard.num_rows < 1 or shard.num_cols < 1:
-                raise PlanError(f"table {name!r}: shard {shard} lies outside the table", PlanErrorKind.INVALID_PLAN)
+                raise PlanError(
+                    f"table {name!r}: {_shard_text(shard)} lies outside the table's {_table_size(table)}",
+                    PlanErrorKind.INVALID_PLAN,
+                )
             if not column_slice_aligned(shard.col_offset, shard.num_cols, table.data_type):
                 raise PlanError(
                     f"table {name!r}: column slice {shard.col_offset}+{shard.num_cols} is not 4-column aligned",
@@ -86,9 +89,22 @@ def check_plan(spec: ModelSpec, plan: ShardingPlan) -> None:
             if kind == ShardingType.TABLE_WISE:
                 covered = covered and len(shards) == 1
         if not covered:
+            placed = "; ".join(_shard_text(s) for s in shards[:4]) + ("; ..." if len(shards) > 4 else "")
             raise PlanError(
-                f"table {name!r}: {kind.value} shards do not cover the table exactly", PlanErrorKind.INVALID_PLAN
+                f"table {name!r}: {kind.value} shards do not cover the table's {_table_size(table)} exactly ({placed})",
+                PlanErrorKind.INVALID_PLAN,
             )
+
+
+def _shard_text(shard: Shard) -> str:
+    """A plan's shard as a reader checks it against the table: where it is and which rows and columns it holds."""
+    rows = f"rows [{shard.row_offset}, {shard.row_offset + shard.num_rows})"
+    columns = f"columns [{shard.col_offset}, {shard.col_offset + shard.num_cols})"
+    return f"the shard on device {shard.device} ({rows}, {columns})"
+
+
+def _table_size(table: TableConfig) -> str:
+    return f"{table.num_embeddings} rows x {table.embedding_dim} columns"
 
 
 def _covers(ranges: list[tuple[int, int]], total: int) -> bool:

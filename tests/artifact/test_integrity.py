@@ -27,7 +27,13 @@ from infer.shard.builder import shard_model
 from infer.shard.plans import make_plan
 from infer.weights import random_weights
 from tests.conftest import mixed_spec, random_batch
-from tests.support.artifacts import copy_artifact, rehash, rewrite_zip_entry, tamper_row_bucketing
+from tests.support.artifacts import (
+    copy_artifact,
+    rehash,
+    rewrite_zip_entry,
+    shrink_table_in_manifest,
+    tamper_row_bucketing,
+)
 
 
 @pytest.fixture(scope="module")
@@ -108,6 +114,21 @@ def test_a_consistent_tampered_plan_is_an_artifact_error(artifacts, tmp_path, ed
     rehash(copy, "plan.json")
     with pytest.raises(ArtifactError, match=fragment):
         load(copy)
+
+
+def test_a_row_count_edited_in_the_manifest_names_the_table_and_both_counts(artifacts, tmp_path):
+    """The refusal names the table, the manifest's rows and the plan's shard (the rows export wrote), not a
+    ``Shard(...)`` object dump (issue 39 item 6)."""
+    copy = copy_artifact(artifacts["sharded"], tmp_path)
+    shrink_table_in_manifest(copy, "t_int8", 999)
+    with pytest.raises(ArtifactError) as caught:
+        load(copy)
+    message = str(caught.value)
+    assert (
+        "plan.json does not fit the tables of manifest.json: table 't_int8': the shard on device 0 (rows [0, 1000), "
+        "columns [0, 32)) lies outside the table's 999 rows x 64 columns" in message
+    )
+    assert "re-export" in message and "Shard(" not in message and "MemoryTier" not in message
 
 
 def test_byte_flips_in_small_tensors_never_crash_the_process(artifacts, tmp_path):

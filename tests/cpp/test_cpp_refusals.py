@@ -19,7 +19,7 @@ from infer.quant.quantize import quantize
 from infer.weights import random_weights
 from tests.conftest import mixed_spec
 from tests.cpp.support import assert_clean_failure, run
-from tests.support.artifacts import save_weights_in_model
+from tests.support.artifacts import copy_artifact, save_weights_in_model, shrink_table_in_manifest
 
 
 @pytest.fixture(scope="module")
@@ -127,3 +127,35 @@ def test_a_block_artifact_is_refused_naming_the_table(tmp_path, embserve_run, we
         "table 'blocked' is held in precision blocks",
         "serve the artifact with the Python loader",
     )
+
+
+def test_a_row_count_edited_in_the_manifest_is_refused_with_pythons_words(model, cpp_build, embserve_run, tmp_path):
+    """The table, the manifest's rows and the plan's shard, as Python says them (no object dump; issue 39 item 6)."""
+    from infer.planner.types import ShardingType
+    from infer.shard.builder import shard_model
+    from infer.shard.plans import make_plan
+
+    spec, quantized = model
+    plan = make_plan(spec, 2, {"t_int8": (ShardingType.COLUMN_WISE, (0, 1))})
+    artifact = export(shard_model(quantized, plan), tmp_path / "sharded", plan=plan)
+    edited = copy_artifact(artifact, tmp_path / "edited")
+    shrink_table_in_manifest(edited, "t_int8", 999)
+    words = (
+        "table 't_int8': the shard on device 0 (rows [0, 1000), columns [0, 32)) lies outside the table's "
+        "999 rows x 64 columns"
+    )
+    assert words in str(_python_error(edited))
+    assert_clean_failure(run(embserve_run, edited), "embserve_run: ManifestError: ", words)
+
+
+def test_an_artifact_without_its_manifest_is_named_as_one_with_pythons_words(model, embserve_run, tmp_path):
+    _, quantized = model
+    artifact = export(quantized, tmp_path / "art")
+    (artifact / "manifest.json").unlink()
+    python = str(_python_error(artifact))
+    assert python == (
+        f"{artifact / 'manifest.json'} is missing: {artifact} holds an artifact's files (model.pt, weights-0.bin) but "
+        "not its manifest, which export writes last; the export did not finish or manifest.json was removed: "
+        "re-export the artifact"
+    )
+    assert_clean_failure(run(embserve_run, artifact), f"embserve_run: ManifestError: {python}")

@@ -306,6 +306,32 @@ def test_memory_for_a_new_version_is_checked_before_loading(tmp_path, loop_threa
     assert "free memory, unload a version or narrow the version policy" in str(caught.value)
 
 
+def test_serve_names_a_missing_manifest_and_where_it_looked(tmp_path, sparse_artifact, capsys):
+    """`embserve serve DIR` of an artifact whose manifest.json is gone, of a repository whose version lost it, and
+    of an empty folder: each says which manifest.json is missing and where it was looked for (issue 39 item 6)."""
+    from infer.cli import main
+
+    artifact = tmp_path / "art"
+    shutil.copytree(sparse_artifact, artifact)
+    (artifact / "manifest.json").unlink()
+    repo = tmp_path / "repo"
+    shutil.copytree(artifact, repo / "m" / "1")
+    (tmp_path / "empty").mkdir()
+    expected = {
+        artifact: [f"{artifact / 'manifest.json'} is missing: {artifact} holds an artifact's files (", "re-export"],
+        repo: [
+            f"model repository {repo} has no loadable model: looked for "
+            f"{repo / '<model>' / '<version>' / 'manifest.json'} (model folders: ['m'])",
+            f"{repo / 'm' / '1' / 'manifest.json'} is missing",
+        ],
+        tmp_path / "empty": ["(model folders: none) and found no version folder", "manifest.json is missing too"],
+    }
+    for folder, fragments in expected.items():
+        assert main(["serve", str(folder), "--host", "127.0.0.1", "--port", "0"]) == 2
+        message = capsys.readouterr().err
+        assert all(fragment in message for fragment in fragments), message
+
+
 def test_version_policies_parse_and_select():
     assert VersionPolicy.parse("latest:2").select([1, 3, 2]) == [2, 3]
     assert VersionPolicy.parse("versions:1,3").select([1, 2, 3, 4]) == [1, 3]

@@ -403,7 +403,11 @@ BAD_REQUESTS: dict[str, tuple[Callable[[], tuple[str, Any]], grpc.StatusCode, li
         INVALID,
         ["output_type"],
     ),
-    "batch above max_batch_size": (_too_big_batch, INVALID, ["max batch size", str(MAX_BATCH)]),
+    "batch above max_batch_size": (
+        _too_big_batch,
+        INVALID,
+        [f"batch of {MAX_BATCH + 1} examples exceeds the server's max batch size {MAX_BATCH}", "--max-batch-size"],
+    ),
     "predict dense floats count": (_predict(4 * (4 * NUM_DENSE - 1)), INVALID, ["dense_features"]),
     "predict dense bytes not a multiple of 4": (_predict(4 * 4 * NUM_DENSE - 2), INVALID, ["dense_features"]),
     "oversize message": (_oversize, grpc.StatusCode.RESOURCE_EXHAUSTED, []),

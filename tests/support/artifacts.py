@@ -36,6 +36,17 @@ def edit_manifest(artifact: Path, edit: Callable[[dict[str, Any]], Any]) -> None
     path.write_text(json.dumps(data, indent=2))
 
 
+def shrink_table_in_manifest(artifact: Path, table: str, rows: int) -> None:
+    """A hand edit of a table's row count in manifest.json (the table and its features), as a user makes one."""
+
+    def edit(manifest: dict[str, Any]) -> None:
+        for entry in manifest["tables"] + manifest["features"]:
+            if entry.get("table", entry["name"]) == table:
+                entry["num_embeddings"] = rows
+
+    edit_manifest(artifact, edit)
+
+
 def rehash(artifact: Path, name: str) -> None:
     """Make the manifest's size and sha256 of ``name`` match the file again (what a careless tool does)."""
     data = (artifact / name).read_bytes()

@@ -321,25 +321,18 @@ def _checked_batch(
 ) -> SparseFeatures:
     """The per-feature parts as one feature-major batch, once they line up feature by feature.
 
-    The concatenation alone could hide a surplus in one feature and a shortfall in another (ids would
-    slide into the wrong feature's bags): whatever validate would report for the whole batch is
-    reported first, in its words; what only a per-feature view shows comes next, naming the feature.
+    Each feature is checked against its own tensors and named with its own counts: totals over the
+    concatenation would hide a surplus in one feature and a shortfall in another (ids would slide into the
+    wrong feature's bags) and name no feature. The lengths' bounds come before any sum, so none can wrap.
     """
     counts = [part.numel() for part in lengths]
-    total_entries = sum(counts)
-    if total_entries % len(keys):
-        raise RequestError(rules.uneven_batch(total_entries, len(keys)))
-    if min(counts) != max(counts):
-        key, count = next((k, c) for k, c in zip(keys, counts) if c != counts[0])
-        raise RequestError(
-            f"feature {key!r} has {count} bags but feature {keys[0]!r} has {counts[0]}; "
-            "every feature needs one bag per example",
-            feature=key,
-        )
+    for key, count in zip(keys, counts):
+        if count != counts[0]:
+            raise RequestError(rules.bags_differ(key, count, keys[0], counts[0]), feature=key)
     num_ids = [part.numel() for part in values]
     total_ids = sum(num_ids)
     all_lengths = torch.cat(lengths)  # int64: no sum before the next two checks, so none can wrap
-    if total_entries:
+    if all_lengths.numel():
         shortest, longest = (int(x) for x in torch.aminmax(all_lengths))
         if shortest < 0 or longest > total_ids:
             for key, part in zip(keys, lengths):
@@ -350,22 +343,17 @@ def _checked_batch(
                 if part.numel() and int(part.max()) > total_ids:
                     bag = int(torch.nonzero(part > total_ids)[0])
                     raise RequestError(rules.length_past_ids(key, bag, int(part[bag]), total_ids), feature=key)
-    sums = all_lengths.view(len(keys), -1).sum(1).tolist() if total_entries else [0] * len(keys)
-    if sum(sums) != total_ids:
-        raise RequestError(rules.lengths_sum(sum(sums), total_ids))
-    for key, total, count in zip(keys, sums, num_ids):
+    for key, part, count in zip(keys, lengths, num_ids):
+        total = int(part.sum())
         if total != count:
-            raise RequestError(f"feature {key!r}: " + rules.lengths_sum(total, count), feature=key)
+            raise RequestError(rules.feature_lengths_sum(key, total, count), feature=key)
     weight = None
     if any(w is not None for w in weights):
         # an unweighted feature beside weighted ones counts each id once (weight 1)
         parts = [w if w is not None else torch.ones(v.numel()) for w, v in zip(weights, values)]
-        given = sum(p.numel() for p in parts)
-        if given != total_ids:
-            raise RequestError(rules.weights_count(given, total_ids))
         for key, part, count in zip(keys, parts, num_ids):
             if part.numel() != count:
-                raise RequestError(f"feature {key!r}: " + rules.weights_count(part.numel(), count), feature=key)
+                raise RequestError(rules.feature_weights_count(key, part.numel(), count), feature=key)
         weight = torch.cat(parts)
     id_dtype = torch.int64 if any(v.dtype == torch.int64 for v in values) else torch.int32
     return SparseFeatures(keys, torch.cat([v.to(id_dtype) for v in values]), all_lengths.to(torch.int32), weight)

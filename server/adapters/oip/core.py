@@ -21,12 +21,13 @@ from typing import Any, Protocol
 import grpc
 import torch
 
+from infer import request_rules as rules
 from infer.artifact.runtime import Runtime
 from infer.errors import RequestError
 from infer.version import __version__
 from server.adapters.oip import codec as oc
 from server.batcher import DynamicBatcher
-from server.pipeline import Failure, Pipeline, too_large
+from server.pipeline import Failure, Pipeline
 from server.statistics import StageTimes, VersionStatistics
 from server.validated import RequestLayout, ValidatedBatch
 
@@ -98,7 +99,7 @@ class ServedModel:
         stages' seconds)."""
         batch = decoded.batch
         if batch.batch_size > self.max_batch_size:
-            raise RequestError(too_large(batch.batch_size, self.max_batch_size))
+            raise RequestError(rules.too_large(batch.batch_size, self.max_batch_size))
         if decoded.mode is oc.Mode.LOOKUP:
             return await self.lookups.submit(batch, timing=timing), None
         if decoded.mode is oc.Mode.PREDICT:

@@ -95,10 +95,11 @@ def decode_sparse(message: pb.SparseFeatures, spec: ModelSpec) -> SparseFeatures
         if not typed:
             raise RequestError("typed.features is empty")
         keys = tuple(typed)
-        batch_sizes = {k: len(typed[k].lengths) for k in keys}
-        if len(set(batch_sizes.values())) > 1:
-            sizes = ", ".join(f"'{rules.clip(k)}': {n}" for k, n in list(batch_sizes.items())[:5])
-            raise RequestError(f"features have different batch sizes ({sizes}, ...); send one length per example")
+        first = len(typed[keys[0]].lengths)
+        for key in keys:
+            if len(typed[key].lengths) != first:
+                bags = len(typed[key].lengths)
+                raise RequestError(rules.bags_differ(rules.clip(key), bags, rules.clip(keys[0]), first), feature=key)
         weighted = any(len(typed[k].weights) for k in keys)
         for key in keys:
             # per feature: in the concatenation, a surplus in one feature and a shortfall in another
@@ -106,13 +107,10 @@ def decode_sparse(message: pb.SparseFeatures, spec: ModelSpec) -> SparseFeatures
             bags = typed[key]
             num_ids, total = len(bags.ids), sum(bags.lengths)
             if total != num_ids and min(bags.lengths, default=0) >= 0:  # validate names a negative length
-                raise RequestError(
-                    f"feature '{rules.clip(key)}': lengths sum to {total} but it has {num_ids} ids", feature=key
-                )
+                raise RequestError(rules.feature_lengths_sum(rules.clip(key), total, num_ids), feature=key)
             if weighted and len(bags.weights) != num_ids:
                 raise RequestError(
-                    f"feature '{rules.clip(key)}': {len(bags.weights)} weights for {num_ids} ids; "
-                    "weight every id, or none",
+                    rules.feature_weights_count(rules.clip(key), len(bags.weights), num_ids) + " (or weight none)",
                     feature=key,
                 )
         features = SparseFeatures(
