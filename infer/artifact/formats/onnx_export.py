@@ -446,6 +446,8 @@ def export_dense(dense_arch: torch.nn.Module, num_dense: int, output_dim: int, p
             # The trace's shape guards (scores_of's checks) are Python: export probed this dense part already.
             warnings.simplefilter("ignore", DeprecationWarning)
             warnings.simplefilter("ignore", torch.jit.TracerWarning)
+            # a traced module's forward has no Python signature; torch.onnx says so and goes on
+            warnings.filterwarnings("ignore", "no signature found", UserWarning)
             traced = torch.jit.trace(module, example, check_trace=False)
             torch.onnx.export(
                 traced,
