@@ -87,9 +87,33 @@ std::string py_list(const std::vector<std::string>& names) {
 
 std::string bounded(const std::string& message) { return clip(message, 1024); }
 
+// infer.request_rules.too_large, word for word
 std::string too_large(int64_t batch, int64_t max_batch) {
-  return "batch of " + std::to_string(batch) + " examples exceeds the server's max batch size " +
-         std::to_string(max_batch) + "; split the request";
+  const std::string limit = std::to_string(max_batch);
+  return "batch of " + std::to_string(batch) + " examples exceeds the server's max batch size " + limit +
+         " (embserve serve --max-batch-size " + limit + "); split the request into calls of at most " + limit +
+         " examples (EmbserveClient does: it reads the limit from the model's metadata), or serve with a larger "
+         "--max-batch-size";
+}
+
+// infer.request_rules.uneven_batch (with feature_list), word for word
+std::string uneven_batch(int64_t entries, const std::vector<std::string>& names) {
+  std::string listed = "[";
+  for (size_t i = 0; i < std::min<size_t>(names.size(), 5); ++i) listed += (i ? ", '" : "'") + names[i] + "'";
+  listed += "]";
+  if (names.size() > 5) listed += " and " + std::to_string(names.size() - 5) + " more";
+  const std::string count = std::to_string(names.size());
+  return "lengths has " + std::to_string(entries) + " entries, not a multiple of the " + count + " features " +
+         listed + ": it holds one bag length per example and feature (batch size x " + count +
+         " entries, feature-major), so the features have inconsistent batch sizes";
+}
+
+// infer.request_rules.bags_differ, word for word
+std::string bags_differ(const std::string& feature, int64_t bags, const std::string& first, int64_t first_bags) {
+  return "feature '" + feature + "' has " + std::to_string(bags) + " bags but feature '" + first + "' has " +
+         std::to_string(first_bags) +
+         ": the features have inconsistent batch sizes; every feature needs one bag per example (an empty bag for "
+         "no ids)";
 }
 
 namespace {
@@ -162,9 +186,7 @@ void validate_concatenated(const std::vector<std::string>& keys, Array ids, Arra
                      " features of the model (send empty bags for a feature with no ids)");
   }
   const int64_t num_features = static_cast<int64_t>(keys.size());
-  if (lengths.count % num_features)
-    throw BadRequest("lengths has " + std::to_string(lengths.count) + " entries, not a multiple of the " +
-                     std::to_string(num_features) + " features; features have inconsistent batch sizes");
+  if (lengths.count % num_features) throw BadRequest(uneven_batch(lengths.count, keys));
   const int64_t batch = lengths.count / num_features;
   for (int64_t i = 0; i < lengths.count; ++i)
     if (lengths.at(i) < 0)

@@ -60,6 +60,9 @@ std::string py_repr(const std::string& text);  // Python's repr() of a str
 std::string py_list(const std::vector<std::string>& names);  // Python's repr() of a list of str
 std::string bounded(const std::string& message);  // at most MAX_MESSAGE_CHARS (1024)
 std::string too_large(int64_t batch, int64_t max_batch);
+// infer.request_rules.uneven_batch and bags_differ, word for word
+std::string uneven_batch(int64_t entries, const std::vector<std::string>& names);
+std::string bags_differ(const std::string& feature, int64_t bags, const std::string& first, int64_t first_bags);
 
 // A request-order batch in the concatenated feature-major layout (v1 packed and typed, OIP once concatenated):
 // checked with SparseFeatures' rules (constructor, then validate) and laid out in model order.
