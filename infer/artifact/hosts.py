@@ -18,7 +18,7 @@ from pathlib import Path
 import torch
 
 from infer.artifact.export import output_folder, staged
-from infer.artifact.fbgemm_libs import load_fbgemm
+from infer.artifact.fbgemm_libs import load_operators
 from infer.artifact.formats import torchscript
 from infer.artifact.kernels import check_routing, kernels_from_tbes, model_tbes
 from infer.artifact.load import verify_plan
@@ -183,7 +183,7 @@ def load_host_part(
             path=str(folder / PLAN_FILE),
         )
     mapping = dict(device_map or {})
-    load_fbgemm()
+    load_operators()
     part_path = folder / manifest.host_parts[host]
     module = torchscript.read_model(part_path, manifest.devices, mapping)
     expected = [k for k in manifest.kernels if host_of_rank(plan, k.rank) == host]
@@ -212,7 +212,7 @@ def load_dense_arch(artifact_dir: str | Path, verify: str = FULL) -> torch.nn.Mo
         return None
     name = manifest.host_parts[0]
     manifest.verify_files(folder, only=(name,), verify=verify)
-    load_fbgemm()
+    load_operators()
     module = torchscript.read_model(folder / name, manifest.devices, {})
     dense: torch.nn.Module = module.dense_arch
     dense.eval()
