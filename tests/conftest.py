@@ -71,7 +71,7 @@ def _rest_on_the_native_server(item) -> bool:
     that should run)."""
     params = getattr(getattr(item, "callspec", None), "params", {})
     values = {value for value in params.values() if isinstance(value, str)}
-    return "native" in values and "http" in values
+    return "native" in values and ("http" in values or item.get_closest_marker("rest") is not None)
 
 
 def pytest_collection_modifyitems(config, items):

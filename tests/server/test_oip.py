@@ -90,8 +90,9 @@ def test_model_metadata_carries_the_column_ranges(oip_server, spec):
 
     stub = pb_grpc.GRPCInferenceServiceStub(oip_server.channel())
     properties = stub.ModelMetadata(pb.ModelMetadataRequest(name=MODEL), timeout=10).properties
-    with client("http", _address(oip_server, "http")) as c:
-        assert c.get_model_metadata(MODEL)["properties"] == dict(properties)
+    if getattr(oip_server, "kind", "python") != "native":  # embserve-server has no REST endpoint yet
+        with client("http", _address(oip_server, "http")) as c:
+            assert c.get_model_metadata(MODEL)["properties"] == dict(properties)
     for feature in spec.features:
         assert properties[f"columns.{feature.name}"] == f"{feature.column_start}:{feature.column_end}"
     assert properties["feature_order"] == ",".join(spec.feature_names)
@@ -165,6 +166,7 @@ def test_fp16_output_is_the_fp32_result_cast(triton, spec, dense_runtime):
     assert torch.equal(_tensor(got), dense_runtime.lookup(batch).to(torch.float16))
 
 
+@pytest.mark.rest
 def test_http_json_tensors_without_the_binary_extension(oip_server, spec, dense_runtime):
     batch = random_batch(spec, batch_size=7, weighted=True, seed=27)
     dense = _dense(7, seed=4)
@@ -203,11 +205,13 @@ def test_calls_are_counted_in_the_metrics(oip_server, spec):
     before = oip_server.metric("embserve_requests_total", {"method": "ModelInfer", "code": "OK"})
     before_rest = oip_server.metric("embserve_requests_total", {"method": "REST ModelInfer", "code": "OK"})
     batch = random_batch(spec, batch_size=3, seed=29)
-    for protocol in PROTOCOLS:
+    rest = getattr(oip_server, "kind", "python") != "native"  # embserve-server has no REST endpoint yet
+    for protocol in PROTOCOLS if rest else ("grpc",):
         with client(protocol, _address(oip_server, protocol)) as c:
             c.infer(MODEL, triton_inputs(protocol, batch))
     assert oip_server.metric("embserve_requests_total", {"method": "ModelInfer", "code": "OK"}) == before + 1
-    assert oip_server.metric("embserve_requests_total", {"method": "REST ModelInfer", "code": "OK"}) == before_rest + 1
+    after_rest = oip_server.metric("embserve_requests_total", {"method": "REST ModelInfer", "code": "OK"})
+    assert after_rest == before_rest + rest
 
 
 # ------------------------------------------------------------------------------------------ errors

@@ -178,6 +178,7 @@ def _json_inputs(spec, values_data: list, values_datatype: str = "INT64") -> lis
     return inputs
 
 
+@pytest.mark.rest
 @pytest.mark.parametrize(
     ("data", "datatype", "fragment"),
     [
