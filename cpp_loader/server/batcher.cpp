@@ -14,6 +14,10 @@ double seconds(Clock::time_point from, Clock::time_point to) {
   return std::chrono::duration<double>(to - from).count();
 }
 
+int64_t nanoseconds(Clock::time_point from, Clock::time_point to) {
+  return std::chrono::duration_cast<std::chrono::nanoseconds>(to - from).count();
+}
+
 // the merged batch of several requests (model order), in buffers of its own
 struct Merged {
   std::vector<int64_t> ids64;
@@ -36,7 +40,7 @@ const void* nonnull(const void* data) {
 }  // namespace
 
 Batcher::Batcher(const Runner& runner, Forward forward, const ModelShape& shape, BatcherSettings settings,
-                 BatchObserver* observer, std::function<int64_t()> arriving)
+                 BatchObserver* observer, std::function<int64_t()> arriving, ExecutionObserver on_execution)
     : runner_(runner),
       forward_(forward),
       shape_(shape),
@@ -44,6 +48,7 @@ Batcher::Batcher(const Runner& runner, Forward forward, const ModelShape& shape,
       merge_limit_(std::min(settings.max_batch_size, settings.max_merge_examples)),
       observer_(observer),
       arriving_(std::move(arriving)),
+      on_execution_(std::move(on_execution)),
       concurrent_at_(Clock::now() - std::chrono::hours(1)) {
   for (int i = 0; i < std::max(1, settings.workers); ++i) threads_.emplace_back([this] { consume(); });
 }
@@ -69,7 +74,7 @@ bool Batcher::submit(Call* call) {
     if (queue_.empty() && held_ == 0 && seconds(concurrent_at_, call->enqueued) >= memory) {
       ++held_;
       lock.unlock();
-      forward({call});
+      forward({call}, Clock::now());
       return true;
     }
   }
@@ -89,7 +94,7 @@ void Batcher::run_now(Call* call) {
     std::lock_guard<std::mutex> lock(mutex_);
     ++held_;
   }
-  forward({call});
+  forward({call}, Clock::now());
 }
 
 void Batcher::flush() {
@@ -158,12 +163,12 @@ void Batcher::consume() {
     const auto gathered = Clock::now();
     if (observer_ != nullptr)
       for (Call* call : calls) observer_->stage("queue", seconds(call->enqueued, gathered));
-    forward(calls);
+    forward(calls, gathered);
     lock.lock();
   }
 }
 
-void Batcher::forward(const std::vector<Call*>& calls) {
+void Batcher::forward(const std::vector<Call*>& calls, Clock::time_point gathered) {
   const auto started = Clock::now();
   Merged merged;
   SparseBatch batch;
@@ -248,11 +253,20 @@ void Batcher::forward(const std::vector<Call*>& calls) {
     observer_->stage("lookup", seconds(ready, ran));
     observer_->stage("split", 0.0);  // the rows were written into each response by the forward itself
   }
+  StageTimes stages;
+  stages.merge_ns = nanoseconds(started, ready);
+  stages.forward_ns = nanoseconds(ready, ran);
+  if (outcome == Outcome::Ok && on_execution_) on_execution_(rows, stages);
   {
     std::lock_guard<std::mutex> lock(mutex_);
     held_ -= static_cast<int64_t>(calls.size());
   }
-  for (Call* call : calls) call->done(outcome, message);
+  stages.answered = Clock::now();
+  for (Call* call : calls) {
+    call->timing = stages;
+    call->timing.queue_ns = std::max<int64_t>(0, nanoseconds(call->enqueued, gathered));
+    call->done(outcome, message);
+  }
 }
 
 }  // namespace embserve::server

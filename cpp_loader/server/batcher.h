@@ -22,6 +22,18 @@ namespace embserve::server {
 // How a forward ended for one call: ok, a bad request (the loader's words) or an internal failure.
 enum class Outcome { Ok, BadRequest, Internal };
 
+// The stages of the forward that served one call (Triton's statistics extension), in nanoseconds.
+struct StageTimes {
+  int64_t queue_ns = 0;    // from submit until a forward thread took it (0 for a lone caller run at once)
+  int64_t merge_ns = 0;    // its forward's inputs merged
+  int64_t forward_ns = 0;  // its forward (rows written into the responses included)
+  int64_t split_ns = 0;    // its forward's outputs split back (0: the forward wrote them in place)
+  std::chrono::steady_clock::time_point answered;  // when `done` was called
+};
+
+// What a batcher reports of each forward that ran: its examples and stages (queue_ns unused).
+using ExecutionObserver = std::function<void(int64_t examples, const StageTimes& stages)>;
+
 // One accepted model call waiting for its rows.
 struct Call {
   Request* request = nullptr;
@@ -30,6 +42,7 @@ struct Call {
   float* scores = nullptr;  // where its scores go, or null
   std::function<void(Outcome, const std::string&)> done;  // on a forward thread, once the rows are written
   std::chrono::steady_clock::time_point enqueued;
+  StageTimes timing;  // filled in before `done`
 };
 
 // What the batcher reports (metrics.h implements it).
@@ -51,9 +64,10 @@ struct BatcherSettings {
 
 class Batcher {
  public:
-  // arriving(): calls accepted but not yet queued in any batcher (the overlap rule's second half)
+  // arriving(): calls accepted but not yet queued in any batcher (the overlap rule's second half);
+  // on_execution: told of every forward that ran (the statistics extension), or empty
   Batcher(const Runner& runner, Forward forward, const ModelShape& shape, BatcherSettings settings,
-          BatchObserver* observer, std::function<int64_t()> arriving);
+          BatchObserver* observer, std::function<int64_t()> arriving, ExecutionObserver on_execution = {});
   ~Batcher();
   Batcher(const Batcher&) = delete;
   Batcher& operator=(const Batcher&) = delete;
@@ -71,7 +85,7 @@ class Batcher {
   void consume();
   std::vector<Call*> gather(std::unique_lock<std::mutex>& lock);
   bool expecting_more() const;
-  void forward(const std::vector<Call*>& calls);
+  void forward(const std::vector<Call*>& calls, std::chrono::steady_clock::time_point gathered);
 
   const Runner& runner_;
   const Forward forward_;
@@ -80,6 +94,7 @@ class Batcher {
   const int64_t merge_limit_;
   BatchObserver* observer_;
   std::function<int64_t()> arriving_;
+  ExecutionObserver on_execution_;
   mutable std::mutex mutex_;
   std::condition_variable changed_;
   std::deque<Call*> queue_;

@@ -283,6 +283,8 @@ class Service::Call {
   std::string method_;
   Clock::time_point started_;
   bool tracked_ = false;  // counted in flight (the drain waits for it)
+  bool counted_ = false;  // a ModelInfer of the served model: the statistics extension counts its outcome
+  Clock::time_point decoded_;  // when a ModelInfer was decoded and validated
   // a model call waiting for its batch: the decoded message (the request's views point into it), the request,
   // the response bytes the forward writes into
   v1::LookupRequest lookup_;
@@ -311,11 +313,26 @@ class Service::Call {
 
   void record(grpc::StatusCode code, const char* reason) {
     if (reason != nullptr && *reason) service_.metrics_->rejected(reason);
+    if (counted_) count_outcome(code);
     if (tracked_) {
       service_.metrics_->call(method_, code_name(code), std::chrono::duration<double>(Clock::now() - started_).count());
       tracked_ = false;
       --service_.in_flight_;
     }
+  }
+
+  // the statistics extension: a ModelInfer that found the model is a success or a failure of it
+  // (OipCore.infer: from arrival to the answer; its input stage the decoding and the merge, its output stage the
+  // split and the time until the answer was handed to grpc)
+  void count_outcome(grpc::StatusCode code) {
+    counted_ = false;
+    const auto now = Clock::now();
+    auto ns = [](Clock::duration d) { return std::chrono::duration_cast<std::chrono::nanoseconds>(d).count(); };
+    const int64_t total = ns(now - started_);
+    if (code != grpc::OK) return service_.statistics_.request_failed(total);
+    const StageTimes& t = batch_call_.timing;
+    const int64_t input = ns(decoded_ - started_) + t.merge_ns, output = t.split_ns + ns(now - t.answered);
+    service_.statistics_.request_succeeded(request_model_.batch, total, t.queue_ns, input, t.forward_ns, output);
   }
 
   void internal(const std::exception& err) {
@@ -363,6 +380,7 @@ class Service::Call {
         if (name == "ModelReady") return model_ready();
         if (name == "ModelMetadata") return model_metadata();
         if (name == "ModelConfig") return model_config();
+        if (name == "ModelStatistics") return model_statistics();
         if (name == "RepositoryIndex") return repository_index();
         if (name == "RepositoryModelLoad") return repository_load(false);
         if (name == "RepositoryModelUnload") return repository_load(true);
@@ -639,6 +657,40 @@ class Service::Call {
     answer(std::string(service_.oip_config_));
   }
 
+  // the statistics extension (OipCore.model_statistics): every model (no name: the one), or the one model's
+  // versions (no version: "1"); an unknown model or version is NOT_FOUND in the metadata's words
+  void model_statistics() {
+    auto request = parsed<oip::ModelStatisticsRequest>(request_, "ModelStatisticsRequest");
+    if (!request.name().empty()) find(request.name(), request.version());
+    const StatisticsSnapshot s = service_.statistics_.snapshot();
+    auto put = [](oip::StatisticDuration* to, const Duration& from) {
+      to->set_count(from.count);
+      to->set_ns(from.ns);
+    };
+    oip::ModelStatisticsResponse response;
+    auto* m = response.add_model_stats();
+    m->set_name(service_.info_.name);
+    m->set_version("1");
+    m->set_last_inference(s.last_inference_ms);
+    m->set_inference_count(s.inference_count);
+    m->set_execution_count(s.execution_count);
+    auto* stages = m->mutable_inference_stats();
+    put(stages->mutable_success(), s.success);
+    put(stages->mutable_fail(), s.fail);
+    put(stages->mutable_queue(), s.queue);
+    put(stages->mutable_compute_input(), s.compute_input);
+    put(stages->mutable_compute_infer(), s.compute_infer);
+    put(stages->mutable_compute_output(), s.compute_output);
+    for (const auto& [examples, durations] : s.batches) {
+      auto* batch = m->add_batch_stats();
+      batch->set_batch_size(static_cast<uint64_t>(examples));
+      put(batch->mutable_compute_input(), durations.compute_input);
+      put(batch->mutable_compute_infer(), durations.compute_infer);
+      put(batch->mutable_compute_output(), durations.compute_output);
+    }
+    answer(response.SerializeAsString());
+  }
+
   void repository_index() {
     parsed<oip::RepositoryIndexRequest>(request_, "RepositoryIndexRequest");
     oip::RepositoryIndexResponse response;
@@ -888,6 +940,7 @@ class Service::Call {
     accept();
     const bool fp16 = parameter_flag(infer_.parameters(), "output_fp16");
     find(infer_.model_name(), infer_.model_version());
+    counted_ = true;
     const auto decoding = Clock::now();
     decode_oip(oip_inputs());
     const ModelShape& shape = service_.shape_;
@@ -918,6 +971,7 @@ class Service::Call {
     service_.metrics_->stage("decode", std::chrono::duration<double>(Clock::now() - decoding).count());
     if (request_model_.batch > service_.options_.max_batch_size)
       throw BadRequest(too_large(request_model_.batch, service_.options_.max_batch_size));
+    decoded_ = Clock::now();
     // the response: outputs described, then their raw contents, written by the forward
     oip::ModelInferResponse head;
     head.set_model_name(service_.info_.name);
@@ -982,10 +1036,16 @@ ModelInfo read_model_info(const std::string& artifact_dir, const std::string& mo
 Service::Service(const Runner& runner, ModelInfo info, ServiceOptions options, Metrics* metrics)
     : runner_(runner), shape_(runner.shape()), info_(std::move(info)), options_(std::move(options)), metrics_(metrics) {
   std::function<int64_t()> arriving_calls = [this] { return arriving(); };
-  lookups_ = std::make_unique<Batcher>(runner_, Forward::Lookup, shape_, options_.batching, metrics_, arriving_calls);
+  ExecutionObserver executions = [this](int64_t examples, const StageTimes& stages) {
+    statistics_.execution(examples, stages.merge_ns, stages.forward_ns, stages.split_ns);
+  };
+  auto batcher = [&](Forward forward) {
+    return std::make_unique<Batcher>(runner_, forward, shape_, options_.batching, metrics_, arriving_calls, executions);
+  };
+  lookups_ = batcher(Forward::Lookup);
   if (shape_.num_dense_features > 0) {
-    predictions_ = std::make_unique<Batcher>(runner_, Forward::Predict, shape_, options_.batching, metrics_, arriving_calls);
-    both_ = std::make_unique<Batcher>(runner_, Forward::Both, shape_, options_.batching, metrics_, arriving_calls);
+    predictions_ = batcher(Forward::Predict);
+    both_ = batcher(Forward::Both);
   }
   // embserve.v1 metadata (InferenceServicer._build_metadata)
   v1::ModelMetadata meta;
@@ -1087,7 +1147,8 @@ Service::Service(const Runner& runner, ModelInfo info, ServiceOptions options, M
   s.set_version(EMBSERVE_VERSION);
   s.add_extensions("binary_tensor_data");
   s.add_extensions("model_repository");
-  s.add_extensions("model_configuration");  // the statistics extension comes with the next issue
+  s.add_extensions("model_configuration");
+  s.add_extensions("statistics");
   server_metadata_ = s.SerializeAsString();
 }
 

@@ -17,6 +17,7 @@
 #include "batcher.h"
 #include "metrics.h"
 #include "runner.h"
+#include "statistics.h"
 
 namespace embserve::server {
 
@@ -84,6 +85,7 @@ class Service {
   std::vector<std::unique_ptr<grpc::Service>> listed_;  // the services' names, for reflection
   std::vector<std::unique_ptr<grpc::ServerCompletionQueue>> queues_;
   std::vector<std::thread> threads_;
+  Statistics statistics_;  // before the batchers, which report to it
   std::unique_ptr<Batcher> lookups_, predictions_, both_;
   std::atomic<bool> ready_{false}, closing_{false}, serving_{true};
   std::atomic<int64_t> open_calls_{0};
