@@ -219,31 +219,55 @@ def _query_oip(args: argparse.Namespace, token: str | None, root: bytes | None) 
 
 
 def serve_demo(artifact: Path) -> int:
-    """Serve the demo artifact on a free loopback port, query it, compare with in-process, stop with SIGTERM."""
-    import signal
-
+    """Serve the demo artifact on a free loopback port, query it, compare with in-process, stop with SIGTERM: with
+    ``embserve serve``, then (when it is built) with the native binary, ``embserve serve --native``."""
     import torch
 
     from infer.artifact.load import load
     from infer.features import SparseFeatures
+    from server.native import BINARY, find_binary
+
+    runtime = load(artifact)
+    batch = SparseFeatures.random(runtime.spec, batch_size=8, ids_per_bag=10, seed=3)
+    dense = torch.randn(8, runtime.spec.num_dense_features, generator=torch.Generator().manual_seed(4))
+    expected = (runtime.lookup(batch), runtime.predict(batch, dense))
+    servers: list[tuple[str, tuple[str, ...]]] = [("over gRPC (loopback)", ())]
+    try:
+        find_binary()
+        servers.append((f"with the native binary {BINARY} (embserve serve --native)", ("--native",)))
+    except ConfigError:
+        pass
+    ok = True
+    for how, flags in servers:
+        print(f"\nserving the artifact {how} and querying it with the Python client:", flush=True)
+        ok = _serve_and_query(artifact, flags, batch, dense, expected) and ok
+    if len(servers) == 1:
+        print(f"  ({BINARY} is not built: `make server` builds it, and the demo then serves with it too)")
+    return 0 if ok else 1
+
+
+def _serve_and_query(artifact: Path, flags: tuple[str, ...], batch: Any, dense: Any, expected: tuple[Any, Any]) -> bool:
+    """One server of the demo: started with ``flags``, asked for ``batch``'s lookups and predictions, compared with
+    ``expected`` bit for bit, stopped with SIGTERM; True when it answered equal and exited 0."""
+    import signal
+
+    import torch
+
     from server.client import EmbserveClient
     from server.launch import spawn_server
 
-    print("\nserving the artifact over gRPC (loopback) and querying it with the Python client:", flush=True)
     # The dense part's matmuls round differently with another intra-op thread count: the server runs its
     # forwards with this process's count, so its answers can be compared bit for bit.
     threads = str(torch.get_num_threads())
-    server, port = spawn_server(artifact, "--drain-grace-s", "1", "--intra-op-threads", threads)
+    server, port = spawn_server(artifact, *flags, "--drain-grace-s", "1", "--intra-op-threads", threads)
+    same = False
     try:
-        runtime = load(artifact)
-        batch = SparseFeatures.random(runtime.spec, batch_size=8, ids_per_bag=10, seed=3)
         with EmbserveClient(f"127.0.0.1:{port}") as client:
             started = time.perf_counter()
             pooled = client.lookup(batch)
             elapsed = time.perf_counter() - started
-            dense = torch.randn(8, runtime.spec.num_dense_features, generator=torch.Generator().manual_seed(4))
             scores = client.predict(batch, dense)
-        same = torch.equal(pooled, runtime.lookup(batch)) and torch.equal(scores, runtime.predict(batch, dense))
+        same = torch.equal(pooled, expected[0]) and torch.equal(scores, expected[1])
         print(f"  server on 127.0.0.1:{port}: lookup [8, {pooled.shape[1]}] in {1e3 * elapsed:.1f} ms")
         print(f"  scores {[round(v, 4) for v in scores.tolist()]}")
         print(f"  equal to the in-process runtime: {same}")
@@ -251,7 +275,7 @@ def serve_demo(artifact: Path) -> int:
         server.send_signal(signal.SIGTERM)
         code = server.wait(timeout=60)
     print(f"  server stopped on SIGTERM with exit code {code}")
-    return 0 if code == 0 and same else 1
+    return code == 0 and same
 
 
 def add_subcommands(subcommands: Any) -> None:
