@@ -5,6 +5,7 @@
 #include <torch/torch.h>
 
 #include <cstring>
+#include <tuple>
 
 #include "embserve/loader.h"
 
@@ -38,15 +39,16 @@ class ModelRunner : public Runner {
       std::optional<at::Tensor> weights;
       if (batch.weights != nullptr)
         weights = torch::from_blob(const_cast<float*>(batch.weights), {batch.num_ids}, at::kFloat);
+      // the server validated every request already (request.cpp, the loader's rules and words): the loader's
+      // unchecked entries run it without checking again
       at::Tensor pooled, scores;
       if (forward == Forward::Lookup) {
-        pooled = model_.lookup(values, lengths, weights);
+        pooled = model_.lookup_unchecked(values, lengths, weights);
       } else {
         at::Tensor dense = torch::from_blob(const_cast<float*>(batch.dense),
                                             {batch.batch, shape_.num_dense_features}, at::kFloat);
-        // predict pools once: Both asks the dense part for scores and keeps the pooled lookup it ran on
-        if (forward == Forward::Both) pooled = model_.lookup(values, lengths, weights);
-        scores = model_.predict(dense, values, lengths, weights);
+        // one forward pools once and scores: Both keeps the pooled lookups, Predict the scores only
+        std::tie(pooled, scores) = model_.lookup_and_predict_unchecked(dense, values, lengths, weights);
       }
       for (const auto& d : destinations) {
         if (d.embeddings != nullptr) {

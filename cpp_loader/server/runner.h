@@ -78,7 +78,9 @@ class Runner {
   static std::unique_ptr<Runner> load(const std::string& artifact_dir, const RunnerOptions& options);
   virtual ~Runner() = default;
   virtual const ModelShape& shape() const = 0;
-  // One forward of `batch`, its output rows written to `destinations`. Throws RunnerRequestError or RunnerError.
+  // One forward of `batch`, its output rows written to `destinations`. The batch must have passed the server's
+  // checks (request.h: the loader's request rules): the loader's unchecked entries run it as it is. Throws
+  // RunnerRequestError or RunnerError.
   virtual void run(Forward forward, const SparseBatch& batch, const std::vector<Destination>& destinations) const = 0;
 };
 

@@ -25,6 +25,7 @@
 #include <c10/core/InferenceMode.h>
 #include <nlohmann/json.hpp>
 #include <torch/csrc/inductor/aoti_package/model_package_loader.h>
+#include <torch/csrc/jit/runtime/graph_executor.h>
 #include <torch/cuda.h>
 #include <torch/script.h>
 #include <torch/version.h>
@@ -1489,6 +1490,17 @@ Model Model::load(const std::string& artifact_dir, const LoadOptions& options) {
     throw ModelError(model_path.string() + " cannot be loaded by TorchScript: " + first_line(message_of(err)) +
                      " (are the fbgemm libraries in the manifest's fbgemm.libraries the ones it was exported with?)");
   }
+  // as Runtime.plain_execution: a model whose kernels are all on CPU runs its methods unoptimized
+  model.plain_execution_ = std::all_of(data["kernels"].begin(), data["kernels"].end(),
+                                       [](const auto& kernel) { return kernel["device"] == "cpu"; });
+  auto method = [&](const char* name) -> std::shared_ptr<const torch::jit::Method> {
+    auto found = model.module_->find_method(name);
+    if (!found) return nullptr;
+    return std::make_shared<const torch::jit::Method>(*found);
+  };
+  model.lookup_unchecked_ = method("lookup_unchecked");
+  model.lookup_and_predict_unchecked_ = method("lookup_and_predict_unchecked");
+  model.lookup_and_predict_ = method("lookup_and_predict");
   // batch-parallel kernels, as Python's load: cores shared by the CPU kernels unless the options say otherwise
   int kernel_threads = options.kernel_threads;
   if (kernel_threads < 0) {
@@ -1669,21 +1681,38 @@ void Model::validate(const at::Tensor& values, const at::Tensor& lengths,
     check_ids<int64_t>(values_c, features_, per_feature);
 }
 
-at::Tensor Model::lookup(const at::Tensor& values, const at::Tensor& lengths,
-                         const std::optional<at::Tensor>& weights) const {
-  validate(values, lengths, weights);
-  if (backend_ == Backend::Pt2) return lookup_pt2(values, lengths, weights);
-  c10::InferenceMode guard;
+namespace {
+// A scripted method's arguments: the tensors, then the optional weights (None when absent).
+std::vector<c10::IValue> script_inputs(std::initializer_list<at::Tensor> tensors,
+                                       const std::optional<at::Tensor>& weights) {
   std::vector<c10::IValue> inputs;
-  inputs.reserve(3);
-  inputs.emplace_back(values);
-  inputs.emplace_back(lengths);
+  inputs.reserve(tensors.size() + 1);
+  for (const auto& tensor : tensors) inputs.emplace_back(tensor);
   if (weights.has_value() && weights->defined())
     inputs.emplace_back(*weights);
   else
     inputs.emplace_back(c10::IValue());
+  return inputs;
+}
+
+// Around a TorchScript call: inference mode, and for a plain-execution model the graph executor's optimizer off on
+// this thread (restored after; Python's torch.jit.optimized_execution(False)).
+struct ScriptCall {
+  explicit ScriptCall(bool plain) {
+    if (plain) optimizer.emplace(false);
+  }
+  c10::InferenceMode inference;
+  std::optional<torch::jit::GraphOptimizerEnabledGuard> optimizer;
+};
+}  // namespace
+
+at::Tensor Model::lookup(const at::Tensor& values, const at::Tensor& lengths,
+                         const std::optional<at::Tensor>& weights) const {
+  validate(values, lengths, weights);
+  if (backend_ == Backend::Pt2) return lookup_pt2(values, lengths, weights);
+  ScriptCall call(plain_execution_);
   try {
-    return module_->forward(std::move(inputs)).toTensor();
+    return module_->forward(script_inputs({values, lengths}, weights)).toTensor();
   } catch (const Error&) {
     throw;
   } catch (const std::exception& err) {
@@ -1828,10 +1857,7 @@ void Model::validate_dense(const at::Tensor& dense_features, int64_t batch) cons
 at::Tensor Model::predict(const at::Tensor& dense_features, const at::Tensor& values, const at::Tensor& lengths,
                           const std::optional<at::Tensor>& weights) const {
   if (!has_dense()) throw RequestError(kNoDensePart);
-  if (backend_ == Backend::Pt2 && !pt2_dense_)
-    throw ModelError(program_path_ + " holds the lookups only: the manifest's pt2.dense_program is not set (export " +
-                     "could not compile the dense part with torch.export); predict with the TorchScript backend, " +
-                     "or re-export with a dense part torch.export can trace");
+  if (backend_ == Backend::Pt2) check_dense_program();
   validate(values, lengths, weights);
   const int64_t batch = lengths.numel() / static_cast<int64_t>(features_.size());
   validate_dense(dense_features, batch);
@@ -1839,21 +1865,71 @@ at::Tensor Model::predict(const at::Tensor& dense_features, const at::Tensor& va
     if (backend_ == Backend::Pt2) {
       // the dense program was exported for batch >= 1; an empty batch has no scores to compute
       if (batch == 0) return at::empty({0}, at::TensorOptions().dtype(at::kFloat));
-      at::Tensor pooled = lookup_pt2(values, lengths, weights);
-      c10::InferenceMode guard;
-      std::vector<at::Tensor> outputs = pt2_dense_->run({dense_features.contiguous(), pooled});
-      if (outputs.size() != 1)
-        throw ModelError(program_path_ + ": the dense program returned " + std::to_string(outputs.size()) +
-                         " outputs, not 1");
-      return scores_of(outputs[0], batch, program_path_);
+      return score_pt2(dense_features, lookup_pt2(values, lengths, weights), batch);
     }
-    c10::InferenceMode guard;
-    std::vector<c10::IValue> inputs{dense_features, values, lengths};
-    if (weights.has_value() && weights->defined())
-      inputs.emplace_back(*weights);
-    else
-      inputs.emplace_back(c10::IValue());
-    return scores_of(module_->get_method("predict")(std::move(inputs)).toTensor(), batch, program_path_);
+    ScriptCall call(plain_execution_);
+    at::Tensor out = module_->get_method("predict")(script_inputs({dense_features, values, lengths}, weights)).toTensor();
+    return scores_of(out, batch, program_path_);
+  } catch (const Error&) {
+    throw;
+  } catch (const std::exception& err) {
+    rethrow_script_error(err);
+  }
+}
+
+void Model::check_dense_program() const {
+  if (!pt2_dense_)
+    throw ModelError(program_path_ + " holds the lookups only: the manifest's pt2.dense_program is not set (export " +
+                     "could not compile the dense part with torch.export); predict with the TorchScript backend, " +
+                     "or re-export with a dense part torch.export can trace");
+}
+
+// model.pt2's dense program (check_dense_program first) on the pooled lookups of a batch of `batch` >= 1 examples
+at::Tensor Model::score_pt2(const at::Tensor& dense_features, const at::Tensor& pooled, int64_t batch) const {
+  c10::InferenceMode guard;
+  std::vector<at::Tensor> outputs = pt2_dense_->run({dense_features.contiguous(), pooled});
+  if (outputs.size() != 1)
+    throw ModelError(program_path_ + ": the dense program returned " + std::to_string(outputs.size()) +
+                     " outputs, not 1");
+  return scores_of(outputs[0], batch, program_path_);
+}
+
+at::Tensor Model::lookup_unchecked(const at::Tensor& values, const at::Tensor& lengths,
+                                   const std::optional<at::Tensor>& weights) const {
+  if (backend_ == Backend::Pt2) return lookup_pt2(values, lengths, weights);
+  ScriptCall call(plain_execution_);
+  try {
+    auto inputs = script_inputs({values, lengths}, weights);
+    if (lookup_unchecked_) return (*lookup_unchecked_)(std::move(inputs)).toTensor();
+    return module_->forward(std::move(inputs)).toTensor();  // an artifact without the unchecked entry
+  } catch (const Error&) {
+    throw;
+  } catch (const std::exception& err) {
+    rethrow_script_error(err);
+  }
+}
+
+std::pair<at::Tensor, at::Tensor> Model::lookup_and_predict_unchecked(const at::Tensor& dense_features,
+                                                                      const at::Tensor& values,
+                                                                      const at::Tensor& lengths,
+                                                                      const std::optional<at::Tensor>& weights) const {
+  if (!has_dense()) throw RequestError(kNoDensePart);
+  const int64_t batch = lengths.numel() / static_cast<int64_t>(features_.size());
+  if (backend_ == Backend::Pt2) check_dense_program();
+  validate_dense(dense_features, batch);
+  try {
+    if (backend_ == Backend::Pt2) {
+      at::Tensor pooled = lookup_pt2(values, lengths, weights);
+      if (batch == 0) return {pooled, at::empty({0}, at::TensorOptions().dtype(at::kFloat))};
+      return {pooled, score_pt2(dense_features, pooled, batch)};
+    }
+    const std::shared_ptr<const torch::jit::Method>& method =
+        lookup_and_predict_unchecked_ ? lookup_and_predict_unchecked_ : lookup_and_predict_;
+    if (!method)  // an artifact exported before lookup_and_predict: two forwards
+      return {lookup_unchecked(values, lengths, weights), predict(dense_features, values, lengths, weights)};
+    ScriptCall call(plain_execution_);
+    auto pair = (*method)(script_inputs({dense_features, values, lengths}, weights)).toTuple();
+    return {pair->elements()[0].toTensor(), scores_of(pair->elements()[1].toTensor(), batch, program_path_)};
   } catch (const Error&) {
     throw;
   } catch (const std::exception& err) {

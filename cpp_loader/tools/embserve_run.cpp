@@ -23,6 +23,8 @@
 // in --bench's JSON line.
 // --backend picks the model file that runs: model.pt (torchscript, the default) or model.pt2 (pt2, an AOTInductor
 // package; the artifact must be exported with `embserve export --pt2`).
+// --unchecked answers through Model::lookup_unchecked / lookup_and_predict_unchecked, each request checked by
+// Model::validate first (the entries a serving front end calls after its own checks).
 // File format: see infer/artifact/cpp_io.py (request files EMBSRQ01 and EMBSRQ02, response files EMBSRS02).
 #include <embserve/loader.h>
 
@@ -82,8 +84,18 @@ struct RequestFile {
   bool header_ok = false;             // false: nothing could be read (exit status 2)
 };
 
+// --unchecked: answer through the loader's unchecked entries, each request checked first by Model::validate (as a
+// serving front end checks every request before them)
+bool unchecked_entries = false;
+
 // A request's answer: the scores of a predict request, else the pooled lookups.
 at::Tensor answer(const embserve::Model& model, const Request& r) {
+  if (unchecked_entries) {
+    model.validate(r.values, r.lengths, r.weights);
+    if (r.dense_features)
+      return model.lookup_and_predict_unchecked(*r.dense_features, r.values, r.lengths, r.weights).second;
+    return model.lookup_unchecked(r.values, r.lengths, r.weights);
+  }
   if (r.dense_features) return model.predict(*r.dense_features, r.values, r.lengths, r.weights);
   return model.lookup(r.values, r.lengths, r.weights);
 }
@@ -355,9 +367,9 @@ std::string error_kind(const std::exception& err) {
 
 constexpr const char* kUsage =
     "usage: embserve_run ARTIFACT [--requests FILE --out FILE]... [--fail-fast] [--library-dir DIR]... [--threads N]\n"
-    "                    [--kernel-threads N] [--backend torchscript|pt2] [--verify full|none]\n"
+    "                    [--kernel-threads N] [--backend torchscript|pt2] [--verify full|none] [--unchecked]\n"
     "       embserve_run ARTIFACT --requests FILE [--out FILE] --bench N [--library-dir DIR]... [--threads N]\n"
-    "                    [--kernel-threads N] [--backend torchscript|pt2] [--verify full|none]\n";
+    "                    [--kernel-threads N] [--backend torchscript|pt2] [--verify full|none] [--unchecked]\n";
 
 constexpr const char* kHelp =
     "Every request of a file is answered in --out: a result, or a typed error record for a bad one (the run goes\n"
@@ -530,6 +542,7 @@ int run(int argc, char** argv) {
       if (arg == "--requests") requests_paths.push_back(next());
       else if (arg == "--out") out_paths.push_back(next());
       else if (arg == "--fail-fast") fail_fast = true;
+      else if (arg == "--unchecked") unchecked_entries = true;
       else if (arg == "--bench") bench_calls = std::stol(next());
       else if (arg == "--library-dir") options.library_dirs.push_back(next());
       else if (arg == "--threads") options.intra_op_threads = std::stoi(next());

@@ -73,10 +73,12 @@ def combo_requests(batch: SparseFeatures) -> list[tuple[torch.Tensor, torch.Tens
     ]
 
 
+@pytest.mark.parametrize("entry", ["checked", "unchecked"])
 @pytest.mark.parametrize("backend", BACKENDS)
-def test_every_documented_dtype_equals_the_reference(backend, embserve_run, dense_pt2_artifact, tmp_path):
+def test_every_documented_dtype_equals_the_reference(backend, entry, embserve_run, dense_pt2_artifact, tmp_path):
     """Lookups and predicts, each documented combination, through embserve_run: equal to the fp32 reference
-    (within 1e-5) and to Python's runtime on the same backend; predict returns float32 [B]."""
+    (within 1e-5) and to Python's runtime on the same backend; predict returns float32 [B]. ``unchecked``: through
+    Model::lookup_unchecked / lookup_and_predict_unchecked after Model::validate (embserve-server's entries)."""
     artifact = dense_pt2_artifact
     batch = random_batch(artifact.spec, BATCH, max_len=5, weighted=True, seed=3)
     unweighted = SparseFeatures(batch.keys, batch.values, batch.lengths)
@@ -85,8 +87,17 @@ def test_every_documented_dtype_equals_the_reference(backend, embserve_run, dens
     requests = combo_requests(batch)
     # the same requests twice: as lookups (no dense features), then as predicts
     write_requests(tmp_path / "r.bin", requests * 2, [None] * len(requests) + [dense] * len(requests))
+    flags = ["--unchecked"] if entry == "unchecked" else []
     result = run(
-        embserve_run, artifact.path, "--backend", backend, "--requests", tmp_path / "r.bin", "--out", tmp_path / "o.bin"
+        embserve_run,
+        artifact.path,
+        "--backend",
+        backend,
+        "--requests",
+        tmp_path / "r.bin",
+        "--out",
+        tmp_path / "o.bin",
+        *flags,
     )
     assert result.returncode == 0, result.stderr
     responses = read_responses(tmp_path / "o.bin")

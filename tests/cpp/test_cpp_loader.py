@@ -38,12 +38,16 @@ def parity_requests() -> list[tuple[torch.Tensor, torch.Tensor, torch.Tensor | N
     return requests
 
 
+@pytest.mark.parametrize("entry", ["checked", "unchecked"])
 @pytest.mark.parametrize("kind", ["unsharded", "sharded"])
-def test_outputs_equal_python(kind, embserve_run, unsharded_artifact, sharded_artifact, tmp_path):
+def test_outputs_equal_python(kind, entry, embserve_run, unsharded_artifact, sharded_artifact, tmp_path):
+    """Model::lookup, and Model::lookup_unchecked after Model::validate (``--unchecked``: the entry embserve-server
+    runs after its own checks), answer as the Python runtime does, bit for bit."""
     artifact = unsharded_artifact if kind == "unsharded" else sharded_artifact
     requests = parity_requests()
     write_requests(tmp_path / "requests.bin", requests)
-    result = run(embserve_run, artifact, "--requests", tmp_path / "requests.bin", "--out", tmp_path / "out.bin")
+    flags = ["--unchecked"] if entry == "unchecked" else []
+    result = run(embserve_run, artifact, "--requests", tmp_path / "requests.bin", "--out", tmp_path / "out.bin", *flags)
     assert result.returncode == 0, result.stderr
     responses = read_responses(tmp_path / "out.bin")
     runtime = load(artifact)

@@ -18,12 +18,14 @@
 #include <optional>
 #include <stdexcept>
 #include <string>
+#include <utility>
 #include <vector>
 
 #include <ATen/Tensor.h>
 
 namespace torch::jit {
 struct Module;
+struct Method;
 }
 namespace torch::inductor {
 class AOTIModelPackageLoader;
@@ -134,6 +136,19 @@ class Model {
   at::Tensor predict(const at::Tensor& dense_features, const at::Tensor& values, const at::Tensor& lengths,
                      const std::optional<at::Tensor>& weights = std::nullopt) const;
 
+  // lookup of a request the caller validated already with validate()'s rules (a serving front end that checks every
+  // request itself, as embserve-server does): nothing is checked again. TorchScript runs model.pt's
+  // `lookup_unchecked` (an artifact exported before it had one runs the checked forward), Pt2 its program. Anything
+  // else must call lookup: an unchecked bad request reaches the kernel, whose bounds check is then the only guard.
+  at::Tensor lookup_unchecked(const at::Tensor& values, const at::Tensor& lengths,
+                              const std::optional<at::Tensor>& weights = std::nullopt) const;
+
+  // Pooled embeddings [batch, output_dim] and scores [batch] float32 of one forward of a validated request (as
+  // lookup_unchecked; the dense features' shape is still checked): model.pt's `lookup_and_predict_unchecked`.
+  std::pair<at::Tensor, at::Tensor> lookup_and_predict_unchecked(
+      const at::Tensor& dense_features, const at::Tensor& values, const at::Tensor& lengths,
+      const std::optional<at::Tensor>& weights = std::nullopt) const;
+
   // Check a request without running it (lookup does this itself). Throws RequestError.
   void validate(const at::Tensor& values, const at::Tensor& lengths,
                 const std::optional<at::Tensor>& weights) const;
@@ -174,10 +189,18 @@ class Model {
   std::shared_ptr<torch::inductor::AOTIModelPackageLoader> pt2_dense_;  // the package's dense program, or null
   std::string program_path_;  // the file that runs: model.pt or model.pt2
   int pt2_threads_ = 1;  // example ranges a Pt2 lookup may split a batch into
+  // TorchScript methods of a model whose kernels are all on CPU run without the profiling/optimizing executor (as
+  // Python's Runtime.plain_execution): on CPU, where torch fuses nothing, its plan runs no faster, and re-planning
+  // each method on its first calls costs warm-up CPU. The setting is per thread, set around each call.
+  bool plain_execution_ = false;
+  // model.pt's unchecked entries (null: an artifact exported before them; the checked methods run instead)
+  std::shared_ptr<const torch::jit::Method> lookup_unchecked_, lookup_and_predict_unchecked_, lookup_and_predict_;
 
   at::Tensor lookup_pt2(const at::Tensor& values, const at::Tensor& lengths,
                         const std::optional<at::Tensor>& weights) const;
   void validate_dense(const at::Tensor& dense_features, int64_t batch) const;
+  void check_dense_program() const;  // Pt2: ModelError when the package has no dense program
+  at::Tensor score_pt2(const at::Tensor& dense_features, const at::Tensor& pooled, int64_t batch) const;
 };
 
 }  // namespace embserve
