@@ -122,7 +122,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
     artifact: Any = args.artifact
     if args.backend != "torchscript" or wants_hot_rows:
         from infer.artifact.load import load
-        from infer.cli import describe_hot_rows, hot_rows_of
+        from infer.commands.hot_rows import describe_hot_rows, hot_rows_of
 
         hot_rows = hot_rows_of(args, args.artifact)
         artifact = load(args.artifact, backend=args.backend, verify=args.verify, hot_rows=hot_rows)
@@ -384,7 +384,7 @@ def add_subcommands(subcommands: Any) -> None:
         default="full",
         help="checksums at load: full (every file's sha256, chunks in parallel) or none (sizes only)",
     )
-    from infer.cli import add_hot_rows_arguments
+    from infer.commands.hot_rows import add_hot_rows_arguments
 
     add_hot_rows_arguments(srv)
     srv.set_defaults(func=cmd_serve, parser=srv)
