@@ -54,7 +54,7 @@ def cmd_demo(args: argparse.Namespace) -> int:
 def add_parser(sub: Any) -> None:
     """The ``demo`` subcommand."""
     demo = sub.add_parser("demo", help="quantize, export, load and run the built-in demo model")
-    demo.add_argument("--out", default="artifacts/demo", help="artifact folder (default: ./artifacts/demo)")
+    demo.add_argument("--out", default="artifacts/demo", help="artifact folder")
     demo.add_argument("--seed", type=int, default=0)
     demo.add_argument("--batch-size", type=int, default=512)
     demo.add_argument("--no-serve", action="store_true", help="skip the gRPC serving step")
