@@ -53,6 +53,7 @@ def test_cli_reference_lists_every_flag_of_every_command():
             names = action.option_strings or [action.metavar or action.dest.upper()]
             row = [r for r in rows if all(f"`{name}`" in r.split("|")[1] for name in names)]
             assert len(row) == 1, f"{path}: {names} not listed once"
+            assert action.help, f"{path} {names}: no help= (the reference would show an empty row)"
             if action.help:
                 words = re.sub(r"%\([a-z]+\)s", "", action.help).split()[:4]
                 assert " ".join(words).replace("|", "\\|") in row[0], f"{path} {names}: its help is not shown"

@@ -55,7 +55,7 @@ def add_parser(sub: Any) -> None:
     """The ``demo`` subcommand."""
     demo = sub.add_parser("demo", help="quantize, export, load and run the built-in demo model")
     demo.add_argument("--out", default="artifacts/demo", help="artifact folder")
-    demo.add_argument("--seed", type=int, default=0)
-    demo.add_argument("--batch-size", type=int, default=512)
+    demo.add_argument("--seed", type=int, default=0, help="seed of the random fp32 tables")
+    demo.add_argument("--batch-size", type=int, default=512, help="examples per batch of the timed run")
     demo.add_argument("--no-serve", action="store_true", help="skip the gRPC serving step")
     demo.set_defaults(func=cmd_demo)

@@ -94,7 +94,7 @@ def cmd_inspect(args: argparse.Namespace) -> int:
 def add_parser(sub: Any) -> None:
     """The ``inspect`` subcommand."""
     ins = sub.add_parser("inspect", help="print an artifact's manifest")
-    ins.add_argument("artifact")
+    ins.add_argument("artifact", help="artifact folder")
     ins.add_argument("--json", action="store_true", help="print the raw manifest JSON")
     ins.add_argument("--verify", action="store_true", help="also check every file's size and checksums (and time it)")
     ins.set_defaults(func=cmd_inspect)

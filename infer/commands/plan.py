@@ -69,11 +69,11 @@ def add_parser(sub: Any) -> None:
         default=None,
         help="default: cuda where this host has CUDA, else cpu",
     )
-    plan.add_argument("--batch-size", type=int, default=512)
+    plan.add_argument("--batch-size", type=int, default=512, help="examples per request the cost model prices")
     plan.add_argument("--constraints", default=None, help="JSON {table_name: {constraint: value}}")
     _add_planning_data_flags(plan)
     plan.add_argument("--dtype", default=None, help="data type for every table")
-    plan.add_argument("--table-dtype", action="append", default=[], metavar="NAME=DTYPE")
+    plan.add_argument("--table-dtype", action="append", default=[], metavar="NAME=DTYPE", help="per-table data type")
     plan.add_argument(
         "--weights", default=None, help="checkpoint {table: fp32 tensor} to measure error on (default: N(0,1) rows)"
     )

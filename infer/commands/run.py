@@ -70,10 +70,10 @@ def cmd_run(args: argparse.Namespace) -> int:
 def add_parser(sub: Any) -> None:
     """The ``run`` subcommand."""
     run = sub.add_parser("run", help="load an artifact and time lookups on a random batch")
-    run.add_argument("artifact")
-    run.add_argument("--batch-size", type=int, default=512)
-    run.add_argument("--ids-per-bag", type=int, default=20)
-    run.add_argument("--iterations", type=int, default=10)
+    run.add_argument("artifact", help="artifact folder")
+    run.add_argument("--batch-size", type=int, default=512, help="examples per random batch")
+    run.add_argument("--ids-per-bag", type=int, default=20, help="ids per bag of the random batch")
+    run.add_argument("--iterations", type=int, default=10, help="timed lookups; the best is printed")
     run.add_argument("--device-map", default=None, metavar="FROM=TO,...", help="e.g. cuda:0=cpu,cuda:1=cpu")
     run.add_argument(
         "--threads", type=int, default=0, help="ranges a CPU kernel splits a batch into (0: cores / kernels)"
