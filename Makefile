@@ -26,6 +26,9 @@ TORCHREC_PKGS := torchrec==1.8.0 tensordict==0.15.3 cloudpickle==3.1.2 pyvers==0
 ONNX_PKGS := onnx==1.23.2 onnxruntime==1.32.0 ml-dtypes==0.5.4 flatbuffers==25.12.19
 # the embserve[safetensors] extra: streaming export reads .safetensors tables a slice at a time
 SAFETENSORS_PKGS := safetensors==0.8.0
+# the embserve[docs] extra: `make docs` builds docs/ with MkDocs Material, the API pages from docstrings
+# (mkdocstrings); installed with their dependencies (Markdown, Jinja2, pymdown-extensions, griffe, ...)
+DOCS_PKGS := mkdocs==1.6.1 mkdocs-material==9.8.1 mkdocstrings==1.0.8 mkdocstrings-python==2.0.11
 # the embserve[bench] extra: MLPerf LoadGen drives bench/loadgen.py (imported only there)
 BENCH_PKGS := mlcommons-loadgen==6.0.17
 # perf_analyzer, Triton's load generator (tests/server/test_perf_analyzer.py, bench/perf_analyzer.py). PyPI's
@@ -42,14 +45,14 @@ STAMP := $(VENV)/.installed
 # module's fixtures (an exported or compiled artifact) are built once.
 PYTEST_WORKERS ?= $(shell n=$$(nproc 2>/dev/null || echo 1); echo $$(( n < 4 ? n : 4 )))
 
-.PHONY: demo test setup lint typecheck pytest bench clean cpp cpp-deps perf-analyzer server server-asan
+.PHONY: demo test setup lint typecheck pytest bench clean cpp cpp-deps perf-analyzer server server-asan docs
 
 $(STAMP): pyproject.toml Makefile
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
 	$(BIN)/python -m pip install --quiet --disable-pip-version-check torch==$(TORCH_VERSION)
 	$(BIN)/python -m pip install --quiet --disable-pip-version-check $(FBGEMM_PKG) $(SERVING_PKGS) \
 		pytest pytest-xdist==3.8.0 execnet==2.1.2 ruff mypy numpy scipy matplotlib "hypothesis==6.140.0" \
-		"setuptools>=64"
+		"setuptools>=64" $(DOCS_PKGS)
 	$(BIN)/python -m pip install --quiet --disable-pip-version-check --no-deps \
 		$(sort $(TRITON_PKGS) $(TORCHREC_PKGS) $(ONNX_PKGS) $(SAFETENSORS_PKGS) $(BENCH_PKGS))
 	$(BIN)/python -c "import torchrec.distributed, torchrec.models.dlrm, torchrec.quant"
@@ -60,8 +63,13 @@ demo: $(STAMP)
 	$(BIN)/embserve demo
 
 lint: $(STAMP)
-	$(BIN)/ruff check infer server tests bench examples
-	$(BIN)/ruff format --check infer server tests bench examples
+	$(BIN)/ruff check infer server tests bench examples docs/generate.py docs/hooks.py
+	$(BIN)/ruff format --check infer server tests bench examples docs/generate.py docs/hooks.py
+
+# the docs site (docs/, mkdocs.yml) into build/site, warnings as errors; the reference pages are generated from
+# the code as it builds (docs/generate.py)
+docs: $(STAMP)
+	NO_MKDOCS_2_WARNING=1 $(BIN)/python -m mkdocs build --strict --site-dir build/site
 
 typecheck: $(STAMP)
 	$(BIN)/mypy infer server
@@ -69,17 +77,17 @@ typecheck: $(STAMP)
 pytest: $(STAMP) cpp perf-analyzer
 	$(BIN)/python -m pytest -q --durations=20 -n $(PYTEST_WORKERS) --dist loadfile
 
-# ruff and mypy run beside the C++ build (each waits on its own inputs only), then the tests; at the end the
-# wall time of each phase (pytest's own --durations lists the 20 slowest tests above it). setup: the venv and
-# perf_analyzer.
+# ruff, mypy and the docs build run beside the C++ build (each waits on its own inputs only), then the tests; at
+# the end the wall time of each phase (pytest's own --durations lists the 20 slowest tests above it). setup: the
+# venv and perf_analyzer.
 PHASE_TIMES := build/make-test-phases.txt
 test:
 	@mkdir -p $(dir $(PHASE_TIMES)) && rm -f $(PHASE_TIMES)
 	@$(MAKE) --no-print-directory timed-setup
-	@$(MAKE) --no-print-directory -j3 timed-lint timed-typecheck timed-cpp
+	@$(MAKE) --no-print-directory -j4 timed-lint timed-typecheck timed-cpp timed-docs
 	@$(MAKE) --no-print-directory timed-server-asan; asan=$$?; \
 		$(MAKE) --no-print-directory timed-pytest; status=$$?; [ $$asan = 0 ] || status=1; \
-		echo "make test: wall time per phase (lint, typecheck and cpp side by side):"; cat $(PHASE_TIMES); exit $$status
+		echo "make test: wall time per phase (lint, typecheck, cpp and docs side by side):"; cat $(PHASE_TIMES); exit $$status
 
 setup: $(STAMP) perf-analyzer
 

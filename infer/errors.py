@@ -25,10 +25,15 @@ class ArtifactErrorKind(enum.Enum):
     """Why an artifact cannot be used; the C++ loader throws ``ManifestError``, ``ChecksumError``,
     ``LibraryError`` and ``ModelError`` for the same four."""
 
-    MANIFEST = "manifest"  # manifest.json missing, not JSON, another format/version, malformed
-    CHECKSUM = "checksum"  # a listed file is missing, has the wrong size or fails its sha256
-    LIBRARY = "library"  # an operator library (fbgemm) is missing or cannot be loaded
-    MODEL = "model"  # the model file cannot be loaded or does not fit this host
+    # manifest.json missing, not JSON, another format/version, malformed: re-export with this embserve
+    MANIFEST = "manifest"
+    # a listed file is missing, has the wrong size or fails its sha256: copy the artifact again, or re-export
+    CHECKSUM = "checksum"
+    # an operator library (fbgemm) is missing or cannot be loaded: install the fbgemm-gpu(-cpu) the manifest names
+    LIBRARY = "library"
+    # the model file cannot be loaded or does not fit this host (devices, torch version, kernels that disagree
+    # with the manifest): load with a device map, or re-export on this torch
+    MODEL = "model"
 
 
 class ArtifactError(EmbserveError):
@@ -53,9 +58,13 @@ class WeightsError(EmbserveError, ValueError):
 class PlanErrorKind(enum.Enum):
     """Why the planner cannot place the tables."""
 
+    # the tables exceed the devices (or the budget): more devices, smaller data types, or --mapped-capacity (CPU)
     INSUFFICIENT_MEMORY = "insufficient_memory"
+    # a constraint names an unknown table or allows no option: fix the constraints file
     INVALID_CONSTRAINT = "invalid_constraint"
+    # the devices are not there (a CUDA plan on a CPU host, replicas > hosts): re-plan for this host
     INVALID_TOPOLOGY = "invalid_topology"
+    # a plan that does not fit the spec (tables, shards, sizes): re-plan with embserve plan
     INVALID_PLAN = "invalid_plan"
 
 
@@ -77,8 +86,8 @@ class ServerErrorKind(enum.Enum):
     FAILED_PRECONDITION = "FAILED_PRECONDITION"  # the model cannot do this (no dense part, a failed load)
     DEADLINE_EXCEEDED = "DEADLINE_EXCEEDED"  # the call's timeout passed: raise it, or send smaller batches
     UNAUTHENTICATED = "UNAUTHENTICATED"  # missing or wrong bearer token
-    PERMISSION_DENIED = "PERMISSION_DENIED"
-    CANCELLED = "CANCELLED"
+    PERMISSION_DENIED = "PERMISSION_DENIED"  # the server (or a proxy before it) forbids this call
+    CANCELLED = "CANCELLED"  # the call was cancelled (by the caller, or a server stopping): retry
     UNIMPLEMENTED = "UNIMPLEMENTED"  # the server does not offer this call
     INTERNAL = "INTERNAL"  # the server failed; its log has the request id the message names
     UNKNOWN = "UNKNOWN"  # any other status

@@ -122,7 +122,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
     artifact: Any = args.artifact
     if args.backend != "torchscript" or wants_hot_rows:
         from infer.artifact.load import load
-        from infer.cli import describe_hot_rows, hot_rows_of
+        from infer.commands.hot_rows import describe_hot_rows, hot_rows_of
 
         hot_rows = hot_rows_of(args, args.artifact)
         artifact = load(args.artifact, backend=args.backend, verify=args.verify, hot_rows=hot_rows)
@@ -333,11 +333,13 @@ def add_subcommands(subcommands: Any) -> None:
         default=0,
         help="ranges a CPU kernel splits a batch into (0: cores / (forward threads x kernels))",
     )
-    srv.add_argument("--max-message-mb", type=int, default=64)
+    srv.add_argument(
+        "--max-message-mb", type=int, default=64, help="largest request or response (gRPC message, REST body)"
+    )
     srv.add_argument("--metrics-port", type=int, default=None, help="Prometheus /metrics port (0: any free port)")
     srv.add_argument("--metrics-host", default=None, help="/metrics host (default: --host)")
-    srv.add_argument("--tls-cert", default=None)
-    srv.add_argument("--tls-key", default=None)
+    srv.add_argument("--tls-cert", default=None, help="PEM certificate: serve TLS (with --tls-key; both or neither)")
+    srv.add_argument("--tls-key", default=None, help="PEM private key of --tls-cert")
     srv.add_argument("--auth-token-file", default=None, help="require 'authorization: Bearer <token>'")
     srv.add_argument(
         "--drain-grace-s",
@@ -384,7 +386,7 @@ def add_subcommands(subcommands: Any) -> None:
         default="full",
         help="checksums at load: full (every file's sha256, chunks in parallel) or none (sizes only)",
     )
-    from infer.cli import add_hot_rows_arguments
+    from infer.commands.hot_rows import add_hot_rows_arguments
 
     add_hot_rows_arguments(srv)
     srv.set_defaults(func=cmd_serve, parser=srv)
@@ -392,14 +394,14 @@ def add_subcommands(subcommands: Any) -> None:
     qry = subcommands.add_parser("query", help="query a server: metadata and one lookup")
     qry.add_argument("address", help="host:port")
     qry.add_argument("--features", default=None, help='JSON {"feature": [[ids], ...]}; default: a random batch')
-    qry.add_argument("--batch-size", type=int, default=4)
-    qry.add_argument("--ids-per-bag", type=int, default=5)
-    qry.add_argument("--seed", type=int, default=0)
+    qry.add_argument("--batch-size", type=int, default=4, help="examples of the random batch (without --features)")
+    qry.add_argument("--ids-per-bag", type=int, default=5, help="ids per bag of the random batch")
+    qry.add_argument("--seed", type=int, default=0, help="seed of the random batch")
     qry.add_argument("--fp16", action="store_true", help="ask for fp16 output")
     qry.add_argument("--show", type=int, default=4, help="features to print")
-    qry.add_argument("--token-file", default=None)
+    qry.add_argument("--token-file", default=None, help="file holding the bearer token (serve --auth-token-file)")
     qry.add_argument("--tls-root", default=None, help="PEM root certificate of a TLS server")
-    qry.add_argument("--timeout", type=float, default=30.0)
+    qry.add_argument("--timeout", type=float, default=30.0, help="seconds each call may take")
     qry.add_argument("--protocol", choices=("v1", "oip"), default="v1", help="oip: the Open Inference Protocol")
     qry.add_argument("--model", default=None, help="oip: the model's name (its artifact or repository folder name)")
     qry.add_argument("--model-version", default="", help="oip: the version (default: the newest)")

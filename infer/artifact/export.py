@@ -1,7 +1,7 @@
 """Export a quantized model as a self-describing TorchScript artifact.
 
-An artifact is a folder: ``model.pt`` (``torch.jit.script``) and ``manifest.json`` (see the README's
-"Artifact format"). Export writes into a temporary sibling folder and renames it into place, so an
+An artifact is a folder: ``model.pt`` (``torch.jit.script``) and ``manifest.json`` (see
+docs/artifact-format.md). Export writes into a temporary sibling folder and renames it into place, so an
 interrupted export never leaves a half-written artifact where a good one was.
 """
 

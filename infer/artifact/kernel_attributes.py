@@ -21,7 +21,7 @@ from infer.config import DataType
 from infer.errors import ArtifactError, ArtifactErrorKind
 
 if TYPE_CHECKING:
-    from infer.artifact.kernels import Kernel
+    from infer.artifact.kernel_types import Kernel
 
 LIST_FILE = "kernel_attributes.json"
 # fbgemm's SparseType codes in a TBE's weights_tys, and its EmbeddingLocation per device kind.

@@ -1,6 +1,6 @@
 """The artifact manifest: what an exported model is, what it needs, and checksums of its files.
 
-The format is specified in the README ("Artifact format") and enforced by ``schema.json`` (the same
+The format is specified in docs/artifact-format.md and enforced by ``schema.json`` (the same
 file the C++ loader embeds); readers check the schema, the cross-field rules below, sizes and sha256
 checksums before any tensor is touched.
 """

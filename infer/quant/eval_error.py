@@ -54,7 +54,7 @@ def load_eval_sample(path: str | Path, spec: ModelSpec) -> EvalSample:
         raise FileFormatError(f"evaluation file {where!r} is not a readable torch.save file: {err}") from None
     if not isinstance(raw, Mapping) or not {"features", "dense", "labels"} <= set(raw):
         raise FileFormatError(
-            f"evaluation file {where!r} must hold a dict with 'features', 'dense' and 'labels' (README: Planning)"
+            f"evaluation file {where!r} must hold a dict with 'features', 'dense' and 'labels' (docs/planning.md)"
         )
     return check_eval_sample(spec, raw["features"], raw["dense"], raw["labels"], where)
 

@@ -1,4 +1,4 @@
-"""A serving binary uses the loader as the README shows, both ways: the installed CMake package
+"""A serving binary uses the loader as the docs' C++ page (docs/cpp.md) shows, both ways: the installed CMake package
 (cpp_loader/examples/consumer, ``find_package(embserve_loader CONFIG REQUIRED)``; built and run, compiling its
 ``main.cpp`` only) and ``add_subdirectory`` of the checkout (configured; its link line checked)."""
 
@@ -21,9 +21,9 @@ SUBDIRECTORY_PLACEHOLDER = "path/to/embserve/cpp_loader"
 
 
 def _readme_cmake_blocks() -> list[str]:
-    readme = (ROOT / "README.md").read_text()
-    assert "## C++ loader" in readme
-    return re.findall(r"```cmake\n(.*?)```", readme, flags=re.S)
+    page = (ROOT / "docs" / "cpp.md").read_text()
+    assert "## The installed package" in page
+    return re.findall(r"```cmake\n(.*?)```", page, flags=re.S)
 
 
 def test_readme_shows_the_consumer_cmakelists():
@@ -82,7 +82,7 @@ def test_consumer_project_builds_against_the_package_and_runs(cpp_build, unshard
 
 @pytest.mark.slow
 def test_readme_add_subdirectory_project_configures_with_the_same_link_interface(tmp_path):
-    """The README's other way, configured as written (building it would compile the loader again: the package's
+    """The page's other way, configured as written (building it would compile the loader again: the package's
     test above runs the binary); its link line carries what the package's target carries."""
     [snippet] = [block for block in _readme_cmake_blocks() if "add_subdirectory(" in block]
     assert SUBDIRECTORY_PLACEHOLDER in snippet

@@ -430,7 +430,7 @@ def export_dense(dense_arch: torch.nn.Module, num_dense: int, output_dim: int, p
     """``dense.onnx`` (inputs ``dense_features``, ``pooled``; output ``scores``) by torch.onnx's TorchScript-based
     exporter (dynamo=False: the dynamo exporter needs onnxscript, which the extra does not carry).
 
-    Any form of dense part exports: an eager module, a scripted one (``torch.jit.script``, as the README writes
+    Any form of dense part exports: an eager module, a scripted one (``torch.jit.script``, as docs/torchrec.md writes
     ``dense.pt``), a loaded TorchScript file, or an eager module holding scripted parts. The wrapper is traced
     with ``torch.jit.trace`` first and the traced module handed to torch.onnx: torch.onnx's own trace of an eager
     wrapper refuses a ScriptModule called inside it ("not part of the active trace"), while a trace by

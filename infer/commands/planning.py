@@ -1,0 +1,140 @@
+"""What plan and export share: the flags of the planning data, the precision planner, the mapped tier."""
+
+from __future__ import annotations
+
+import argparse
+import logging
+from collections.abc import Mapping
+from pathlib import Path
+from typing import TYPE_CHECKING
+
+from infer.commands.common import _with_dense_part
+from infer.errors import ConfigError
+
+if TYPE_CHECKING:
+    from infer.config import ModelSpec
+    from infer.planner.access import AccessSample
+    from infer.planner.planner import EmbeddingPlanner
+    from infer.planner.precision import PrecisionPlan
+    from infer.planner.types import ParameterConstraints
+    from infer.storage.sources import TableSource
+
+logger = logging.getLogger(__name__)
+
+
+def _add_planning_data_flags(parser: argparse.ArgumentParser) -> None:
+    """Flags that plan and export share: what the requests read, the mapped tier of CPU devices, and the
+    precision planner's budgets."""
+    parser.add_argument(
+        "--memory-budget",
+        default=None,
+        help="choose every table's data type from its measured error so the tables fit this, e.g. 16GB",
+    )
+    parser.add_argument(
+        "--error-budget",
+        type=float,
+        default=None,
+        help="with it: the fewest bytes whose read-weighted relative error of pooled outputs is at most this "
+        "(e.g. 0.01 for 1%%)",
+    )
+    parser.add_argument("--frontier", default=None, metavar="PNG", help="plot the error-vs-bytes frontier here")
+    parser.add_argument(
+        "--eval",
+        default=None,
+        metavar="FILE",
+        help="evaluation sample with labels (torch.save dict: features {name: {ids, lengths}}, dense, labels): "
+        "measure each table's error as the model's loss with it alone quantized (needs --weights and a dense part)",
+    )
+    parser.add_argument(
+        "--error-measure",
+        choices=["pooled", "output", "logloss", "auc"],
+        default=None,
+        help="what the budgets count: pooled (relative error of pooled outputs, read-weighted; the default without "
+        "--eval), or with --eval the change in output, the rise in log loss (default) or the fall in AUC",
+    )
+    parser.add_argument(
+        "--sample-ids",
+        default=None,
+        metavar="FILE",
+        help="ids per feature from a sample of requests: JSON {feature: [ids]} or .npz (default: uniform rows)",
+    )
+    parser.add_argument(
+        "--mapped-capacity",
+        default=None,
+        help="CPU: table bytes that may be paged from mapped files beyond RAM, e.g. 500GB, 0 (none) or unbounded "
+        "(default: the free disk of the output folder)",
+    )
+
+
+def _wants_precision(args: argparse.Namespace) -> bool:
+    return args.memory_budget is not None or args.error_budget is not None or bool(getattr(args, "eval", None))
+
+
+def _precision_plan(
+    args: argparse.Namespace,
+    spec: ModelSpec,
+    tables: TableSource | None,
+    constraints: Mapping[str, ParameterConstraints],
+    sample: AccessSample | None,
+    planner: EmbeddingPlanner,
+) -> PrecisionPlan | None:
+    """--memory-budget / --error-budget: every table's data type from its measured error (issue 28); on several
+    devices that page nothing (CUDA, or CPU with --mapped-capacity 0) each table's device with it, every device
+    within its memory."""
+    if not _wants_precision(args):
+        return None
+    from infer.planner.precision import plan_precision
+    from infer.planner.stats import format_precision, plot_frontier
+    from infer.planner.utils import parse_bytes
+    from infer.quant.measured_error import format_errors, measure_errors, rows_from_source, synthetic_normal_rows
+
+    if args.dtype or args.table_dtype or getattr(args, "plan", None):
+        raise ConfigError("--memory-budget/--error-budget choose every table's data type: drop --dtype, --table-dtype "
+                          "and --plan (floors go in --constraints as min_data_type)")  # fmt: skip
+    measure = args.error_measure or ("logloss" if args.eval else "pooled")
+    if (measure == "pooled") == bool(args.eval):
+        fix = "measures pooled outputs: drop --eval, or choose output, logloss or auc" if args.eval else (
+            "needs an evaluation sample: give --eval FILE")  # fmt: skip
+        raise ConfigError(f"--error-measure {measure} {fix}")
+    if args.eval and tables is None:
+        raise ConfigError("--eval measures the model on its own tables: give --weights")
+    if tables is None:
+        print("measuring error on synthetic N(0,1) rows (no --weights given)")
+    # only the sampled rows are read from the tables' source: a table larger than RAM is never loaded whole
+    source = rows_from_source(tables) if tables is not None else synthetic_normal_rows()
+    if args.eval:
+        from infer.quant.eval_error import load_eval_sample, measure_eval_errors
+
+        # the model's loss depends on each table's pooling (the pooled error measure does not: a mean scales both)
+        spec.require_stated_pooling(f'set "pooling" to "sum" or "mean" for each in {args.spec!r}, as the model says')
+
+        model_spec = _with_dense_part(spec, getattr(args, "dense_arch", None))
+        measured = measure_eval_errors(model_spec, source, load_eval_sample(args.eval, model_spec), measure)
+    else:
+        measured = measure_errors(spec, source, sample)
+    print(f"error measure: {measure}" + (" (each table alone quantized, on the eval sample)" if args.eval else ""))
+    print(format_errors(measured))
+    budget = parse_bytes(args.memory_budget) if args.memory_budget is not None else None
+    topology = planner.topology
+    joint = topology.world_size > 1 and not topology.pages_weights
+    device_budgets = planner.device_budgets(spec, constraints) if joint else None
+    precision = plan_precision(spec, measured, budget, args.error_budget, constraints, sample, topology.row_alignment,
+                               device_budgets=device_budgets,
+                               eval_measure=measure if args.eval else None)  # fmt: skip
+    print()
+    print(format_precision(precision.to_dict(), frontier=True))
+    if args.frontier:
+        print(f"wrote {plot_frontier(precision.to_dict(), args.frontier)}")
+    return precision
+
+
+def _mapped_capacity(flag: str | None, folder: Path) -> tuple[int | None, str]:
+    """--mapped-capacity: a size, 'unbounded', or by default the free disk where the artifact (or plan) goes."""
+    from infer.planner.types import free_disk_bytes
+    from infer.planner.utils import parse_bytes
+
+    if flag is None:
+        return free_disk_bytes(folder)
+    if flag.strip().lower() == "unbounded":
+        return None, "given"
+    return parse_bytes(flag), "given"
