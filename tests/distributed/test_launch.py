@@ -5,6 +5,7 @@ trace printed (plain torchrun exits 1 and prints a SignalException / DistNetwork
 from __future__ import annotations
 
 import gc
+import multiprocessing
 import signal
 import subprocess
 import sys
@@ -149,18 +150,24 @@ def test_serves_store_tells_the_host_from_a_client():
 
     here = TCPStore("127.0.0.1", 0, 1, is_master=True, wait_for_workers=False)
     assert serves_store(here) and serves_store(PrefixStore("run", here))
-    serve = "from torch.distributed import TCPStore; s = TCPStore('127.0.0.1', 0, 1, True, wait_for_workers=False)"
-    other = subprocess.Popen([sys.executable, "-c", f"{serve}; print(s.port, flush=True); input()"],
-                             stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)  # fmt: skip
+    parent, child = multiprocessing.get_context("fork").Pipe()  # fork: no second torch import
+    other = multiprocessing.get_context("fork").Process(target=_serve_a_store, args=(child,))
+    other.start()
     try:
-        assert other.stdout is not None
-        port = int(other.stdout.readline())
+        port = parent.recv()
         client = TCPStore("127.0.0.1", port, 1, is_master=False)
         assert client.add("k", 1) == 1  # connected
         assert not serves_store(client) and not serves_store(PrefixStore("run", client))
     finally:
-        other.kill()
-        other.wait()
+        parent.send("stop")
+        other.join(30)
+
+
+def _serve_a_store(pipe: Any) -> None:
+    """A TCPStore served by this (forked) process until ``pipe`` says stop."""
+    store = TCPStore("127.0.0.1", 0, 1, is_master=True, wait_for_workers=False)
+    pipe.send(store.port)
+    pipe.recv()
 
 
 @pytest.mark.parametrize("stopped", [0, 1], ids=["host0", "host1"])
