@@ -3,7 +3,8 @@
 The reference is fp32 ``F.embedding_bag`` on the dequantized tables (``tests.support.call_contract.Reference``),
 never the program. "No copy" is observed, not timed: rewriting the weight file under a loaded program changes its
 lookups, and anonymous memory after a load does not grow with the tables (two table sizes, fresh processes).
-Each model is compiled once per module (AOTInductor: up to a minute each).
+The unsharded and sharded models are the ones test_pt2 compiles (``compiled_pt2``: once per session, across
+xdist workers); only ``large`` (a bigger table) and the embedded package compile for this file.
 """
 
 from __future__ import annotations
@@ -13,6 +14,7 @@ import os
 import subprocess
 import sys
 import textwrap
+from dataclasses import replace
 from pathlib import Path
 
 import pytest
@@ -22,72 +24,54 @@ from infer.artifact.export import export
 from infer.artifact.fbgemm_libs import load_fbgemm
 from infer.artifact.formats.pt2_program import WEIGHT_CONSTANTS_KEY
 from infer.artifact.load import load
-from infer.config import DataType, ModelSpec, PoolingType, TableConfig
+from infer.config import DataType, ModelSpec
 from infer.errors import ArtifactError, ArtifactErrorKind
-from infer.planner.types import ShardingType
 from infer.quant.quantize import quantize
-from infer.shard.builder import shard_model
-from infer.shard.plans import make_plan
 from infer.weights import random_weights
 from tests.conftest import random_batch
 from tests.support.artifacts import copy_artifact, damage_file, edit_manifest, rehash
 from tests.support.call_contract import Reference, assert_matches
-from tests.support.pt2_models import PT2_SEED, embedded_pt2
+from tests.support.pt2_models import PT2_SEED, compiled_pt2, embedded_pt2
 
 pytestmark = pytest.mark.slow
 
 ROOT = Path(__file__).resolve().parents[2]
 
 
-def weights_spec(rows: int = 3000) -> ModelSpec:
-    """SUM and MEAN features over INT8, INT4 and FP16 tables (one table read by two features)."""
-    return ModelSpec(
-        (
-            TableConfig("big", rows, 64, ("f_big_sum", "f_big_mean"), PoolingType.SUM, DataType.INT8),
-            TableConfig("mean8", 700, 32, ("f_mean8",), PoolingType.MEAN, DataType.INT8),
-            TableConfig("int4", 400, 16, ("f_int4",), PoolingType.SUM, DataType.INT4),
-            TableConfig("fp16", 250, 16, ("f_fp16",), PoolingType.MEAN, DataType.FP16),
-        )
-    )
+LARGE_ROWS = 300_000  # t_int8's rows in ``large``: 300x pt2_spec's, ~20 MB more of INT8 rows
 
 
-# On two CPU devices: one table's columns split, one replicated (each replica a slice of the batch), the rest
-# table-wise.
-SHARDED_LAYOUT = {
-    "big": (ShardingType.COLUMN_WISE, (0, 1)),
-    "mean8": (ShardingType.REPLICATED, (0, 1)),
-    "int4": (ShardingType.TABLE_WISE, (1,)),
-    "fp16": (ShardingType.TABLE_WISE, (0,)),
-}
-
-
-def _export(folder: Path, rows: int = 3000, sharded: bool = False, weights: str = "mapped"):  # type: ignore[no-untyped-def]
-    spec = weights_spec(rows)
-    model = quantize(spec, random_weights(spec, seed=rows))
-    reference = Reference(spec, model)
-    plan = make_plan(spec, 2, SHARDED_LAYOUT) if sharded else None
-    exported = shard_model(model, plan) if plan is not None else model
-    return spec, reference, export(exported, folder, plan=plan, pt2=True, weights=weights)
+def _shared(tmp_path_factory, kind: str):  # type: ignore[no-untyped-def]
+    """(spec, reference, artifact path) of ``compiled_pt2(kind)``: mapped weight files (export's default), compiled
+    once per session with test_pt2 and the C++ loader's pt2 tests (tests/support/pt2_models.py)."""
+    spec, path = compiled_pt2(tmp_path_factory, kind)
+    return spec, Reference(spec, quantize(spec, random_weights(spec, seed=PT2_SEED))), path
 
 
 @pytest.fixture(scope="module")
 def small(tmp_path_factory):  # type: ignore[no-untyped-def]
-    """(spec, reference, artifact path) of the unsharded mapped artifact with model.pt2 (compared with ``large``)."""
-    return _export(tmp_path_factory.mktemp("pt2w_small"))
+    """pt2_spec unsharded with its dense part (compared with ``large``): SUM and MEAN features over INT8, INT4 and
+    FP16 tables, INT2 and FP32 ones, one table read by two features."""
+    return _shared(tmp_path_factory, "unsharded")
 
 
 @pytest.fixture(scope="module", params=["unsharded", "sharded"])
 def mapped(request, tmp_path_factory):  # type: ignore[no-untyped-def]
-    """(spec, reference, artifact path) of a mapped artifact with model.pt2 (unsharded: ``small``, compiled once)."""
+    """``small``, or pt2_spec on three CPU devices: one table's columns split, tables replicated (each replica a
+    slice of the batch), the rest table-wise (``mixed_sharding``)."""
     if request.param == "unsharded":
         return request.getfixturevalue("small")
-    return _export(tmp_path_factory.mktemp("pt2w"), sharded=True)
+    return _shared(tmp_path_factory, "mixed_sharding")
 
 
 @pytest.fixture(scope="module")
-def large(tmp_path_factory):  # type: ignore[no-untyped-def]
-    """The unsharded model with a 100x bigger table (everything else alike)."""
-    return _export(tmp_path_factory.mktemp("pt2w_large"), rows=300_000)
+def large(small, tmp_path_factory):  # type: ignore[no-untyped-def]
+    """``small`` with a 300x bigger t_int8 (everything else alike, the dense part too): compiled here alone."""
+    small_spec = small[0]
+    tables = tuple(replace(t, num_embeddings=LARGE_ROWS) if t.name == "t_int8" else t for t in small_spec.tables)
+    spec = ModelSpec(tables).with_dense_arch(small_spec.dense_arch, small_spec.num_dense_features)
+    model = quantize(spec, random_weights(spec, seed=PT2_SEED))
+    return spec, Reference(spec, model), export(model, tmp_path_factory.mktemp("pt2w_large") / "large", pt2=True)
 
 
 def _batches(spec: ModelSpec):  # type: ignore[no-untyped-def]
@@ -146,7 +130,7 @@ def test_a_bare_load_of_the_package_raises_naming_embserve_loaders(mapped, batch
 
 
 def test_package_size_does_not_grow_with_the_tables(small, large):
-    """model.pt2 of a 100x bigger table is about the same size: the tables are in weights-0.bin only."""
+    """model.pt2 of a 300x bigger table is about the same size: the tables are in weights-0.bin only."""
     _, _, small_path = small
     _, _, large_path = large
     table_growth = (large_path / "weights-0.bin").stat().st_size - (small_path / "weights-0.bin").stat().st_size
@@ -261,7 +245,7 @@ def _load_in_fresh_process(path: Path) -> dict[str, int]:
 
 
 def test_anonymous_memory_after_a_load_does_not_grow_with_the_tables(small, large):
-    """After a load and a lookup that reads every page of the big table, a 100x bigger table adds under 10 % of
+    """After a load and a lookup that reads every page of the big table, a 300x bigger table adds under 10 % of
     its bytes to anonymous memory (a copy would add all of them), and its pages are file-backed (RssFile)."""
     _, _, path = small
     _, _, large_path = large

@@ -4,6 +4,8 @@ trace printed (plain torchrun exits 1 and prints a SignalException / DistNetwork
 
 from __future__ import annotations
 
+import gc
+import multiprocessing
 import signal
 import subprocess
 import sys
@@ -19,7 +21,7 @@ from torch.distributed import TCPStore
 from torch.distributed.elastic.agent.server.api import SimpleElasticAgent
 
 from server.app import SERVING_LINE
-from server.group.launch import linger
+from server.group.launch import CHECKED_OUT, linger, serves_store
 from tests.conftest import random_batch
 from tests.distributed.conftest import ROOT, free_port, group_env
 from tests.distributed.test_serving import _expected, _Load
@@ -67,20 +69,105 @@ def _agent(store: Any) -> SimpleNamespace:
     return SimpleNamespace(_store=store, _worker_group=group, _exit_barrier_timeout=30.0, _in_exit_barrier=False)
 
 
+class _SlowAfterCheckOut:
+    """A store client that pauses ``delay_s`` after its check-out is answered (a busy machine), and records every
+    request of its that failed (torch's client then prints a DistNetworkError stack)."""
+
+    def __init__(self, store: TCPStore, delay_s: float) -> None:
+        self.store, self.delay_s = store, delay_s
+        self.failed: list[str] = []
+        self.checked_out = float("inf")  # when its check-out was answered
+
+    def __getattr__(self, name: str) -> Any:
+        method = getattr(self.store, name)
+        if not callable(method) or name in ("timeout", "set_timeout"):
+            return method
+
+        def call(*args: Any) -> Any:
+            try:
+                result = method(*args)
+            except Exception as err:
+                self.failed.append(f"{name}{args}: {type(err).__name__}")
+                raise
+            if name == "add" and args[0] == CHECKED_OUT:
+                self.checked_out = time.monotonic()
+                time.sleep(self.delay_s)
+            return result
+
+        return call
+
+
+def _exit_barrier(host_agent: SimpleNamespace):  # type: ignore[no-untyped-def]
+    """torchrun's agent exit barrier with the check-out, ``host_agent`` the one that hosts the store."""
+    return linger(SimpleElasticAgent._exit_barrier, hosts_store=lambda agent: agent is host_agent)
+
+
 def test_the_store_host_leaves_the_exit_barrier_after_every_other_agent():
     """The store's host reaches torchrun's exit barrier last; the other agent's answer comes 0.5 s late. Its host
     must not return (and close the store: pytorch/pytorch#69520) before that answer came."""
     host_store = TCPStore("127.0.0.1", 0, 2, is_master=True, wait_for_workers=False)
     other = _SlowAnswers(TCPStore("127.0.0.1", host_store.port, 2, is_master=False), delay_s=0.5)
-    exit_barrier = linger(SimpleElasticAgent._exit_barrier)
+    host = _agent(host_store)
+    exit_barrier = _exit_barrier(host)
     waiting = threading.Thread(target=exit_barrier, args=(_agent(other),))
     waiting.start()
     time.sleep(0.2)  # the other agent waits in the barrier
-    exit_barrier(_agent(host_store))
+    exit_barrier(host)
     host_left = time.monotonic()
     waiting.join(30)
     assert not waiting.is_alive()
     assert other.answered <= host_left, f"the host left {other.answered - host_left:.3f} s before the answer came"
+
+
+def test_after_the_host_leaves_no_other_agent_has_a_request_in_flight():
+    """The other agent pauses 0.5 s after its check-out; its host leaves the barrier and closes the store at once
+    (torch's TCPStore server stops with its object). The other agent must have had its check-out answered before
+    the host left, and send nothing the closed store would leave unanswered (before: it then waited for a key
+    that said every agent had checked out, and that wait failed: "recvValueWithTimeout failed ... Connection
+    was likely closed", with a stack, in a launcher's log)."""
+    host_store = TCPStore("127.0.0.1", 0, 2, is_master=True, wait_for_workers=False)
+    other = _SlowAfterCheckOut(TCPStore("127.0.0.1", host_store.port, 2, is_master=False), delay_s=0.5)
+    host = _agent(host_store)
+    exit_barrier = _exit_barrier(host)
+    waiting = threading.Thread(target=exit_barrier, args=(_agent(other),))
+    waiting.start()
+    time.sleep(0.2)  # the other agent waits in the barrier
+    exit_barrier(host)
+    host_left = time.monotonic()
+    host._store = None
+    del host_store
+    gc.collect()  # the store's server stops: the host has left
+    waiting.join(30)
+    assert not waiting.is_alive()
+    assert other.checked_out <= host_left, "the host left before the other agent's check-out was answered"
+    assert other.failed == [], other.failed
+
+
+def test_serves_store_tells_the_host_from_a_client():
+    """True for the store whose server runs in this process (and a PrefixStore over it), False for a client of
+    a store served by another process."""
+    from torch.distributed import PrefixStore
+
+    here = TCPStore("127.0.0.1", 0, 1, is_master=True, wait_for_workers=False)
+    assert serves_store(here) and serves_store(PrefixStore("run", here))
+    parent, child = multiprocessing.get_context("fork").Pipe()  # fork: no second torch import
+    other = multiprocessing.get_context("fork").Process(target=_serve_a_store, args=(child,))
+    other.start()
+    try:
+        port = parent.recv()
+        client = TCPStore("127.0.0.1", port, 1, is_master=False)
+        assert client.add("k", 1) == 1  # connected
+        assert not serves_store(client) and not serves_store(PrefixStore("run", client))
+    finally:
+        parent.send("stop")
+        other.join(30)
+
+
+def _serve_a_store(pipe: Any) -> None:
+    """A TCPStore served by this (forked) process until ``pipe`` says stop."""
+    store = TCPStore("127.0.0.1", 0, 1, is_master=True, wait_for_workers=False)
+    pipe.send(store.port)
+    pipe.recv()
 
 
 @pytest.mark.parametrize("stopped", [0, 1], ids=["host0", "host1"])

@@ -20,6 +20,7 @@ import torch
 from tritonclient.utils import InferenceServerException
 
 from tests.conftest import random_batch
+from tests.server.native_support import SERVER_KINDS, start_kind
 from tests.server.oip_support import PROTOCOLS, client, make_input, requested, triton_inputs
 from tests.server.support import NUM_DENSE, Served, local_config, lookup_request
 from tests.server.test_repository import make_repository
@@ -111,11 +112,20 @@ def _start(start_any: Any, server_kind: str, artifact: Any, **config: Any) -> An
     return start_any(artifact, http_port=0, **config)
 
 
+@pytest.fixture(scope="module", params=SERVER_KINDS)
+def any_server(request, loop_thread, dense_artifact) -> Iterator[tuple[str, Any]]:
+    """(kind, server) of the dense model on each server kind in turn, for tests that only ask it (the statistics
+    tests count from a server of their own)."""
+    http = {} if request.param == "native" else {"http_port": 0}
+    served = start_kind(request.param, loop_thread, dense_artifact, max_delay_us=DELAY_US, **http)
+    yield request.param, served
+    served.close_channels()
+    served.stop(grace=1.0)
+
+
 @pytest.mark.parametrize("protocol", PROTOCOLS)
-def test_an_unknown_model_or_version_is_not_found_in_the_metadatas_words(
-    protocol, server_kind, start_any, dense_artifact
-):
-    served = _start(start_any, server_kind, dense_artifact, max_delay_us=DELAY_US)
+def test_an_unknown_model_or_version_is_not_found_in_the_metadatas_words(protocol, any_server):
+    server_kind, served = any_server
     with client(protocol, _address(served, protocol)) as c:
         for name, version in (("no_such_model", ""), (MODEL, "7")):
             with pytest.raises(InferenceServerException) as metadata:

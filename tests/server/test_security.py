@@ -1,10 +1,15 @@
-"""Bearer-token authentication and TLS."""
+"""Bearer-token authentication and TLS.
+
+The tests that only call a server share one per module and server kind (``token_server``, ``tls_server``); a
+test whose server needs its own settings starts it (``start_any``)."""
 
 from __future__ import annotations
 
 import shutil
 import subprocess
+from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 import grpc
 import pytest
@@ -18,14 +23,19 @@ from server.app import SERVICE_NAME, create_server
 from server.client import EmbserveClient
 from server.proto import inference_pb2_grpc as pb_grpc
 from tests.conftest import random_batch
+from tests.server.native_support import SERVER_KINDS, start_kind
 from tests.server.support import CALL_TIMEOUT, local_config, lookup_request, rpc_error
 
 TOKEN = "s3cret-token"
 
 
-@pytest.fixture
-def token_server(start_any, dense_artifact):
-    return start_any(dense_artifact, auth_token=TOKEN)
+@pytest.fixture(scope="module", params=SERVER_KINDS)
+def token_server(request, loop_thread, dense_artifact) -> Iterator[Any]:
+    """The dense model behind a bearer token, on each server kind in turn (shared: the tests only call it)."""
+    served = start_kind(request.param, loop_thread, dense_artifact, auth_token=TOKEN)
+    yield served
+    served.close_channels()
+    served.stop(grace=1.0)
 
 
 @pytest.mark.parametrize(
@@ -54,9 +64,10 @@ def test_token_must_be_a_bearer_token(token_server, spec):
 def test_token_server_accepts_the_right_token(token_server, dense_runtime, spec):
     batch = random_batch(spec, batch_size=6, weighted=True, seed=31)
     with EmbserveClient(token_server.address, token=TOKEN, timeout=CALL_TIMEOUT) as client:
+        counted = token_server.metric("embserve_requests_total", {"method": "Lookup", "code": "OK"})
         assert torch.equal(client.lookup(batch), dense_runtime.lookup(batch))
         assert client.metadata().output_dim == spec.output_dim
-    assert token_server.metric("embserve_requests_total", {"method": "Lookup", "code": "OK"}) == 1
+    assert token_server.metric("embserve_requests_total", {"method": "Lookup", "code": "OK"}) == counted + 1
 
 
 def test_health_and_reflection_need_no_token(token_server):
@@ -83,12 +94,17 @@ def _self_signed(folder: Path, name: str) -> tuple[Path, Path]:
     return cert, key
 
 
-@pytest.fixture
-def tls_server(start_any, dense_artifact, tmp_path):
+@pytest.fixture(scope="module", params=SERVER_KINDS)
+def tls_server(request, loop_thread, dense_artifact, tmp_path_factory) -> Iterator[tuple[Any, Path]]:
+    """(server, its certificate): the dense model over TLS on each server kind in turn (shared: the tests only
+    call it)."""
     if shutil.which("openssl") is None:
         pytest.skip("openssl is not installed")
-    cert, key = _self_signed(tmp_path, "server")
-    return start_any(dense_artifact, tls_cert=str(cert), tls_key=str(key)), cert
+    cert, key = _self_signed(tmp_path_factory.mktemp("tls"), "server")
+    served = start_kind(request.param, loop_thread, dense_artifact, tls_cert=str(cert), tls_key=str(key))
+    yield served, cert
+    served.close_channels()
+    served.stop(grace=1.0)
 
 
 @pytest.mark.parametrize("host", ["127.0.0.1", "localhost"])

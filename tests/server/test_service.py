@@ -54,6 +54,15 @@ def strict_server(request, loop_thread, dense_artifact) -> Iterator[Served]:
     served.stop(grace=1.0)
 
 
+@pytest.fixture(scope="module", params=SERVER_KINDS)
+def sparse_server(request, loop_thread, sparse_artifact) -> Iterator[Any]:
+    """The model without a dense part on each server kind (shared: its tests only call it)."""
+    served = start_kind(request.param, loop_thread, sparse_artifact)
+    yield served
+    served.close_channels()
+    served.stop(grace=1.0)
+
+
 # ------------------------------------------------------------------------------------------ results
 @pytest.mark.parametrize("weighted", [False, True], ids=["unweighted", "weighted"])
 @pytest.mark.parametrize("id_dtype", [torch.int64, torch.int32], ids=["int64", "int32"])
@@ -202,9 +211,8 @@ def test_lookup_response_names_columns_and_version(dense_server, dense_artifact,
     ]
 
 
-def test_metadata_of_a_model_without_dense_part(start_any, sparse_artifact):
-    served = start_any(sparse_artifact)
-    with EmbserveClient(served.address, timeout=CALL_TIMEOUT) as c:
+def test_metadata_of_a_model_without_dense_part(sparse_server):
+    with EmbserveClient(sparse_server.address, timeout=CALL_TIMEOUT) as c:
         meta = c.metadata()
     assert not meta.has_dense
     assert meta.num_dense_features == 0
@@ -439,15 +447,14 @@ def test_the_base_request_of_the_bad_cases_is_good(strict_server, dense_runtime)
         assert torch.equal(codec.decode_embeddings(response), dense_runtime.lookup(_base()))
 
 
-def test_predict_without_dense_part_is_failed_precondition(start_any, sparse_artifact, sparse_runtime, spec):
-    served = start_any(sparse_artifact)
+def test_predict_without_dense_part_is_failed_precondition(sparse_server, sparse_runtime, spec):
     batch = random_batch(spec, batch_size=2)
-    with EmbserveClient(served.address, timeout=CALL_TIMEOUT) as c:
+    with EmbserveClient(sparse_server.address, timeout=CALL_TIMEOUT) as c:
         error = rpc_error(lambda: c.predict(batch, torch.zeros(2, 1)))
         assert error.code() == grpc.StatusCode.FAILED_PRECONDITION
         assert "dense" in error.details()
         assert torch.equal(c.lookup(batch), sparse_runtime.lookup(batch))
-    assert served.health() == health_pb2.HealthCheckResponse.SERVING
+    assert sparse_server.health() == health_pb2.HealthCheckResponse.SERVING
 
 
 class _FailingModule:

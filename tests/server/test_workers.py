@@ -5,6 +5,9 @@ the dense part on that); calls land on both workers (each worker's own /metrics 
 its port (a second ``embserve serve`` there is refused); SIGTERM drains every worker with nothing lost; a worker
 that dies fails the instance; bad requests are still INVALID_ARGUMENT naming the feature; the workers' mappings
 of the weights share one copy (PSS).
+
+The tests that only call an instance share one (``shared``, REST on): they count each worker's calls from their
+own start. A test that stops, kills or starts its own settings starts its own (``start``).
 """
 
 from __future__ import annotations
@@ -70,6 +73,7 @@ class Instance:
     port: int
     pids: list[int]
     metrics_ports: list[int]
+    http_port: int | None = None
 
     @property
     def address(self) -> str:
@@ -89,8 +93,9 @@ def _requests(metrics_port: int) -> float:
     return sum(_samples(metrics_port, "embserve_requests", "embserve_requests_total"))
 
 
-def _start(artifact: Path, *options: str) -> Instance:
-    process, port = spawn_server(artifact, "--workers", str(WORKERS), "--metrics-port", "0", *options)
+def _start(artifact: Path, *options: str, http_port: int | None = None) -> Instance:
+    http = ["--http-port", str(http_port)] if http_port is not None else []
+    process, port = spawn_server(artifact, "--workers", str(WORKERS), "--metrics-port", "0", *http, *options)
     assert process.stdout is not None
     pids, metrics_ports = [], []
     for index in range(WORKERS):  # "<WORKER_LINE> <index> pid <pid> metrics port <port>"
@@ -98,7 +103,13 @@ def _start(artifact: Path, *options: str) -> Instance:
         assert " ".join(words[:2]) == WORKER_LINE and int(words[2]) == index, words
         pids.append(int(words[4]))
         metrics_ports.append(int(words[-1]))
-    return Instance(process, port, pids, metrics_ports)
+    return Instance(process, port, pids, metrics_ports, http_port)
+
+
+def _stop(instance: Instance) -> None:
+    if instance.process.poll() is None:
+        instance.process.send_signal(signal.SIGTERM)
+    instance.process.wait(timeout=60)
 
 
 @pytest.fixture
@@ -112,23 +123,36 @@ def start() -> Iterator:
 
     yield start_instance
     for instance in started:
-        if instance.process.poll() is None:
-            instance.process.send_signal(signal.SIGTERM)
-        instance.process.wait(timeout=60)
+        _stop(instance)
+
+
+@pytest.fixture(scope="module")
+def shared(model) -> Iterator[Instance]:
+    """One instance, REST on, for the tests that only call it (each counts the calls from its own start)."""
+    instance = _start(model.artifact, "--max-delay-us", "500", http_port=free_port())
+    yield instance
+    _stop(instance)
+
+
+def _served_since(instance: Instance, before: list[float]) -> list[float]:
+    """Model calls each worker answered since ``before`` (an earlier ``instance.served()``)."""
+    return [now - then for now, then in zip(instance.served(), before, strict=True)]
 
 
 def _on_both_workers(instance: Instance, call) -> None:
-    """``call(client)`` on new connections (one client each) until both workers answered some."""
+    """``call(client)`` on new connections (one client each) until both workers answered some of them."""
+    before = instance.served()
     for _ in range(MAX_CONNECTIONS):
         with EmbserveClient(instance.address, timeout=CALL_TIMEOUT) as client:
             call(client)
-        if all(count > 0 for count in instance.served()):
+        if all(count > 0 for count in _served_since(instance, before)):
             return
-    raise AssertionError(f"{MAX_CONNECTIONS} connections all landed on one worker: {instance.served()}")
+    raise AssertionError(f"{MAX_CONNECTIONS} connections all landed on one worker: {_served_since(instance, before)}")
 
 
-def test_two_workers_answer_concurrent_calls_of_both_protocols_on_both_workers(start, model):
-    instance = start(model.artifact, "--max-delay-us", "500")
+def test_two_workers_answer_concurrent_calls_of_both_protocols_on_both_workers(shared, model):
+    instance = shared
+    before = instance.served()
     batches = [random_batch(model.spec, batch_size=1 + seed % 7, seed=seed) for seed in range(48)]
     dense = [
         torch.randn(b.batch_size, NUM_DENSE, generator=torch.Generator().manual_seed(i)) for i, b in enumerate(batches)
@@ -146,13 +170,13 @@ def test_two_workers_answer_concurrent_calls_of_both_protocols_on_both_workers(s
 
     with ThreadPoolExecutor(max_workers=16) as pool:
         list(pool.map(call, range(32)))  # 32 clients, each its own connection
-    per_worker = instance.served()
+    per_worker = _served_since(instance, before)
     assert sum(per_worker) >= 32 * 3 * 2 and all(count > 0 for count in per_worker), per_worker
     assert len(set(instance.pids)) == WORKERS and instance.process.pid not in instance.pids
 
 
-def test_bad_requests_are_invalid_argument_naming_the_feature_on_every_worker(start, model):
-    instance = start(model.artifact)
+def test_bad_requests_are_invalid_argument_naming_the_feature_on_every_worker(shared, model):
+    instance = shared
     bad = SparseFeatures(model.spec.feature_names, torch.tensor([1000] + [0] * 5), torch.ones(6, dtype=torch.int32))
 
     def refused(client: EmbserveClient) -> None:
@@ -171,10 +195,9 @@ def test_bad_requests_are_invalid_argument_naming_the_feature_on_every_worker(st
 
 @pytest.mark.parametrize("workers", ["1", "2"])
 @pytest.mark.parametrize(("role", "flag"), [("gRPC", "--port"), ("HTTP", "--http-port")])
-def test_a_second_serve_on_the_instances_port_is_refused(start, model, workers, role, flag):
-    http_port = free_port()
-    instance = start(model.artifact, "--http-port", str(http_port))
-    port = instance.port if role == "gRPC" else http_port
+def test_a_second_serve_on_the_instances_port_is_refused(shared, model, workers, role, flag):
+    instance = shared
+    port = instance.port if role == "gRPC" else instance.http_port
     command = [sys.executable, "-m", "infer.cli", "serve", str(model.artifact), "--host", "127.0.0.1"]
     command += ["--workers", workers, *(["--port", str(port)] if role == "gRPC" else ["--port", "0", flag, str(port)])]
     second = subprocess.run(command, cwd=REPO, capture_output=True, text=True, timeout=120)  # a bound on a hang
@@ -185,18 +208,18 @@ def test_a_second_serve_on_the_instances_port_is_refused(start, model, workers, 
     _on_both_workers(instance, lambda client: assert_matches(client.lookup(batch), model.reference.pooled(batch)))
 
 
-def test_rest_calls_land_on_both_workers_and_equal_the_reference(start, model):
-    http_port = free_port()
-    instance = start(model.artifact, "--http-port", str(http_port))
+def test_rest_calls_land_on_both_workers_and_equal_the_reference(shared, model):
+    instance = shared
     batch = random_batch(model.spec, batch_size=5, seed=12)
     expected = model.reference.pooled(batch)
+    before = instance.served()
     for _ in range(MAX_CONNECTIONS):
-        with client("http", f"127.0.0.1:{http_port}") as rest:  # a connection of its own
+        with client("http", f"127.0.0.1:{instance.http_port}") as rest:  # a connection of its own
             result = rest.infer(
                 model.artifact.name, triton_inputs("http", batch), outputs=requested("http", "embeddings")
             )
             assert_matches(torch.from_numpy(np.array(result.as_numpy("embeddings"))), expected)
-        if all(count > 0 for count in instance.served()):
+        if all(count > 0 for count in _served_since(instance, before)):
             return
     raise AssertionError(f"{MAX_CONNECTIONS} REST connections all landed on one worker: {instance.served()}")
 
@@ -255,10 +278,10 @@ def _weights_mapping(pid: int, path: Path) -> tuple[int, int]:
     return rss, pss
 
 
-def test_the_workers_map_one_copy_of_the_weights(start, model):
+def test_the_workers_map_one_copy_of_the_weights(shared, model):
     """Every row of every table looked up on both workers: each maps all the weights (Rss), yet their Pss
     adds up to one copy at most (copies would add up to two)."""
-    instance = start(model.artifact)
+    instance = shared
     every_row = SparseFeatures(
         model.spec.feature_names,
         torch.cat([torch.arange(t.num_embeddings) for t in model.spec.tables for _ in t.feature_names]),
