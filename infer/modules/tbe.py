@@ -75,6 +75,19 @@ def make_tbe(
     return tbe
 
 
+def plain_cpu_kernel(tbe: nn.Module) -> bool:
+    """A built fbgemm TBE with no pruning (index remapping) and no cache: its forward is the lookup op alone."""
+    try:
+        return (
+            tbe.index_remappings_array.numel() == 0  # type: ignore[operator]
+            and tbe.index_remapping_hash_table.numel() == 0  # type: ignore[operator]
+            and tbe.index_remapping_hash_table_cpu is None
+            and tbe.lxu_cache_weights.numel() == 0  # type: ignore[operator]
+        )
+    except AttributeError:  # a structure-only stand-in (the routing checks build one with no kernel)
+        return False
+
+
 # A range of fewer ids than this stays on the calling thread: a fork costs more than it saves.
 MIN_IDS_PER_CHUNK = 4096
 
@@ -95,6 +108,7 @@ class KernelRunner:
     kernel_features: int
     kernel_device: str
     min_ids_per_chunk: int
+    direct_kernel: bool
 
     def init_kernel_runner(self, kernel_features: int, device: str) -> None:
         """Called by the module's ``__init__`` once ``self.tbe`` is set (not part of the scripted model)."""
@@ -102,6 +116,47 @@ class KernelRunner:
         self.kernel_features = kernel_features
         self.kernel_device = device
         self.min_ids_per_chunk = MIN_IDS_PER_CHUNK
+        self.direct_kernel = torch.device(device).type == "cpu" and plain_cpu_kernel(self.tbe)
+
+    def kernel(self, values: Tensor, offsets: Tensor, weights: Optional[Tensor]) -> Tensor:
+        """The TBE's pooled rows of one kernel input.
+
+        On a CPU kernel without pruning or a cache (every kernel embserve builds for CPU), fbgemm's lookup op is
+        called on the TBE's own buffers as its forward calls it, less the forward's steps that do nothing there
+        (moves to the device, the pruning and cache checks, the cache's bookkeeping) and its bounds check, which
+        every entry has done already (``lookup`` validates, ``lookup_unchecked`` is for validated requests): the
+        TorchScript interpreter, which costs more than the kernel at batch 1, walks a dozen nodes instead of
+        fbgemm's forward (bench/server.py's batch-1 cases). The output is the forward's, bit for bit (the same op
+        on the same arguments). Other kernels go through the forward.
+        """
+        if not self.direct_kernel:
+            return self.tbe(values, offsets, weights)
+        tbe = self.tbe
+        return torch.ops.fbgemm.int_nbit_split_embedding_codegen_lookup_function(
+            dev_weights=tbe.weights_host if tbe.host_size > 0 else tbe.weights_dev,
+            uvm_weights=tbe.weights_uvm,
+            weights_placements=tbe.weights_placements,
+            weights_offsets=tbe.weights_offsets,
+            weights_tys=tbe.weights_tys,
+            D_offsets=tbe.D_offsets,
+            total_D=tbe.total_D,
+            max_int2_D=tbe.max_int2_D,
+            max_int4_D=tbe.max_int4_D,
+            max_int8_D=tbe.max_int8_D,
+            max_float16_D=tbe.max_float16_D,
+            max_float32_D=tbe.max_float32_D,
+            indices=values,
+            offsets=offsets,
+            pooling_mode=int(tbe.pooling_mode),
+            indice_weights=weights,
+            output_dtype=tbe.output_dtype,
+            lxu_cache_weights=tbe.lxu_cache_weights,
+            lxu_cache_locations=torch.empty(0, dtype=torch.int32),
+            row_alignment=tbe.row_alignment,
+            max_float8_D=tbe.max_float8_D,
+            fp8_exponent_bits=tbe.fp8_exponent_bits,
+            fp8_exponent_bias=tbe.fp8_exponent_bias,
+        )
 
     def chunks_for(self, batch: int, num_ids: int) -> int:
         if self.threads <= 1 or self.kernel_device != "cpu":
@@ -118,7 +173,7 @@ class KernelRunner:
             local_weights: Optional[Tensor] = None
             if weights is not None:
                 local_weights = weights.to(self.kernel_device)
-            return self.tbe(values.to(self.kernel_device), offsets.to(self.kernel_device), local_weights)
+            return self.kernel(values.to(self.kernel_device), offsets.to(self.kernel_device), local_weights)
         futures: List[torch.jit.Future[Tensor]] = []
         for k in range(chunks - 1):
             first = k * batch // chunks
@@ -149,4 +204,4 @@ class KernelRunner:
         chunk_weights: Optional[Tensor] = None
         if weights is not None:
             chunk_weights = torch.cat([weights[starts[f] : ends[f]] for f in range(self.kernel_features)])
-        return self.tbe(chunk_values, bag_offsets(chunk_lengths, chunk_values), chunk_weights)
+        return self.kernel(chunk_values, bag_offsets(chunk_lengths, chunk_values), chunk_weights)
