@@ -133,7 +133,7 @@ class KernelRunner:
             return self.tbe(values, offsets, weights)
         tbe = self.tbe
         return torch.ops.fbgemm.int_nbit_split_embedding_codegen_lookup_function(
-            dev_weights=tbe.weights_host if tbe.host_size > 0 else tbe.weights_dev,
+            dev_weights=tbe.weights_host if tbe.host_size > 0 else tbe.weights_dev,  # type: ignore[operator]
             uvm_weights=tbe.weights_uvm,
             weights_placements=tbe.weights_placements,
             weights_offsets=tbe.weights_offsets,
@@ -147,7 +147,7 @@ class KernelRunner:
             max_float32_D=tbe.max_float32_D,
             indices=values,
             offsets=offsets,
-            pooling_mode=int(tbe.pooling_mode),
+            pooling_mode=int(tbe.pooling_mode),  # type: ignore[arg-type]
             indice_weights=weights,
             output_dtype=tbe.output_dtype,
             lxu_cache_weights=tbe.lxu_cache_weights,
