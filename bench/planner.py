@@ -159,7 +159,7 @@ def precision_cases(examples: int = 1000, budget_gb: float = 16.0) -> list[dict[
     return cases
 
 
-def block_cases(examples: int = 20000, budget_gb: float = 16.0) -> list[dict[str, object]]:
+def block_cases(examples: int = 20000, budget_gb: float = 16.0, three_blocks: bool = False) -> list[dict[str, object]]:
     """Issue 43: the planner choosing precision blocks (a hot block precise, the rest small) on DLRM-v2's shapes
     with Zipf(1.05) ids, at uniform INT4's bytes and at 16 GB: error against uniform INT4 and the whole-table
     optimum, and the planner's seconds (hot shares, options, MILP)."""
@@ -175,7 +175,7 @@ def block_cases(examples: int = 20000, budget_gb: float = 16.0) -> list[dict[str
     cases = []
     for name, limit in (("uniform_int4_bytes", int4.total_bytes), ("16GB", int(budget_gb * C.GB))):
         started = time.perf_counter()
-        problem = block_problem(spec, measured, sample)
+        problem = block_problem(spec, measured, sample, three_blocks=three_blocks)
         chosen = choose_exact(problem, limit)
         seconds = time.perf_counter() - started
         best_whole = choose_exact(whole, limit)
@@ -184,6 +184,7 @@ def block_cases(examples: int = 20000, budget_gb: float = 16.0) -> list[dict[str
             "bench": "precision_blocks_dlrm_v2",
             "budget": name,
             "examples_sampled": examples,
+            "three_blocks": three_blocks,
             "budget_gb": round(limit / C.GB, 3),
             "chosen_gb": round(chosen.total_bytes / C.GB, 3),
             "chosen_error": round(chosen.error, 6),
@@ -439,6 +440,7 @@ def main() -> int:
     parser.add_argument("--eval", action="store_true", help="the precision planner by log loss on a trained DLRM")
     parser.add_argument("--blocks", action="store_true", help="the precision planner with blocks (issue 43)")
     parser.add_argument("--examples", type=int, default=20000, help="--blocks: examples of sampled ids")
+    parser.add_argument("--three-blocks", action="store_true", help="--blocks: also price three-block options")
     parser.add_argument("--steps", type=int, default=1500, help="--eval: training steps")
     args = parser.parse_args()
     if args.eval:
@@ -446,7 +448,7 @@ def main() -> int:
             print(json.dumps(case), flush=True)
         return 0
     if args.blocks:
-        for case in block_cases(args.examples):
+        for case in block_cases(args.examples, three_blocks=args.three_blocks):
             print(json.dumps(case), flush=True)
         return 0
     if args.precision:
