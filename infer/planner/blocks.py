@@ -96,7 +96,9 @@ def three_block_options(table: TableConfig, sizes: Sequence[int], shares: np.nda
     keep = h2 > h1
     k1, k2, h1, h2 = k1[keep], k2[keep], h1[keep], h2[keep]
     per_row = {d: table_bytes(1 << 20, dim, d, row_alignment) / (1 << 20) for d in types}
-    bytes_all, errors_all, picks = [], [], []
+    bytes_all: list[np.ndarray] = []
+    errors_all: list[np.ndarray] = []
+    picks: list[tuple[DataType, DataType, DataType, int, int]] = []
     for a in types:
         for b in types:
             for c in types:
