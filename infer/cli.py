@@ -22,7 +22,7 @@ if TYPE_CHECKING:
     from infer.planner.access import AccessSample
     from infer.planner.planner import EmbeddingPlanner
     from infer.planner.precision import PrecisionPlan
-    from infer.planner.types import ParameterConstraints, ShardingPlan
+    from infer.planner.types import ParameterConstraints, ShardingPlan, Topology
     from infer.storage.sources import TableSource
 
 logger = logging.getLogger(__name__)
@@ -139,14 +139,15 @@ def cmd_export(args: argparse.Namespace) -> int:
                     table.data_type.value,
                 )
         spec = spec.with_data_types(overrides={t.table: t.data_type for t in plan.tables})
+    spec, block_orders = _plan_blocks(args, spec, plan)
     # inputs are checked in the order the pipeline uses them: spec, plan, tables, then the dense part
     _check_dense_flags(spec, args.dense_arch, args.no_dense, args.spec)
     tables = _export_source(args, spec)
     spec = _with_dense_part(spec, args.dense_arch)
-    if _streams(args, plan):
+    if _streams(args, plan) and block_orders is None:
         return _export_streaming(args, spec, tables, plan)
     weights = read_tables(tables, spec)
-    model = quantize(spec, weights, progress=_print_progress)
+    model = quantize(spec, weights, progress=_print_progress, block_orders=block_orders)
     print(format_accuracy(accuracy_report(spec, weights, model)))
     if plan is not None:
         from infer.planner.stats import format_stats
@@ -154,14 +155,18 @@ def cmd_export(args: argparse.Namespace) -> int:
 
         print()
         print(format_stats(plan))
-        if plan.topology.world_size > plan.topology.local_world_size:
+        if block_orders is not None:
+            # one device, tables in precision blocks: the model is exported whole (the plan is in the stats above)
+            plan = None
+        elif plan.topology.world_size > plan.topology.local_world_size:
             from infer.artifact.hosts import export_hosts
 
             out = export_hosts(model, args.out, plan, weights=args.weights_format)
             hosts = plan.topology.world_size // plan.topology.local_world_size
             print(f"exported {out} ({hosts} hosts x {plan.topology.local_world_size} devices)")
             return 0
-        model = shard_model(model, plan)
+        if plan is not None:
+            model = shard_model(model, plan)
     out = export(
         model,
         args.out,
@@ -377,13 +382,38 @@ def _precision_plan(
     joint = topology.world_size > 1 and not topology.pages_weights
     device_budgets = planner.device_budgets(spec, constraints) if joint else None
     precision = plan_precision(spec, measured, budget, args.error_budget, constraints, sample, topology.row_alignment,
-                               device_budgets=device_budgets,
-                               eval_measure=measure if args.eval else None)  # fmt: skip
+                               device_budgets=device_budgets, eval_measure=measure if args.eval else None,
+                               blocks=_blocks_allowed(args, topology))  # fmt: skip
     print()
     print(format_precision(precision.to_dict(), frontier=True))
     if args.frontier:
         print(f"wrote {plot_frontier(precision.to_dict(), args.frontier)}")
     return precision
+
+
+def _blocks_allowed(args: argparse.Namespace, topology: Topology) -> bool:
+    """Precision blocks (issue 43) are priced when --sample-ids says which rows are hot, the error is the pooled
+    one (not --eval) and the model goes on one device (sharding does not serve them yet)."""
+    return bool(getattr(args, "sample_ids", None)) and not getattr(args, "eval", None) and topology.world_size == 1
+
+
+def _plan_blocks(
+    args: argparse.Namespace, spec: ModelSpec, plan: ShardingPlan | None
+) -> tuple[ModelSpec, dict[str, Any] | None]:
+    """The spec with the precision blocks the plan chose (its ``planner.precision`` record), and each block
+    table's rows ranked hottest first by --sample-ids (what ``quantize`` fills the blocks with); none: unchanged."""
+    rows = ((plan.planner.get("precision") or {}).get("tables") or []) if plan is not None else []
+    chosen = {row["table"]: row["blocks"] for row in rows if row.get("blocks")}
+    if not chosen:
+        return spec, None
+    from infer.config import ModelSpec
+    from infer.planner.access import load_sample_ids
+    from infer.planner.blocks import block_orders_from_sample
+
+    tables = tuple(t.with_blocks([(b["rows"], b["data_type"]) for b in chosen[t.name]]) if t.name in chosen else t
+                   for t in spec.tables)  # fmt: skip
+    spec = ModelSpec(tables, spec.num_dense_features, spec.dense_arch)
+    return spec, block_orders_from_sample(spec, load_sample_ids(args.sample_ids, spec))
 
 
 def _export_plan(args: argparse.Namespace, spec: ModelSpec, tables: TableSource | None = None) -> ShardingPlan | None:
@@ -492,6 +522,7 @@ def cmd_inspect(args: argparse.Namespace) -> int:
             f"{t.name:<16} {t.num_embeddings:>12,} {t.embedding_dim:>5} {t.data_type.value:<6} "
             f"{t.pooling.value:<8} {', '.join(t.feature_names)}"
         )
+    _print_blocks(spec)
     print()
     print(f"{'feature':<20} {'table':<16} {'columns':>12}")
     for f in spec.features:
@@ -515,6 +546,25 @@ def cmd_inspect(args: argparse.Namespace) -> int:
         total = sum(e.bytes for e in manifest.files)
         print(f"\nchecksums verified: {len(manifest.files)} files, {_gb_rate(total, seconds)}")
     return 0
+
+
+def _print_blocks(spec: ModelSpec) -> None:
+    """``inspect``: each table held in precision blocks (issue 43), its blocks hottest first with rows and bytes, and
+    its id remap's bytes (one int32 a row per feature)."""
+    from infer.planner.blocks import remap_bytes
+    from infer.planner.utils import format_bytes
+    from infer.quant.rowwise import CPU_ROW_ALIGNMENT, table_bytes
+
+    for t in spec.tables:
+        if not t.blocks:
+            continue
+        parts = [
+            f"{b.rows:,} rows {b.data_type.value} "
+            f"({format_bytes(table_bytes(b.rows, t.embedding_dim, b.data_type, CPU_ROW_ALIGNMENT))})"
+            for b in t.blocks
+        ]
+        remap = format_bytes(remap_bytes(t))
+        print(f"{'':<16} {t.name} in blocks, hottest first: {', '.join(parts)}; id remap {remap}")
 
 
 def _gb_rate(total_bytes: int, seconds: float) -> str:

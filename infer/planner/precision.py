@@ -631,10 +631,15 @@ class PrecisionPlan:
     def reasons(self) -> list[dict[str, Any]]:
         """Per table: the type chosen, and against the spec's type the bytes saved and the weighted error added."""
         out = []
-        for table, data_type in zip(self.problem, self.chosen.data_types):
-            option = next(o for o in table.options if o.data_type == data_type)
+        blocks = self.chosen.blocks or tuple(() for _ in self.problem)
+        for table, data_type, table_blocks in zip(self.problem, self.chosen.data_types, blocks):
+            option = next(o for o in table.options if o.data_type == data_type and o.blocks == table_blocks)
+            row: dict[str, Any] = {}
+            if table_blocks:  # precision blocks (``infer.planner.blocks``): hottest first, the last the rest
+                row["blocks"] = [b.to_dict() for b in table_blocks]
             out.append(
-                {
+                row
+                | {
                     "table": table.table,
                     "data_type": data_type.value,
                     "declared": table.declared.data_type.value,
@@ -646,6 +651,11 @@ class PrecisionPlan:
                 }
             )
         return out
+
+    def block_tables(self) -> dict[str, tuple[RowBlock, ...]]:
+        """The tables the choice holds in precision blocks, with their blocks."""
+        blocks = self.chosen.blocks or tuple(() for _ in self.problem)
+        return {t.table: b for t, b in zip(self.problem, blocks) if b}
 
     def to_dict(self) -> dict[str, Any]:
         """The plan's record (``ShardingPlan.planner["precision"]``)."""
@@ -672,11 +682,19 @@ def plan_precision(
     frontier_points: int = FRONTIER_POINTS,
     device_budgets: DeviceBudgets | None = None,
     eval_measure: str | None = None,
+    blocks: bool = False,
 ) -> PrecisionPlan:
     """Choose every table's data type (see the module docstring) and compute what is reported beside it; with
     ``device_budgets`` every table's device too (``EmbeddingPlanner.device_budgets`` gives a topology's);
-    ``eval_measure`` names the model-level measure of ``measured`` (``quant.eval_error``), unweighted."""
-    problem = precision_problem(spec, measured, constraints, sample, row_alignment, eval_measure is not None)
+    ``eval_measure`` names the model-level measure of ``measured`` (``quant.eval_error``), unweighted. ``blocks``:
+    with a ``sample`` of ids (and neither of the two), tables may be held in precision blocks
+    (``infer.planner.blocks``): ``block_tables`` says which."""
+    if blocks and sample is not None and eval_measure is None and device_budgets is None:
+        from infer.planner.blocks import block_problem
+
+        problem = block_problem(spec, measured, sample, constraints, row_alignment)
+    else:
+        problem = precision_problem(spec, measured, constraints, sample, row_alignment, eval_measure is not None)
     chosen = choose_exact(problem, memory_budget, error_budget, device_budgets=device_budgets)
     greedy = choose_greedy(problem, memory_budget, error_budget)
     uniform = tuple(choose_uniform(problem, d) for d in (DataType.INT8, DataType.INT4))
