@@ -406,6 +406,11 @@ def _plan_blocks(
     chosen = {row["table"]: row["blocks"] for row in rows if row.get("blocks")}
     if not chosen:
         return spec, None
+    if not getattr(args, "sample_ids", None):
+        raise ConfigError(
+            f"the plan holds table {next(iter(chosen))!r} in precision blocks, which are filled with the rows the "
+            "sample reads most: give the --sample-ids the plan was made with"
+        )
     from infer.config import ModelSpec
     from infer.planner.access import load_sample_ids
     from infer.planner.blocks import block_orders_from_sample

@@ -45,6 +45,9 @@ def test_export_with_a_budget_and_sample_ids_holds_tables_in_blocks(tmp_path, ca
     export = ["export", "--spec", str(tmp_path / "spec.json"), "--weights", str(tmp_path / "w.pt")]
     assert main([*export, "--out", str(art), *flags]) == 0
     assert "blocks, hottest first:" in capsys.readouterr().out
+    # the plan alone does not say which rows are hot: the sample it was made with must come along
+    assert main([*export, "--out", str(tmp_path / "other"), "--plan", str(tmp_path / "plan.json")]) == 2
+    assert "--sample-ids" in capsys.readouterr().err
     assert main(["inspect", str(art)]) == 0
     shown = capsys.readouterr().out
     assert "big in blocks, hottest first:" in shown and "id remap" in shown
