@@ -202,28 +202,32 @@ def choose_greedy(
     fits, until none fits (or the error is within ``error_budget``)."""
     started = time.monotonic()
     _check_feasible(problem, memory_budget)
-    picks = [0] * len(problem)
+    # every option at once (numpy), the same choice as scanning table by table, option by option: the first
+    # largest ratio wins
+    sizes = [len(t.options) for t in problem]
+    owner = np.repeat(np.arange(len(problem)), sizes)
+    starts = np.concatenate([[0], np.cumsum(sizes)[:-1]]).astype(np.int64)
+    option_bytes = np.array([o.bytes for t in problem for o in t.options], dtype=np.int64)
+    option_errors = np.array([o.error for t in problem for o in t.options], dtype=np.float64)
+    weights = np.array([t.weight for t in problem], dtype=np.float64)[owner]
+    current = starts.copy()
     used = smallest_bytes(problem)
     error = sum(t.weight * t.options[0].error for t in problem)
     while error_budget is None or error > error_budget:
-        best: tuple[float, int, int] | None = None
-        for index, table in enumerate(problem):
-            current = table.options[picks[index]]
-            for upgrade, option in enumerate(table.options):
-                extra = option.bytes - current.bytes
-                gain = table.weight * (current.error - option.error)
-                if extra <= 0 or gain <= 0 or (memory_budget is not None and used + extra > memory_budget):
-                    continue
-                ratio = gain / extra
-                if best is None or ratio > best[0]:
-                    best = (ratio, index, upgrade)
-        if best is None:
+        held = current[owner]
+        extra = option_bytes - option_bytes[held]
+        gain = weights * (option_errors[held] - option_errors)
+        allowed = (extra > 0) & (gain > 0)
+        if memory_budget is not None:
+            allowed &= used + extra <= memory_budget
+        if not allowed.any():
             break
-        _, index, upgrade = best
-        table = problem[index]
-        used += table.options[upgrade].bytes - table.options[picks[index]].bytes
-        error -= table.weight * (table.options[picks[index]].error - table.options[upgrade].error)
-        picks[index] = upgrade
+        ratio = np.where(allowed, gain / np.where(extra > 0, extra, 1), -np.inf)
+        best = int(np.argmax(ratio))
+        used += int(extra[best])
+        error -= float(gain[best])
+        current[owner[best]] = best
+    picks = [int(c - s) for c, s in zip(current, starts)]
     return _choice("greedy", problem, picks, time.monotonic() - started)
 
 
