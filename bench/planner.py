@@ -24,6 +24,7 @@ from __future__ import annotations
 import argparse
 import json
 import math
+import os
 import random
 import sys
 import time
@@ -159,7 +160,7 @@ def precision_cases(examples: int = 1000, budget_gb: float = 16.0) -> list[dict[
     return cases
 
 
-def block_cases(examples: int = 20000, budget_gb: float = 16.0) -> list[dict[str, object]]:
+def block_cases(examples: int = 20000, budget_gb: float = 16.0, three_blocks: bool = False) -> list[dict[str, object]]:
     """Issue 43: the planner choosing precision blocks (a hot block precise, the rest small) on DLRM-v2's shapes
     with Zipf(1.05) ids, at uniform INT4's bytes and at 16 GB: error against uniform INT4 and the whole-table
     optimum, and the planner's seconds (hot shares, options, MILP)."""
@@ -175,7 +176,7 @@ def block_cases(examples: int = 20000, budget_gb: float = 16.0) -> list[dict[str
     cases = []
     for name, limit in (("uniform_int4_bytes", int4.total_bytes), ("16GB", int(budget_gb * C.GB))):
         started = time.perf_counter()
-        problem = block_problem(spec, measured, sample)
+        problem = block_problem(spec, measured, sample, three_blocks=three_blocks)
         chosen = choose_exact(problem, limit)
         seconds = time.perf_counter() - started
         best_whole = choose_exact(whole, limit)
@@ -184,6 +185,7 @@ def block_cases(examples: int = 20000, budget_gb: float = 16.0) -> list[dict[str
             "bench": "precision_blocks_dlrm_v2",
             "budget": name,
             "examples_sampled": examples,
+            "three_blocks": three_blocks,
             "budget_gb": round(limit / C.GB, 3),
             "chosen_gb": round(chosen.total_bytes / C.GB, 3),
             "chosen_error": round(chosen.error, 6),
@@ -196,6 +198,41 @@ def block_cases(examples: int = 20000, budget_gb: float = 16.0) -> list[dict[str
             "block_tables": blocks,
         })  # fmt: skip
     return cases
+
+
+def block_speed_case(num_tables: int = 500, examples: int = 2000, ids_per_example: int = 10) -> dict[str, object]:
+    """Issue 43: the planner with blocks on many tables (``synthetic_spec``: 1e3 to 3e7 rows), Zipf(1.05) ids of
+    ``examples`` examples per table, measured DLRM-v2-like error profiles: seconds for the hot shares, the options
+    and the exact MILP at uniform INT4's bytes."""
+    from infer.planner.access import sample_from_ids
+    from infer.planner.blocks import block_problem
+    from infer.planner.precision import choose_exact, choose_uniform
+    from infer.quant.measured_error import TableError
+
+    spec = synthetic_spec(num_tables)
+    rng = np.random.default_rng(2)
+    ids = {t.feature_names[0]: zipf_ids(t.num_embeddings, examples * ids_per_example, 1.05, rng) for t in spec.tables}
+    sample = sample_from_ids(ids, spec, source="Zipf(1.05)")
+    base = {DataType.FP32: 0.0, DataType.FP16: 2e-4, DataType.INT8: 5e-3, DataType.INT4: 9e-2, DataType.INT2: 0.45}
+    errors = [TableError(t.name, tuple((d, e * float(rng.uniform(0.8, 1.2))) for d, e in base.items()), 0, 0)
+              for t in spec.tables]  # fmt: skip
+    started = time.perf_counter()
+    problem = block_problem(spec, errors, sample)
+    options_seconds = time.perf_counter() - started
+    int4 = choose_uniform(problem, DataType.INT4)
+    chosen = choose_exact(problem, int4.total_bytes, time_limit_s=120.0)
+    seconds = time.perf_counter() - started
+    return {
+        "bench": "precision_blocks_speed",
+        "tables": num_tables,
+        "sampled_ids": examples * ids_per_example * num_tables,
+        "options": sum(len(t.options) for t in problem),
+        "options_seconds": round(options_seconds, 3),
+        "planner_seconds": round(seconds, 3),
+        "ratio_chosen_to_uniform_int4": round(chosen.error / int4.error, 4),
+        "gap": chosen.gap,
+        "host_load_1m": round(os.getloadavg()[0], 2),
+    }
 
 
 def lp_relaxation_error(problem: Sequence[object], budget: int) -> float:
@@ -439,6 +476,8 @@ def main() -> int:
     parser.add_argument("--eval", action="store_true", help="the precision planner by log loss on a trained DLRM")
     parser.add_argument("--blocks", action="store_true", help="the precision planner with blocks (issue 43)")
     parser.add_argument("--examples", type=int, default=20000, help="--blocks: examples of sampled ids")
+    parser.add_argument("--three-blocks", action="store_true", help="--blocks: also price three-block options")
+    parser.add_argument("--blocks-speed", action="store_true", help="--blocks: also 500 tables (minutes, see README)")
     parser.add_argument("--steps", type=int, default=1500, help="--eval: training steps")
     args = parser.parse_args()
     if args.eval:
@@ -446,8 +485,10 @@ def main() -> int:
             print(json.dumps(case), flush=True)
         return 0
     if args.blocks:
-        for case in block_cases(args.examples):
+        for case in block_cases(args.examples, three_blocks=args.three_blocks):
             print(json.dumps(case), flush=True)
+        if args.blocks_speed:
+            print(json.dumps(block_speed_case()), flush=True)
         return 0
     if args.precision:
         for case in precision_cases():

@@ -113,6 +113,12 @@ def _parse_blocks(value: Any, table: str, num_embeddings: int) -> tuple[RowBlock
             f"table {table!r}: one block is the whole table in one type; set data_type={blocks[0].data_type.value!r} "
             "instead, or state two blocks or more"
         )
+    # the id remap holds a precise block's index and row in one int32 (``infer.modules.collection.encode_remap``)
+    if len(blocks) > 7 or any(b.rows >= 1 << 28 for b in blocks[:-1]):
+        raise ConfigError(
+            f"table {table!r}: {len(blocks)} blocks; a table holds at most 7 blocks, each but the last (cold) one "
+            "under 2**28 rows"
+        )
     total = sum(b.rows for b in blocks)
     if blocks and total != num_embeddings:
         raise ConfigError(

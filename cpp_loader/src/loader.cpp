@@ -300,7 +300,8 @@ void check_manifest(const schema::Document& data, const std::string& document) {
       throw ModelError(document + ": table '" + name +
                        "' is held in precision blocks (its 'blocks'; issue 43), which this loader does not serve "
                        "yet; serve the artifact with the Python loader (infer.load, embserve serve), or export "
-                       "the table in one data type");
+                       "the table in one data type (embserve export without --sample-ids, or with --dtype / "
+                       "--table-dtype)");
     for (const auto& feature_name : table["feature_names"]) {
       const auto fname = feature_name.get<std::string>();
       if (!feature_names.insert(fname).second)

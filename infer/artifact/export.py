@@ -185,7 +185,11 @@ def write_manifest(
     from infer.artifact.fbgemm_libs import REQUIRED_LIBRARIES, fbgemm_library_dir, fbgemm_version
 
     collection = model.embeddings
-    remaps = zip(getattr(collection, "block_table_names", []), getattr(collection, "block_remaps", []))
+    remaps = []
+    if getattr(collection, "has_blocks", False):
+        from infer.modules.collection import stored_remaps
+
+        remaps = [(name, held[0]) for name, held in zip(collection.block_table_names, stored_remaps(collection))]
     manifest = Manifest(
         spec=model.spec,
         has_dense=bool(model.has_dense),

@@ -215,7 +215,8 @@ class Pt2Entry:
 
 @dataclass(frozen=True)
 class RemapEntry:
-    """A block table's id remap (id -> rank, int32, ``rows`` of them) as the model file holds it: the sha256 of
+    """A block table's id remap (id -> block row, int32, ``rows`` of them: ``infer.modules.collection.encode_remap``)
+    as the model file holds it: the sha256 of
     its bytes, which the loader compares with the loaded model's before the first lookup."""
 
     table: str

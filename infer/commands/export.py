@@ -50,14 +50,15 @@ def cmd_export(args: argparse.Namespace) -> int:
                     table.data_type.value,
                 )
         spec = spec.with_data_types(overrides={t.table: t.data_type for t in plan.tables})
+    spec, block_orders = _plan_blocks(args, spec, plan)
     # inputs are checked in the order the pipeline uses them: spec, plan, tables, then the dense part
     _check_dense_flags(spec, args.dense_arch, args.no_dense, args.spec)
     tables = _export_source(args, spec)
     spec = _with_dense_part(spec, args.dense_arch)
-    if _streams(args, plan):
+    if _streams(args, plan) and block_orders is None:
         return _export_streaming(args, spec, tables, plan)
     weights = read_tables(tables, spec)
-    model = quantize(spec, weights, progress=_print_progress)
+    model = quantize(spec, weights, progress=_print_progress, block_orders=block_orders)
     print(format_accuracy(accuracy_report(spec, weights, model)))
     if plan is not None:
         from infer.planner.stats import format_stats
@@ -65,14 +66,18 @@ def cmd_export(args: argparse.Namespace) -> int:
 
         print()
         print(format_stats(plan))
-        if plan.topology.world_size > plan.topology.local_world_size:
+        if block_orders is not None:
+            # one device, tables in precision blocks: the model is exported whole (the plan is in the stats above)
+            plan = None
+        elif plan.topology.world_size > plan.topology.local_world_size:
             from infer.artifact.hosts import export_hosts
 
             out = export_hosts(model, args.out, plan, weights=args.weights_format)
             hosts = plan.topology.world_size // plan.topology.local_world_size
             print(f"exported {out} ({hosts} hosts x {plan.topology.local_world_size} devices)")
             return 0
-        model = shard_model(model, plan)
+        if plan is not None:
+            model = shard_model(model, plan)
     out = export(
         model,
         args.out,
@@ -208,6 +213,30 @@ def _export_source(args: argparse.Namespace, spec: ModelSpec) -> TableSource:
     from infer.storage.sources import open_source
 
     return open_source(args.weights or args.from_torchrec, spec, torchrec=bool(args.from_torchrec))
+
+
+def _plan_blocks(
+    args: argparse.Namespace, spec: ModelSpec, plan: ShardingPlan | None
+) -> tuple[ModelSpec, dict[str, Any] | None]:
+    """The spec with the precision blocks the plan chose (its ``planner.precision`` record), and each block
+    table's rows ranked hottest first by --sample-ids (what ``quantize`` fills the blocks with); none: unchanged."""
+    rows = ((plan.planner.get("precision") or {}).get("tables") or []) if plan is not None else []
+    chosen = {row["table"]: row["blocks"] for row in rows if row.get("blocks")}
+    if not chosen:
+        return spec, None
+    if not getattr(args, "sample_ids", None):
+        raise ConfigError(
+            f"the plan holds table {next(iter(chosen))!r} in precision blocks, which are filled with the rows the "
+            "sample reads most: give the --sample-ids the plan was made with"
+        )
+    from infer.config import ModelSpec
+    from infer.planner.access import load_sample_ids
+    from infer.planner.blocks import block_orders_from_sample
+
+    tables = tuple(t.with_blocks([(b["rows"], b["data_type"]) for b in chosen[t.name]]) if t.name in chosen else t
+                   for t in spec.tables)  # fmt: skip
+    spec = ModelSpec(tables, spec.num_dense_features, spec.dense_arch)
+    return spec, block_orders_from_sample(spec, load_sample_ids(args.sample_ids, spec))
 
 
 def _export_plan(args: argparse.Namespace, spec: ModelSpec, tables: TableSource | None = None) -> ShardingPlan | None:

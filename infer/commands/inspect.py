@@ -12,7 +12,7 @@ from typing import TYPE_CHECKING, Any
 from infer.commands.common import _gb_rate
 
 if TYPE_CHECKING:
-    pass
+    from infer.config import ModelSpec
 
 logger = logging.getLogger(__name__)
 
@@ -66,6 +66,7 @@ def cmd_inspect(args: argparse.Namespace) -> int:
             f"{t.name:<16} {t.num_embeddings:>12,} {t.embedding_dim:>5} {t.data_type.value:<6} "
             f"{t.pooling.value:<8} {', '.join(t.feature_names)}"
         )
+    _print_blocks(spec)
     print()
     print(f"{'feature':<20} {'table':<16} {'columns':>12}")
     for f in spec.features:
@@ -89,6 +90,25 @@ def cmd_inspect(args: argparse.Namespace) -> int:
         total = sum(e.bytes for e in manifest.files)
         print(f"\nchecksums verified: {len(manifest.files)} files, {_gb_rate(total, seconds)}")
     return 0
+
+
+def _print_blocks(spec: ModelSpec) -> None:
+    """``inspect``: each table held in precision blocks (issue 43), its blocks hottest first with rows and bytes, and
+    its id remap's bytes (one int32 a row per feature)."""
+    from infer.planner.blocks import remap_bytes
+    from infer.planner.utils import format_bytes
+    from infer.quant.rowwise import CPU_ROW_ALIGNMENT, table_bytes
+
+    for t in spec.tables:
+        if not t.blocks:
+            continue
+        parts = [
+            f"{b.rows:,} rows {b.data_type.value} "
+            f"({format_bytes(table_bytes(b.rows, t.embedding_dim, b.data_type, CPU_ROW_ALIGNMENT))})"
+            for b in t.blocks
+        ]
+        remap = format_bytes(remap_bytes(t))
+        print(f"{'':<16} {t.name} in blocks, hottest first: {', '.join(parts)}; id remap {remap}")
 
 
 def add_parser(sub: Any) -> None:

@@ -16,7 +16,7 @@ if TYPE_CHECKING:
     from infer.planner.access import AccessSample
     from infer.planner.planner import EmbeddingPlanner
     from infer.planner.precision import PrecisionPlan
-    from infer.planner.types import ParameterConstraints
+    from infer.planner.types import ParameterConstraints, Topology
     from infer.storage.sources import TableSource
 
 logger = logging.getLogger(__name__)
@@ -83,6 +83,7 @@ def _precision_plan(
     within its memory."""
     if not _wants_precision(args):
         return None
+    from infer.planner.blocks import block_problem
     from infer.planner.precision import plan_precision
     from infer.planner.stats import format_precision, plot_frontier
     from infer.planner.utils import parse_bytes
@@ -119,13 +120,19 @@ def _precision_plan(
     joint = topology.world_size > 1 and not topology.pages_weights
     device_budgets = planner.device_budgets(spec, constraints) if joint else None
     precision = plan_precision(spec, measured, budget, args.error_budget, constraints, sample, topology.row_alignment,
-                               device_budgets=device_budgets,
-                               eval_measure=measure if args.eval else None)  # fmt: skip
+                               device_budgets=device_budgets, eval_measure=measure if args.eval else None,
+                               blocks=block_problem if _blocks_allowed(args, topology) else None)  # fmt: skip
     print()
     print(format_precision(precision.to_dict(), frontier=True))
     if args.frontier:
         print(f"wrote {plot_frontier(precision.to_dict(), args.frontier)}")
     return precision
+
+
+def _blocks_allowed(args: argparse.Namespace, topology: Topology) -> bool:
+    """Precision blocks (issue 43) are priced when --sample-ids says which rows are hot, the error is the pooled
+    one (not --eval) and the model goes on one device (sharding does not serve them yet)."""
+    return bool(getattr(args, "sample_ids", None)) and not getattr(args, "eval", None) and topology.world_size == 1
 
 
 def _mapped_capacity(flag: str | None, folder: Path) -> tuple[int | None, str]:

@@ -12,7 +12,7 @@ from torch import Tensor, nn
 
 from infer import request_rules as rules
 from infer.config import DataType, ModelSpec, PoolingType
-from infer.modules.tbe import KernelRunner, first_id_error, make_tbe
+from infer.modules.tbe import KernelRunner, bag_offsets, first_id_error, make_tbe
 
 
 class ValidatingCollection(nn.Module):
@@ -152,10 +152,46 @@ def tbe_tables(spec: ModelSpec) -> List[List[int]]:
 
 
 def kernel_features(spec: ModelSpec) -> List[Tuple[int, int]]:
-    """The kernel's features as (feature, block), block-major: every feature's first block (or whole table) in
-    feature order, whose pooled columns are then the output's, then each further block of the block tables' features."""
+    """The kernel's features as (feature, block), level-major: level 0 is every feature's coldest block (the
+    last; the whole table without blocks) in feature order, whose pooled columns are then the output's; level
+    ``k >= 1`` is every feature again, at the ``k - 1``-th (precise) block of its table, or, past its table's
+    precise blocks, at its coldest block with empty bags (pooled to zeros)."""
     counts = [len(spec.table(f.table).stored_blocks) for f in spec.features]
-    return [(f, j) for j in range(max(counts)) for f in range(len(counts)) if j < counts[f]]
+    levels = max(counts)
+    return [
+        (f, counts[f] - 1 if k == 0 or k >= counts[f] else k - 1) for k in range(levels) for f in range(len(counts))
+    ]
+
+
+# a precise id's stored value holds its block in the bits from here up, its row in the block below
+PRECISE_BLOCK_SHIFT = 28
+PRECISE_ROW_MASK = (1 << PRECISE_BLOCK_SHIFT) - 1
+# precise blocks of a table at most (their encoded values stay within int32)
+MAX_PRECISE_BLOCKS = 6
+
+
+def encode_remap(ranks: Tensor, starts: List[int]) -> Tensor:
+    """The stored id remap (int32) of an id -> rank permutation whose blocks start at ranks ``starts``: a cold id
+    (in the last block) -> its row there (>= 0); an id at row ``r`` of precise block ``j`` -> ``-2 - (j << 28 | r)``
+    (<= -2). One gather and a clamp give the cold kernel feature's ids (-1, fbgemm's skipped row, for precise ids);
+    ``-2 - value`` gives the precise blocks' (negative for cold ids)."""
+    held = ranks.to(torch.int64)
+    bounds = torch.tensor(starts, dtype=torch.int64)
+    block = torch.bucketize(held, bounds, right=True) - 1
+    row = held - bounds[block]
+    cold = block == len(starts) - 1
+    return torch.where(cold, row, -2 - ((block << PRECISE_BLOCK_SHIFT) | row)).to(torch.int32)
+
+
+def decode_remap(remap: Tensor, starts: List[int]) -> Optional[Tensor]:
+    """``encode_remap`` undone: id -> rank (int64), or None when a value names no block row."""
+    held = remap.to(torch.int64)
+    precise = -2 - held
+    block = torch.where(held >= 0, len(starts) - 1, precise >> PRECISE_BLOCK_SHIFT)
+    row = torch.where(held >= 0, held, precise & PRECISE_ROW_MASK)
+    if remap.numel() > 0 and (int(block.min()) < 0 or int(block.max()) >= len(starts)):
+        return None
+    return torch.tensor(starts, dtype=torch.int64)[block] + row
 
 
 class QuantizedEmbeddingBagCollection(ValidatingCollection, KernelRunner):
@@ -165,18 +201,24 @@ class QuantizedEmbeddingBagCollection(ValidatingCollection, KernelRunner):
     afterwards, so SUM and MEAN tables share the single kernel call.
 
     A table held in precision blocks (``TableConfig.blocks``) is one TBE table per block, in the same kernel
-    (fbgemm takes a type per table). Its id remap (``block_remaps``: id -> rank, an int32 permutation of the
-    table's rows) puts the rank-``r`` row in the block whose rank range holds ``r``; a feature of that table is
-    one kernel feature per block, each fed the bag's ids that fall in its block, and the blocks' pooled sums are
-    added into the feature's columns (MEAN: then divided by the full bag length).
+    (fbgemm takes a type per table): the precise blocks hold the rows ranked hottest, the last (cold) block every
+    other row, in id order. Its id remap (``encode_remap``) is held once per feature of the table, back to back in
+    ``block_lookup`` (a feature without blocks: no range), so that one ``fbgemm::pruned_array_lookup`` call maps a
+    whole request. The kernel input is the request split by level (``kernel_features``): level 0 every feature's
+    ids that fall in its cold block (a feature without blocks: all of them), level ``k`` those in the ``k - 1``-th
+    precise block, every bag at every level (a bag's count there may be 0); the levels' pooled columns are added
+    (MEAN: then divided by the full bag length). Each example range of a batch-parallel call splits its own ids.
     """
 
     has_blocks: bool
-    block_remaps: List[Tensor]
-    block_starts: List[Tensor]
+    precise_block_shift: Final[int] = PRECISE_BLOCK_SHIFT
+    precise_row_mask: Final[int] = PRECISE_ROW_MASK
+    block_levels: int
+    block_lookup: Tensor
+    block_lookup_offsets: Tensor
+    block_rank_starts: List[List[int]]
     feature_remap: List[int]
     feature_blocks: List[int]
-    extra_features: List[int]
 
     def __init__(
         self,
@@ -193,9 +235,10 @@ class QuantizedEmbeddingBagCollection(ValidatingCollection, KernelRunner):
             for t in spec.tables
             for j, b in enumerate(t.stored_blocks)
         ]
+        features = kernel_features(spec)
         self.tbe = make_tbe(
             specs,
-            [kernel_tables[table_index[spec.features[f].table]][j] for f, j in kernel_features(spec)],
+            [kernel_tables[table_index[spec.features[f].table]][j] for f, j in features],
             torch.device(device),
             row_alignment,
             allocate,
@@ -203,22 +246,33 @@ class QuantizedEmbeddingBagCollection(ValidatingCollection, KernelRunner):
         self._set_features(spec)
         block_tables = [t for t in spec.tables if t.blocks]
         self.has_blocks = len(block_tables) > 0
-        # identity until ``set_block_remap``: rank = id
-        self.block_remaps = [torch.arange(t.num_embeddings, dtype=torch.int32) for t in block_tables]
-        self.block_starts = [
-            torch.tensor([0] + [b.rows for b in t.blocks[:-1]], dtype=torch.int64).cumsum(0) for t in block_tables
+        self.block_levels = len(features) // max(len(spec.features), 1)
+        self.block_rank_starts = [
+            [sum(b.rows for b in t.blocks[:j]) for j in range(len(t.blocks))] for t in block_tables
         ]
         block_slot = {t.name: i for i, t in enumerate(block_tables)}
         self.feature_remap = [block_slot.get(f.table, -1) for f in spec.features]
         self.feature_blocks = [len(kernel_tables[table_index[f.table]]) for f in spec.features]
         self.block_table_names = [t.name for t in block_tables]
-        # the kernel's features past the first block of each: (feature, its output column) in kernel order
-        self.extra_features = [f for f, j in kernel_features(spec) if j > 0]
-        self.init_kernel_runner(sum(self.feature_blocks), str(torch.device(device)))
+        sizes = [
+            spec.table(f.table).num_embeddings if slot >= 0 else 0 for f, slot in zip(spec.features, self.feature_remap)
+        ]
+        self.block_lookup_offsets = torch.tensor([0] + sizes, dtype=torch.int64).cumsum(0)
+        # identity ranks until ``set_block_remap``: rank = id
+        self.block_lookup = torch.cat(
+            [torch.zeros(0, dtype=torch.int32)]
+            + [
+                encode_remap(torch.arange(size), self.block_rank_starts[slot])
+                for size, slot in zip(sizes, self.feature_remap)
+                if slot >= 0
+            ]
+        )
+        self.init_kernel_runner(len(features), str(torch.device(device)), len(spec.features))
 
     @torch.jit.unused
-    def set_block_remap(self, table: str, remap: Tensor) -> None:
-        """Install ``table``'s id remap (id -> rank, a permutation of its rows; ``ConfigError`` otherwise)."""
+    def set_block_remap(self, table: str, ranks: Tensor) -> None:
+        """Install ``table``'s id remap from its ranks (id -> rank, a permutation of its rows; ``ConfigError``
+        otherwise), stored encoded (``encode_remap``) in each of its features' ranges."""
         from infer.errors import ConfigError
 
         if table not in self.block_table_names:
@@ -226,11 +280,22 @@ class QuantizedEmbeddingBagCollection(ValidatingCollection, KernelRunner):
                 f"table {table!r} is not held in precision blocks; its blocks are {self.block_table_names}"
             )
         slot = self.block_table_names.index(table)
-        rows = self.block_remaps[slot].numel()
-        error = remap_error(remap, rows)
+        held = stored_remaps(self)[slot]
+        rows = held[0].numel()
+        error = rank_error(ranks, rows)
         if error is not None:
             raise ConfigError(f"table {table!r}: the id remap {error}; pass a permutation of [0, {rows})")
-        self.block_remaps[slot] = remap.to(torch.int32).contiguous()
+        encoded = encode_remap(ranks, self.block_rank_starts[slot])
+        for view in held:
+            view.copy_(encoded)
+
+    @torch.jit.unused
+    def block_ranks(self, table: str) -> Tensor:
+        """``table``'s id -> rank permutation (int64), decoded from its stored remap."""
+        slot = self.block_table_names.index(table)
+        ranks = decode_remap(stored_remaps(self)[slot][0], self.block_rank_starts[slot])
+        assert ranks is not None
+        return ranks
 
     def table_weights(self) -> List[Tuple[Tensor, Optional[Tensor]]]:
         """Per TBE table (a table's blocks each one, see ``tbe_tables``): the kernel's row bytes (without
@@ -242,96 +307,125 @@ class QuantizedEmbeddingBagCollection(ValidatingCollection, KernelRunner):
 
         Reached from outside only through ``EmbserveModel.lookup_unchecked`` (a host that validated already).
         """
+        return self.apply_mean(self.run_kernel(values, lengths, weights), lengths)
+
+    def pool(self, values: Tensor, lengths: Tensor, weights: Optional[Tensor]) -> Tensor:
+        """One example range's pooled columns: a request of block tables split by block first (in the range's
+        own thread, so the split runs in parallel with the other ranges), the blocks' columns added."""
         if not self.has_blocks:
-            return self.apply_mean(self.run_kernel(values, lengths, weights), lengths)
+            return self.kernel(values, bag_offsets(lengths, values), weights)
         block_values, block_lengths, block_weights = self.split_blocks(values, lengths, weights)
-        pooled = self.run_kernel(block_values, block_lengths, block_weights)
-        return self.apply_mean(self.add_blocks(pooled), lengths)
+        pooled = self.kernel(block_values, bag_offsets(block_lengths, block_values), block_weights)
+        return self.add_blocks(pooled)
 
     def split_blocks(
         self, values: Tensor, lengths: Tensor, weights: Optional[Tensor]
     ) -> Tuple[Tensor, Tensor, Optional[Tensor]]:
-        """The kernel input of a validated request (``kernel_features`` order): each block table's ids remapped
-        (one gather) and split by block, every bag once per block."""
-        num_features = self.num_features
-        batch = lengths.numel() // num_features
-        ends: List[int] = lengths.view(num_features, batch).sum(1).cumsum(0).tolist()
-        levels = max(self.feature_blocks)
-        out_values: List[List[Tensor]] = [[] for _ in range(levels)]
-        out_lengths: List[List[Tensor]] = [[] for _ in range(levels)]
-        out_weights: List[List[Tensor]] = [[] for _ in range(levels)]
-        bags = torch.arange(batch, dtype=torch.int64)
-        start = 0
-        for f in range(num_features):
-            end = ends[f]
-            ids = values[start:end]
-            bag_lengths = lengths[f * batch : (f + 1) * batch]
-            slot = self.feature_remap[f]
-            if slot < 0:
-                out_values[0].append(ids)
-                out_lengths[0].append(bag_lengths)
-                if weights is not None:
-                    out_weights[0].append(weights[start:end])
-            else:
-                rank = self.block_remaps[slot][ids]
-                starts: List[int] = self.block_starts[slot].tolist()
-                bag = torch.repeat_interleave(bags, bag_lengths.to(torch.int64))
-                count = self.feature_blocks[f]
-                for j in range(count):
-                    # a rank below the next block's start and (from the second block on) not below its own
-                    if j + 1 < count:
-                        inside = rank < starts[j + 1]
-                        if j > 0:
-                            inside &= rank >= starts[j]
-                    else:
-                        inside = rank >= starts[j]
-                    local = rank[inside]
-                    if j > 0:
-                        local = local - starts[j]
-                    out_values[j].append(local.to(values.dtype))
-                    out_lengths[j].append(torch.bincount(bag[inside], minlength=batch).to(lengths.dtype))
-                    if weights is not None:
-                        out_weights[j].append(weights[start:end][inside])
-            start = end
-        flat_values: List[Tensor] = []
-        flat_lengths: List[Tensor] = []
-        flat_weights: List[Tensor] = []
-        for j in range(levels):
-            flat_values.extend(out_values[j])
-            flat_lengths.extend(out_lengths[j])
-            flat_weights.extend(out_weights[j])
+        """The kernel input of a validated request (``kernel_features`` order): the ids remapped by one
+        ``pruned_array_lookup``, then split by level (cold block first, then each precise block), each level every
+        feature's bags in order with the ids that fall in its block; a bag's count per level from a running count.
+        A handful of whole-batch operations, whatever the number of features (fbgemm's kernel spends nearly a
+        lookup's time on a skipped -1 id, so ids are moved rather than masked)."""
+        # int32 ids: the remap is int32, and fbgemm widens it on every call for int64 ids
+        ids = values.to(torch.int32)
+        offsets = bag_offsets(lengths, ids)
+        held = torch.ops.fbgemm.pruned_array_lookup(ids, offsets, self.block_lookup, self.block_lookup_offsets)
+        offsets = offsets.to(torch.int64)
+        cold = held >= 0
+        level_values: List[Tensor] = [held[cold]]
+        level_lengths: List[Tensor] = [self.bag_counts(cold, offsets).to(lengths.dtype)]
+        level_weights: List[Tensor] = []
+        if weights is not None:
+            level_weights.append(weights[cold])
+        precise_ids = ~cold
+        # a precise id's block (high bits) and row in it (low bits)
+        precise = -2 - held[precise_ids]
+        precise_weights: Optional[Tensor] = None
+        if weights is not None:
+            precise_weights = weights[precise_ids]
+        if self.block_levels == 2:
+            level_values.append(precise)
+            level_lengths.append(lengths - level_lengths[0])
+            if precise_weights is not None:
+                level_weights.append(precise_weights)
+        else:
+            block = torch.full_like(held, -1)
+            block[precise_ids] = precise >> self.precise_block_shift
+            rows = precise & self.precise_row_mask
+            for k in range(1, self.block_levels):
+                inside = block == k - 1
+                level_values.append(rows[inside[precise_ids]])
+                level_lengths.append(self.bag_counts(inside, offsets).to(lengths.dtype))
+                if precise_weights is not None:
+                    level_weights.append(precise_weights[inside[precise_ids]])
         block_weights: Optional[Tensor] = None
         if weights is not None:
-            block_weights = torch.cat(flat_weights)
-        return torch.cat(flat_values), torch.cat(flat_lengths), block_weights
+            block_weights = torch.cat(level_weights)
+        return torch.cat(level_values), torch.cat(level_lengths), block_weights
+
+    def bag_counts(self, mask: Tensor, offsets: Tensor) -> Tensor:
+        """Per bag (``offsets``: its ids' range), how many of its ids ``mask`` holds."""
+        running = torch.zeros(mask.numel() + 1, dtype=torch.int32, device=mask.device)
+        torch.cumsum(mask, 0, out=running[1:])
+        return running[offsets[1:]] - running[offsets[:-1]]
 
     def add_blocks(self, pooled: Tensor) -> Tensor:
-        """``[batch, output_dim]``: the first blocks' columns (the output's layout) plus every further block's."""
-        if pooled.size(1) == self.output_dim:
-            return pooled
-        out = pooled[:, : self.output_dim].contiguous()
-        column = self.output_dim
-        for f in self.extra_features:
-            dim = self.feature_dims[f]
-            start = self.column_starts[f]
-            out[:, start : start + dim] += pooled[:, column : column + dim]
-            column += dim
+        """``[batch, output_dim]``: the levels' pooled columns added (a feature past its table's precise blocks
+        has empty bags there: zeros)."""
+        width = self.output_dim
+        out = pooled[:, :width] + pooled[:, width : 2 * width]
+        for k in range(2, self.block_levels):
+            out += pooled[:, k * width : (k + 1) * width]
         return out
 
 
-def remap_error(remap: Tensor, rows: int) -> Optional[str]:
-    """Why ``remap`` is not a permutation of ``[0, rows)`` (1-D integer), or None."""
-    if remap.dim() != 1 or remap.is_floating_point() or remap.dtype == torch.bool or remap.numel() != rows:
-        return f"is {remap.dtype} of shape {list(remap.shape)}, not {rows} integer ranks"
+def stored_remaps(collection: nn.Module) -> List[List[Tensor]]:
+    """Per block table of a collection (eager or loaded), its stored id remap as each of its features holds it:
+    views into ``block_lookup``."""
+    lookup: Tensor = collection.block_lookup  # type: ignore[assignment]
+    bounds: List[int] = collection.block_lookup_offsets.tolist()  # type: ignore[operator]
+    slots: List[int] = list(collection.feature_remap)  # type: ignore[arg-type]
+    out: List[List[Tensor]] = [[] for _ in collection.block_table_names]  # type: ignore[union-attr]
+    for feature, slot in enumerate(slots):
+        if slot >= 0:
+            out[slot].append(lookup[bounds[feature] : bounds[feature + 1]])
+    return out
+
+
+def rank_error(ranks: Tensor, rows: int) -> Optional[str]:
+    """Why ``ranks`` is not a permutation of ``[0, rows)`` (1-D integer), or None."""
+    if ranks.dim() != 1 or ranks.is_floating_point() or ranks.dtype == torch.bool or ranks.numel() != rows:
+        return f"is {ranks.dtype} of shape {list(ranks.shape)}, not {rows} integer ranks"
     if rows == 0:
         return None
-    ranks = remap.to(torch.int64)
-    low, high = int(ranks.min()), int(ranks.max())
+    held = ranks.to(torch.int64)
+    low, high = int(held.min()), int(held.max())
     if low < 0 or high >= rows:
         return f"holds rank {low if low < 0 else high}, outside [0, {rows})"
-    if int(torch.bincount(ranks, minlength=rows).max()) > 1:
+    if int(torch.bincount(held, minlength=rows).max()) > 1:
         return "gives two ids the same rank"
     return None
+
+
+def remap_error(remap: Tensor, rows: int, starts: List[int]) -> Optional[str]:
+    """Why ``remap`` (a stored remap, ``encode_remap``'s form, blocks starting at ranks ``starts``) does not send
+    its ``rows`` ids one to one onto the blocks' rows, or None."""
+    if remap.dim() != 1 or remap.is_floating_point() or remap.dtype == torch.bool or remap.numel() != rows:
+        return f"is {remap.dtype} of shape {list(remap.shape)}, not {rows} integer block rows"
+    ranks = decode_remap(remap, starts)
+    if ranks is None:
+        return "names a block the table does not have"
+    precise_rows = torch.tensor(starts[1:] + [rows], dtype=torch.int64) - torch.tensor(starts, dtype=torch.int64)
+    error = rank_error(ranks, rows)
+    if error is None and remap.numel() > 0:
+        # a row past its block would decode to another block's rank
+        held = remap.to(torch.int64)
+        precise = -2 - held[held < 0]
+        if precise.numel() > 0 and bool(
+            ((precise & PRECISE_ROW_MASK) >= precise_rows[precise >> PRECISE_BLOCK_SHIFT]).any()
+        ):
+            return "sends an id past the end of its block"
+    return error
 
 
 class _NoDenseArch(nn.Module):

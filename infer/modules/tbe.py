@@ -106,14 +106,18 @@ class KernelRunner:
     tbe: nn.Module
     threads: int
     kernel_features: int
+    range_features: int
     kernel_device: str
     min_ids_per_chunk: int
     direct_kernel: bool
 
-    def init_kernel_runner(self, kernel_features: int, device: str) -> None:
-        """Called by the module's ``__init__`` once ``self.tbe`` is set (not part of the scripted model)."""
+    def init_kernel_runner(self, kernel_features: int, device: str, range_features: int = -1) -> None:
+        """Called by the module's ``__init__`` once ``self.tbe`` is set (not part of the scripted model).
+        ``range_features``: the features of what ``run_kernel`` is given (default the kernel's), when ``pool``
+        makes the kernel's input from each range."""
         self.threads = 1
         self.kernel_features = kernel_features
+        self.range_features = range_features if range_features > 0 else kernel_features
         self.kernel_device = device
         self.min_ids_per_chunk = MIN_IDS_PER_CHUNK
         self.direct_kernel = torch.device(device).type == "cpu" and plain_cpu_kernel(self.tbe)
@@ -158,6 +162,10 @@ class KernelRunner:
             fp8_exponent_bias=tbe.fp8_exponent_bias,
         )
 
+    def pool(self, values: Tensor, lengths: Tensor, weights: Optional[Tensor]) -> Tensor:
+        """One range's pooled output: the kernel over it (a module whose kernel input differs makes it here)."""
+        return self.kernel(values, bag_offsets(lengths, values), weights)
+
     def chunks_for(self, batch: int, num_ids: int) -> int:
         if self.threads <= 1 or self.kernel_device != "cpu":
             return 1
@@ -165,15 +173,15 @@ class KernelRunner:
 
     def run_kernel(self, values: Tensor, lengths: Tensor, weights: Optional[Tensor]) -> Tensor:
         """The TBE's pooled output for a kernel input (ids, bag lengths, weights in the kernel's feature order)."""
-        num_features = self.kernel_features
+        num_features = self.range_features
         batch = lengths.numel() // num_features if num_features > 0 else 0
         chunks = self.chunks_for(batch, values.numel())
-        offsets = bag_offsets(lengths, values)
         if chunks <= 1:
             local_weights: Optional[Tensor] = None
             if weights is not None:
                 local_weights = weights.to(self.kernel_device)
-            return self.kernel(values.to(self.kernel_device), offsets.to(self.kernel_device), local_weights)
+            return self.pool(values.to(self.kernel_device), lengths.to(self.kernel_device), local_weights)
+        offsets = bag_offsets(lengths, values)
         futures: List[torch.jit.Future[Tensor]] = []
         for k in range(chunks - 1):
             first = k * batch // chunks
@@ -196,12 +204,13 @@ class KernelRunner:
         last: int,
     ) -> Tensor:
         """Examples ``first .. last`` of every feature, gathered into their own kernel input and pooled."""
-        bag_starts = torch.arange(self.kernel_features, dtype=torch.int64) * batch
+        features = self.range_features
+        bag_starts = torch.arange(features, dtype=torch.int64) * batch
         starts: List[int] = offsets[bag_starts + first].to(torch.int64).tolist()
         ends: List[int] = offsets[bag_starts + last].to(torch.int64).tolist()
-        chunk_values = torch.cat([values[starts[f] : ends[f]] for f in range(self.kernel_features)])
-        chunk_lengths = torch.cat([lengths[f * batch + first : f * batch + last] for f in range(self.kernel_features)])
+        chunk_values = torch.cat([values[starts[f] : ends[f]] for f in range(features)])
+        chunk_lengths = torch.cat([lengths[f * batch + first : f * batch + last] for f in range(features)])
         chunk_weights: Optional[Tensor] = None
         if weights is not None:
-            chunk_weights = torch.cat([weights[starts[f] : ends[f]] for f in range(self.kernel_features)])
-        return self.kernel(chunk_values, bag_offsets(chunk_lengths, chunk_values), chunk_weights)
+            chunk_weights = torch.cat([weights[starts[f] : ends[f]] for f in range(features)])
+        return self.pool(chunk_values, chunk_lengths, chunk_weights)

@@ -3,11 +3,12 @@ a precise type and the rest in a small one (``TableConfig.blocks``), chosen by t
 types (``infer.planner.precision``).
 
 A table's two-block option (``hot`` rows at type A, the rest at type B) costs both blocks' bytes as the kernel lays
-them out plus the id remap (``REMAP_BYTES_PER_ROW`` a row), and its error is the measured errors mixed by the share
-``h`` of the table's reads that hit the hot rows: the relative Frobenius error of pooled bags sums the rows' squared
-errors over the reads, so ``error = sqrt(h * e(A)^2 + (1 - h) * e(B)^2)``. ``h`` is estimated from the sample of
-request ids cross-validated: rows ranked on one half of the sample, hits counted on the other (and the reverse), so
-rows seen once do not count as hot. Without a sample reads are uniform over rows and blocks never pay.
+them out plus the id remap (``REMAP_BYTES_PER_ROW`` a row, held once per feature of the table), and its error is the
+measured errors mixed by the share ``h`` of the table's reads that hit the hot rows: the relative Frobenius error of
+pooled bags sums the rows' squared errors over the reads, so ``error = sqrt(h * e(A)^2 + (1 - h) * e(B)^2)``. ``h``
+is estimated from the sample of request ids cross-validated: rows ranked on one half of the sample, hits counted on
+the other (and the reverse), so rows seen once do not count as hot. Without a sample reads are uniform over rows and
+blocks never pay.
 """
 
 from __future__ import annotations
@@ -64,14 +65,70 @@ def hot_sizes_of(rows: int) -> list[int]:
     return sizes
 
 
+def remap_bytes(table: TableConfig) -> int:
+    """The id remap as the model holds it: one int32 per row, once per feature of the table."""
+    return REMAP_BYTES_PER_ROW * table.num_embeddings * len(table.feature_names)
+
+
 def block_option(table: TableConfig, hot: int, precise: DataType, small: DataType, share: float,
                  measured: TableError, row_alignment: int) -> DtypeOption:  # fmt: skip
     """``hot`` rows at ``precise``, the rest at ``small``: bytes and mixed error (see the module docstring)."""
     dim, rows = table.embedding_dim, table.num_embeddings
     size = table_bytes(hot, dim, precise, row_alignment) + table_bytes(rows - hot, dim, small, row_alignment)
-    size += REMAP_BYTES_PER_ROW * rows
+    size += remap_bytes(table)
     error = math.sqrt(share * measured.error(precise) ** 2 + (1 - share) * measured.error(small) ** 2)
     return DtypeOption(small, size, error, (RowBlock(hot, precise), RowBlock(rows - hot, small)))
+
+
+def three_block_options(table: TableConfig, sizes: Sequence[int], shares: np.ndarray, types: Sequence[DataType],
+                        measured: TableError, row_alignment: int) -> list[DtypeOption]:  # fmt: skip
+    """The Pareto options (fewest bytes, least error) among three blocks: the ``k1`` hottest rows at type A, the
+    next ``k2 - k1`` at B, the rest at C (A more precise than B, B than C), for every pair of hot sizes
+    ``k1 < k2``: error ``sqrt(h1 eA^2 + (h2 - h1) eB^2 + (1 - h2) eC^2)``. Vectorised over the pairs; only the
+    options on the table's own frontier become objects (a dominated option never wins the MILP)."""
+    dim, rows = table.embedding_dim, table.num_embeddings
+    k = np.asarray(sizes, dtype=np.int64)
+    h = np.asarray(shares, dtype=np.float64)
+    first, second = np.nonzero(k[:, None] < k[None, :])  # k1 = k[first] < k2 = k[second]
+    if first.size == 0:
+        return []
+    k1, k2, h1, h2 = k[first], k[second], h[first], h[second]
+    keep = h2 > h1
+    k1, k2, h1, h2 = k1[keep], k2[keep], h1[keep], h2[keep]
+    per_row = {d: table_bytes(1 << 20, dim, d, row_alignment) / (1 << 20) for d in types}
+    bytes_all: list[np.ndarray] = []
+    errors_all: list[np.ndarray] = []
+    picks: list[tuple[DataType, DataType, DataType, int, int]] = []
+    for a in types:
+        for b in types:
+            for c in types:
+                if not a.bits > b.bits > c.bits:
+                    continue
+                # bytes up to the 128-byte alignment of each block (exact bytes are computed for the kept ones)
+                approx = per_row[a] * k1 + per_row[b] * (k2 - k1) + per_row[c] * (rows - k2)
+                ea, eb, ec = measured.error(a) ** 2, measured.error(b) ** 2, measured.error(c) ** 2
+                error = np.sqrt(h1 * ea + (h2 - h1) * eb + np.clip(1 - h2, 0, None) * ec)
+                bytes_all.append(approx)
+                errors_all.append(error)
+                picks.extend((a, b, c, int(x), int(y)) for x, y in zip(k1, k2))
+    if not picks:
+        return []
+    nbytes = np.concatenate(bytes_all)
+    errors = np.concatenate(errors_all)
+    order = np.lexsort((errors, nbytes))
+    running = np.minimum.accumulate(errors[order])
+    front = order[np.concatenate([[True], running[1:] < running[:-1]])]
+    out = []
+    for i in front:
+        a, b, c, x, y = picks[int(i)]
+        size = (
+            table_bytes(x, dim, a, row_alignment)
+            + table_bytes(y - x, dim, b, row_alignment)
+            + table_bytes(rows - y, dim, c, row_alignment)
+            + remap_bytes(table)
+        )
+        out.append(DtypeOption(c, size, float(errors[i]), (RowBlock(x, a), RowBlock(y - x, b), RowBlock(rows - y, c))))
+    return out
 
 
 def pareto(options: Sequence[DtypeOption]) -> tuple[DtypeOption, ...]:
@@ -91,9 +148,12 @@ def block_problem(
     constraints: Mapping[str, ParameterConstraints] | None = None,
     row_alignment: int = CPU_ROW_ALIGNMENT,
     prune: bool = True,
+    three_blocks: bool = False,
 ) -> tuple[TableChoices, ...]:
     """``precision_problem``'s tables with two-block options beside the whole-table types: every hot size of
-    ``hot_sizes_of`` and every pair of allowed types (the hot one more precise). ``prune``: Pareto options only."""
+    ``hot_sizes_of`` and every pair of allowed types (the hot one more precise); with ``three_blocks`` also the
+    Pareto options of three blocks (``three_block_options``: measured at DLRM-v2's shapes they gain < 0.1 % of
+    error and cost seconds of MILP, so they are off by default). ``prune``: Pareto options only."""
     constraints = constraints or {}
     whole = precision_problem(spec, measured, constraints, sample, row_alignment)
     by_name = {m.table: m for m in measured}
@@ -114,6 +174,8 @@ def block_problem(
                         if precise.bits > small.bits:
                             options.append(block_option(table, hot, precise, small, float(share),
                                                         by_name[table.name], row_alignment))  # fmt: skip
+            if three_blocks:
+                options += three_block_options(table, sizes, shares, types, by_name[table.name], row_alignment)
         kept = pareto(options) if prune else tuple(sorted(options, key=lambda o: (o.bytes, o.error)))
         problem.append(TableChoices(choices.table, choices.weight, choices.declared, kept))
     return tuple(problem)

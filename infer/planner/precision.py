@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import logging
 import time
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, replace
 from typing import Any
 
@@ -202,28 +202,32 @@ def choose_greedy(
     fits, until none fits (or the error is within ``error_budget``)."""
     started = time.monotonic()
     _check_feasible(problem, memory_budget)
-    picks = [0] * len(problem)
+    # every option at once (numpy), the same choice as scanning table by table, option by option: the first
+    # largest ratio wins
+    sizes = [len(t.options) for t in problem]
+    owner = np.repeat(np.arange(len(problem)), sizes)
+    starts = np.concatenate([[0], np.cumsum(sizes)[:-1]]).astype(np.int64)
+    option_bytes = np.array([o.bytes for t in problem for o in t.options], dtype=np.int64)
+    option_errors = np.array([o.error for t in problem for o in t.options], dtype=np.float64)
+    weights = np.array([t.weight for t in problem], dtype=np.float64)[owner]
+    current = starts.copy()
     used = smallest_bytes(problem)
     error = sum(t.weight * t.options[0].error for t in problem)
     while error_budget is None or error > error_budget:
-        best: tuple[float, int, int] | None = None
-        for index, table in enumerate(problem):
-            current = table.options[picks[index]]
-            for upgrade, option in enumerate(table.options):
-                extra = option.bytes - current.bytes
-                gain = table.weight * (current.error - option.error)
-                if extra <= 0 or gain <= 0 or (memory_budget is not None and used + extra > memory_budget):
-                    continue
-                ratio = gain / extra
-                if best is None or ratio > best[0]:
-                    best = (ratio, index, upgrade)
-        if best is None:
+        held = current[owner]
+        extra = option_bytes - option_bytes[held]
+        gain = weights * (option_errors[held] - option_errors)
+        allowed = (extra > 0) & (gain > 0)
+        if memory_budget is not None:
+            allowed &= used + extra <= memory_budget
+        if not allowed.any():
             break
-        _, index, upgrade = best
-        table = problem[index]
-        used += table.options[upgrade].bytes - table.options[picks[index]].bytes
-        error -= table.weight * (table.options[picks[index]].error - table.options[upgrade].error)
-        picks[index] = upgrade
+        ratio = np.where(allowed, gain / np.where(extra > 0, extra, 1), -np.inf)
+        best = int(np.argmax(ratio))
+        used += int(extra[best])
+        error -= float(gain[best])
+        current[owner[best]] = best
+    picks = [int(c - s) for c, s in zip(current, starts)]
     return _choice("greedy", problem, picks, time.monotonic() - started)
 
 
@@ -631,10 +635,15 @@ class PrecisionPlan:
     def reasons(self) -> list[dict[str, Any]]:
         """Per table: the type chosen, and against the spec's type the bytes saved and the weighted error added."""
         out = []
-        for table, data_type in zip(self.problem, self.chosen.data_types):
-            option = next(o for o in table.options if o.data_type == data_type)
+        blocks = self.chosen.blocks or tuple(() for _ in self.problem)
+        for table, data_type, table_blocks in zip(self.problem, self.chosen.data_types, blocks):
+            option = next(o for o in table.options if o.data_type == data_type and o.blocks == table_blocks)
+            row: dict[str, Any] = {}
+            if table_blocks:  # precision blocks (``infer.planner.blocks``): hottest first, the last the rest
+                row["blocks"] = [b.to_dict() for b in table_blocks]
             out.append(
-                {
+                row
+                | {
                     "table": table.table,
                     "data_type": data_type.value,
                     "declared": table.declared.data_type.value,
@@ -646,6 +655,11 @@ class PrecisionPlan:
                 }
             )
         return out
+
+    def block_tables(self) -> dict[str, tuple[RowBlock, ...]]:
+        """The tables the choice holds in precision blocks, with their blocks."""
+        blocks = self.chosen.blocks or tuple(() for _ in self.problem)
+        return {t.table: b for t, b in zip(self.problem, blocks) if b}
 
     def to_dict(self) -> dict[str, Any]:
         """The plan's record (``ShardingPlan.planner["precision"]``)."""
@@ -672,11 +686,17 @@ def plan_precision(
     frontier_points: int = FRONTIER_POINTS,
     device_budgets: DeviceBudgets | None = None,
     eval_measure: str | None = None,
+    blocks: Callable[..., tuple[TableChoices, ...]] | None = None,
 ) -> PrecisionPlan:
     """Choose every table's data type (see the module docstring) and compute what is reported beside it; with
     ``device_budgets`` every table's device too (``EmbeddingPlanner.device_budgets`` gives a topology's);
-    ``eval_measure`` names the model-level measure of ``measured`` (``quant.eval_error``), unweighted."""
-    problem = precision_problem(spec, measured, constraints, sample, row_alignment, eval_measure is not None)
+    ``eval_measure`` names the model-level measure of ``measured`` (``quant.eval_error``), unweighted. ``blocks``
+    (``infer.planner.blocks.block_problem``, handed in: that module builds on this one): with a ``sample`` of ids
+    (and neither of the two), tables may be held in precision blocks; ``block_tables`` says which."""
+    if blocks is not None and sample is not None and eval_measure is None and device_budgets is None:
+        problem = blocks(spec, measured, sample, constraints, row_alignment)
+    else:
+        problem = precision_problem(spec, measured, constraints, sample, row_alignment, eval_measure is not None)
     chosen = choose_exact(problem, memory_budget, error_budget, device_budgets=device_budgets)
     greedy = choose_greedy(problem, memory_budget, error_budget)
     uniform = tuple(choose_uniform(problem, d) for d in (DataType.INT8, DataType.INT4))

@@ -140,6 +140,9 @@ def format_precision(precision: Mapping[str, Any], frontier: bool = False) -> st
             f"{format_bytes(row['bytes_saved']):>10} {100 * row['error']:>8.3f} {100 * row['error_added']:>+8.3f} "
             f"{100 * row['weight']:>5.1f}%"
         )
+        if row.get("blocks"):
+            held = ", ".join(f"{b['rows']:,} rows {b['data_type']}" for b in row["blocks"])
+            lines.append(f"  {'':<24} blocks, hottest first: {held}")
     if frontier:
         lines.append(f"  frontier: {'bytes':>10} {'error %':>8}")
         for total, error in precision.get("frontier", []):

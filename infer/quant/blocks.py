@@ -36,7 +36,9 @@ def remap_of(order: torch.Tensor) -> torch.Tensor:
 
 def block_orders(spec: ModelSpec, orders: Mapping[str, Any] | None) -> dict[str, torch.Tensor]:
     """Per block table of ``spec``, its rows ranked hottest first, checked: ``orders`` gives each block table's
-    ranking (ids hottest first, a permutation of its rows; ``rank_rows`` makes one from sampled ids)."""
+    ranking (ids hottest first, a permutation of its rows; ``rank_rows`` makes one from sampled ids). The ids of
+    the last (cold) block come back in id order: the block is a set, and in id order its rows are written and
+    read in the table's own order."""
     orders = dict(orders or {})
     unknown = sorted(set(orders) - set(spec.block_tables))
     if unknown:
@@ -52,11 +54,13 @@ def block_orders(spec: ModelSpec, orders: Mapping[str, Any] | None) -> dict[str,
                 f"table {name!r} is held in precision blocks but no ranking of its rows was given; pass "
                 f"block_orders={{{name!r}: ids hottest first}} (infer.quant.blocks.rank_rows(rows, sampled_ids))"
             )
-        from infer.modules.collection import remap_error
+        from infer.modules.collection import rank_error
 
         order = torch.as_tensor(orders[name])
-        error = remap_error(order, rows)
+        error = rank_error(order, rows)
         if error is not None:
             raise ConfigError(f"block_orders of table {name!r} {error}; pass its {rows} row ids, hottest first")
-        out[name] = order.to(torch.int64)
+        order = order.to(torch.int64)
+        cold_start = rows - spec.table(name).blocks[-1].rows
+        out[name] = torch.cat([order[:cold_start], torch.sort(order[cold_start:]).values])
     return out

@@ -124,7 +124,6 @@ def dequantized_weights(spec: ModelSpec, model: EmbserveModel) -> dict[str, torc
     assert isinstance(collection, QuantizedEmbeddingBagCollection)
     out = {}
     targets = collection.table_weights()
-    remaps = dict(zip(collection.block_table_names, collection.block_remaps))
     for table, kernel_tables in zip(spec.tables, tbe_tables(spec)):
         types = [b.data_type for b in table.blocks] or [table.data_type]
         parts = []
@@ -137,5 +136,5 @@ def dequantized_weights(spec: ModelSpec, model: EmbserveModel) -> dict[str, torc
             )
         ranked = torch.cat(parts) if len(parts) > 1 else parts[0]
         # a block table's row ``id`` is its rank-``remap[id]`` row
-        out[table.name] = ranked[remaps[table.name].to(torch.int64)] if table.blocks else ranked
+        out[table.name] = ranked[collection.block_ranks(table.name)] if table.blocks else ranked
     return out

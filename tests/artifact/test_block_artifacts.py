@@ -53,37 +53,40 @@ def test_block_artifact_serves_the_eager_model(blocked, weights):
         torch.testing.assert_close(served, reference(spec, tables, values, lengths, bag_weights), rtol=1e-5, atol=1e-5)
 
 
-def _remap_entry(model_file: Path, remap: torch.Tensor) -> str:
-    """The zip entry of model.pt holding ``remap``'s bytes."""
-    wanted = remap.numpy().astype("<i4").tobytes()
+def _lookup_entry(model_file: Path, lookup: torch.Tensor) -> str:
+    """The zip entry of model.pt holding the id remaps' bytes (``block_lookup``: every block feature's remap)."""
+    wanted = lookup.numpy().astype("<i4").tobytes()
     with zipfile.ZipFile(model_file) as archive:
         for info in archive.infolist():
             if archive.read(info.filename) == wanted:
                 return info.filename
-    raise AssertionError("model.pt holds no entry with the remap's bytes")
+    raise AssertionError("model.pt holds no entry with the remaps' bytes")
 
 
-def _flip_remap(copy: Path, remap: torch.Tensor, edit) -> None:  # type: ignore[no-untyped-def]
-    name = _remap_entry(copy / "model.pt", remap)
-    data = np.frombuffer(bytearray(remap.numpy().astype("<i4").tobytes()), dtype="<i4").copy()
-    edit(data)
+def _flip_remap(copy: Path, model, feature: int, edit) -> None:  # type: ignore[no-untyped-def]
+    """Apply ``edit`` to the remap that ``feature`` (its index) reads, in the copy's model.pt."""
+    lookup = model.embeddings.block_lookup
+    start, end = model.embeddings.block_lookup_offsets[feature : feature + 2].tolist()
+    name = _lookup_entry(copy / "model.pt", lookup)
+    data = np.frombuffer(bytearray(lookup.numpy().astype("<i4").tobytes()), dtype="<i4").copy()
+    edit(data[start:end])
     rewrite_zip_entry(copy / "model.pt", name, data.tobytes())
 
 
-def test_a_flipped_byte_in_the_remap_is_caught(blocked, tmp_path):
+@pytest.mark.parametrize("feature, table", [(0, "blocked"), (1, "blocked"), (3, "two")])
+def test_a_flipped_byte_in_the_remap_is_caught(blocked, tmp_path, feature, table):
     _, model, _, artifacts = blocked
-    remap = model.embeddings.block_remaps[0]
     copy = copy_artifact(artifacts["mapped"], tmp_path)
 
     def flip(data: np.ndarray) -> None:
         data.view(np.uint8)[5] ^= 0x01
 
-    _flip_remap(copy, remap, flip)
+    _flip_remap(copy, model, feature, flip)
     with pytest.raises(ArtifactError) as caught:
         load(copy)
     assert caught.value.kind == ArtifactErrorKind.CHECKSUM
     rehash(copy, "model.pt")  # the file checksum rewritten: the remap's own checks still catch it
-    with pytest.raises(ArtifactError, match="remap of table 'blocked'") as caught:
+    with pytest.raises(ArtifactError, match=f"remap of table '{table}'") as caught:
         load(copy)
     assert caught.value.kind == ArtifactErrorKind.MODEL
 
@@ -92,10 +95,10 @@ def test_a_permuted_remap_that_disagrees_with_the_manifest_is_refused(blocked, t
     _, model, _, artifacts = blocked
     copy = copy_artifact(artifacts["embedded"], tmp_path)
 
-    def swap(data: np.ndarray) -> None:  # still a permutation: only the sha256 tells
+    def swap(data: np.ndarray) -> None:  # still one to one onto the blocks' rows: only the sha256 tells
         data[[0, 1]] = data[[1, 0]]
 
-    _flip_remap(copy, model.embeddings.block_remaps[1], swap)
+    _flip_remap(copy, model, 3, swap)
     rehash(copy, "model.pt")
     with pytest.raises(ArtifactError, match="remap of table 'two'.*sha256") as caught:
         load(copy)

@@ -126,6 +126,7 @@ def test_a_block_artifact_is_refused_naming_the_table(tmp_path, embserve_run, we
         "embserve_run: ModelError: ",
         "table 'blocked' is held in precision blocks",
         "serve the artifact with the Python loader",
+        "without --sample-ids",
     )
 
 

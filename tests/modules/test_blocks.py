@@ -221,3 +221,28 @@ def test_block_config_is_checked_and_round_trips():
         TableConfig("t", 10, 4, ("f",), blocks=[(10, "int8"), (0, "int4")])
     with pytest.raises(ConfigError, match="'t'.*blocks\\[0\\].*unknown data type"):
         TableConfig("t", 10, 4, ("f",), blocks=[(5, "int3"), (5, "int4")])
+
+
+def test_stored_remap_round_trips_and_malformed_ones_are_named():
+    from infer.modules.collection import PRECISE_BLOCK_SHIFT, decode_remap, encode_remap, remap_error
+
+    starts = [0, 3, 7]  # blocks of 3, 4 and 5 rows
+    ranks = torch.randperm(12, generator=torch.Generator().manual_seed(0))
+    stored = encode_remap(ranks, starts)
+    assert stored.dtype == torch.int32
+    assert torch.equal(decode_remap(stored, starts), ranks)
+    # cold ids hold their row in the cold block (>= 0), precise ids -2 - (block << shift | row)
+    assert torch.equal(stored >= 0, ranks >= 7)
+    assert remap_error(stored, 12, starts) is None
+    past = stored.clone()
+    past[ranks == 0] = -2 - 3  # row 3 of the 3-row block 0
+    assert remap_error(past, 12, starts) is not None
+    unknown = stored.clone()
+    unknown[0] = -2 - (5 << PRECISE_BLOCK_SHIFT)
+    assert remap_error(unknown, 12, starts) == "names a block the table does not have"
+
+
+def test_int32_ids_equal_int64_ids(blocked):  # type: ignore[no-untyped-def]
+    spec, model, _, _ = blocked
+    values, lengths, weights = random_request(spec, 9, any_ids, 3, True)
+    assert torch.equal(model(values.to(torch.int32), lengths.to(torch.int32), weights), model(values, lengths, weights))

@@ -77,7 +77,7 @@ def test_hot_shares_are_estimated_on_reads_the_ranking_did_not_see():
 def test_exact_choice_equals_exhaustive_search(seed):
     spec = small_spec((300 + 100 * seed, 1024, 64))
     sample = zipf_sample(spec, 3000, seed)
-    problem = block_problem(spec, measured(spec), sample, prune=False)
+    problem = block_problem(spec, measured(spec), sample, prune=False, three_blocks=False)
     int4 = choose_uniform(problem, DataType.INT4)
     for budget in (int4.total_bytes, int(int4.total_bytes * 1.3), int(int4.total_bytes * 0.8)):
         best = math.inf
@@ -85,10 +85,44 @@ def test_exact_choice_equals_exhaustive_search(seed):
             if sum(o.bytes for o in picks) <= budget:
                 best = min(best, sum(t.weight * o.error for t, o in zip(problem, picks)))
         chosen = choose_exact(problem, budget)
-        pruned = choose_exact(block_problem(spec, measured(spec), sample), budget)
+        pruned = choose_exact(block_problem(spec, measured(spec), sample, three_blocks=False), budget)
         assert chosen.total_bytes <= budget and pruned.total_bytes <= budget
         assert chosen.error == pytest.approx(best, rel=1e-7, abs=1e-12)
         assert pruned.error == pytest.approx(best, rel=1e-7, abs=1e-12)
+
+
+@pytest.mark.parametrize("seed", range(3))
+def test_exact_choice_with_three_blocks_equals_exhaustive_search(seed):
+    spec = small_spec((400 + 100 * seed, 2048))
+    sample = zipf_sample(spec, 4000, seed)
+    problem = block_problem(spec, measured(spec), sample, three_blocks=True)
+    assert any(len(o.blocks) == 3 for t in problem for o in t.options)
+    int4 = choose_uniform(problem, DataType.INT4)
+    for budget in (int4.total_bytes, int(int4.total_bytes * 1.4), int(int4.total_bytes * 0.8)):
+        best = math.inf
+        for picks in itertools.product(*(t.options for t in problem)):
+            if sum(o.bytes for o in picks) <= budget:
+                best = min(best, sum(t.weight * o.error for t, o in zip(problem, picks)))
+        chosen = choose_exact(problem, budget)
+        assert chosen.total_bytes <= budget
+        assert chosen.error == pytest.approx(best, rel=1e-7, abs=1e-12)
+
+
+def test_a_three_block_option_is_priced_from_its_blocks_and_the_hot_shares():
+    spec = small_spec((2048,))
+    sample = zipf_sample(spec, 8000, 0)
+    problem = block_problem(spec, measured(spec), sample, three_blocks=True)
+    option = next(o for o in problem[0].options if len(o.blocks) == 3)
+    (k1, a), (k2, b), (_, c) = ((blk.rows, blk.data_type) for blk in option.blocks)
+    assert a.bits > b.bits > c.bits
+    assert option.bytes == (
+        table_bytes(k1, 16, a, 1) + table_bytes(k2, 16, b, 1) + table_bytes(2048 - k1 - k2, 16, c, 1)
+        + REMAP_BYTES_PER_ROW * 2048
+    )  # fmt: skip
+    h1, h2 = hot_shares(np.asarray(sample.ids["f0"]), 2048, [k1, k1 + k2])
+    errors = measured(spec)[0]
+    expected = h1 * errors.error(a) ** 2 + (h2 - h1) * errors.error(b) ** 2 + (1 - h2) * errors.error(c) ** 2
+    assert option.error == pytest.approx(math.sqrt(expected))
 
 
 def test_blocks_beat_whole_tables_under_skewed_reads():

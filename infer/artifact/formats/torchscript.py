@@ -21,6 +21,7 @@ from infer.artifact.manifest import (
 )
 from infer.artifact.mapped import attach_weights, check_no_saved_weights, mark_weights
 from infer.artifact.structures import StructureCache
+from infer.config import ModelSpec
 from infer.errors import ArtifactError, ArtifactErrorKind, ConfigError
 from infer.planner.types import ShardingPlan
 
@@ -111,14 +112,17 @@ def check_model_kernels(module: torch.jit.ScriptModule, kernels: Sequence[Kernel
         check_kernel(holder, kernel, index)
 
 
-def check_block_remaps(module: torch.jit.ScriptModule, remaps: Sequence[RemapEntry], source: Path) -> None:
-    """The loaded model's id remaps are the manifest's (``block_remaps``: tables, ranks, sha256) and each is a
-    permutation of its table's rows, before any lookup; ``ArtifactError(kind=MODEL)`` naming the table."""
-    from infer.modules.collection import remap_error
+def check_block_remaps(
+    module: torch.jit.ScriptModule, remaps: Sequence[RemapEntry], source: Path, spec: ModelSpec | None = None
+) -> None:
+    """The loaded model's id remaps are the manifest's (``block_remaps``: tables, rows, sha256) and each sends its
+    table's ids one to one onto the blocks' rows (the blocks as ``spec``, the manifest's, states them), before any
+    lookup; ``ArtifactError(kind=MODEL)`` naming the table."""
+    from infer.modules.collection import remap_error, stored_remaps
 
     embeddings = module.embeddings
     names = list(getattr(embeddings, "block_table_names", []))
-    held = list(getattr(embeddings, "block_remaps", []))
+    held = stored_remaps(embeddings) if names else []
     if names != [r.table for r in remaps] or len(held) != len(names):
         raise ArtifactError(
             f"{source} holds id remaps of tables {names}, {MANIFEST_FILE} lists {[r.table for r in remaps]}; "
@@ -126,12 +130,17 @@ def check_block_remaps(module: torch.jit.ScriptModule, remaps: Sequence[RemapEnt
             path=str(source),
             kind=ArtifactErrorKind.MODEL,
         )
-    for entry, remap in zip(remaps, held):
-        problem = remap_error(remap, entry.rows)
-        if problem is None and remap.dtype != torch.int32:
-            problem = f"is {remap.dtype}, not int32"
-        if problem is None and remap_sha256(remap) != entry.sha256:
-            problem = f"differs from the one {MANIFEST_FILE} lists (its sha256)"
+    for entry, copies in zip(remaps, held):
+        table = spec.table(entry.table) if spec is not None else None
+        blocks = table.blocks if table is not None else ()
+        starts = [sum(b.rows for b in blocks[:j]) for j in range(len(blocks))] or [0]
+        problem = None if copies else "is missing"
+        for remap in copies:  # a table read by several features holds its remap once per feature
+            problem = problem or remap_error(remap, entry.rows, starts)
+            if problem is None and remap.dtype != torch.int32:
+                problem = f"is {remap.dtype}, not int32"
+            if problem is None and remap_sha256(remap) != entry.sha256:
+                problem = f"differs from the one {MANIFEST_FILE} lists (its sha256)"
         if problem is not None:
             raise ArtifactError(
                 f"{source}: the id remap of table {entry.table!r} {problem}; the artifact is corrupted, re-export it",

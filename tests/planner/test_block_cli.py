@@ -1,0 +1,79 @@
+"""``embserve plan/export --memory-budget --sample-ids`` choose precision blocks with no other flag (issue 43): the
+stats and ``embserve inspect`` show each block table's blocks, and the exported model serves lookups equal to fp32
+``embedding_bag`` over the table dequantized block by block."""
+
+from __future__ import annotations
+
+import numpy as np
+import torch
+import torch.nn.functional as F
+
+from infer.artifact.load import load
+from infer.config import ModelSpec, TableConfig
+from infer.planner.types import ShardingPlan
+from infer.quant.rowwise import dequantize_rows, quantize_rows
+
+
+def zipf_ids(rows: int, count: int, rng: np.random.Generator) -> np.ndarray:
+    ranks = np.minimum(rng.zipf(1.2, count) - 1, rows - 1)
+    return rng.permutation(rows)[ranks]
+
+
+def test_export_with_a_budget_and_sample_ids_holds_tables_in_blocks(tmp_path, capsys):
+    from infer.cli import main
+
+    spec = ModelSpec(
+        (TableConfig("big", 8192, 32, ("fb",), pooling="sum"), TableConfig("small", 64, 32, ("fs",), pooling="mean"))
+    )
+    (tmp_path / "spec.json").write_text(spec.to_json())
+    weights = {t.name: torch.randn(t.num_embeddings, t.embedding_dim, generator=torch.Generator().manual_seed(i))
+               for i, t in enumerate(spec.tables)}  # fmt: skip
+    torch.save(weights, tmp_path / "w.pt")
+    rng = np.random.default_rng(0)
+    np.savez(tmp_path / "ids.npz", fb=zipf_ids(8192, 20000, rng), fs=rng.integers(0, 64, 2000))
+    int4_bytes = 8192 * (16 + 4) + 64 * (16 + 4)
+    flags = ["--memory-budget", str(int(int4_bytes * 1.5)), "--sample-ids", str(tmp_path / "ids.npz")]
+    assert main(["plan", "--spec", str(tmp_path / "spec.json"), "--world-size", "1", "--compute-device", "cpu",
+                 "--out", str(tmp_path / "plan.json"), *flags]) == 0  # fmt: skip
+    printed = capsys.readouterr().out
+    assert "blocks, hottest first:" in printed
+    reasons = ShardingPlan.from_json((tmp_path / "plan.json").read_text()).planner["precision"]["tables"]
+    chosen = {r["table"]: r.get("blocks") for r in reasons}
+    assert chosen["big"] and sum(b["rows"] for b in chosen["big"]) == 8192
+
+    art = tmp_path / "art"
+    export = ["export", "--spec", str(tmp_path / "spec.json"), "--weights", str(tmp_path / "w.pt")]
+    assert main([*export, "--out", str(art), *flags]) == 0
+    assert "blocks, hottest first:" in capsys.readouterr().out
+    # the plan alone does not say which rows are hot: the sample it was made with must come along
+    assert main([*export, "--out", str(tmp_path / "other"), "--plan", str(tmp_path / "plan.json")]) == 2
+    assert "--sample-ids" in capsys.readouterr().err
+    assert main(["inspect", str(art)]) == 0
+    shown = capsys.readouterr().out
+    assert "big in blocks, hottest first:" in shown and "id remap" in shown
+
+    runtime = load(art)
+    big = runtime.spec.table("big")
+    assert [(b.rows, b.data_type.value) for b in big.blocks] == [(b["rows"], b["data_type"]) for b in chosen["big"]]
+    # the reference: every row quantized in the type of the block that holds it (the block's ids from the model)
+    collection = runtime.module.embeddings
+    from infer.modules.collection import decode_remap, stored_remaps
+
+    starts = [sum(b.rows for b in big.blocks[:j]) for j in range(len(big.blocks))]
+    ranks = decode_remap(stored_remaps(collection)[0][0], starts)
+    stored = torch.empty_like(weights["big"])
+    for j, block in enumerate(big.blocks):
+        ids = torch.nonzero((ranks >= starts[j]) & (ranks < starts[j] + block.rows)).flatten()
+        data, scale_bias = quantize_rows(weights["big"][ids], block.data_type)
+        stored[ids] = dequantize_rows(data, scale_bias, block.data_type, 32)
+    small = runtime.spec.table("small")
+    data, scale_bias = quantize_rows(weights["small"], small.data_type)
+    small_rows = dequantize_rows(data, scale_bias, small.data_type, 32)
+    values_big = torch.from_numpy(zipf_ids(8192, 300, rng))
+    values_small = torch.randint(0, 64, (40,))
+    lengths = torch.tensor([100, 0, 200, 10, 0, 30])
+    served = runtime.module(torch.cat([values_big, values_small]), lengths)
+    bag = torch.tensor([0, 100, 100])
+    expected_big = F.embedding_bag(values_big, stored, bag, mode="sum")
+    expected_small = F.embedding_bag(values_small, small_rows, torch.tensor([0, 10, 10]), mode="mean")
+    torch.testing.assert_close(served, torch.cat([expected_big, expected_small], 1), rtol=1e-5, atol=1e-4)
