@@ -1,4 +1,5 @@
-"""The REST server against malformed HTTP: every bad request gets an answer (or a closed connection), never a crash.
+"""The REST servers (embserve serve and embserve-server) against malformed HTTP: every bad request gets an answer (or
+a closed connection), never a crash.
 
 Plain ``http.client`` and raw sockets: what tritonclient would never send.
 """
@@ -16,8 +17,9 @@ import pytest
 from server.proto import open_inference_grpc_pb2 as pb
 from server.proto import open_inference_grpc_pb2_grpc as pb_grpc
 from tests.conftest import random_batch
+from tests.server.native_support import SERVER_KINDS, start_kind
 from tests.server.oip_support import client, triton_inputs
-from tests.server.support import Served, local_config
+from tests.server.support import Served
 
 MAX_MESSAGE = 64 * 1024
 # a binary-extension request whose input claims 32 bytes while 8 follow the JSON header
@@ -30,9 +32,10 @@ GARBAGE = (
 )
 
 
-@pytest.fixture(scope="module")
-def rest_server(loop_thread, dense_artifact) -> Iterator[Served]:
-    served = Served.start(loop_thread, dense_artifact, local_config(http_port=0, max_message_bytes=MAX_MESSAGE))
+@pytest.fixture(scope="module", params=SERVER_KINDS)
+def rest_server(request, loop_thread, dense_artifact) -> Iterator[Served]:
+    """The dense model on each server (the Python one and embserve-server) with a small message bound."""
+    served = start_kind(request.param, loop_thread, dense_artifact, http_port=0, max_message_bytes=MAX_MESSAGE)
     yield served
     served.close_channels()
     served.stop(1.0)
