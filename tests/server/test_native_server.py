@@ -104,12 +104,12 @@ def test_serve_native_passes_the_flags_it_shares(dense_artifact):
         "0",
         "--max-delay-us",
         "250",
-        "--verify",
-        "none",
         "--http-port",
         "0",
         "--http-host",
         "127.0.0.1",
+        "--verify",
+        "none",
     ]
 
 
