@@ -9,8 +9,10 @@ servers take turns in rounds (Python, native, native, Python, ...) so both see t
 Before the load every pooled batch goes once to each server and to an in-process ``Runtime.predict`` (all three on
 one intra-op thread, so the dense part rounds alike): the scores must be bit-equal.
 
-Prints one JSON line per server and a summary line: examples/s, p50/p99, errors, the native/Python throughput ratio
-(target >= 3x at batch 64, 8 clients), bit-equality and the load average.
+Prints one JSON line per server and a summary line: examples/s, p50/p99, server CPU per request, errors, the
+native/Python throughput ratio (target >= 3x at batch 64, 8 clients), bit-equality, the CPU of the same predict
+in this process (the forward both servers pay: a bound on how far the native server can pull ahead) and the load
+average.
 
     python bench/rest.py                              # batch 64, 8 clients, 4 rounds of 4 s per server
     python bench/rest.py --batch-size 512 --clients 16 --seconds 3
@@ -228,6 +230,13 @@ def main() -> int:
                     connection = http.client.HTTPConnection(HOST, server.http_port, timeout=60)
                     equal = equal and post(connection, body, header_length) == expected
                     connection.close()
+            # the floor both servers share: the checked forward in this process, one batch at a time
+            cpu_started, forwards = time.process_time(), 0
+            while time.process_time() - cpu_started < 1.0:
+                batch, dense = batches[forwards % len(batches)]
+                runtime.predict(batch, dense)
+                forwards += 1
+            forward_ms = 1000 * (time.process_time() - cpu_started) / forwards
             totals = {kind: {"latencies": [], "errors": 0, "seconds": 0.0, "cpu": 0.0} for kind in servers}
             order = ["python", "native", "native", "python"]
             for round_index in range(args.rounds):
@@ -274,6 +283,7 @@ def main() -> int:
                 "batch_size": args.batch_size,
                 "clients": args.clients,
                 "native_over_python": round(ratio, 2),
+                "inprocess_predict_cpu_ms_per_request": round(forward_ms, 3),
                 "target": 3.0,
                 "meets_target": ratio >= 3.0,
                 "bit_equal": equal,
