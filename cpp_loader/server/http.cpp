@@ -86,8 +86,8 @@ std::string unquote(const std::string& text) {
 bool truthy(const Json& value) {
   if (value.is_null()) return false;
   if (value.is_boolean()) return value.get<bool>();
-  if (value.is_number_integer()) return value.get<int64_t>() != 0;
   if (value.is_number_unsigned()) return value.get<uint64_t>() != 0;
+  if (value.is_number_integer()) return value.get<int64_t>() != 0;
   if (value.is_number_float()) return value.get<double>() != 0.0;
   return !value.empty();  // string, array, object
 }
@@ -189,10 +189,10 @@ bool flatten(const Json& data, std::vector<const Json*>& leaves, Kind& kind, std
   Kind k;
   if (data.is_boolean()) {
     k = Kind::Bool;
+  } else if (data.is_number_unsigned()) {  // (nlohmann's is_number_integer() holds for these too)
+    k = data.get<uint64_t>() > static_cast<uint64_t>(INT64_MAX) ? Kind::Bad : Kind::Int;  // torch: Overflow
   } else if (data.is_number_integer()) {
     k = Kind::Int;
-  } else if (data.is_number_unsigned()) {
-    k = data.get<uint64_t>() > static_cast<uint64_t>(INT64_MAX) ? Kind::Bad : Kind::Int;  // torch: Overflow
   } else if (data.is_number_float()) {
     k = Kind::Float;
   } else {
@@ -204,9 +204,10 @@ bool flatten(const Json& data, std::vector<const Json*>& leaves, Kind& kind, std
   return true;
 }
 
+// an integer (or bool) JSON value; past int64 saturated
 int64_t integer_of(const Json& leaf) {
   if (leaf.is_boolean()) return leaf.get<bool>() ? 1 : 0;
-  if (leaf.is_number_unsigned()) return static_cast<int64_t>(leaf.get<uint64_t>());
+  if (leaf.is_number_unsigned()) return static_cast<int64_t>(std::min<uint64_t>(leaf.get<uint64_t>(), INT64_MAX));
   return leaf.get<int64_t>();
 }
 
@@ -304,10 +305,8 @@ InferBody parse_infer_body(const std::string& body, const httplib::Request& http
     if (shape == nullptr || !shape->is_array())
       throw BadRequest("input " + py_repr(name) + ": 'shape' must be a list of integers");
     for (const Json& d : *shape) {
-      if (d.is_number_integer() || d.is_boolean()) {
+      if (d.is_number_integer() || d.is_boolean()) {  // unsigned too
         dims.push_back(integer_of(d));
-      } else if (d.is_number_unsigned()) {
-        dims.push_back(static_cast<int64_t>(std::min<uint64_t>(d.get<uint64_t>(), INT64_MAX)));
       } else {
         throw BadRequest("input " + py_repr(name) + ": 'shape' must be a list of integers");
       }
@@ -316,10 +315,8 @@ InferBody parse_infer_body(const std::string& body, const httplib::Request& http
     auto size_it = input_parameters.find("binary_data_size");
     if (size_it != input_parameters.end() && !size_it->is_null()) {
       const Json& size = *size_it;
-      const bool integral = size.is_number_integer() || size.is_number_unsigned() || size.is_boolean();
-      const int64_t n = size.is_number_unsigned() ? static_cast<int64_t>(std::min<uint64_t>(size.get<uint64_t>(), INT64_MAX))
-                        : integral            ? integer_of(size)
-                                              : -1;
+      const bool integral = size.is_number_integer() || size.is_boolean();  // unsigned too
+      const int64_t n = integral ? integer_of(size) : -1;
       if (!integral || n < 0 || static_cast<uint64_t>(n) > binary_size - offset)
         throw BadRequest("input " + py_repr(name) + ": binary_data_size " + py_str(size) +
                          " runs past the request's binary data");
@@ -475,8 +472,9 @@ int HttpServer::start() {
   });
   // what httplib refused on its own (a malformed request line or header, a body it could not read): JSON words
   server.set_error_handler(httplib::Server::HandlerWithResponse(
-      [max_body](const httplib::Request&, httplib::Response& response) {
-    if (!response.body.empty()) return httplib::Server::HandlerResponse::Unhandled;
+      [max_body](const httplib::Request& request, httplib::Response& response) {
+    // our own answers (routed: the catch-all pattern matched) keep their body, or their empty one (health, ready)
+    if (!response.body.empty() || !request.matches.empty()) return httplib::Server::HandlerResponse::Unhandled;
     std::string message;
     switch (response.status) {
       case 400: message = "malformed HTTP request"; break;
