@@ -113,9 +113,9 @@ $(BIN)/perf_analyzer: $(STAMP)
 
 # The C++ loader (cpp_loader/): libtorch from the torch wheel in .venv; needs cmake, a C++17 compiler,
 # nlohmann-json3-dev and libssl-dev (installed with apt-get where missing, e.g. on a fresh CI machine).
-# The native server (cpp_loader/server/, embserve-server) also needs Debian's gRPC C++, protobuf and
-# prometheus-cpp packages, installed the same way.
-SERVER_DEBS := libgrpc++-dev protobuf-compiler-grpc libprotobuf-dev prometheus-cpp-dev
+# The native server (cpp_loader/server/, embserve-server) also needs Debian's gRPC C++, protobuf,
+# prometheus-cpp and cpp-httplib (OIP REST, with OpenSSL) packages, installed the same way.
+SERVER_DEBS := libgrpc++-dev protobuf-compiler-grpc libprotobuf-dev prometheus-cpp-dev libcpp-httplib-dev
 CPP_BUILD := cpp_loader/build
 SUDO := $(shell [ "$$(id -u)" != 0 ] && command -v sudo >/dev/null 2>&1 && echo sudo)
 
@@ -141,7 +141,8 @@ server: $(STAMP) cpp-deps
 
 # embserve-server-asan: embserve-server under AddressSanitizer + UndefinedBehaviorSanitizer, built beside the release
 # binary (cpp_loader/server/CMakeLists.txt: only the server's own sources are compiled again), then the bad-request
-# corpus (v1 and OIP, gRPC and REST), the contract, service, hardening and native tests against it
+# corpus (v1 and OIP, gRPC and REST), malformed HTTP, the OIP (REST token and TLS included), contract, service,
+# hardening and native tests against it
 # (EMBSERVE_SERVER_BIN points the suite at it; NativeServed fails a test on any sanitizer line in the server's log).
 # make test runs it before the suite. Leak reports are off: libtorch and gRPC keep process-lifetime singletons
 # (allocator caches, the completion-queue threads) that are not freed at exit and would bury a real report.
@@ -152,7 +153,8 @@ server-asan: cpp
 		ASAN_OPTIONS=detect_leaks=0:abort_on_error=0 UBSAN_OPTIONS=print_stacktrace=1 \
 		$(BIN)/python -m pytest -q -p no:cacheprovider -n $(PYTEST_WORKERS) --dist loadfile -k native \
 		tests/test_bad_requests.py tests/server/test_protocol_contract.py tests/server/test_service.py \
-		tests/server/test_hardening.py tests/server/test_native_server.py
+		tests/server/test_hardening.py tests/server/test_native_server.py tests/server/test_oip_http.py \
+		tests/server/test_oip.py tests/server/test_oip_security.py
 
 clean:
 	rm -rf $(VENV) artifacts build $(CPP_BUILD)

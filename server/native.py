@@ -23,10 +23,10 @@ PASSED = (
     "--host", "--port", "--max-batch-size", "--max-delay-us", "--max-merge-examples", "--batch-wait",
     "--max-queue", "--forward-threads", "--intra-op-threads", "--threads", "--max-message-mb", "--metrics-port",
     "--metrics-host", "--tls-cert", "--tls-key", "--auth-token-file", "--drain-grace-s", "--drain-quiet-s",
-    "--drain-seconds", "--model-name", "--verify",
+    "--drain-seconds", "--model-name", "--verify", "--http-port", "--http-host",
 )  # fmt: skip
-# the flags (and values) that come with the next issue (REST, the model repository, pt2 on the binary)
-NEXT_ISSUE = ("--http-port", "--http-host", "--poll-s", "--version-policy")
+# the flags (and values) that come with the next issue (the model repository, pt2 on the binary)
+NEXT_ISSUE = ("--poll-s", "--version-policy")
 
 
 def find_binary() -> str:

@@ -65,22 +65,9 @@ def random_batch(
     return SparseFeatures(spec.feature_names, values, lengths, weights)
 
 
-def _rest_on_the_native_server(item) -> bool:
-    """A case parametrized over both servers and both OIP transports that pairs embserve-server with REST: the
-    binary speaks gRPC only until its REST issue lands, so the pair is not collected (a skip would hide a case
-    that should run)."""
-    params = getattr(getattr(item, "callspec", None), "params", {})
-    values = {value for value in params.values() if isinstance(value, str)}
-    return "native" in values and ("http" in values or item.get_closest_marker("rest") is not None)
-
-
 def pytest_collection_modifyitems(config, items):
     import pytest
 
-    unsupported = [item for item in items if _rest_on_the_native_server(item)]
-    if unsupported:
-        config.hook.pytest_deselected(items=unsupported)
-        items[:] = [item for item in items if not _rest_on_the_native_server(item)]
     if torch.cuda.is_available():
         return
     skip = pytest.mark.skip(reason="needs a CUDA device")

@@ -65,9 +65,9 @@ def expected_good(corpus_model) -> torch.Tensor:
 
 @pytest.fixture(scope="module", params=SERVER_KINDS)
 def server(request, artifact) -> Iterator[Served]:
-    """The corpus model on each server: the Python one (gRPC and REST) and embserve-server (gRPC)."""
+    """The corpus model on each server (the Python one and embserve-server), gRPC and REST."""
     loop = LoopThread()
-    served = start_kind(request.param, loop, artifact, **({} if request.param == "native" else {"http_port": 0}))
+    served = start_kind(request.param, loop, artifact, http_port=0)
     yield served
     served.close_channels()
     served.stop(grace=1.0)
@@ -127,8 +127,6 @@ def test_grpc_server(case: BadRequest, server: Served, expected_good):
 def test_open_inference_protocol(case: BadRequest, protocol: str, server: Served, expected_good):
     from tritonclient.utils import InferenceServerException
 
-    if protocol == "http" and getattr(server, "kind", "python") == "native":
-        pytest.skip("embserve-server has no REST endpoint yet (the next native-server issue)")
     address = server.address if protocol == "grpc" else f"127.0.0.1:{server.running.http_port}"
     model = "artifact"  # the artifact's folder name
     with triton_client(protocol, address) as client:

@@ -23,6 +23,9 @@
 #include <sstream>
 #include <thread>
 
+#ifdef EMBSERVE_HTTP
+#include "http.h"
+#endif
 #include "metrics.h"
 #include "runner.h"
 #include "service.h"
@@ -54,6 +57,8 @@ struct Flags {
   int64_t max_message_mb = 64;
   int64_t max_message_bytes = 0;  // > 0: overrides --max-message-mb (tests use a small cap)
   int metrics_port = -1;  // -1: no /metrics
+  int http_port = -1;     // -1: no OIP REST
+  std::string http_host;
   std::string metrics_host;
   std::string tls_cert, tls_key, auth_token_file;
   double drain_grace_s = 5.0, drain_quiet_s = 0.25, drain_seconds = 30.0;
@@ -68,7 +73,7 @@ const char* kUsage =
     "usage: embserve-server ARTIFACT [--host H] [--port P] [--max-batch-size N] [--max-delay-us N]\n"
     "  [--max-merge-examples N] [--batch-wait overlap|always] [--max-queue N] [--forward-threads N]\n"
     "  [--intra-op-threads N] [--threads N] [--max-message-mb N | --max-message-bytes N] [--metrics-port P]\n"
-    "  [--metrics-host H]\n"
+    "  [--metrics-host H] [--http-port P] [--http-host H]\n"
     "  [--tls-cert PEM] [--tls-key PEM] [--auth-token-file F] [--drain-grace-s S] [--drain-quiet-s S]\n"
     "  [--drain-seconds S] [--model-name NAME] [--verify full|none] [--warmup-batches N] [--grpc-threads N]\n"
     "  [--reuse-port]\n";
@@ -98,6 +103,8 @@ Flags parse_flags(int argc, char** argv) {
       {"--max-message-bytes", [&](auto& v) { f.max_message_bytes = number<int64_t>("--max-message-bytes", v); }},
       {"--metrics-port", [&](auto& v) { f.metrics_port = number<int>("--metrics-port", v); }},
       {"--metrics-host", [&](auto& v) { f.metrics_host = v; }},
+      {"--http-port", [&](auto& v) { f.http_port = number<int>("--http-port", v); }},
+      {"--http-host", [&](auto& v) { f.http_host = v; }},
       {"--tls-cert", [&](auto& v) { f.tls_cert = v; }},
       {"--tls-key", [&](auto& v) { f.tls_key = v; }},
       {"--auth-token-file", [&](auto& v) { f.auth_token_file = v; }},
@@ -206,8 +213,20 @@ int serve(const Flags& flags, const sigset_t& signals) {
   if (metrics_port_flag >= 0 && flags.port && metrics_port_flag == flags.port)
     throw ConfigError("--port and --metrics-port are both " + std::to_string(flags.port) +
                       "; give each its own port");
+  if (flags.http_port >= 0) {  // server/app.py _check_ports
+#ifndef EMBSERVE_HTTP
+    throw ConfigError("this embserve-server was built without cpp-httplib (libcpp-httplib-dev): no --http-port");
+#endif
+    if (flags.port && flags.http_port == flags.port)
+      throw ConfigError("--port and --http-port are both " + std::to_string(flags.port) + "; give each its own port");
+    if (flags.http_port && flags.http_port == metrics_port_flag)
+      throw ConfigError("--metrics-port and --http-port are both " + std::to_string(flags.http_port) +
+                        "; give each its own port");
+  }
   // before loading: a port in use is refused at once, whatever the model's size
   probe("gRPC", flags.host, flags.port, "--port");
+  if (flags.http_port >= 0)
+    probe("HTTP", flags.http_host.empty() ? flags.host : flags.http_host, flags.http_port, "--http-port");
   if (metrics_port_flag >= 0)
     probe("metrics", flags.metrics_host.empty() ? flags.host : flags.metrics_host, metrics_port_flag,
           "--metrics-port");
@@ -296,6 +315,30 @@ int serve(const Flags& flags, const sigset_t& signals) {
                         ": " + err.what() + "; check --metrics-port");
     }
   }
+#ifdef EMBSERVE_HTTP
+  // OIP REST, on the same batchers; before the warm-up, as the Python server (model calls are 503 until ready)
+  std::unique_ptr<es::HttpServer> http;
+  int http_port = 0;
+  if (flags.http_port >= 0) {
+    es::HttpOptions http_options;
+    http_options.host = flags.http_host.empty() ? flags.host : flags.http_host;
+    http_options.port = flags.http_port;
+    http_options.tls_cert = flags.tls_cert;
+    http_options.tls_key = flags.tls_key;
+    http_options.auth_token = token;
+    http_options.max_body = cap;
+    http_options.reuse_port = flags.reuse_port;
+    http = std::make_unique<es::HttpServer>(service, metrics, http_options);
+    try {
+      http_port = http->start();
+    } catch (const std::exception& err) {
+      probe("HTTP", http_options.host, flags.http_port, "--http-port");
+      throw ConfigError(std::string(err.what()) + "; check --http-port");
+    }
+  }
+#else
+  const int http_port = 0;
+#endif
   std::cerr << "INFO embserve-server: warming up on port " << port << " (" << flags.warmup_batches << " batches)"
             << std::endl;
   service.warm_up(flags.warmup_batches);
@@ -306,7 +349,8 @@ int serve(const Flags& flags, const sigset_t& signals) {
             << ", " << runner->shape().features.size() << " features, max batch " << flags.max_batch_size
             << ", delay " << flags.max_delay_us << " us, " << workers << " forward threads, "
             << service.completion_queues << " gRPC threads)"
-            << (metrics_port ? ", metrics on port " + std::to_string(metrics_port) : "") << std::endl;
+            << (metrics_port ? ", metrics on port " + std::to_string(metrics_port) : "")
+            << (http_port ? ", HTTP on port " + std::to_string(http_port) : "") << std::endl;
   std::cout << kServingLine << " " << port << std::endl;
 
   int signal_number = 0;
@@ -327,9 +371,16 @@ int serve(const Flags& flags, const sigset_t& signals) {
   else
     std::cerr << "INFO embserve-server: draining: the grace of " << flags.drain_grace_s << " s is over" << std::endl;
   service.begin_closing();
+#ifdef EMBSERVE_HTTP
+  if (http) http->stop_accepting();  // the REST port closes; each connection closes after its next answer
+  auto http_in_flight = [&] { return http ? http->in_flight() : 0; };
+#else
+  auto http_in_flight = [] { return 0; };
+#endif
   const auto closing = std::chrono::steady_clock::now();
   while (since(closing) < flags.drain_seconds &&
-         (service.in_flight() > 0 || service.seconds_since_last_call() < kQuietS || service.open_calls() > 0))
+         (service.in_flight() > 0 || service.seconds_since_last_call() < kQuietS || service.open_calls() > 0 ||
+          http_in_flight() > 0))
     std::this_thread::sleep_for(std::chrono::milliseconds(5));
   if (service.in_flight() > 0)
     std::cerr << "WARNING embserve-server: stopping: calls still in flight after the drain's timeout (--drain-seconds)"

@@ -20,6 +20,7 @@
 
 #include "embserve/v1/inference.pb.h"
 #include "inference/open_inference_grpc.pb.h"
+#include "oip_codec.h"
 
 namespace embserve::server {
 namespace v1 = ::embserve::v1;
@@ -53,12 +54,6 @@ const char* code_name(grpc::StatusCode code) {
     case grpc::UNIMPLEMENTED: return "UNIMPLEMENTED";
     default: return "INTERNAL";
   }
-}
-
-std::string shape_text(const std::vector<int64_t>& dims) {
-  std::string out = "[";
-  for (size_t i = 0; i < dims.size(); ++i) out += (i ? ", " : "") + std::to_string(dims[i]);
-  return out + "]";
 }
 
 // ------------------------------------------------------------------ wire: a message's bytes fields written last
@@ -119,88 +114,12 @@ bool constant_time_equal(const std::string& a, const std::string& b) {
   return diff == 0;
 }
 
-// ------------------------------------------------------------------ OIP tensors (server/adapters/oip/codec.py)
-constexpr const char* kDense = "dense_features";
-constexpr const char* kEmbeddings = "embeddings";
-constexpr const char* kScores = "scores";
-
-int width_of(const std::string& datatype) {
-  if (datatype == "INT64") return 8;
-  if (datatype == "INT32" || datatype == "FP32") return 4;
-  if (datatype == "FP16") return 2;
-  return 0;
-}
-
-struct Input {
-  std::string name, datatype;
-  std::vector<int64_t> shape;
-  Array data;  // width of the datatype
-};
-
-// "<feature>__<role>" or dense_features; false when the name is neither
-bool split_name(const std::string& name, std::string& feature, std::string& role) {
-  if (name == kDense) {
-    feature = role = kDense;
-    return true;
-  }
-  const size_t at = name.rfind("__");
-  if (at == std::string::npos || at == 0) return false;
-  feature = name.substr(0, at);
-  role = name.substr(at + 2);
-  return role == "values" || role == "lengths" || role == "offsets" || role == "weights";
-}
-
-BadRequest refused_datatype(const std::string& name, const std::string& datatype) {
-  std::string feature, role;
-  if (!split_name(name, feature, role))
-    return BadRequest("input " + py_repr(clip(name)) + ": datatype " + py_repr(clip(datatype)) +
-                      " is not supported; use one of ['FP16', 'FP32', 'INT32', 'INT64']");
-  std::string rule, allowed;
-  if (role == "values") {
-    rule = "values must be a 1-D int64 or int32 tensor of ids";
-    allowed = "INT64 or INT32";
-  } else if (role == "lengths" || role == "offsets") {
-    rule = "lengths must be a 1-D int32 (or int64) tensor";
-    allowed = "INT64 or INT32";
-  } else if (role == "weights") {
-    rule = "weights must be a 1-D float32 tensor with one weight per id";
-    allowed = "FP32";
-  } else {
-    rule = "dense_features must be float32 [batch, num_dense_features]";
-    allowed = "FP32";
-  }
-  return BadRequest("input " + py_repr(clip(name)) + ": " + rule + ", got " + clip(datatype) + " (send " + allowed +
-                    ")");
-}
-
-bool allowed_datatype(const std::string& role, const std::string& datatype) {
-  if (role == "values" || role == "lengths" || role == "offsets") return datatype == "INT64" || datatype == "INT32";
-  return datatype == "FP32";
-}
-
-// _checked_shape: the element count of a known datatype's shape
-int64_t checked_count(const std::string& name, const std::string& datatype, const std::vector<int64_t>& dims,
-                      __int128& exact) {
-  if (!width_of(datatype)) throw refused_datatype(name, datatype);
-  for (int64_t d : dims)
-    if (d < 0) throw BadRequest("input " + py_repr(name) + ": shape " + shape_text(dims) + " has a negative dimension");
-  exact = 1;
-  for (int64_t d : dims) {
-    exact *= d;
-    if (exact > (static_cast<__int128>(1) << 80)) exact = static_cast<__int128>(1) << 80;  // far past any message
-  }
-  return exact > INT64_MAX / 8 ? INT64_MAX / 8 : static_cast<int64_t>(exact);
-}
-
-std::string wide(__int128 value) {
-  if (value <= INT64_MAX) return std::to_string(static_cast<int64_t>(value));
-  std::string digits;
-  while (value > 0) {
-    digits.insert(digits.begin(), static_cast<char>('0' + static_cast<int>(value % 10)));
-    value /= 10;
-  }
-  return digits;
-}
+// ------------------------------------------------------------------ OIP tensors: oip_codec.h (shared with REST)
+constexpr const char* kDense = kOipDense;
+constexpr const char* kEmbeddings = kOipEmbeddings;
+constexpr const char* kScores = kOipScores;
+using Input = OipInput;
+int width_of(const std::string& datatype) { return oip_width(datatype); }
 
 bool parameter_flag(const google::protobuf::Map<std::string, oip::InferParameter>& parameters, const char* name) {
   auto it = parameters.find(name);
@@ -773,174 +692,7 @@ class Service::Call {
   }
 
   // decode_inputs + _checked_batch: per-feature inputs to one validated request in model order
-  void decode_oip(const std::vector<Input>& inputs) {
-    const ModelShape& shape = service_.shape_;
-    struct Roles {
-      const Input* values = nullptr;
-      const Input* lengths = nullptr;
-      const Input* offsets = nullptr;
-      const Input* weights = nullptr;
-    };
-    std::vector<std::string> keys;
-    std::map<std::string, Roles> by_feature;
-    const Input* dense = nullptr;
-    for (const Input& input : inputs) {
-      std::string feature, role;
-      if (!split_name(input.name, feature, role))
-        throw BadRequest("unknown input tensor " + py_repr(input.name) +
-                         "; inputs are '<feature>__values', '<feature>__lengths' or '<feature>__offsets', "
-                         "'<feature>__weights' and 'dense_features'");
-      if (!allowed_datatype(role, input.datatype)) throw refused_datatype(input.name, input.datatype);
-      if (role == kDense) {
-        if (dense != nullptr) throw BadRequest("input 'dense_features' appears twice");
-        dense = &input;
-        continue;
-      }
-      if (!by_feature.count(feature)) keys.push_back(feature);
-      Roles& roles = by_feature[feature];
-      const Input** slot = role == "values"    ? &roles.values
-                           : role == "lengths" ? &roles.lengths
-                           : role == "offsets" ? &roles.offsets
-                                               : &roles.weights;
-      if (*slot != nullptr) throw BadRequest("input " + py_repr(input.name) + " appears twice");
-      *slot = &input;
-    }
-    std::vector<std::string> expected;
-    for (const auto& f : shape.features) expected.push_back(f.name);
-    if (keys.empty())
-      throw BadRequest("missing feature(s) " + py_list(expected) +
-                       "; send '<feature>__values' and '<feature>__lengths' (or '__offsets') for every feature");
-    if (std::set<std::string>(keys.begin(), keys.end()) != std::set<std::string>(expected.begin(), expected.end())) {
-      Request empty;  // validate names the unknown or missing features, in the library's words
-      validate_concatenated(keys, Array{nullptr, 8, 0}, Array{nullptr, 4, 0}, nullptr, 0, shape, empty);
-    }
-    auto one_dim = [](const Input& input, const std::string& key) {
-      (void)key;
-      if (input.shape.size() != 1)
-        throw BadRequest("input " + py_repr(input.name) + " must be 1-D, got shape " + shape_text(input.shape));
-    };
-    Request& r = request_model_;
-    std::vector<Array> values(keys.size()), lengths(keys.size());
-    std::vector<const float*> weights(keys.size(), nullptr);
-    for (size_t k = 0; k < keys.size(); ++k) {
-      const std::string& key = keys[k];
-      const Roles& roles = by_feature[key];
-      if (roles.values == nullptr) throw BadRequest("feature " + py_repr(key) + ": '" + key + "__values' is missing");
-      one_dim(*roles.values, key);
-      values[k] = roles.values->data;
-      if (roles.lengths != nullptr && roles.offsets != nullptr)
-        throw BadRequest("feature " + py_repr(key) + ": send '" + key + "__lengths' or '" + key +
-                         "__offsets', not both");
-      if (roles.lengths != nullptr) {
-        one_dim(*roles.lengths, key);
-        lengths[k] = roles.lengths->data;
-      } else if (roles.offsets == nullptr) {
-        throw BadRequest("feature " + py_repr(key) + ": '" + key + "__lengths' (or '" + key + "__offsets') is missing");
-      } else {
-        one_dim(*roles.offsets, key);
-        const Array& offsets = roles.offsets->data;
-        const int64_t num_values = values[k].count;
-        if (offsets.count == 0 || offsets.at(0) != 0 || offsets.at(offsets.count - 1) != num_values)
-          throw BadRequest("feature " + py_repr(key) + ": offsets must start at 0 and end at the " +
-                           std::to_string(num_values) + " ids (batch + 1 entries), got first " +
-                           (offsets.count ? std::to_string(offsets.at(0)) : "None") + " and last " +
-                           (offsets.count ? std::to_string(offsets.at(offsets.count - 1)) : "None"));
-        r.storage.emplace_back(static_cast<size_t>(offsets.count - 1) * 8);
-        auto* diffs = reinterpret_cast<int64_t*>(r.storage.back().data());
-        for (int64_t i = 0; i + 1 < offsets.count; ++i) {
-          // offsets are int64 at most: their difference can overflow only past any valid id count
-          diffs[i] = static_cast<int64_t>(static_cast<uint64_t>(offsets.at(i + 1)) - static_cast<uint64_t>(offsets.at(i)));
-          if (offsets.at(i + 1) < offsets.at(i))
-            throw BadRequest("feature '" + key + "': bag " + std::to_string(i) + " has negative length " +
-                             std::to_string(diffs[i]));
-        }
-        lengths[k] = Array{diffs, 8, offsets.count - 1};
-      }
-      if (roles.weights != nullptr) {
-        one_dim(*roles.weights, key);
-        weights[k] = static_cast<const float*>(roles.weights->data.data);
-      }
-    }
-    // _checked_batch
-    int64_t total_entries = 0, total_ids = 0;
-    for (size_t k = 0; k < keys.size(); ++k) total_entries += lengths[k].count, total_ids += values[k].count;
-    const int64_t num_features = static_cast<int64_t>(keys.size());
-    (void)total_entries;
-    (void)num_features;
-    // each feature against its own tensors (infer's OIP codec _checked_batch): counts named per feature
-    for (size_t k = 1; k < keys.size(); ++k)
-      if (lengths[k].count != lengths[0].count)
-        throw BadRequest(bags_differ(keys[k], lengths[k].count, keys[0], lengths[0].count));
-    for (size_t k = 0; k < keys.size(); ++k)
-      for (int64_t b = 0; b < lengths[k].count; ++b)
-        if (lengths[k].at(b) < 0)
-          throw BadRequest("feature '" + keys[k] + "': bag " + std::to_string(b) + " has negative length " +
-                           std::to_string(lengths[k].at(b)));
-    for (size_t k = 0; k < keys.size(); ++k)
-      for (int64_t b = 0; b < lengths[k].count; ++b)
-        if (lengths[k].at(b) > total_ids)
-          throw BadRequest("feature '" + keys[k] + "': bag " + std::to_string(b) + " has length " +
-                           std::to_string(lengths[k].at(b)) + " but the batch has only " + std::to_string(total_ids) +
-                           " ids");
-    std::vector<int64_t> sums(keys.size(), 0);
-    int64_t sum = 0;
-    for (size_t k = 0; k < keys.size(); ++k) {
-      for (int64_t b = 0; b < lengths[k].count; ++b) sums[k] += lengths[k].at(b);
-      sum += sums[k];
-    }
-    auto lengths_sum = [](int64_t total, int64_t num_ids) {
-      return "lengths sum to " + std::to_string(total) + " but there are " + std::to_string(num_ids) +
-             " ids; lengths must add up to the number of ids";
-    };
-    (void)sum;
-    for (size_t k = 0; k < keys.size(); ++k)
-      if (sums[k] != values[k].count)
-        throw BadRequest("feature '" + keys[k] + "': " + lengths_sum(sums[k], values[k].count));
-    const bool weighted = std::any_of(weights.begin(), weights.end(), [](const float* w) { return w != nullptr; });
-    if (weighted) {
-      auto count = [](const std::string& what, int64_t given, int64_t num_ids) {
-        return what + "weights has " + std::to_string(given) + " entries but there are " + std::to_string(num_ids) +
-               " ids; give one weight per id";
-      };
-      for (size_t k = 0; k < keys.size(); ++k) {
-        const int64_t part = roles_weights_count(by_feature[keys[k]].weights, values[k].count);
-        if (part != values[k].count) throw BadRequest(count("feature '" + keys[k] + "': ", part, values[k].count));
-      }
-    }
-    // validate: ids in range (request order), then the model order
-    std::map<std::string, size_t> model_index;
-    for (size_t i = 0; i < shape.features.size(); ++i) model_index[shape.features[i].name] = i;
-    for (size_t k = 0; k < keys.size(); ++k) {
-      const int64_t rows = shape.features[model_index[keys[k]]].num_embeddings;
-      for (int64_t i = 0; i < values[k].count; ++i) {
-        const int64_t id = values[k].at(i);
-        if (id < 0 || id >= rows)
-          throw BadRequest("feature '" + keys[k] + "': id " + std::to_string(id) + " is out of range [0, " +
-                           std::to_string(rows) + ") (id #" + std::to_string(i) + " of the feature)");
-      }
-    }
-    r.batch = lengths[0].count;
-    r.weighted = weighted;
-    r.features.assign(keys.size(), FeatureSlice{});
-    for (size_t k = 0; k < keys.size(); ++k) {
-      FeatureSlice& slice = r.features[model_index[keys[k]]];
-      slice.ids = values[k];
-      slice.lengths = lengths[k];
-      slice.weights = weights[k];
-    }
-    r.contiguous = false;
-    if (dense != nullptr) {
-      const int64_t num_dense = shape.num_dense_features;
-      if (dense->shape != std::vector<int64_t>{r.batch, num_dense})
-        throw BadRequest("input 'dense_features': dense_features must have shape [" + std::to_string(r.batch) + ", " +
-                         std::to_string(num_dense) + "], got " + shape_text(dense->shape));
-      r.dense = static_cast<const float*>(dense->data.data);
-    }
-  }
-
-  static int64_t roles_weights_count(const Input* weights, int64_t num_values) {
-    return weights != nullptr ? weights->data.count : num_values;
-  }
+  void decode_oip(const std::vector<Input>& inputs) { decode_oip_inputs(inputs, service_.shape_, request_model_); }
 
   void model_infer() {
     infer_ = parsed<oip::ModelInferRequest>(request_, "ModelInferRequest");
@@ -951,30 +703,14 @@ class Service::Call {
     const auto decoding = Clock::now();
     decode_oip(oip_inputs());
     const ModelShape& shape = service_.shape_;
-    const bool has_dense = shape.num_dense_features > 0;
-    if (request_model_.dense != nullptr && !has_dense)
-      throw BadRequest("this model has no dense part; drop the input 'dense_features'");
-    // choose_outputs
-    std::vector<std::pair<std::string, bool>> outputs;  // name, fp16
+    std::vector<OipOutput> requested;
     for (const auto& o : infer_.outputs())
-      outputs.emplace_back(o.name(), fp16 || parameter_flag(o.parameters(), "output_fp16"));
-    const bool dense_given = request_model_.dense != nullptr;
-    if (outputs.empty()) {
-      outputs.emplace_back(kEmbeddings, fp16);
-      if (dense_given) outputs.emplace_back(kScores, false);
-    }
-    std::vector<std::string> names;
-    for (const auto& o : outputs) names.push_back(o.first);
-    for (const auto& n : names)
-      if (n != kEmbeddings && !(has_dense && n == kScores))
-        throw BadRequest("unknown output " + py_repr(n) + "; this model's outputs are " +
-                         (has_dense ? "['embeddings', 'scores']" : "['embeddings'] (this model has no dense part: no scores)"));
-    if (std::set<std::string>(names.begin(), names.end()).size() != names.size())
-      throw BadRequest("outputs " + py_list(names) + " list a name twice");
-    const bool wants_scores = std::find(names.begin(), names.end(), kScores) != names.end();
-    const bool wants_embeddings = std::find(names.begin(), names.end(), kEmbeddings) != names.end();
-    if (wants_scores && !dense_given)
-      throw BadRequest("output 'scores' needs the input 'dense_features' (FP32 [batch, num_dense])");
+      requested.push_back({o.name(), fp16 || parameter_flag(o.parameters(), "output_fp16")});
+    const OipOutputs chosen =
+        choose_oip_outputs(requested, shape.num_dense_features > 0, request_model_.dense != nullptr, fp16);
+    std::vector<std::pair<std::string, bool>> outputs;  // name, fp16
+    for (const auto& o : chosen.outputs) outputs.emplace_back(o.name, o.fp16);
+    const bool wants_scores = chosen.scores, wants_embeddings = chosen.embeddings;
     service_.metrics_->stage("decode", std::chrono::duration<double>(Clock::now() - decoding).count());
     if (request_model_.batch > service_.options_.max_batch_size)
       throw BadRequest(too_large(request_model_.batch, service_.options_.max_batch_size));
@@ -1123,6 +859,16 @@ Service::Service(const Runner& runner, ModelInfo info, ServiceOptions options, M
   props["model_sha256"] = info_.sha256;
   props["embserve_version"] = EMBSERVE_VERSION;
   oip_metadata_ = m.SerializeAsString();
+  // the same metadata in its JSON shape (REST: ServedModel.metadata)
+  nlohmann::json metadata_json = {{"name", m.name()}, {"versions", {"1"}}, {"platform", m.platform()},
+                                  {"inputs", nlohmann::json::array()}, {"outputs", nlohmann::json::array()},
+                                  {"properties", nlohmann::json::object()}};
+  for (const auto* list : {&m.inputs(), &m.outputs()})
+    for (const auto& t : *list)
+      metadata_json[list == &m.inputs() ? "inputs" : "outputs"].push_back(
+          {{"name", t.name()}, {"datatype", t.datatype()}, {"shape", std::vector<int64_t>(t.shape().begin(), t.shape().end())}});
+  for (const auto& [key, value] : m.properties()) metadata_json["properties"][key] = value;
+  oip_metadata_json_ = metadata_json.dump();
   // Triton's model configuration, in its JSON shape and parsed as protobuf's JSON (ServedModel.config): the
   // metadata's tensors with their whole shapes, max_batch_size 0 (the inputs are ragged: no batch dimension in
   // front), the server's largest request as a parameter, the batcher as dynamic batching
@@ -1149,6 +895,7 @@ Service::Service(const Runner& runner, ModelInfo info, ServiceOptions options, M
   if (!google::protobuf::util::JsonStringToMessage(config.dump(), config_response.mutable_config(), json_options).ok())
     throw std::runtime_error("the model configuration does not parse as inference.ModelConfig");
   oip_config_ = config_response.SerializeAsString();
+  oip_config_json_ = config.dump();
   oip::ServerMetadataResponse s;
   s.set_name("embserve");
   s.set_version(EMBSERVE_VERSION);

@@ -76,6 +76,7 @@ class Service {
 
  private:
   friend class Call;
+  friend class HttpServer;  // the REST front end (http.h): the same batchers, statistics, metrics and state
   const Runner& runner_;
   const ModelShape& shape_;
   ModelInfo info_;
@@ -94,6 +95,8 @@ class Service {
   std::string v1_metadata_;  // ModelMetadata bytes, built once
   std::string oip_metadata_;  // ModelMetadataResponse bytes, built once
   std::string oip_config_;    // ModelConfigResponse bytes, built once
+  std::string oip_config_json_;  // the same configuration in its JSON shape (REST)
+  std::string oip_metadata_json_;  // the model metadata in its JSON shape (REST)
   std::string server_metadata_;
 
   void poll(grpc::ServerCompletionQueue* queue);

@@ -11,6 +11,7 @@ import os
 import signal
 import subprocess
 import tempfile
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -39,7 +40,17 @@ _FLAGS = {
     "batch_wait": "--batch-wait",
     "tls_cert": "--tls-cert",
     "tls_key": "--tls-key",
+    "http_port": "--http-port",
+    "http_host": "--http-host",
 }
+
+
+@dataclass(frozen=True)
+class NativeRunning:
+    """The ports embserve-server reported, as ``Served.running`` holds the Python server's."""
+
+    metrics_port: int
+    http_port: int | None  # None: no --http-port
 
 
 def native_binary() -> str:
@@ -83,7 +94,10 @@ class NativeServed(Channels):
             raise AssertionError(f"embserve-server did not start: {self.stderr_path.read_text()[-3000:]}") from None
         self.port = int(line.split()[-1])
         self.address = f"127.0.0.1:{self.port}"
-        self.metrics_port = int(self.stderr_path.read_text().split("metrics on port ")[1].split()[0])
+        log = self.stderr_path.read_text()
+        self.metrics_port = int(log.split("metrics on port ")[1].split()[0].rstrip(",)"))
+        http_port = int(log.split("HTTP on port ")[1].split()[0].rstrip(",)")) if "HTTP on port " in log else None
+        self.running = NativeRunning(self.metrics_port, http_port)
         self._channels: list[grpc.Channel] = []
 
     def metric(self, name: str, labels: dict[str, str] | None = None) -> float:

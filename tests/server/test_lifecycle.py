@@ -5,6 +5,7 @@ from __future__ import annotations
 import logging
 import os
 import signal
+import socket
 import subprocess
 import sys
 import time
@@ -26,6 +27,7 @@ from tests.server.native_support import native_binary
 from tests.server.support import (
     CALL_TIMEOUT,
     LineReader,
+    free_port,
     local_config,
     lookup_request,
     rpc_error,
@@ -231,12 +233,68 @@ def test_sigterm_loses_no_request_in_flight(sparse_artifact, sparse_runtime, spe
         stderr.close()
 
 
+@pytest.mark.slow
+@pytest.mark.rest
+def test_sigterm_answers_every_rest_request_in_flight(sparse_artifact, sparse_runtime, spec, tmp_path):
+    """embserve-server: REST calls held in the batching window when SIGTERM comes are all answered (keep-alive
+    connections), the answers equal the runtime's and the process exits 0; then the REST port is closed. (The
+    Python server's embserve_in_flight counts gRPC calls only: nothing there observes REST calls held in a window.)"""
+    from concurrent.futures import ThreadPoolExecutor
+
+    from tests.server.oip_support import client, triton_inputs
+
+    stderr = (tmp_path / "stderr.txt").open("w")
+    command = [sys.executable, "-m", "infer.cli", "serve", str(sparse_artifact), "--host", "127.0.0.1"]
+    native_binary()  # skips without a built binary
+    command.append("--native")
+    http_port = free_port()
+    command += ["--port", "0", "--http-port", str(http_port), "--max-delay-us", "2000000", "--drain-seconds", "20"]
+    command += ["--metrics-port", "0", "--batch-wait", "always", "--forward-threads", "1"]
+    process = subprocess.Popen(command, cwd=REPO, stdout=subprocess.PIPE, stderr=stderr, text=True)
+    try:
+        LineReader(process.stdout).wait_for("serving on port", timeout=60)
+        metrics_port = int((tmp_path / "stderr.txt").read_text().split("metrics on port ")[1].split()[0].rstrip(","))
+        batches = [random_batch(spec, batch_size=2 + i, seed=950 + i) for i in range(4)]
+        clients = [client("http", f"127.0.0.1:{http_port}", network_timeout=3 * CALL_TIMEOUT) for _ in batches]
+        with ThreadPoolExecutor(len(batches)) as pool:
+            futures = [
+                pool.submit(lambda c, b: c.infer("sparse", triton_inputs("http", b)).as_numpy("embeddings"), c, b)
+                for c, b in zip(clients, batches)
+            ]
+            # observed, not assumed: all 4 wait in the server (its 2 s batching window holds them there)
+            wait_until(lambda: _in_flight(metrics_port) == len(batches), what="4 REST requests in the server")
+            assert not any(f.done() for f in futures)
+            process.send_signal(signal.SIGTERM)
+            for batch, future in zip(batches, futures):
+                assert torch.equal(torch.from_numpy(future.result().copy()), sparse_runtime.lookup(batch))
+        for c in clients:
+            c.close()
+        assert process.wait(timeout=30) == 0, (tmp_path / "stderr.txt").read_text()
+        with pytest.raises(ConnectionError):
+            socket.create_connection(("127.0.0.1", http_port), timeout=CALL_TIMEOUT).close()
+    finally:
+        if process.poll() is None:
+            os.kill(process.pid, signal.SIGKILL)
+            process.wait(10)
+        if process.stdout is not None:
+            process.stdout.close()
+        stderr.close()
+
+
 def _in_flight(metrics_port: int) -> float:
+    return _gauge(metrics_port, "embserve_in_flight")
+
+
+def _queue_depth(metrics_port: int) -> float:
+    return _gauge(metrics_port, "embserve_queue_depth")
+
+
+def _gauge(metrics_port: int, name: str) -> float:
     with urllib.request.urlopen(f"http://127.0.0.1:{metrics_port}/metrics", timeout=CALL_TIMEOUT) as response:
         for line in response.read().decode().splitlines():
-            if line.startswith("embserve_in_flight "):
+            if line.startswith(name + " "):
                 return float(line.split()[1])
-    raise AssertionError("no embserve_in_flight in /metrics")
+    raise AssertionError(f"no {name} in /metrics")
 
 
 def test_a_server_that_fails_to_warm_up_releases_its_port(tmp_path):

@@ -79,7 +79,7 @@ def test_concurrent_calls_are_merged_and_each_gets_its_own_rows(both, dense_runt
     [
         (["--workers", "2"], "embserve-server has no --workers"),
         (["--profile"], "embserve-server has no --profile"),
-        (["--http-port", "0"], "--native with --http-port comes with the next native-server issue"),
+        (["--poll-s", "7"], "--native with --poll-s comes with the next native-server issue"),
         (["--backend", "pt2"], "--native with --backend pt2 comes with the next native-server issue"),
     ],
 )
@@ -95,6 +95,7 @@ def test_serve_native_passes_the_flags_it_shares(dense_artifact):
     binary = native_binary()
     args = build_parser().parse_args(
         ["serve", str(dense_artifact), "--native", "--port", "0", "--max-delay-us", "250", "--verify", "none"]
+        + ["--http-port", "0", "--http-host", "127.0.0.1"]
     )
     assert native_command(args) == [
         binary,
@@ -103,6 +104,10 @@ def test_serve_native_passes_the_flags_it_shares(dense_artifact):
         "0",
         "--max-delay-us",
         "250",
+        "--http-port",
+        "0",
+        "--http-host",
+        "127.0.0.1",
         "--verify",
         "none",
     ]
@@ -122,6 +127,22 @@ def test_a_port_in_use_is_refused_before_loading(dense_artifact):
         )
     assert result.returncode == 2
     assert f"gRPC port {port} is in use" in result.stderr and "--port" in result.stderr, result.stderr
+
+
+def test_an_http_port_in_use_is_refused_before_loading(dense_artifact):
+    binary = native_binary()
+    with socket.socket() as holder:
+        holder.bind(("127.0.0.1", 0))
+        holder.listen()
+        port = holder.getsockname()[1]
+        result = subprocess.run(
+            [binary, str(dense_artifact), "--host", "127.0.0.1", "--port", "0", "--http-port", str(port)],
+            capture_output=True,
+            text=True,
+            timeout=60,
+        )
+    assert result.returncode == 2
+    assert f"HTTP port {port} is in use" in result.stderr and "--http-port" in result.stderr, result.stderr
 
 
 def test_a_second_native_server_on_a_serving_port_is_refused(dense_artifact):

@@ -23,17 +23,14 @@ MODEL = "dense"  # the dense artifact's folder name
 
 @pytest.fixture(scope="module", params=SERVER_KINDS)
 def oip_server(request, loop_thread, dense_artifact) -> Iterator[Served]:
-    """The dense model on each server (embserve-server: gRPC only, REST comes with its next issue)."""
-    config: dict = {"max_delay_us": 500} if request.param == "native" else {"http_port": 0, "max_delay_us": 500}
-    served = start_kind(request.param, loop_thread, dense_artifact, **config)
+    """The dense model on each server, gRPC and REST."""
+    served = start_kind(request.param, loop_thread, dense_artifact, http_port=0, max_delay_us=500)
     yield served
     served.close_channels()
     served.stop(grace=1.0)
 
 
 def _address(served: Served, protocol: str) -> str:
-    if protocol == "http" and getattr(served, "kind", "python") == "native":
-        pytest.skip("embserve-server has no REST endpoint yet (the next native-server issue)")
     return served.address if protocol == "grpc" else f"127.0.0.1:{served.running.http_port}"
 
 
@@ -90,9 +87,8 @@ def test_model_metadata_carries_the_column_ranges(oip_server, spec):
 
     stub = pb_grpc.GRPCInferenceServiceStub(oip_server.channel())
     properties = stub.ModelMetadata(pb.ModelMetadataRequest(name=MODEL), timeout=10).properties
-    if getattr(oip_server, "kind", "python") != "native":  # embserve-server has no REST endpoint yet
-        with client("http", _address(oip_server, "http")) as c:
-            assert c.get_model_metadata(MODEL)["properties"] == dict(properties)
+    with client("http", _address(oip_server, "http")) as c:
+        assert c.get_model_metadata(MODEL)["properties"] == dict(properties)
     for feature in spec.features:
         assert properties[f"columns.{feature.name}"] == f"{feature.column_start}:{feature.column_end}"
     assert properties["feature_order"] == ",".join(spec.feature_names)
@@ -205,13 +201,12 @@ def test_calls_are_counted_in_the_metrics(oip_server, spec):
     before = oip_server.metric("embserve_requests_total", {"method": "ModelInfer", "code": "OK"})
     before_rest = oip_server.metric("embserve_requests_total", {"method": "REST ModelInfer", "code": "OK"})
     batch = random_batch(spec, batch_size=3, seed=29)
-    rest = getattr(oip_server, "kind", "python") != "native"  # embserve-server has no REST endpoint yet
-    for protocol in PROTOCOLS if rest else ("grpc",):
+    for protocol in PROTOCOLS:
         with client(protocol, _address(oip_server, protocol)) as c:
             c.infer(MODEL, triton_inputs(protocol, batch))
     assert oip_server.metric("embserve_requests_total", {"method": "ModelInfer", "code": "OK"}) == before + 1
     after_rest = oip_server.metric("embserve_requests_total", {"method": "REST ModelInfer", "code": "OK"})
-    assert after_rest == before_rest + rest
+    assert after_rest == before_rest + 1
 
 
 # ------------------------------------------------------------------------------------------ errors

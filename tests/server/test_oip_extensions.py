@@ -1,8 +1,8 @@
 """Triton's model-configuration and statistics extensions, read with tritonclient (gRPC and HTTP) and plain urllib.
 
 The configuration is compared with the model's spec (features, output width, dense part) and the server's
-settings; the statistics with the calls each test made (how many, of how many examples, which failed). The
-statistics tests over gRPC run on both servers (``server_kind``: embserve serve and embserve-server).
+settings; the statistics with the calls each test made (how many, of how many examples, which failed). The tests
+run on both servers (embserve serve and embserve-server), over gRPC and REST.
 """
 
 from __future__ import annotations
@@ -22,7 +22,7 @@ from tritonclient.utils import InferenceServerException
 from tests.conftest import random_batch
 from tests.server.native_support import SERVER_KINDS, start_kind
 from tests.server.oip_support import PROTOCOLS, client, make_input, requested, triton_inputs
-from tests.server.support import NUM_DENSE, Served, local_config, lookup_request
+from tests.server.support import NUM_DENSE, Served, lookup_request
 from tests.server.test_repository import make_repository
 
 MODEL = "dense"  # the dense artifact's folder name
@@ -44,10 +44,11 @@ def _get(served: Served, path: str) -> tuple[int, Any]:
         return err.code, json.loads(err.read())
 
 
-@pytest.fixture(scope="module")
-def config_server(loop_thread, dense_artifact) -> Iterator[Served]:
-    served = Served.start(
-        loop_thread, dense_artifact, local_config(http_port=0, max_delay_us=DELAY_US, max_batch_size=MAX_BATCH)
+@pytest.fixture(scope="module", params=SERVER_KINDS)
+def config_server(request, loop_thread, dense_artifact) -> Iterator[Served]:
+    """The dense model on each server (the Python one and embserve-server), gRPC and REST."""
+    served = start_kind(
+        request.param, loop_thread, dense_artifact, http_port=0, max_delay_us=DELAY_US, max_batch_size=MAX_BATCH
     )
     yield served
     served.close_channels()
@@ -105,10 +106,7 @@ def test_the_configuration_over_curl_like_rest_equals_tritonclients(config_serve
 
 
 def _start(start_any: Any, server_kind: str, artifact: Any, **config: Any) -> Any:
-    """A server of ``server_kind``, the Python one with REST too (embserve-server's REST comes with the next issue:
-    its REST cases are not collected, tests/conftest.py)."""
-    if server_kind == "native":
-        return start_any(artifact, **config)
+    """A server of ``server_kind`` with gRPC and REST."""
     return start_any(artifact, http_port=0, **config)
 
 
@@ -138,8 +136,6 @@ def test_an_unknown_model_or_version_is_not_found_in_the_metadatas_words(protoco
             assert name in config.value.message()
             if protocol == "grpc":
                 assert config.value.status() == statistics.value.status() == "StatusCode.NOT_FOUND"
-    if server_kind == "native":
-        return
     for path, named in (
         ("/v2/models/no_such_model/config", "'no_such_model'"),
         ("/v2/models/no_such_model/stats", "'no_such_model'"),
@@ -229,8 +225,6 @@ def test_statistics_count_the_calls_made(protocol, server_kind, start_any, dense
         assert stages[stage]["count"] == len(sizes), stage
     assert stages["success"]["ns"] > stages["compute_infer"]["ns"] > 0
     assert {b["batch_size"]: b["compute_infer"]["count"] for b in after["batch_stats"]} == {1: 1, 3: 1, 5: 1, 8: 2}
-    if server_kind == "native":
-        return
     # the REST documents equal what tritonclient read
     status, body = _get(served, f"/v2/models/{MODEL}/stats")
     assert status == 200 and [{**body["model_stats"][0], "last_inference": 0}] == [{**after, "last_inference": 0}]

@@ -1,4 +1,5 @@
-"""The REST server against malformed HTTP: every bad request gets an answer (or a closed connection), never a crash.
+"""The REST servers (embserve serve and embserve-server) against malformed HTTP: every bad request gets an answer (or
+a closed connection), never a crash.
 
 Plain ``http.client`` and raw sockets: what tritonclient would never send.
 """
@@ -16,8 +17,9 @@ import pytest
 from server.proto import open_inference_grpc_pb2 as pb
 from server.proto import open_inference_grpc_pb2_grpc as pb_grpc
 from tests.conftest import random_batch
+from tests.server.native_support import SERVER_KINDS, start_kind
 from tests.server.oip_support import client, triton_inputs
-from tests.server.support import Served, local_config
+from tests.server.support import Served
 
 MAX_MESSAGE = 64 * 1024
 # a binary-extension request whose input claims 32 bytes while 8 follow the JSON header
@@ -30,12 +32,27 @@ GARBAGE = (
 )
 
 
-@pytest.fixture(scope="module")
-def rest_server(loop_thread, dense_artifact) -> Iterator[Served]:
-    served = Served.start(loop_thread, dense_artifact, local_config(http_port=0, max_message_bytes=MAX_MESSAGE))
+@pytest.fixture(scope="module", params=SERVER_KINDS)
+def rest_server(request, loop_thread, dense_artifact) -> Iterator[Served]:
+    """The dense model on each server (the Python one and embserve-server) with a small message bound."""
+    served = start_kind(request.param, loop_thread, dense_artifact, http_port=0, max_message_bytes=MAX_MESSAGE)
     yield served
     served.close_channels()
     served.stop(1.0)
+
+
+@pytest.fixture(scope="module")
+def both_servers(loop_thread, dense_artifact) -> Iterator[dict[str, Served]]:
+    """The Python server and embserve-server side by side (the native one skips when it is not built)."""
+    started: dict[str, Served] = {}
+    try:
+        for kind in SERVER_KINDS:
+            started[kind] = start_kind(kind, loop_thread, dense_artifact, http_port=0, max_message_bytes=MAX_MESSAGE)
+        yield started
+    finally:
+        for served in started.values():
+            served.close_channels()
+            served.stop(1.0)
 
 
 def _request(served: Served, method: str, path: str, body: bytes = b"", headers: dict | None = None):
@@ -101,3 +118,62 @@ def test_grpc_bytes_that_are_no_message_are_invalid_argument(rest_server):
     assert "not a valid ModelInferRequest" in caught.value.details()
     stub = pb_grpc.GRPCInferenceServiceStub(channel)
     assert stub.ServerLive(pb.ServerLiveRequest(), timeout=10).live
+
+
+def _tensor(name: str, datatype: str, shape: list, data: object) -> dict:
+    return {"name": name, "datatype": datatype, "shape": shape, "data": data}
+
+
+_INFER = "/v2/models/dense/infer"
+ODD_REQUESTS = [
+    ("POST", _INFER, {"inputs": []}),
+    ("POST", _INFER, {"inputs": [_tensor("f_int8__values", "INT64", [2], [1, 2])]}),
+    ("POST", _INFER, {"inputs": [_tensor("f_int8__values", "INT64", [2], [[1], [2]])]}),
+    ("POST", _INFER, {"inputs": [_tensor("f_int8__values", "INT64", [2], [[1], 2])]}),
+    ("POST", _INFER, {"inputs": [_tensor("f_int8__values", "INT64", [2], [1, None])]}),
+    ("POST", _INFER, {"inputs": [_tensor("f_int8__values", "INT64", [-1], [1])]}),
+    ("POST", _INFER, {"inputs": [_tensor("f_int8__values", "INT8", [1], [1])]}),
+    ("POST", _INFER, {"inputs": [_tensor("bogus", "INT64", [1], [1])]}),
+    ("POST", _INFER, {"inputs": [_tensor("f_int8__values", "INT64", [3], [1, 2])]}),
+    ("POST", _INFER, {"inputs": [_tensor("f_int8__values", "FP16", [1], [1])]}),
+    ("POST", _INFER, {"inputs": [_tensor("f_int8__values", "INT32", [1], [2**31])]}),
+    ("POST", _INFER, {"inputs": [_tensor("f_int8__values", "INT64", [1], [2**63])]}),
+    ("POST", _INFER, {"inputs": [_tensor("f_int8__values", "INT64", [1], [True, 2])]}),
+    ("POST", _INFER, {"inputs": [{"name": "x", "shape": [1]}]}),
+    ("POST", _INFER, {"inputs": [{"name": "x", "shape": "a"}]}),
+    ("POST", _INFER, {"inputs": [{"name": "x", "shape": [1.5]}]}),
+    ("POST", _INFER, {"inputs": [], "parameters": 3}),
+    ("POST", _INFER, {"inputs": [], "outputs": [{"x": 1}]}),
+    ("POST", _INFER, {"inputs": [], "outputs": [{"name": "zzz"}]}),
+    ("POST", _INFER, {"inputs": [{"name": "x", "shape": [1], "parameters": {"binary_data_size": 4}}]}),
+    ("POST", _INFER, {"inputs": [{"name": "x", "shape": [1], "parameters": {"binary_data_size": -1}}]}),
+    ("POST", _INFER, {"inputs": [{"name": "x", "shape": [1], "parameters": {"binary_data_size": "a"}}]}),
+    ("POST", "/v2/models/dense/versions/2/infer", {"inputs": []}),
+    ("POST", "/v2/models/dense/versions/1/infer", {"inputs": []}),
+    ("GET", "/v2/models/dense/versions/2", None),
+    ("GET", "/v2/models/dense/versions/1/ready", None),
+    ("GET", "/v2/models/dense/versions/2/ready", None),
+    ("GET", "/v2/models/dense/versions/2/config", None),
+    ("PUT", _INFER, None),
+    ("GET", _INFER, None),
+    ("POST", "/v2/repository/index", None),
+    ("POST", "/v2/repository/index", {"ready": 1}),
+    ("POST", "/v2/repository/models/dense/load", None),
+    ("POST", "/v2/repository/models/dense/unload", None),
+    ("POST", "/v2/repository/models/nobody/unload", None),
+    ("GET", "/v2/models/d%65nse", None),
+    ("GET", "/v2/", None),
+    ("GET", "/", None),
+]
+
+
+@pytest.mark.rest
+@pytest.mark.parametrize(("method", "path", "body"), ODD_REQUESTS)
+def test_both_servers_give_odd_requests_the_same_answer(both_servers, method, path, body):
+    """Status and JSON body (the error's words) of embserve-server equal the Python server's."""
+    answers = []
+    for served in both_servers.values():
+        status, payload = _request(served, method, path, b"" if body is None else json.dumps(body).encode())
+        answers.append((status, json.loads(payload) if payload else None))
+    python, native = answers
+    assert native == python

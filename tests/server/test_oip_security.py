@@ -1,4 +1,5 @@
-"""The Open Inference Protocol behind the server's bearer token and TLS, over gRPC and REST, with tritonclient."""
+"""The Open Inference Protocol behind the server's bearer token and TLS, over gRPC and REST, with tritonclient, on both
+servers (embserve serve and embserve-server)."""
 
 from __future__ import annotations
 
@@ -18,8 +19,8 @@ HEADERS = {"authorization": f"Bearer {TOKEN}"}
 
 
 @pytest.fixture
-def token_server(start_server, dense_artifact):
-    return start_server(dense_artifact, auth_token=TOKEN, http_port=0)
+def token_server(start_any, dense_artifact):
+    return start_any(dense_artifact, auth_token=TOKEN, http_port=0)
 
 
 @pytest.mark.parametrize("protocol", ["grpc", "http"])
@@ -33,15 +34,16 @@ def test_the_token_guards_inference_but_not_the_probes(token_server, dense_runti
                 c.infer(MODEL, triton_inputs(protocol, batch), headers=headers)
             assert str(caught.value.status()) in ("StatusCode.UNAUTHENTICATED", "401")
             assert "token" in caught.value.message()
-        got = c.infer(MODEL, triton_inputs(protocol, batch), headers=HEADERS).as_numpy("embeddings")
+        # a copy: tritonclient.http adds its Inference-Header-Content-Length (an int) to the dict it is given
+        got = c.infer(MODEL, triton_inputs(protocol, batch), headers=dict(HEADERS)).as_numpy("embeddings")
         assert torch.equal(torch.from_numpy(np.array(got)), dense_runtime.lookup(batch))
 
 
-def test_tls_serves_both_protocols(start_server, dense_artifact, dense_runtime, spec, tmp_path):
+def test_tls_serves_both_protocols(start_any, dense_artifact, dense_runtime, spec, tmp_path):
     if shutil.which("openssl") is None:
         pytest.skip("openssl is not installed")
     cert, key = _self_signed(tmp_path, "server")
-    served = start_server(dense_artifact, tls_cert=str(cert), tls_key=str(key), http_port=0)
+    served = start_any(dense_artifact, tls_cert=str(cert), tls_key=str(key), http_port=0)
     batch = random_batch(spec, batch_size=3, seed=51)
     expected = dense_runtime.lookup(batch)
     with client("grpc", f"localhost:{served.port}", ssl=True, root_certificates=str(cert)) as c:

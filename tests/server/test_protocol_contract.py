@@ -64,20 +64,17 @@ OIP_DATATYPE = {
 
 @pytest.fixture(scope="module", params=SERVER_KINDS)
 def served(request, loop_thread, tmp_path_factory) -> Iterator[tuple[Served, Reference]]:
-    """The contract's model on each server (embserve-server: gRPC only, REST comes with its next issue)."""
+    """The contract's model on each server, gRPC and REST."""
     spec = contract_spec()
     model = quantize(spec, random_weights(spec, seed=2))
     path = export(model, tmp_path_factory.mktemp("contract-server") / MODEL)
-    config: dict = {"max_delay_us": 200} if request.param == "native" else {"http_port": 0, "max_delay_us": 200}
-    server = start_kind(request.param, loop_thread, path, **config)
+    server = start_kind(request.param, loop_thread, path, http_port=0, max_delay_us=200)
     yield server, Reference(spec, model)
     server.close_channels()
     server.stop(grace=1.0)
 
 
 def _address(server: Served, protocol: str) -> str:
-    if protocol == "http" and getattr(server, "kind", "python") == "native":
-        pytest.skip("embserve-server has no REST endpoint yet (the next native-server issue)")
     return server.address if protocol == "grpc" else f"127.0.0.1:{server.running.http_port}"
 
 
@@ -228,7 +225,7 @@ def test_scores_have_one_value_per_example(served):
     """Shape [B] on both protocols (tritonclient keeps the shape the server sends)."""
     server, reference = served
     batch = batch_of(reference.spec, DOCUMENTED[1])
-    for protocol in PROTOCOLS if getattr(server, "kind", "python") == "python" else ("grpc",):
+    for protocol in PROTOCOLS:
         with client(protocol, _address(server, protocol)) as triton:
             result = triton.infer(
                 MODEL, triton_inputs(protocol, batch, dense_of()), outputs=requested(protocol, "scores")

@@ -1,0 +1,65 @@
+// The Open Inference Protocol over HTTP/REST in embserve-server (--http-port): server/adapters/oip/rest_server.py's
+// routes, status codes, JSON error bodies and words, on cpp-httplib (Debian's libcpp-httplib-dev). Requests are
+// decoded with the gRPC handlers' rules (oip_codec.h, request.h) and run on the same batchers, statistics and
+// metrics (service.h). Plain C++ and JSON: no torch, no protobuf in the handlers' path.
+#pragma once
+
+#include <atomic>
+#include <chrono>
+#include <cstdint>
+#include <memory>
+#include <string>
+#include <thread>
+
+namespace httplib {
+class Server;
+struct Request;
+struct Response;
+}  // namespace httplib
+
+namespace embserve::server {
+
+class Service;
+class Metrics;
+
+struct HttpOptions {
+  std::string host = "0.0.0.0";
+  int port = 0;                   // 0: a free port
+  std::string tls_cert, tls_key;  // PEM files: HTTPS when both are given
+  std::string auth_token;         // empty: no token required (health stays open either way)
+  int64_t max_body = 64 << 20;    // request bodies past this are 413
+  int threads = 0;                // connection threads (one per open connection); 0: a default
+  bool reuse_port = false;
+};
+
+class HttpServer {
+ public:
+  HttpServer(Service& service, Metrics& metrics, HttpOptions options);
+  ~HttpServer();
+  HttpServer(const HttpServer&) = delete;
+  HttpServer& operator=(const HttpServer&) = delete;
+
+  // Bind and serve on a thread of its own; returns the port. std::runtime_error when the port cannot be bound.
+  int start();
+  // The first step of a stop: the listening socket closes and every answer from now on closes its connection.
+  void stop_accepting();
+  // Requests being answered (a stop waits for them).
+  int64_t in_flight() const { return in_flight_; }
+
+ private:
+  void respond(const httplib::Request& request, httplib::Response& response);
+  void route(const httplib::Request& request, httplib::Response& response, std::string& operation);
+  void infer(const std::string& name, const std::string& version, const httplib::Request& request,
+             httplib::Response& response);
+  bool authorized(const httplib::Request& request, const std::string& path) const;
+
+  Service& service_;
+  Metrics& metrics_;
+  HttpOptions options_;
+  std::unique_ptr<httplib::Server> server_;
+  std::thread listener_;
+  std::atomic<bool> closing_{false};
+  std::atomic<int64_t> in_flight_{0};
+};
+
+}  // namespace embserve::server
