@@ -16,12 +16,13 @@ has finished and destroyed its earlier tasks, so nothing of a model's call is le
 Python finalizes.
 """
 
+# no ``from __future__ import annotations``: TorchScript reads the scripted functions' annotations
 import atexit
 import logging
 import os
 import threading
 import warnings
-from typing import Any, List, Optional
+from typing import Any
 
 import torch
 
@@ -32,7 +33,7 @@ DRAIN_TIMEOUT_S = 60.0
 
 _registered_pid = 0  # the process that registered the hook: a fork()ed child has none of its pool threads
 _register_lock = threading.Lock()
-_barrier: Optional[threading.Barrier] = None  # no PEP 604/563 here: TorchScript reads the annotations
+_barrier: threading.Barrier | None = None
 
 
 @torch.jit.ignore  # type: ignore[misc]
@@ -50,7 +51,7 @@ def _task(index: int) -> int:
 
 
 def _occupy_all(threads: int) -> int:
-    futures: List[torch.jit.Future[int]] = []
+    futures: list[torch.jit.Future[int]] = []
     for index in range(threads):
         futures.append(torch.jit.fork(_task, index))
     met = 0
