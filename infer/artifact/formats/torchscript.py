@@ -20,6 +20,7 @@ from infer.artifact.manifest import (
     remap_sha256,
 )
 from infer.artifact.mapped import attach_weights, check_no_saved_weights, mark_weights
+from infer.artifact.pool_exit import drain_at_exit
 from infer.artifact.structures import StructureCache
 from infer.config import ModelSpec
 from infer.errors import ArtifactError, ArtifactErrorKind, ConfigError
@@ -29,6 +30,7 @@ MODEL = ArtifactErrorKind.MODEL
 
 
 def script_model(model: torch.nn.Module) -> torch.jit.ScriptModule:
+    drain_at_exit()  # a scripted model's forks must be over before Python finalizes (infer.artifact.pool_exit)
     try:
         return torch.jit.script(model)
     except Exception as err:  # noqa: BLE001 - TorchScript reports many error types
@@ -60,6 +62,7 @@ def read_model(
     ``structures``: a cache of model structures (no tables inside) handing out a copy of an equal one loaded
     before, instead of loading it again (``infer.artifact.structures``)."""
     location = map_location(devices, mapping)
+    drain_at_exit()  # a scripted model's forks must be over before Python finalizes (infer.artifact.pool_exit)
     try:
         if structures is not None:
             module = structures.load(path, location)
