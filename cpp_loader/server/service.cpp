@@ -185,12 +185,6 @@ class Service::Call {
         handle();
         return;
       case State::Finishing:
-        // an answer is counted once grpc has taken it: a caller that cancelled (or left) before it did counts as
-        // CANCELLED, as in the Python server, where the cancellation reaches the handler while it awaits the forward
-        if (answering_) {
-          answering_ = false;
-          record(ok ? grpc::OK : grpc::CANCELLED, nullptr);
-        }
         --service_.open_calls_;
         delete this;
         return;
@@ -209,7 +203,6 @@ class Service::Call {
   Clock::time_point started_;
   bool tracked_ = false;  // counted in flight (the drain waits for it)
   bool counted_ = false;  // a ModelInfer of the served model: the statistics extension counts its outcome
-  bool answering_ = false;  // an answer was handed to grpc: its outcome is recorded when the write completes
   Clock::time_point decoded_;  // when a ModelInfer was decoded and validated
   // a model call waiting for its batch: the decoded message (the request's views point into it), the request,
   // the response bytes the forward writes into
@@ -227,7 +220,7 @@ class Service::Call {
   }
 
   void answer(std::string&& bytes) {
-    answering_ = true;  // recorded when the write completes (proceed, State::Finishing)
+    record(grpc::OK, nullptr);
     state_ = State::Finishing;
     stream_.WriteAndFinish(buffer_of(std::move(bytes)), grpc::WriteOptions(), grpc::Status::OK, this);
   }

@@ -905,7 +905,11 @@ torch::jit::Module child(const torch::jit::Module& parent, const std::string& na
 void check_kernel_holder(torch::jit::Module& holder, const schema::Document& kernel, const std::string& where,
                          int threads) {
   const auto& listed = kernel_attributes()["holder"];
-  if (!holder.hasattr(listed["present_if"].get<std::string>())) return;  // exported before batch-parallel kernels
+  if (!holder.hasattr(listed["present_if"].get<std::string>())) {
+    // exported before this list (precision blocks): its attributes are not the list's; it still splits a batch
+    if (threads > 0 && holder.hasattr("threads")) holder.setattr("threads", c10::IValue(static_cast<int64_t>(threads)));
+    return;
+  }
   KernelCheck check(holder, where);
   KernelFacts facts;
   facts.device = kernel["device"].get<std::string>();
