@@ -23,10 +23,12 @@ PASSED = (
     "--host", "--port", "--max-batch-size", "--max-delay-us", "--max-merge-examples", "--batch-wait",
     "--max-queue", "--forward-threads", "--intra-op-threads", "--threads", "--max-message-mb", "--metrics-port",
     "--metrics-host", "--tls-cert", "--tls-key", "--auth-token-file", "--drain-grace-s", "--drain-quiet-s",
-    "--drain-seconds", "--model-name", "--verify",
+    "--drain-seconds", "--model-name", "--verify", "--backend", "--poll-s", "--version-policy",
 )  # fmt: skip
-# the flags (and values) that come with the next issue (REST, the model repository, pt2 on the binary)
-NEXT_ISSUE = ("--http-port", "--http-host", "--poll-s", "--version-policy")
+# the flags (and values) that come with the next issue (REST on the binary)
+NEXT_ISSUE = ("--http-port", "--http-host")
+# --backend values the binary runs (onnxruntime stays with the Python server)
+BACKENDS = ("torchscript", "pt2")
 
 
 def find_binary() -> str:
@@ -49,13 +51,9 @@ def find_binary() -> str:
 
 def native_command(args: argparse.Namespace) -> list[str]:
     """The binary's command line for these ``embserve serve`` arguments (ConfigError for any it lacks)."""
-    from server.repository import is_repository
-
     next_issue = "comes with the next native-server issue; serve without --native for now"
-    if is_repository(args.artifact):
-        raise ConfigError(f"--native serves one artifact folder; a model repository ({args.artifact}) {next_issue}")
-    if args.backend == "pt2":
-        raise ConfigError(f"--native with --backend pt2 {next_issue}")
+    if args.backend not in BACKENDS:
+        raise ConfigError(f"{BINARY} runs --backend {' or '.join(BACKENDS)}, not {args.backend}; serve without --native")
     command = [find_binary(), str(args.artifact)]
     for action in args.parser._actions:
         if not action.option_strings or action.dest in ("help", "native"):

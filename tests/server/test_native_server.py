@@ -80,7 +80,7 @@ def test_concurrent_calls_are_merged_and_each_gets_its_own_rows(both, dense_runt
         (["--workers", "2"], "embserve-server has no --workers"),
         (["--profile"], "embserve-server has no --profile"),
         (["--http-port", "0"], "--native with --http-port comes with the next native-server issue"),
-        (["--backend", "pt2"], "--native with --backend pt2 comes with the next native-server issue"),
+        (["--backend", "onnxruntime"], "embserve-server runs --backend torchscript or pt2, not onnxruntime"),
     ],
 )
 def test_serve_native_refuses_what_the_binary_lacks_naming_it(dense_artifact, flags, fragment):
