@@ -2,7 +2,10 @@
 // rules and words). A new version is loaded, verified and warmed by the VersionLoader beside the serving ones,
 // then swapped in by one assignment under the lock; a retired version is flushed and dropped, and goes when the
 // last call holding it returns. A version that fails never replaces a good one and is reported with its error.
+#include <sys/resource.h>
 #include <sys/stat.h>
+#include <sys/syscall.h>
+#include <unistd.h>
 
 #include <algorithm>
 #include <chrono>
@@ -417,6 +420,17 @@ void ModelSet::sync(const std::string& name, bool explicit_load) {
   auto try_load = [&](int64_t v, std::string& why) -> std::shared_ptr<ServedVersion> {
     const std::string folder = root_ + "/" + name + "/" + std::to_string(v);
     const auto folder_signature = signature(folder);
+    // the load and warm-up at the lowest CPU priority (this thread and the checksum threads it starts; Linux): the
+    // versions serving meanwhile keep the cores they need, and the new version takes longer to arrive instead
+    const int tid = static_cast<int>(syscall(SYS_gettid));
+    const bool lowered = setpriority(PRIO_PROCESS, tid, 19) == 0;
+    struct Restore {
+      int tid;
+      bool lowered;
+      ~Restore() {
+        if (lowered) setpriority(PRIO_PROCESS, tid, 0);  // may need privileges; the thread then stays nice
+      }
+    } restore{tid, lowered};
     try {
       auto version = loader_(folder, name, std::to_string(v));
       std::lock_guard<std::mutex> lock(mutex_);
