@@ -54,9 +54,7 @@ def build(tables: int, rows: int, workdir: Path) -> Path:
     folder = workdir / f"{tables}x{rows}"
     if (folder / "manifest.json").is_file():
         return folder
-    spec = ModelSpec(
-        tuple(TableConfig(f"t{i}", rows, 64, (f"f{i}",), data_type=DataType.INT8) for i in range(tables))
-    )
+    spec = ModelSpec(tuple(TableConfig(f"t{i}", rows, 64, (f"f{i}",), data_type=DataType.INT8) for i in range(tables)))
     generator = torch.Generator().manual_seed(0)
     weights = {t.name: torch.randn(t.num_embeddings, t.embedding_dim, generator=generator) for t in spec.tables}
     print(f"exporting {tables}x{rows} with model.pt2 (AOTInductor compiles: a minute or more)", file=sys.stderr)
@@ -128,7 +126,7 @@ def main() -> int:
                     equal = equal and torch.equal(got, runtimes[backend].lookup(batch))
         del runtimes
         answered = dict.fromkeys(BACKENDS, 0)
-        for backend, (_, port) in servers.items():  # a warm turn each, not counted
+        for _, port in servers.values():  # a warm turn each, not counted
             measure(port, requests, args.clients, 1.0)
         for round_index in range(args.rounds):
             order = BACKENDS if round_index % 2 == 0 else BACKENDS[::-1]

@@ -340,7 +340,8 @@ def swap_case(args: argparse.Namespace) -> int:
     unmap_max = max(unmap_after_last_call)
     met = ratio <= target and not failures and (unmap_max <= UNMAP_TARGET_S or not args.native)
     print(json.dumps({
-        "bench": "swap", "server": "native" if args.native else "python", "rounds": rounds, "clients": args.clients, "tables": args.tables, "rows": rows,
+        "bench": "swap", "server": "native" if args.native else "python", "rounds": rounds, "clients": args.clients,
+        "tables": args.tables, "rows": rows,
         "weights_gb": round(weights_bytes / 1e9, 3), "calls_steady": len(before), "calls_swap": len(during),
         "p50_steady_ms": round(1e3 * statistics.median(before), 3) if before else None,
         "p99_steady_ms": round(1e3 * p99(before), 3), "p99_swap_ms": round(1e3 * p99(during), 3),

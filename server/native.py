@@ -53,7 +53,8 @@ def native_command(args: argparse.Namespace) -> list[str]:
     """The binary's command line for these ``embserve serve`` arguments (ConfigError for any it lacks)."""
     next_issue = "comes with the next native-server issue; serve without --native for now"
     if args.backend not in BACKENDS:
-        raise ConfigError(f"{BINARY} runs --backend {' or '.join(BACKENDS)}, not {args.backend}; serve without --native")
+        runs = " or ".join(BACKENDS)
+        raise ConfigError(f"{BINARY} runs --backend {runs}, not {args.backend}; serve without --native")
     command = [find_binary(), str(args.artifact)]
     for action in args.parser._actions:
         if not action.option_strings or action.dest in ("help", "native"):

@@ -147,7 +147,13 @@ def run_under_load(
 
 
 def _report(
-    case: str, calls: list[Call], changed: float, swapped: float, rss_before: int, rss_after: int, seconds: float,
+    case: str,
+    calls: list[Call],
+    changed: float,
+    swapped: float,
+    rss_before: int,
+    rss_after: int,
+    seconds: float,
     server_kind: str,
 ) -> None:
     before = [c.latency for c in calls if 2.0 <= c.started < changed]
@@ -227,6 +233,4 @@ def test_a_broken_version_changes_nothing_under_load(tmp_path, big_versions, ser
     assert failures == []
     assert {c.version for c in calls} == {"2"}
     assert rss_after <= 1.10 * rss_before, f"RSS {rss_before / 2**20:.0f} MB -> {rss_after / 2**20:.0f} MB"
-    _report(
-        "broken_version", calls, changed, changed + 1.0, rss_before, rss_after, BROKEN_LOAD_SECONDS, server_kind
-    )
+    _report("broken_version", calls, changed, changed + 1.0, rss_before, rss_after, BROKEN_LOAD_SECONDS, server_kind)
