@@ -278,8 +278,9 @@ int serve(const Flags& flags, const sigset_t& signals) {
   if (repository) {
     es::VersionLoader load_version = [&](const std::string& folder, const std::string& name,
                                          const std::string& version) {
-      auto loaded = service.build_version(es::Runner::load(folder, runner_options),
-                                          es::read_model_info(folder, name), name, version);
+      // the loader first: it names what is wrong with the version (read_model_info assumes a checked manifest)
+      std::unique_ptr<es::Runner> runner = es::Runner::load(folder, runner_options);
+      auto loaded = service.build_version(std::move(runner), es::read_model_info(folder, name), name, version);
       es::warm_up(*loaded, flags.warmup_batches, flags.max_batch_size);
       return loaded;
     };

@@ -71,6 +71,11 @@ struct ServedVersion {
   size_t depth() const;
 };
 
+// The deleter of every ServedVersion: the last holder (often a completion-queue thread answering the version's last
+// call) only queues it; a background thread at the lowest CPU priority joins its batchers and frees its runner
+// (unmapping its files), off the serving path, and logs "model m version v freed".
+void release_in_background(ServedVersion* version);
+
 // A refusal of the model set, with the status the gRPC (and REST) front ends answer.
 struct ModelSetError : std::runtime_error {
   enum class Code { NotFound, FailedPrecondition, InvalidArgument };

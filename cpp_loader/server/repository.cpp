@@ -9,6 +9,7 @@
 
 #include <algorithm>
 #include <chrono>
+#include <deque>
 #include <filesystem>
 #include <iostream>
 #include <nlohmann/json.hpp>
@@ -149,6 +150,36 @@ size_t ServedVersion::depth() const {
   for (const Batcher* b : {lookups.get(), predictions.get(), both.get()})
     if (b != nullptr) depth += b->depth();
   return depth;
+}
+
+void release_in_background(ServedVersion* version) {
+  static std::mutex mutex;
+  static std::condition_variable queued;
+  static std::deque<ServedVersion*> pending;
+  static std::once_flag started;
+  std::call_once(started, [] {
+    std::thread([] {
+      setpriority(PRIO_PROCESS, static_cast<int>(syscall(SYS_gettid)), 19);
+      for (;;) {
+        ServedVersion* next = nullptr;
+        {
+          std::unique_lock<std::mutex> lock(mutex);
+          queued.wait(lock, [] { return !pending.empty(); });
+          next = pending.front();
+          pending.pop_front();
+        }
+        const std::string what = "model " + next->name + " version " + next->version;
+        const bool served = next->runner != nullptr;
+        delete next;  // its batchers' threads joined, then its runner: the model's files are unmapped
+        if (served) log("INFO", what + " freed (its last call returned)");
+      }
+    }).detach();  // lives as long as the process (which leaves with _exit)
+  });
+  {
+    std::lock_guard<std::mutex> lock(mutex);
+    pending.push_back(version);
+  }
+  queued.notify_one();
 }
 
 // ------------------------------------------------------------------------------------------------ ModelSet

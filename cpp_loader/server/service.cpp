@@ -1083,7 +1083,7 @@ Service::Service(ServiceOptions options, Metrics* metrics) : options_(std::move(
 
 std::shared_ptr<ServedVersion> Service::build_version(std::unique_ptr<Runner> runner, ModelInfo info,
                                                       const std::string& name, const std::string& version) const {
-  auto served = std::make_shared<ServedVersion>();
+  std::shared_ptr<ServedVersion> served(new ServedVersion(), release_in_background);
   served->name = name;
   served->version = version;
   served->runner = std::move(runner);
