@@ -11,8 +11,10 @@
 #include <chrono>
 #include <deque>
 #include <filesystem>
+#include <fstream>
 #include <iostream>
 #include <nlohmann/json.hpp>
+#include <set>
 #include <sstream>
 
 #include "metrics.h"
@@ -52,6 +54,39 @@ std::string describe_failure(const std::exception& err) {
   if (const auto* runner = dynamic_cast<const RunnerError*>(&err); runner != nullptr && !runner->kind.empty())
     return std::string(err.what()) + " [" + runner->kind + "]";
   return std::string("RuntimeError: ") + err.what();
+}
+
+// server/repository.py available_memory_bytes: MemAvailable of /proc/meminfo (-1 where there is none)
+int64_t available_memory_bytes() {
+  std::ifstream meminfo("/proc/meminfo");
+  std::string key;
+  int64_t kib = 0;
+  std::string unit;
+  while (meminfo >> key >> kib >> unit)
+    if (key == "MemAvailable:") return kib * 1024;
+  return -1;
+}
+
+// server/repository.py artifact_bytes: the memory a version needs beside the loaded ones, its files except mapped
+// weight files (they live in the page cache, shared and evictable)
+int64_t artifact_bytes(const std::string& folder) {
+  std::set<std::string> mapped;
+  try {
+    std::ifstream file(folder + "/manifest.json");
+    const nlohmann::json manifest = nlohmann::json::parse(file);
+    for (const auto& kernel : manifest.at("kernels"))
+      if (kernel.contains("weights") && !kernel["weights"].is_null())
+        mapped.insert(kernel["weights"].at("file").get<std::string>());
+  } catch (const std::exception&) {
+    // the load that follows names what is wrong
+  }
+  int64_t total = 0;
+  std::error_code error;
+  for (auto it = fs::recursive_directory_iterator(folder, error); !error && it != fs::recursive_directory_iterator();
+       it.increment(error))
+    if (it->is_regular_file(error) && !mapped.count(fs::relative(it->path(), folder, error).generic_string()))
+      total += static_cast<int64_t>(it->file_size(error));
+  return total;
 }
 
 void log(const std::string& level, const std::string& message) {
@@ -283,7 +318,8 @@ std::vector<std::string> ModelSet::versions(const std::string& name) const {
   std::lock_guard<std::mutex> lock(mutex_);
   if (!is_repository()) return {"1"};
   std::vector<std::string> listed;
-  for (const auto& [v, _] : models_.at(name)) listed.push_back(std::to_string(v));
+  if (auto model = models_.find(name); model != models_.end())  // (unloaded since: none)
+    for (const auto& [v, _] : model->second) listed.push_back(std::to_string(v));
   return listed;
 }
 
@@ -463,6 +499,14 @@ void ModelSet::sync(const std::string& name, bool explicit_load) {
       }
     } restore{tid, lowered};
     try {
+      const int64_t needed = artifact_bytes(folder), available = available_memory_bytes();
+      if (available >= 0 && needed > available)
+        throw RunnerError("model " + py_repr(name) + " version " + std::to_string(v) + " needs about " +
+                              std::to_string(needed >> 20) + " MiB (" + folder + ") but only " +
+                              std::to_string(available >> 20) +
+                              " MiB are free beside the loaded versions; free memory, unload a version or narrow "
+                              "the version policy",
+                          "LoadError");
       auto version = loader_(folder, name, std::to_string(v));
       std::lock_guard<std::mutex> lock(mutex_);
       failed_.erase({name, v});
