@@ -141,7 +141,8 @@ server-asan: $(STAMP) cpp-deps
 	EMBSERVE_SERVER_BIN=$(abspath $(ASAN_BUILD))/server/embserve-server \
 		ASAN_OPTIONS=detect_leaks=0:abort_on_error=0 UBSAN_OPTIONS=print_stacktrace=1 \
 		$(BIN)/python -m pytest -q -k native tests/test_bad_requests.py tests/server/test_protocol_contract.py \
-		tests/server/test_service.py tests/server/test_hardening.py tests/server/test_native_server.py
+		tests/server/test_service.py tests/server/test_hardening.py tests/server/test_native_server.py \
+		tests/server/test_repository.py tests/server/test_pt2_serving.py
 
 clean:
 	rm -rf $(VENV) artifacts build $(CPP_BUILD) $(ASAN_BUILD)
