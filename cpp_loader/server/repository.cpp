@@ -2,6 +2,7 @@
 // rules and words). A new version is loaded, verified and warmed by the VersionLoader beside the serving ones,
 // then swapped in by one assignment under the lock; a retired version is flushed and dropped, and goes when the
 // last call holding it returns. A version that fails never replaces a good one and is reported with its error.
+#include <sched.h>
 #include <sys/resource.h>
 #include <sys/stat.h>
 #include <sys/syscall.h>
@@ -487,17 +488,32 @@ void ModelSet::sync(const std::string& name, bool explicit_load) {
   auto try_load = [&](int64_t v, std::string& why) -> std::shared_ptr<ServedVersion> {
     const std::string folder = root_ + "/" + name + "/" + std::to_string(v);
     const auto folder_signature = signature(folder);
-    // the load and warm-up at the lowest CPU priority (this thread and the checksum threads it starts; Linux): the
-    // versions serving meanwhile keep the cores they need, and the new version takes longer to arrive instead
+    // the load and warm-up at the lowest CPU priority and on one core (this thread and the checksum threads it
+    // starts, which inherit both; the loader hashes on as many threads as the caller's affinity allows): the
+    // versions serving meanwhile keep the other cores, and the new version takes longer to arrive instead
     const int tid = static_cast<int>(syscall(SYS_gettid));
     const bool lowered = setpriority(PRIO_PROCESS, tid, 19) == 0;
+    cpu_set_t allowed;
+    bool pinned = sched_getaffinity(0, sizeof(allowed), &allowed) == 0 && CPU_COUNT(&allowed) > 1;
+    if (pinned) {
+      cpu_set_t one;
+      CPU_ZERO(&one);
+      for (int cpu = CPU_SETSIZE - 1; cpu >= 0; --cpu)
+        if (CPU_ISSET(cpu, &allowed)) {
+          CPU_SET(cpu, &one);
+          break;
+        }
+      pinned = sched_setaffinity(0, sizeof(one), &one) == 0;
+    }
     struct Restore {
       int tid;
-      bool lowered;
+      bool lowered, pinned;
+      cpu_set_t allowed;
       ~Restore() {
+        if (pinned) sched_setaffinity(0, sizeof(allowed), &allowed);
         if (lowered) setpriority(PRIO_PROCESS, tid, 0);  // may need privileges; the thread then stays nice
       }
-    } restore{tid, lowered};
+    } restore{tid, lowered, pinned, allowed};
     try {
       const int64_t needed = artifact_bytes(folder), available = available_memory_bytes();
       if (available >= 0 && needed > available)
