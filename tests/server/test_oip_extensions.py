@@ -114,8 +114,7 @@ def _start(start_any: Any, server_kind: str, artifact: Any, **config: Any) -> An
 def any_server(request, loop_thread, dense_artifact) -> Iterator[tuple[str, Any]]:
     """(kind, server) of the dense model on each server kind in turn, for tests that only ask it (the statistics
     tests count from a server of their own)."""
-    http = {} if request.param == "native" else {"http_port": 0}
-    served = start_kind(request.param, loop_thread, dense_artifact, max_delay_us=DELAY_US, **http)
+    served = start_kind(request.param, loop_thread, dense_artifact, max_delay_us=DELAY_US, http_port=0)
     yield request.param, served
     served.close_channels()
     served.stop(grace=1.0)

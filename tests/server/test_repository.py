@@ -2,8 +2,8 @@
 and the hot swap of mapped versions (a call in flight ends on the old version, whose weight files are then unmapped,
 read from /proc/<pid>/maps).
 
-One suite, two servers: the tests that take ``server_kind`` run against ``embserve serve`` and embserve-server
-(its REST comes with its own issue: those halves run on the Python server only). Real servers on 127.0.0.1 port 0,
+One suite, two servers: the tests that take ``server_kind`` run against ``embserve serve`` and embserve-server,
+over gRPC and REST. Real servers on 127.0.0.1 port 0,
 talked to with tritonclient; expected values come from runtimes loaded in-process from the same version folders.
 """
 
@@ -46,18 +46,14 @@ MODEL = "ctr"
 
 
 def start_repository(start_any: Any, server_kind: str, root: Path, **config: Any) -> Any:
-    """A server of ``server_kind`` on the repository ``root`` (the Python one with REST too)."""
-    if server_kind == "python":
-        config.setdefault("http_port", 0)
+    """A server of ``server_kind`` on the repository ``root``, with gRPC and REST."""
+    config.setdefault("http_port", 0)
     return start_any(root, **config)
 
 
 def transports(served: Any) -> list[tuple[str, str]]:
-    """(protocol, address) of each OIP transport ``served`` speaks: gRPC, and REST on the Python server."""
-    found = [("grpc", served.address)]
-    if served.kind == "python":
-        found.append(("http", f"127.0.0.1:{served.running.http_port}"))
-    return found
+    """(protocol, address) of each OIP transport ``served`` speaks: gRPC and REST."""
+    return [("grpc", served.address), ("http", f"127.0.0.1:{served.running.http_port}")]
 
 
 def wait_until(done: Callable[[], bool], what: str, timeout: float = 4 * CALL_TIMEOUT) -> None:
