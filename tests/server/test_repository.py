@@ -200,6 +200,12 @@ def test_a_broken_version_never_replaces_a_good_one(tmp_path, server_kind, start
     properties = stub.ModelMetadata(pb.ModelMetadataRequest(name=MODEL), timeout=CALL_TIMEOUT).properties
     failed_versions = json.loads(properties["failed_versions"])
     assert list(failed_versions) == ["2"] and "fails its sha256 check" in failed_versions["2"]
+    # REST's metadata says the same: the loaded versions and the failed one with why
+    with urllib.request.urlopen(
+        f"http://{dict(transports(served))['http']}/v2/models/{MODEL}", timeout=CALL_TIMEOUT
+    ) as got:
+        rest = json.load(got)
+    assert rest["versions"] == ["1"] and rest["properties"]["failed_versions"] == properties["failed_versions"]
     loads = len(transports(served))  # one explicit load of the broken version per transport
     assert served.metric("embserve_requests_total", {"method": "model load", "code": "FAILED"}) == loads
 
