@@ -154,7 +154,8 @@ server-asan: cpp
 		$(BIN)/python -m pytest -q -p no:cacheprovider -n $(PYTEST_WORKERS) --dist loadfile -k native \
 		tests/test_bad_requests.py tests/server/test_protocol_contract.py tests/server/test_service.py \
 		tests/server/test_hardening.py tests/server/test_native_server.py tests/server/test_oip_http.py \
-		tests/server/test_oip.py tests/server/test_oip_security.py
+		tests/server/test_oip.py tests/server/test_oip_security.py tests/server/test_repository.py \
+		tests/server/test_pt2_serving.py
 
 clean:
 	rm -rf $(VENV) artifacts build $(CPP_BUILD)

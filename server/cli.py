@@ -286,7 +286,7 @@ def add_subcommands(subcommands: Any) -> None:
         "--native",
         action="store_true",
         help="serve with the native C++ binary embserve-server (make server builds it): embserve.v1 and OIP gRPC, "
-        "the same flags; one artifact, TorchScript backend",
+        "the same flags; an artifact or a repository (--poll-s, --version-policy), TorchScript or pt2 backend",
     )
     srv.add_argument("--host", default="0.0.0.0", help="address to bind (every interface; 127.0.0.1: this host only)")
     srv.add_argument("--port", type=int, default=50051, help="gRPC port (0: any free port); refused when in use")

@@ -23,10 +23,11 @@ PASSED = (
     "--host", "--port", "--max-batch-size", "--max-delay-us", "--max-merge-examples", "--batch-wait",
     "--max-queue", "--forward-threads", "--intra-op-threads", "--threads", "--max-message-mb", "--metrics-port",
     "--metrics-host", "--tls-cert", "--tls-key", "--auth-token-file", "--drain-grace-s", "--drain-quiet-s",
-    "--drain-seconds", "--model-name", "--verify", "--http-port", "--http-host",
+    "--drain-seconds", "--model-name", "--verify", "--http-port", "--http-host", "--backend", "--poll-s",
+    "--version-policy",
 )  # fmt: skip
-# the flags (and values) that come with the next issue (the model repository, pt2 on the binary)
-NEXT_ISSUE = ("--poll-s", "--version-policy")
+# --backend values the binary runs (onnxruntime stays with the Python server)
+BACKENDS = ("torchscript", "pt2")
 
 
 def find_binary() -> str:
@@ -49,13 +50,9 @@ def find_binary() -> str:
 
 def native_command(args: argparse.Namespace) -> list[str]:
     """The binary's command line for these ``embserve serve`` arguments (ConfigError for any it lacks)."""
-    from server.repository import is_repository
-
-    next_issue = "comes with the next native-server issue; serve without --native for now"
-    if is_repository(args.artifact):
-        raise ConfigError(f"--native serves one artifact folder; a model repository ({args.artifact}) {next_issue}")
-    if args.backend == "pt2":
-        raise ConfigError(f"--native with --backend pt2 {next_issue}")
+    if args.backend not in BACKENDS:
+        runs = " or ".join(BACKENDS)
+        raise ConfigError(f"{BINARY} runs --backend {runs}, not {args.backend}; serve without --native")
     command = [find_binary(), str(args.artifact)]
     for action in args.parser._actions:
         if not action.option_strings or action.dest in ("help", "native"):
@@ -64,8 +61,6 @@ def native_command(args: argparse.Namespace) -> list[str]:
         if value == action.default:
             continue
         flag = action.option_strings[-1]
-        if flag in NEXT_ISSUE:
-            raise ConfigError(f"--native with {flag} {next_issue}")
         if flag not in PASSED:
             raise ConfigError(f"{BINARY} has no {flag}: drop it, or serve without --native")
         if isinstance(action, argparse._StoreTrueAction):

@@ -42,8 +42,6 @@ struct Refusal {
   const char* reason;
 };
 
-Refusal not_found(const std::string& message) { return {"NOT_FOUND", 404, message, "not_found"}; }
-
 // the JSON body of every error: {"error": "..."}
 void put_error(httplib::Response& response, int status, const std::string& message) {
   response.status = status;
@@ -375,7 +373,7 @@ Json values_of(const char* data, int64_t count, bool fp16) {
   return out;
 }
 
-Json statistics_json(const std::string& name, const StatisticsSnapshot& s) {
+Json statistics_json(const std::string& name, const std::string& version, const StatisticsSnapshot& s) {
   auto duration = [](const Duration& d) { return Json{{"count", d.count}, {"ns", d.ns}}; };
   Json batches = Json::array();
   for (const auto& [examples, b] : s.batches)
@@ -384,7 +382,7 @@ Json statistics_json(const std::string& name, const StatisticsSnapshot& s) {
                        {"compute_infer", duration(b.compute_infer)},
                        {"compute_output", duration(b.compute_output)}});
   return Json{{"name", name},
-              {"version", "1"},
+              {"version", version},
               {"last_inference", s.last_inference_ms},
               {"inference_count", s.inference_count},
               {"execution_count", s.execution_count},
@@ -534,6 +532,12 @@ void HttpServer::respond(const httplib::Request& request, httplib::Response& res
   } catch (const Refusal& refusal) {
     code = refusal.code, reason = refusal.reason;
     put_error(response, refusal.status, refusal.message);
+  } catch (const ModelSetError& err) {  // rest_server: NOT_FOUND is 404, the repository's other refusals 400
+    const bool missing = err.code == ModelSetError::Code::NotFound;
+    code = missing ? "NOT_FOUND"
+                   : err.code == ModelSetError::Code::FailedPrecondition ? "FAILED_PRECONDITION" : "INVALID_ARGUMENT";
+    reason = err.reason;
+    put_error(response, missing ? 404 : 400, err.what());
   } catch (const BadRequest& err) {
     code = "INVALID_ARGUMENT", reason = "invalid";
     put_error(response, 400, err.what());
@@ -572,13 +576,7 @@ void HttpServer::route(const httplib::Request& request, httplib::Response& respo
   while (!path.empty() && path.back() == '/') path.pop_back();
   if (path.empty()) path = "/";
   const std::string& method = request.method;
-  const ModelInfo& info = service_.info_;
-  auto find = [&](const std::string& name, const std::string& version) {
-    if (name != info.name)
-      throw not_found("unknown model " + py_repr(name) + "; this server serves " + py_list({info.name}));
-    if (!version.empty() && version != "1")
-      throw not_found("model " + py_repr(name) + " has no version " + py_repr(version) + "; its versions are ['1']");
-  };
+  ModelSet& models = service_.models();  // ModelSetError NotFound for an unknown model or version
   if (method == "GET" && (path == "/v2/health/live" || path == "/v2/health/ready")) {
     operation = "REST health";
     const bool ok = path == "/v2/health/live" || service_.oip_ready();
@@ -592,41 +590,50 @@ void HttpServer::route(const httplib::Request& request, httplib::Response& respo
                                    {"extensions", {"binary_tensor_data", "model_repository", "model_configuration",
                                                    "statistics"}}});
   }
-  auto statistics = [&] {
-    return Json{{"model_stats", Json::array({statistics_json(info.name, service_.statistics_.snapshot())})}};
+  // OipCore.model_statistics: every loaded version of every model (no name), of one model (no version), or one
+  auto statistics = [&](const std::string& name, const std::string& version) {
+    std::vector<std::shared_ptr<ServedVersion>> served;
+    if (name.empty()) {
+      served = models.served();
+    } else if (!version.empty()) {
+      served.push_back(models.find(name, version));
+    } else {
+      for (const auto& v : models.versions(name)) served.push_back(models.find(name, v));
+    }
+    Json stats = Json::array();
+    for (const auto& model : served) stats.push_back(statistics_json(model->name, model->version, model->statistics.snapshot()));
+    return Json{{"model_stats", std::move(stats)}};
   };
   if (method == "GET" && path == "/v2/models/stats") {
     operation = "REST ModelStatistics";
-    return put_json(response, statistics());
+    return put_json(response, statistics("", ""));
   }
   std::smatch match;
   if (std::regex_match(path, match, model_path())) {
     const std::string name = unquote(match[1]), version = unquote(match[2]), action = match[3];
     if (method == "GET" && action.empty()) {
       operation = "REST ModelMetadata";
-      find(name, version);
-      response.status = 200;
-      return response.set_content(service_.oip_metadata_json_, "application/json");
+      // OipCore.model_metadata: the model's loaded versions, and the ones that failed to load with why
+      const std::shared_ptr<ServedVersion> model = models.find(name, version);
+      Json metadata = Json::parse(model->oip_metadata_json);
+      metadata["versions"] = models.versions(name);
+      const auto failures = models.failures(name);
+      if (!failures.empty()) metadata["properties"]["failed_versions"] = python_json(failures);
+      return put_json(response, metadata);
     }
     if (method == "GET" && action == "/config") {
       operation = "REST ModelConfig";
-      find(name, version);
+      const std::shared_ptr<ServedVersion> model = models.find(name, version);
       response.status = 200;
-      return response.set_content(service_.oip_config_json_, "application/json");
+      return response.set_content(model->oip_config_json, "application/json");
     }
     if (method == "GET" && action == "/stats") {
       operation = "REST ModelStatistics";
-      find(name, version);
-      return put_json(response, statistics());
+      return put_json(response, statistics(name, version));
     }
     if (method == "GET" && action == "/ready") {
       operation = "REST ModelReady";
-      bool ready = service_.oip_ready();
-      try {
-        find(name, version);
-      } catch (const Refusal&) {
-        ready = false;
-      }
+      const bool ready = service_.oip_ready() && models.ready(name, version);
       response.status = ready ? 200 : 400;
       return;
     }
@@ -651,19 +658,22 @@ void HttpServer::route(const httplib::Request& request, httplib::Response& respo
     }
     if (!options.is_object() || (options.contains("ready") && !options["ready"].is_boolean()))
       throw BadRequest("the repository index request must be a JSON object like {\"ready\": true}");
-    return put_json(response,
-                    Json::array({Json{{"name", info.name}, {"version", "1"}, {"state", "READY"}, {"reason", ""}}}));
+    Json index = Json::array();
+    for (const auto& entry : models.index(options.value("ready", false)))
+      index.push_back(
+          Json{{"name", entry.name}, {"version", entry.version}, {"state", entry.state}, {"reason", entry.reason}});
+    return put_json(response, index);
   }
   if (method == "POST" && std::regex_match(path, match, repository_path())) {
     const std::string name = unquote(match[1]);
     const bool load = match[2] == "load";
     operation = load ? "REST RepositoryModelLoad" : "REST RepositoryModelUnload";
-    find(name, "");
-    if (!load)
-      throw Refusal{"FAILED_PRECONDITION", 400,
-                    "this server serves one artifact; start it on a repository (REPO/<model>/<version>/) to unload "
-                    "models",
-                    "unsupported"};
+    // blocking (a load verifies and warms a version: seconds): on this connection's worker thread, never on the
+    // listener's, so other connections are answered meanwhile
+    if (load)
+      models.load(name);
+    else
+      models.unload(name);
     return put_json(response, Json::object());
   }
   throw Refusal{"NOT_FOUND", 404, "no route " + method + " " + raw + "; see the /v2 routes in the README", "no_route"};
@@ -682,15 +692,12 @@ void HttpServer::infer(const std::string& name, const std::string& version, cons
   const auto started = Clock::now();
   if (!service_.ready_) throw Refusal{"UNAVAILABLE", 503, "the server is warming up; retry shortly", "warming_up"};
   if (service_.closing_) throw Refusal{"UNAVAILABLE", 503, kDraining, "draining"};
-  const ModelInfo& info = service_.info_;
-  if (name != info.name)
-    throw not_found("unknown model " + py_repr(name) + "; this server serves " + py_list({info.name}));
-  if (!version.empty() && version != "1")
-    throw not_found("model " + py_repr(name) + " has no version " + py_repr(version) + "; its versions are ['1']");
+  // the version this request runs on, held until it is answered (a swap never waits for it)
+  const std::shared_ptr<ServedVersion> model = service_.models().find(name, version);
   auto ns = [](Clock::duration d) { return std::chrono::duration_cast<std::chrono::nanoseconds>(d).count(); };
   Call call;
   try {
-    const ModelShape& shape = service_.shape_;
+    const ModelShape& shape = model->shape();
     const auto decoding = Clock::now();
     decode_oip_inputs(body.inputs, shape, request);
     const OipOutputs chosen =
@@ -720,7 +727,7 @@ void HttpServer::infer(const std::string& name, const std::string& version, cons
         outs.push_back({o.name, "FP32", {batch}, static_cast<size_t>(batch) * 4, binary, false});
     }
     auto header = [&](const std::vector<const char*>& data) {
-      Json payload = {{"model_name", info.name}, {"model_version", "1"}};
+      Json payload = {{"model_name", model->name}, {"model_version", model->version}};
       if (body.request.contains("id")) payload["id"] = body.request["id"];
       Json outputs = Json::array();
       for (size_t i = 0; i < outs.size(); ++i) {
@@ -774,11 +781,11 @@ void HttpServer::infer(const std::string& name, const std::string& version, cons
       finished = true;
       answered.notify_one();
     };
-    Batcher* batcher = service_.lookups_.get();
+    Batcher* batcher = model->lookups.get();
     if (!chosen.scores) {
       request.dense = nullptr;
     } else {
-      batcher = chosen.embeddings ? service_.both_.get() : service_.predictions_.get();
+      batcher = chosen.embeddings ? model->both.get() : model->predictions.get();
     }
     if (!batcher->submit(&call))
       throw Refusal{"RESOURCE_EXHAUSTED", 429,
@@ -813,10 +820,10 @@ void HttpServer::infer(const std::string& name, const std::string& version, cons
     // the answer's encoding
     const auto now = Clock::now();
     const StageTimes& t = call.timing;
-    service_.statistics_.request_succeeded(batch, ns(now - started), t.queue_ns, ns(decoded - started) + t.merge_ns,
+    model->statistics.request_succeeded(batch, ns(now - started), t.queue_ns, ns(decoded - started) + t.merge_ns,
                                            t.forward_ns, t.split_ns + ns(now - t.answered));
   } catch (...) {
-    service_.statistics_.request_failed(ns(Clock::now() - started));
+    model->statistics.request_failed(ns(Clock::now() - started));
     throw;
   }
 }

@@ -1,7 +1,8 @@
 // The Open Inference Protocol over HTTP/REST in embserve-server (--http-port): server/adapters/oip/rest_server.py's
 // routes, status codes, JSON error bodies and words, on cpp-httplib (Debian's libcpp-httplib-dev). Requests are
-// decoded with the gRPC handlers' rules (oip_codec.h, request.h) and run on the same batchers, statistics and
-// metrics (service.h). Plain C++ and JSON: no torch, no protobuf in the handlers' path.
+// decoded with the gRPC handlers' rules (oip_codec.h, request.h); each finds its model version in the service's
+// ModelSet (model_set.h), holds it until answered and runs on its batchers and statistics; the repository
+// routes load and unload through the same ModelSet. Plain C++ and JSON: no torch, no protobuf in the handlers' path.
 #pragma once
 
 #include <atomic>

@@ -1,6 +1,7 @@
 // embserve-server: serve one exported artifact over gRPC from native code.
 //
 //   embserve-server ARTIFACT [--host H] [--port P] [--max-batch-size N] ...   (the flags of `embserve serve`)
+//   embserve-server REPO [--poll-s S] [--version-policy latest:N|versions:1,3] ...   (REPO/<model>/<version>/)
 //
 // Prints "embserve: serving on port P" once warm; SIGTERM/SIGINT drain (NOT_SERVING, a grace while traffic moves
 // away, then new calls refused with UNAVAILABLE and every accepted one answered) and exit 0.
@@ -67,6 +68,9 @@ struct Flags {
   int warmup_batches = 3;
   int grpc_threads = 0;  // completion-queue threads; 0: 1 per 2 cores, at least 1
   bool reuse_port = false;
+  std::string backend = "torchscript";  // or pt2 (model.pt2, AOTInductor)
+  double poll_s = 0;                    // a repository: look for new versions this often (0: on load calls only)
+  std::string version_policy = "latest:1";
 };
 
 const char* kUsage =
@@ -76,7 +80,7 @@ const char* kUsage =
     "  [--metrics-host H] [--http-port P] [--http-host H]\n"
     "  [--tls-cert PEM] [--tls-key PEM] [--auth-token-file F] [--drain-grace-s S] [--drain-quiet-s S]\n"
     "  [--drain-seconds S] [--model-name NAME] [--verify full|none] [--warmup-batches N] [--grpc-threads N]\n"
-    "  [--reuse-port]\n";
+    "  [--reuse-port] [--backend torchscript|pt2] [--poll-s S] [--version-policy latest:N|versions:1,3]\n";
 
 template <typename T>
 T number(const std::string& flag, const std::string& text) {
@@ -115,6 +119,9 @@ Flags parse_flags(int argc, char** argv) {
       {"--verify", [&](auto& v) { f.verify = v; }},
       {"--warmup-batches", [&](auto& v) { f.warmup_batches = number<int>("--warmup-batches", v); }},
       {"--grpc-threads", [&](auto& v) { f.grpc_threads = number<int>("--grpc-threads", v); }},
+      {"--backend", [&](auto& v) { f.backend = v; }},
+      {"--poll-s", [&](auto& v) { f.poll_s = number<double>("--poll-s", v); }},
+      {"--version-policy", [&](auto& v) { f.version_policy = v; }},
   };
   for (int i = 1; i < argc; ++i) {
     std::string arg = argv[i];
@@ -149,6 +156,9 @@ Flags parse_flags(int argc, char** argv) {
   if (f.batch_wait != "overlap" && f.batch_wait != "always")
     throw ConfigError("batch_wait '" + f.batch_wait + "': use 'overlap' or 'always'");
   if (f.verify != "full" && f.verify != "none") throw ConfigError("--verify " + f.verify + ": use full or none");
+  if (f.backend != "torchscript" && f.backend != "pt2")
+    throw ConfigError("--backend " + f.backend + ": embserve-server runs torchscript or pt2");
+  if (f.poll_s < 0) throw ConfigError("--poll-s " + std::to_string(f.poll_s) + ": give seconds >= 0 (0: no polling)");
   if (f.max_batch_size < 1 || f.max_queue < 1 || f.max_merge_examples < 1 || f.max_delay_us < 0 ||
       f.forward_threads < 0)
     throw ConfigError("batcher settings max_batch_size=" + std::to_string(f.max_batch_size) + ", max_queue=" +
@@ -238,15 +248,23 @@ int serve(const Flags& flags, const sigset_t& signals) {
   }
 
   // thread counts as server/app.py: forwards from the cores and the model's CPU shards, torch and kernels share
-  es::ModelInfo info;
+  const bool repository = es::is_repository(flags.artifact);
   int cpu_shards = 1;
+  if (!repository) {
+    try {
+      const es::ModelInfo info = es::read_model_info(flags.artifact, flags.model_name);
+      bool cpu = true;
+      for (const auto& d : info.devices) cpu = cpu && d == "cpu";
+      cpu_shards = cpu ? std::max(1, info.world_size) : 1;
+    } catch (const std::exception&) {
+      // the loader names what is wrong with the artifact below
+    }
+  }
+  es::VersionPolicy policy;
   try {
-    info = es::read_model_info(flags.artifact, flags.model_name);
-    bool cpu = true;
-    for (const auto& d : info.devices) cpu = cpu && d == "cpu";
-    cpu_shards = cpu ? std::max(1, info.world_size) : 1;
-  } catch (const std::exception&) {
-    // the loader names what is wrong with the artifact below
+    policy = es::VersionPolicy::parse(flags.version_policy);
+  } catch (const std::invalid_argument& err) {
+    throw ConfigError(err.what());
   }
   const int cores = std::max(1u, std::thread::hardware_concurrency());
   const int workers = flags.forward_threads > 0 ? flags.forward_threads : std::max(1, cores / cpu_shards);
@@ -255,8 +273,7 @@ int serve(const Flags& flags, const sigset_t& signals) {
   runner_options.intra_op_threads =
       flags.intra_op_threads > 0 ? flags.intra_op_threads : std::max(1, cores / (workers * cpu_shards));
   runner_options.kernel_threads = flags.threads > 0 ? flags.threads : std::max(1, cores / (workers * cpu_shards));
-  std::unique_ptr<es::Runner> runner = es::Runner::load(flags.artifact, runner_options);
-  info = es::read_model_info(flags.artifact, flags.model_name);
+  runner_options.pt2 = flags.backend == "pt2";
 
   es::ServiceOptions options;
   options.max_batch_size = flags.max_batch_size;
@@ -271,8 +288,40 @@ int serve(const Flags& flags, const sigset_t& signals) {
   es::Service* service_ptr = nullptr;
   es::Metrics metrics([&] { return service_ptr ? service_ptr->queue_depth() : 0.0; },
                       [&] { return service_ptr ? static_cast<double>(service_ptr->in_flight()) : 0.0; });
-  es::Service service(*runner, info, options, &metrics);
+  es::Service service(options, &metrics);
   service_ptr = &service;
+  // what it serves: one artifact (version "1", warmed once the port is bound), or a repository whose versions are
+  // each loaded, verified and warmed before they serve (model_set.h)
+  std::unique_ptr<es::ModelSet> models;
+  std::string served_version;
+  if (repository) {
+    es::VersionLoader load_version = [&](const std::string& folder, const std::string& name,
+                                         const std::string& version) {
+      // the loader first: it names what is wrong with the version (read_model_info assumes a checked manifest)
+      std::unique_ptr<es::Runner> runner = es::Runner::load(folder, runner_options);
+      auto loaded = service.build_version(std::move(runner), es::read_model_info(folder, name), name, version);
+      es::warm_up(*loaded, flags.warmup_batches, flags.max_batch_size);
+      return loaded;
+    };
+    models = std::make_unique<es::ModelSet>(flags.artifact, policy, load_version, &metrics);
+    try {
+      models->load_all();
+    } catch (const es::ModelSetError&) {
+      throw;
+    } catch (const es::RunnerError&) {
+      throw;
+    } catch (const std::runtime_error& err) {
+      throw ConfigError(err.what());
+    }
+    served_version = "repository " + policy.describe();
+  } else {
+    std::unique_ptr<es::Runner> runner = es::Runner::load(flags.artifact, runner_options);
+    es::ModelInfo info = es::read_model_info(flags.artifact, flags.model_name);
+    served_version = "model " + info.version;
+    const std::string name = info.name;
+    models = std::make_unique<es::ModelSet>(service.build_version(std::move(runner), std::move(info), name, "1"));
+  }
+  service.set_models(models.get());
   service.completion_queues = flags.grpc_threads > 0 ? flags.grpc_threads : std::max(1, cores / 2);
 
   grpc::EnableDefaultHealthCheckService(true);
@@ -341,12 +390,13 @@ int serve(const Flags& flags, const sigset_t& signals) {
 #endif
   std::cerr << "INFO embserve-server: warming up on port " << port << " (" << flags.warmup_batches << " batches)"
             << std::endl;
-  service.warm_up(flags.warmup_batches);
+  if (!repository) es::warm_up(*models->served()[0], flags.warmup_batches, flags.max_batch_size);
+  models->start_polling(flags.poll_s);
   service.set_ready(true);
   health->SetServingStatus("", true);
   health->SetServingStatus(kServiceName, true);
-  std::cerr << "INFO embserve-server: serving " << flags.artifact << " on port " << port << " (model " << info.version
-            << ", " << runner->shape().features.size() << " features, max batch " << flags.max_batch_size
+  std::cerr << "INFO embserve-server: serving " << flags.artifact << " on port " << port << " (" << served_version
+            << ", " << flags.backend << ", max batch " << flags.max_batch_size
             << ", delay " << flags.max_delay_us << " us, " << workers << " forward threads, "
             << service.completion_queues << " gRPC threads)"
             << (metrics_port ? ", metrics on port " + std::to_string(metrics_port) : "")

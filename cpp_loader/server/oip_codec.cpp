@@ -5,6 +5,7 @@
 #include <algorithm>
 #include <cctype>
 #include <map>
+#include <nlohmann/json.hpp>
 #include <set>
 
 namespace embserve::server {
@@ -283,6 +284,14 @@ OipOutputs choose_oip_outputs(std::vector<OipOutput> requested, bool has_dense, 
     throw BadRequest("output 'scores' needs the input 'dense_features' (FP32 [batch, num_dense])");
   chosen.outputs = std::move(requested);
   return chosen;
+}
+
+std::string python_json(const std::map<std::string, std::string>& mapping) {
+  std::string out = "{";
+  for (const auto& [key, value] : mapping)
+    out += (out.size() > 1 ? ", " : "") + nlohmann::json(key).dump(-1, ' ', true) + ": " +
+           nlohmann::json(value).dump(-1, ' ', true);
+  return out + "}";
 }
 
 }  // namespace embserve::server

@@ -4,6 +4,7 @@
 #pragma once
 
 #include <cstdint>
+#include <map>
 #include <string>
 #include <vector>
 
@@ -57,5 +58,9 @@ void decode_oip_inputs(const std::vector<OipInput>& inputs, const ModelShape& sh
 // codec.choose_outputs: the outputs to compute (none requested: embeddings, FP16 when `fp16`, and scores when the
 // request carries dense features); BadRequest in Python's words for an unknown, repeated or impossible one.
 OipOutputs choose_oip_outputs(std::vector<OipOutput> requested, bool has_dense, bool dense_given, bool fp16);
+
+// json.dumps(mapping, sort_keys=True) of str -> str (Python's separators ", " and ": "): the metadata's
+// failed_versions property (OipCore.model_metadata), over gRPC and REST alike
+std::string python_json(const std::map<std::string, std::string>& mapping);
 
 }  // namespace embserve::server

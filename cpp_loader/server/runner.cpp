@@ -81,8 +81,17 @@ std::unique_ptr<Runner> Runner::load(const std::string& artifact_dir, const Runn
   load_options.verify = options.verify_full ? Verify::Full : Verify::None;
   load_options.intra_op_threads = options.intra_op_threads;
   load_options.kernel_threads = options.kernel_threads;
+  load_options.backend = options.pt2 ? Backend::Pt2 : Backend::TorchScript;
   try {
     return std::make_unique<ModelRunner>(Model::load(artifact_dir, load_options));
+  } catch (const ManifestError& err) {
+    throw RunnerError(err.what(), "ArtifactError(kind=manifest)");
+  } catch (const ChecksumError& err) {
+    throw RunnerError(err.what(), "ArtifactError(kind=checksum)");
+  } catch (const LibraryError& err) {
+    throw RunnerError(err.what(), "ArtifactError(kind=library)");
+  } catch (const ModelError& err) {
+    throw RunnerError(err.what(), "ArtifactError(kind=model)");
   } catch (const std::exception& err) {
     throw RunnerError(err.what());
   }

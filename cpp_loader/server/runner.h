@@ -6,6 +6,7 @@
 #include <memory>
 #include <stdexcept>
 #include <string>
+#include <utility>
 #include <vector>
 
 namespace embserve::server {
@@ -16,9 +17,12 @@ class RunnerRequestError : public std::runtime_error {
   using std::runtime_error::runtime_error;
 };
 // Anything else the loader or torch raised: the artifact cannot be loaded, or a forward failed (INTERNAL).
+// `kind`: the loader's error as Python's describe_failure names it ("ArtifactError(kind=checksum)", ...), or empty.
 class RunnerError : public std::runtime_error {
  public:
-  using std::runtime_error::runtime_error;
+  explicit RunnerError(const std::string& message, std::string kind = "")
+      : std::runtime_error(message), kind(std::move(kind)) {}
+  std::string kind;
 };
 
 struct FeatureColumns {
@@ -70,11 +74,12 @@ struct RunnerOptions {
   bool verify_full = true;
   int intra_op_threads = -1;  // LoadOptions.intra_op_threads: torch threads per forward
   int kernel_threads = -1;    // LoadOptions.kernel_threads: example ranges a CPU kernel splits a batch into
+  bool pt2 = false;           // --backend pt2: model.pt2 (AOTInductor) runs the forwards instead of model.pt
 };
 
 class Runner {
  public:
-  // Load the artifact (the TorchScript backend). Throws RunnerError with the loader's message.
+  // Load the artifact (TorchScript, or pt2 when options.pt2). Throws RunnerError with the loader's message.
   static std::unique_ptr<Runner> load(const std::string& artifact_dir, const RunnerOptions& options);
   virtual ~Runner() = default;
   virtual const ModelShape& shape() const = 0;

@@ -141,6 +141,14 @@ bool parameter_flag(const google::protobuf::Map<std::string, oip::InferParameter
   }
 }
 
+grpc::StatusCode status_of(ModelSetError::Code code) {
+  switch (code) {
+    case ModelSetError::Code::NotFound: return grpc::NOT_FOUND;
+    case ModelSetError::Code::FailedPrecondition: return grpc::FAILED_PRECONDITION;
+    default: return grpc::INVALID_ARGUMENT;
+  }
+}
+
 }  // namespace
 
 // A service of `name` for reflection's list only: every real method is left to the generic service; the one
@@ -212,6 +220,7 @@ class Service::Call {
   Request request_model_;
   std::string reply_;
   embserve::server::Call batch_call_;
+  std::shared_ptr<ServedVersion> model_;  // the version this call runs on (held: a swap frees it after the call)
 
   // ---------------------------------------------------------------- answers
   void finish_status(const grpc::Status& status) {
@@ -248,10 +257,10 @@ class Service::Call {
     const auto now = Clock::now();
     auto ns = [](Clock::duration d) { return std::chrono::duration_cast<std::chrono::nanoseconds>(d).count(); };
     const int64_t total = ns(now - started_);
-    if (code != grpc::OK) return service_.statistics_.request_failed(total);
+    if (code != grpc::OK) return model_->statistics.request_failed(total);
     const StageTimes& t = batch_call_.timing;
     const int64_t input = ns(decoded_ - started_) + t.merge_ns, output = t.split_ns + ns(now - t.answered);
-    service_.statistics_.request_succeeded(request_model_.batch, total, t.queue_ns, input, t.forward_ns, output);
+    model_->statistics.request_succeeded(request_model_.batch, total, t.queue_ns, input, t.forward_ns, output);
   }
 
   void internal(const std::exception& err) {
@@ -307,6 +316,8 @@ class Service::Call {
       refuse(grpc::UNIMPLEMENTED, "unknown method " + clip(method_), "");
     } catch (const Failure& failure) {
       refuse(failure.code, failure.message, failure.reason);
+    } catch (const ModelSetError& err) {
+      refuse(status_of(err.code), err.what(), err.reason);
     } catch (const BadRequest& err) {
       refuse(grpc::INVALID_ARGUMENT, err.what(), "invalid");
     } catch (const std::exception& err) {
@@ -342,22 +353,14 @@ class Service::Call {
     if (service_.closing_) throw Failure{grpc::UNAVAILABLE, kDraining, "draining"};
   }
 
-  // SingleModel.find: the one model, version "1" (or empty)
+  // ModelSet.find: the version the call runs on, held until the call is answered (a swap never waits for it)
   void find(const std::string& name, const std::string& version) {
-    const ModelInfo& info = service_.info_;
-    if (name != info.name)
-      throw Failure{grpc::NOT_FOUND,
-                    "unknown model " + py_repr(name) + "; this server serves " + py_list({info.name}), "not_found"};
-    if (!version.empty() && version != "1")
-      throw Failure{grpc::NOT_FOUND,
-                    "model " + py_repr(name) + " has no version " + py_repr(version) + "; its versions are ['1']",
-                    "not_found"};
+    model_ = service_.models().find(name, version);
   }
 
-  // v1 requests naming a model (InferenceServicer._target with one artifact)
+  // v1 requests naming a model (InferenceServicer._target); none: the default model's newest version
   void target(const std::string& name, const std::string& version) {
-    if (name.empty() && version.empty()) return;
-    find(name.empty() ? service_.info_.name : name, version);
+    model_ = service_.models().v1_target(name, version);
   }
 
   void check_deadline() {
@@ -384,7 +387,7 @@ class Service::Call {
 
   // ---------------------------------------------------------------- embserve.v1
   void decode_sparse(const v1::SparseFeatures& sparse) {
-    const ModelShape& shape = service_.shape_;
+    const ModelShape& shape = model_->shape();
     Request& r = request_model_;
     if (sparse.form_case() == v1::SparseFeatures::kPacked) {
       const v1::PackedFeatures& packed = sparse.packed();
@@ -473,7 +476,7 @@ class Service::Call {
     decode_sparse(lookup_.sparse());
     service_.metrics_->stage("decode", std::chrono::duration<double>(Clock::now() - decoding).count());
     check_deadline();
-    const ModelShape& shape = service_.shape_;
+    const ModelShape& shape = model_->shape();
     const bool fp16 = output_type == v1::OUTPUT_TYPE_FP16;
     v1::LookupResponse head;
     head.set_batch_size(static_cast<int32_t>(request_model_.batch));
@@ -485,7 +488,7 @@ class Service::Call {
       column->set_start(static_cast<int32_t>(f.column_start));
       column->set_end(static_cast<int32_t>(f.column_end));
     }
-    head.set_model_version(service_.info_.version);
+    head.set_model_version(model_->info.version);
     std::vector<size_t> offsets;
     const size_t size = static_cast<size_t>(request_model_.batch * shape.output_dim) * (fp16 ? 2 : 4);
     if (request_model_.batch * shape.output_dim > 0) {
@@ -496,14 +499,14 @@ class Service::Call {
     }
     batch_call_.embeddings_fp16 = fp16;
     batch_call_.done = [this](Outcome outcome, const std::string& message) { on_done(outcome, message); };
-    submit(*service_.lookups_);
+    submit(*model_->lookups);
   }
 
   void predict() {
     predict_ = parsed<v1::PredictRequest>(request_, "PredictRequest");
     accept();
     target(predict_.model_name(), predict_.model_version());
-    if (!service_.predictions_)
+    if (!model_->predictions)
       throw Failure{grpc::FAILED_PRECONDITION, "this model has no dense part; call Lookup", "no_dense_part"};
     const auto decoding = Clock::now();
     decode_sparse(predict_.sparse());
@@ -511,7 +514,7 @@ class Service::Call {
     if (dense.size() % 4)
       throw BadRequest("dense_features has " + std::to_string(dense.size()) +
                        " bytes, not a multiple of 4 (torch.float32 values)");
-    const int64_t num_dense = service_.shape_.num_dense_features;
+    const int64_t num_dense = model_->shape().num_dense_features;
     if (static_cast<int64_t>(dense.size() / 4) != request_model_.batch * num_dense)
       throw BadRequest("dense_features holds " + std::to_string(dense.size() / 4) + " floats; expected batch " +
                        std::to_string(request_model_.batch) + " x " + std::to_string(num_dense) + " features");
@@ -521,7 +524,7 @@ class Service::Call {
     check_deadline();
     v1::PredictResponse head;
     head.set_batch_size(static_cast<int32_t>(request_model_.batch));
-    head.set_model_version(service_.info_.version);
+    head.set_model_version(model_->info.version);
     std::vector<size_t> offsets;
     if (request_model_.batch > 0) {
       reply_ = with_bytes_fields(head.SerializeAsString(), v1::PredictResponse::kScoresFieldNumber,
@@ -531,7 +534,7 @@ class Service::Call {
       reply_ = head.SerializeAsString();
     }
     batch_call_.done = [this](Outcome outcome, const std::string& message) { on_done(outcome, message); };
-    submit(*service_.predictions_);
+    submit(*model_->predictions);
   }
 
   void v1_metadata() {
@@ -543,21 +546,17 @@ class Service::Call {
     if (parse(request_, request) && (!request.model_name().empty() || !request.model_version().empty())) {
       begin_tracked("GetModelMetadata");
       target(request.model_name(), request.model_version());
-      return answer(std::string(service_.v1_metadata_));
+      return answer(std::string(model_->v1_metadata));
     }
+    target("", "");
     service_.metrics_->call("GetModelMetadata", "OK", 0.0);
-    answer(std::string(service_.v1_metadata_));
+    answer(std::string(model_->v1_metadata));
   }
 
   // ---------------------------------------------------------------- the Open Inference Protocol
   void model_ready() {
     auto request = parsed<oip::ModelReadyRequest>(request_, "ModelReadyRequest");
-    bool ready = service_.oip_ready();
-    try {
-      find(request.name(), request.version());
-    } catch (const Failure&) {
-      ready = false;
-    }
+    const bool ready = service_.oip_ready() && service_.models().ready(request.name(), request.version());
     oip::ModelReadyResponse response;
     response.set_ready(ready);
     answer(response.SerializeAsString());
@@ -566,57 +565,78 @@ class Service::Call {
   void model_metadata() {
     auto request = parsed<oip::ModelMetadataRequest>(request_, "ModelMetadataRequest");
     find(request.name(), request.version());
-    answer(std::string(service_.oip_metadata_));
+    // OipCore.model_metadata: the model's loaded versions, and the ones that failed to load with why
+    oip::ModelMetadataResponse response;
+    response.ParseFromString(model_->oip_metadata);
+    for (const auto& v : service_.models().versions(request.name())) response.add_versions(v);
+    const auto failures = service_.models().failures(request.name());
+    if (!failures.empty()) (*response.mutable_properties())["failed_versions"] = python_json(failures);
+    answer(response.SerializeAsString());
   }
 
   // the model-configuration extension: Triton's ModelConfig of the one model (ServedModel.config)
   void model_config() {
     auto request = parsed<oip::ModelConfigRequest>(request_, "ModelConfigRequest");
     find(request.name(), request.version());
-    answer(std::string(service_.oip_config_));
+    answer(std::string(model_->oip_config));
   }
 
-  // the statistics extension (OipCore.model_statistics): every model (no name: the one), or the one model's
-  // versions (no version: "1"); an unknown model or version is NOT_FOUND in the metadata's words
+  // the statistics extension (OipCore.model_statistics): every loaded version of every model (no name), of one
+  // model (no version), or one version; an unknown model or version is NOT_FOUND in the metadata's words
   void model_statistics() {
     auto request = parsed<oip::ModelStatisticsRequest>(request_, "ModelStatisticsRequest");
-    if (!request.name().empty()) find(request.name(), request.version());
-    const StatisticsSnapshot s = service_.statistics_.snapshot();
+    std::vector<std::shared_ptr<ServedVersion>> models;
+    if (request.name().empty()) {
+      models = service_.models().served();
+    } else if (!request.version().empty()) {
+      models.push_back(service_.models().find(request.name(), request.version()));
+    } else {
+      for (const auto& v : service_.models().versions(request.name()))
+        models.push_back(service_.models().find(request.name(), v));
+    }
     auto put = [](oip::StatisticDuration* to, const Duration& from) {
       to->set_count(from.count);
       to->set_ns(from.ns);
     };
     oip::ModelStatisticsResponse response;
-    auto* m = response.add_model_stats();
-    m->set_name(service_.info_.name);
-    m->set_version("1");
-    m->set_last_inference(s.last_inference_ms);
-    m->set_inference_count(s.inference_count);
-    m->set_execution_count(s.execution_count);
-    auto* stages = m->mutable_inference_stats();
-    put(stages->mutable_success(), s.success);
-    put(stages->mutable_fail(), s.fail);
-    put(stages->mutable_queue(), s.queue);
-    put(stages->mutable_compute_input(), s.compute_input);
-    put(stages->mutable_compute_infer(), s.compute_infer);
-    put(stages->mutable_compute_output(), s.compute_output);
-    for (const auto& [examples, durations] : s.batches) {
-      auto* batch = m->add_batch_stats();
-      batch->set_batch_size(static_cast<uint64_t>(examples));
-      put(batch->mutable_compute_input(), durations.compute_input);
-      put(batch->mutable_compute_infer(), durations.compute_infer);
-      put(batch->mutable_compute_output(), durations.compute_output);
+    for (const auto& model : models) {
+      const StatisticsSnapshot s = model->statistics.snapshot();
+      auto* m = response.add_model_stats();
+      m->set_name(model->name);
+      m->set_version(model->version);
+      m->set_last_inference(s.last_inference_ms);
+      m->set_inference_count(s.inference_count);
+      m->set_execution_count(s.execution_count);
+      auto* stages = m->mutable_inference_stats();
+      put(stages->mutable_success(), s.success);
+      put(stages->mutable_fail(), s.fail);
+      put(stages->mutable_queue(), s.queue);
+      put(stages->mutable_compute_input(), s.compute_input);
+      put(stages->mutable_compute_infer(), s.compute_infer);
+      put(stages->mutable_compute_output(), s.compute_output);
+      for (const auto& [examples, durations] : s.batches) {
+        auto* batch = m->add_batch_stats();
+        batch->set_batch_size(static_cast<uint64_t>(examples));
+        put(batch->mutable_compute_input(), durations.compute_input);
+        put(batch->mutable_compute_infer(), durations.compute_infer);
+        put(batch->mutable_compute_output(), durations.compute_output);
+      }
     }
     answer(response.SerializeAsString());
   }
 
+  // the repository extension: the index (ModelSet.index), and load/unload on a thread of their own (a load
+  // verifies and warms a version: seconds a completion-queue thread must not wait), answered from there
   void repository_index() {
-    parsed<oip::RepositoryIndexRequest>(request_, "RepositoryIndexRequest");
+    auto request = parsed<oip::RepositoryIndexRequest>(request_, "RepositoryIndexRequest");
     oip::RepositoryIndexResponse response;
-    auto* model = response.add_models();
-    model->set_name(service_.info_.name);
-    model->set_version("1");
-    model->set_state("READY");
+    for (const auto& entry : service_.models().index(request.ready())) {
+      auto* model = response.add_models();
+      model->set_name(entry.name);
+      model->set_version(entry.version);
+      model->set_state(entry.state);
+      model->set_reason(entry.reason);
+    }
     answer(response.SerializeAsString());
   }
 
@@ -627,13 +647,21 @@ class Service::Call {
     } else {
       name = parsed<oip::RepositoryModelLoadRequest>(request_, "RepositoryModelLoadRequest").model_name();
     }
-    find(name, "");
-    if (unload)
-      throw Failure{grpc::FAILED_PRECONDITION,
-                    "this server serves one artifact; start it on a repository (REPO/<model>/<version>/) to unload "
-                    "models",
-                    "unsupported"};
-    answer(oip::RepositoryModelLoadResponse().SerializeAsString());
+    std::thread([this, name, unload] {
+      try {
+        if (unload) {
+          service_.models().unload(name);
+          answer(oip::RepositoryModelUnloadResponse().SerializeAsString());
+        } else {
+          service_.models().load(name);
+          answer(oip::RepositoryModelLoadResponse().SerializeAsString());
+        }
+      } catch (const ModelSetError& err) {
+        refuse(status_of(err.code), err.what(), err.reason);
+      } catch (const std::exception& err) {
+        internal(err);
+      }
+    }).detach();
   }
 
   // grpc_inputs: every input's name, datatype, shape and data (raw bytes or typed contents), sizes checked
@@ -685,7 +713,7 @@ class Service::Call {
   }
 
   // decode_inputs + _checked_batch: per-feature inputs to one validated request in model order
-  void decode_oip(const std::vector<Input>& inputs) { decode_oip_inputs(inputs, service_.shape_, request_model_); }
+  void decode_oip(const std::vector<Input>& inputs) { decode_oip_inputs(inputs, model_->shape(), request_model_); }
 
   void model_infer() {
     infer_ = parsed<oip::ModelInferRequest>(request_, "ModelInferRequest");
@@ -695,7 +723,7 @@ class Service::Call {
     counted_ = true;
     const auto decoding = Clock::now();
     decode_oip(oip_inputs());
-    const ModelShape& shape = service_.shape_;
+    const ModelShape& shape = model_->shape();
     std::vector<OipOutput> requested;
     for (const auto& o : infer_.outputs())
       requested.push_back({o.name(), fp16 || parameter_flag(o.parameters(), "output_fp16")});
@@ -710,8 +738,8 @@ class Service::Call {
     decoded_ = Clock::now();
     // the response: outputs described, then their raw contents, written by the forward
     oip::ModelInferResponse head;
-    head.set_model_name(service_.info_.name);
-    head.set_model_version("1");
+    head.set_model_name(model_->name);
+    head.set_model_version(model_->version);
     head.set_id(infer_.id());
     std::vector<size_t> sizes;
     const int64_t batch = request_model_.batch;
@@ -743,9 +771,9 @@ class Service::Call {
     batch_call_.done = [this](Outcome outcome, const std::string& message) { on_done(outcome, message); };
     if (!wants_scores) {
       request_model_.dense = nullptr;
-      submit(*service_.lookups_);
+      submit(*model_->lookups);
     } else {
-      submit(wants_embeddings ? *service_.both_ : *service_.predictions_);
+      submit(wants_embeddings ? *model_->both : *model_->predictions);
     }
   }
 };
@@ -769,25 +797,44 @@ ModelInfo read_model_info(const std::string& artifact_dir, const std::string& mo
   return info;
 }
 
-Service::Service(const Runner& runner, ModelInfo info, ServiceOptions options, Metrics* metrics)
-    : runner_(runner), shape_(runner.shape()), info_(std::move(info)), options_(std::move(options)), metrics_(metrics) {
+Service::Service(ServiceOptions options, Metrics* metrics) : options_(std::move(options)), metrics_(metrics) {
+  oip::ServerMetadataResponse s;
+  s.set_name("embserve");
+  s.set_version(EMBSERVE_VERSION);
+  s.add_extensions("binary_tensor_data");
+  s.add_extensions("model_repository");
+  s.add_extensions("model_configuration");
+  s.add_extensions("statistics");
+  server_metadata_ = s.SerializeAsString();
+}
+
+std::shared_ptr<ServedVersion> Service::build_version(std::unique_ptr<Runner> runner, ModelInfo info,
+                                                      const std::string& name, const std::string& version) const {
+  std::shared_ptr<ServedVersion> served(new ServedVersion(), release_in_background);
+  served->name = name;
+  served->version = version;
+  served->runner = std::move(runner);
+  const ModelShape& shape = served->runner->shape();
+  // the batchers report to this version's statistics (held by pointer: the version outlives its batchers)
+  Statistics* statistics = &served->statistics;
   std::function<int64_t()> arriving_calls = [this] { return arriving(); };
-  ExecutionObserver executions = [this](int64_t examples, const StageTimes& stages) {
-    statistics_.execution(examples, stages.merge_ns, stages.forward_ns, stages.split_ns);
+  ExecutionObserver executions = [statistics](int64_t examples, const StageTimes& stages) {
+    statistics->execution(examples, stages.merge_ns, stages.forward_ns, stages.split_ns);
   };
   auto batcher = [&](Forward forward) {
-    return std::make_unique<Batcher>(runner_, forward, shape_, options_.batching, metrics_, arriving_calls, executions);
+    return std::make_unique<Batcher>(*served->runner, forward, shape, options_.batching, metrics_, arriving_calls,
+                                     executions);
   };
-  lookups_ = batcher(Forward::Lookup);
-  if (shape_.num_dense_features > 0) {
-    predictions_ = batcher(Forward::Predict);
-    both_ = batcher(Forward::Both);
+  served->lookups = batcher(Forward::Lookup);
+  if (shape.num_dense_features > 0) {
+    served->predictions = batcher(Forward::Predict);
+    served->both = batcher(Forward::Both);
   }
   // embserve.v1 metadata (InferenceServicer._build_metadata)
   v1::ModelMetadata meta;
-  meta.set_model_version(info_.version);
-  meta.set_format_version(info_.format_version);
-  for (const auto& t : info_.tables) {
+  meta.set_model_version(info.version);
+  meta.set_format_version(info.format_version);
+  for (const auto& t : info.tables) {
     auto* table = meta.add_tables();
     table->set_name(t.name);
     table->set_num_embeddings(t.num_embeddings);
@@ -796,25 +843,24 @@ Service::Service(const Runner& runner, ModelInfo info, ServiceOptions options, M
     table->set_pooling(t.pooling);
     for (const auto& f : t.feature_names) table->add_feature_names(f);
   }
-  for (const auto& f : shape_.features) {
+  for (const auto& f : shape.features) {
     meta.add_feature_order(f.name);
     auto* column = meta.add_columns();
     column->set_feature(f.name);
     column->set_start(static_cast<int32_t>(f.column_start));
     column->set_end(static_cast<int32_t>(f.column_end));
   }
-  meta.set_output_dim(static_cast<int32_t>(shape_.output_dim));
-  meta.set_has_dense(shape_.num_dense_features > 0);
-  meta.set_num_dense_features(static_cast<int32_t>(shape_.num_dense_features));
-  for (const auto& d : info_.devices) meta.add_devices(d);
-  meta.set_world_size(info_.world_size);
+  meta.set_output_dim(static_cast<int32_t>(shape.output_dim));
+  meta.set_has_dense(shape.num_dense_features > 0);
+  meta.set_num_dense_features(static_cast<int32_t>(shape.num_dense_features));
+  for (const auto& d : info.devices) meta.add_devices(d);
+  meta.set_world_size(info.world_size);
   meta.set_embserve_version(EMBSERVE_VERSION);
   meta.set_max_batch_size(static_cast<int32_t>(options_.max_batch_size));
-  v1_metadata_ = meta.SerializeAsString();
+  served->v1_metadata = meta.SerializeAsString();
   // OIP model metadata (ServedModel.metadata)
   oip::ModelMetadataResponse m;
-  m.set_name(info_.name);
-  m.add_versions("1");
+  m.set_name(name);
   m.set_platform("embserve_torchscript");
   auto add = [](auto* list, const std::string& name, const char* datatype, std::vector<int64_t> dims) {
     auto* t = list->Add();
@@ -822,22 +868,22 @@ Service::Service(const Runner& runner, ModelInfo info, ServiceOptions options, M
     t->set_datatype(datatype);
     for (int64_t d : dims) t->add_shape(d);
   };
-  for (const auto& f : shape_.features) {
+  for (const auto& f : shape.features) {
     add(m.mutable_inputs(), f.name + "__values", "INT64", {-1});
     add(m.mutable_inputs(), f.name + "__lengths", "INT32", {-1});
     add(m.mutable_inputs(), f.name + "__offsets", "INT32", {-1});
     add(m.mutable_inputs(), f.name + "__weights", "FP32", {-1});
   }
-  add(m.mutable_outputs(), kEmbeddings, "FP32", {-1, shape_.output_dim});
-  const bool has_dense = shape_.num_dense_features > 0;
+  add(m.mutable_outputs(), kEmbeddings, "FP32", {-1, shape.output_dim});
+  const bool has_dense = shape.num_dense_features > 0;
   if (has_dense) {
-    add(m.mutable_inputs(), kDense, "FP32", {-1, shape_.num_dense_features});
+    add(m.mutable_inputs(), kDense, "FP32", {-1, shape.num_dense_features});
     add(m.mutable_outputs(), kScores, "FP32", {-1});
   }
   auto& props = *m.mutable_properties();
   std::string order, columns = "{";
-  for (size_t i = 0; i < shape_.features.size(); ++i) {
-    const auto& f = shape_.features[i];
+  for (size_t i = 0; i < shape.features.size(); ++i) {
+    const auto& f = shape.features[i];
     order += (i ? "," : "") + f.name;
     columns += (i ? "," : "") + nlohmann::json(f.name).dump() + ":[" + std::to_string(f.column_start) + "," +
                std::to_string(f.column_end) + "]";
@@ -846,14 +892,14 @@ Service::Service(const Runner& runner, ModelInfo info, ServiceOptions options, M
   }
   props["feature_order"] = order;
   props["columns"] = columns + "}";
-  props["output_dim"] = std::to_string(shape_.output_dim);
-  props["num_dense_features"] = std::to_string(has_dense ? shape_.num_dense_features : 0);
+  props["output_dim"] = std::to_string(shape.output_dim);
+  props["num_dense_features"] = std::to_string(has_dense ? shape.num_dense_features : 0);
   props["max_batch_size"] = std::to_string(options_.max_batch_size);
-  props["model_sha256"] = info_.sha256;
+  props["model_sha256"] = info.sha256;
   props["embserve_version"] = EMBSERVE_VERSION;
-  oip_metadata_ = m.SerializeAsString();
-  // the same metadata in its JSON shape (REST: ServedModel.metadata)
-  nlohmann::json metadata_json = {{"name", m.name()}, {"versions", {"1"}}, {"platform", m.platform()},
+  served->oip_metadata = m.SerializeAsString();  // without versions: the answer lists the loaded ones
+  // the same metadata in its JSON shape (REST: ServedModel.metadata), also without versions
+  nlohmann::json metadata_json = {{"name", m.name()}, {"platform", m.platform()},
                                   {"inputs", nlohmann::json::array()}, {"outputs", nlohmann::json::array()},
                                   {"properties", nlohmann::json::object()}};
   for (const auto* list : {&m.inputs(), &m.outputs()})
@@ -861,11 +907,11 @@ Service::Service(const Runner& runner, ModelInfo info, ServiceOptions options, M
       metadata_json[list == &m.inputs() ? "inputs" : "outputs"].push_back(
           {{"name", t.name()}, {"datatype", t.datatype()}, {"shape", std::vector<int64_t>(t.shape().begin(), t.shape().end())}});
   for (const auto& [key, value] : m.properties()) metadata_json["properties"][key] = value;
-  oip_metadata_json_ = metadata_json.dump();
+  served->oip_metadata_json = metadata_json.dump();
   // Triton's model configuration, in its JSON shape and parsed as protobuf's JSON (ServedModel.config): the
   // metadata's tensors with their whole shapes, max_batch_size 0 (the inputs are ragged: no batch dimension in
   // front), the server's largest request as a parameter, the batcher as dynamic batching
-  nlohmann::json config = {{"name", info_.name}, {"platform", "embserve_torchscript"}, {"backend", "embserve"},
+  nlohmann::json config = {{"name", name}, {"platform", "embserve_torchscript"}, {"backend", "embserve"},
                            {"max_batch_size", 0}, {"input", nlohmann::json::array()},
                            {"output", nlohmann::json::array()}, {"parameters", nlohmann::json::object()}};
   auto tensor = [](const oip::ModelMetadataResponse::TensorMetadata& t) {
@@ -887,16 +933,10 @@ Service::Service(const Runner& runner, ModelInfo info, ServiceOptions options, M
   google::protobuf::util::JsonParseOptions json_options;
   if (!google::protobuf::util::JsonStringToMessage(config.dump(), config_response.mutable_config(), json_options).ok())
     throw std::runtime_error("the model configuration does not parse as inference.ModelConfig");
-  oip_config_ = config_response.SerializeAsString();
-  oip_config_json_ = config.dump();
-  oip::ServerMetadataResponse s;
-  s.set_name("embserve");
-  s.set_version(EMBSERVE_VERSION);
-  s.add_extensions("binary_tensor_data");
-  s.add_extensions("model_repository");
-  s.add_extensions("model_configuration");
-  s.add_extensions("statistics");
-  server_metadata_ = s.SerializeAsString();
+  served->oip_config = config_response.SerializeAsString();
+  served->oip_config_json = config.dump();
+  served->info = std::move(info);
+  return served;
 }
 
 Service::~Service() { stop(); }
@@ -936,16 +976,12 @@ void Service::stop() {
     while (queue->Next(&tag, &ok)) static_cast<Call*>(tag)->proceed(ok);
   }
   queues_.clear();
-  lookups_.reset();
-  predictions_.reset();
-  both_.reset();
 }
 
 void Service::begin_closing() {
   closing_ = true;
   serving_ = false;
-  for (Batcher* b : {lookups_.get(), predictions_.get(), both_.get()})
-    if (b != nullptr) b->flush();
+  if (ModelSet* models = models_.load()) models->flush();
 }
 
 double Service::seconds_since_last_call() const {
@@ -954,30 +990,29 @@ double Service::seconds_since_last_call() const {
 }
 
 int64_t Service::arriving() const {
-  int64_t held = 0;
-  for (const Batcher* b : {lookups_.get(), predictions_.get(), both_.get()})
-    if (b != nullptr) held += b->held();
-  return in_flight_ - held;
+  const ModelSet* models = models_;
+  return in_flight_ - (models != nullptr ? models->held() : 0);
 }
 
 double Service::queue_depth() const {
-  double depth = 0;
-  for (const Batcher* b : {lookups_.get(), predictions_.get(), both_.get()})
-    if (b != nullptr) depth += static_cast<double>(b->depth());
-  return depth;
+  const ModelSet* models = models_;
+  return models != nullptr ? models->depth() : 0.0;
 }
 
-void Service::warm_up(int batches) {
-  // a small batch of the model's first ids, straight on the runner (no queue, no delay)
-  const int64_t batch = std::min<int64_t>(64, options_.max_batch_size);
-  const size_t num_features = shape_.features.size();
-  for (int seed = 0; seed < batches; ++seed) {
+void warm_up(const ServedVersion& model, int batches, int64_t max_batch_size) {
+  // a small batch of the model's first ids, straight on the runner (no queue, no delay); every embedding must be
+  // finite (server/repository.py _check_warm_answer), else the version is refused
+  const Runner& runner = *model.runner;
+  const ModelShape& shape = runner.shape();
+  const int64_t batch = std::min<int64_t>(64, max_batch_size);
+  const size_t num_features = shape.features.size();
+  for (int seed = 0; seed < std::max(1, batches); ++seed) {
     std::vector<int64_t> ids;
     std::vector<int32_t> lengths;
     for (size_t f = 0; f < num_features; ++f)
       for (int64_t b = 0; b < batch; ++b) {
         lengths.push_back(8);
-        for (int i = 0; i < 8; ++i) ids.push_back((b * 8 + i + seed) % shape_.features[f].num_embeddings);
+        for (int i = 0; i < 8; ++i) ids.push_back((b * 8 + i + seed) % shape.features[f].num_embeddings);
       }
     SparseBatch sparse;
     sparse.ids = ids.data();
@@ -985,12 +1020,17 @@ void Service::warm_up(int batches) {
     sparse.lengths = lengths.data();
     sparse.num_lengths = static_cast<int64_t>(lengths.size());
     sparse.batch = batch;
-    std::vector<float> pooled(static_cast<size_t>(batch * shape_.output_dim));
-    runner_.run(Forward::Lookup, sparse, {{0, batch, pooled.data(), false, nullptr}});
-    if (shape_.num_dense_features > 0) {
-      std::vector<float> dense(static_cast<size_t>(batch * shape_.num_dense_features), 0.0f), scores(batch);
+    std::vector<float> pooled(static_cast<size_t>(batch * shape.output_dim));
+    runner.run(Forward::Lookup, sparse, {{0, batch, pooled.data(), false, nullptr}});
+    for (float value : pooled)
+      if (!std::isfinite(value))
+        throw RunnerError("model " + py_repr(model.name) + " version " + model.version +
+                              ": its warm-up lookup answered non-finite embeddings; re-export the version",
+                          "LoadError");
+    if (shape.num_dense_features > 0) {
+      std::vector<float> dense(static_cast<size_t>(batch * shape.num_dense_features), 0.0f), scores(batch);
       sparse.dense = dense.data();
-      runner_.run(Forward::Predict, sparse, {{0, batch, nullptr, false, scores.data()}});
+      runner.run(Forward::Predict, sparse, {{0, batch, nullptr, false, scores.data()}});
     }
   }
 }

@@ -16,30 +16,11 @@
 
 #include "batcher.h"
 #include "metrics.h"
+#include "model_set.h"
 #include "runner.h"
 #include "statistics.h"
 
 namespace embserve::server {
-
-// What the metadata of the served model says beyond the runner's shape (read from manifest.json).
-struct TableInfo {
-  std::string name;
-  int64_t num_embeddings = 0;
-  int64_t embedding_dim = 0;
-  std::string data_type;
-  std::string pooling;
-  std::vector<std::string> feature_names;
-};
-struct ModelInfo {
-  std::string name;     // the OIP model name (--model-name, else the artifact folder's name)
-  std::string sha256;   // the model file's
-  std::string version;  // its first 16 hex digits
-  int format_version = 0;
-  std::vector<TableInfo> tables;
-  std::vector<std::string> devices;
-  int world_size = 1;
-};
-ModelInfo read_model_info(const std::string& artifact_dir, const std::string& model_name);
 
 struct ServiceOptions {
   int64_t max_batch_size = 4096;
@@ -49,13 +30,17 @@ struct ServiceOptions {
 
 class Service {
  public:
-  Service(const Runner& runner, ModelInfo info, ServiceOptions options, Metrics* metrics);
+  Service(ServiceOptions options, Metrics* metrics);
   ~Service();
+  // A loaded runner as a version the service can serve: its batchers (reporting to this service's metrics and
+  // overlap rule), statistics and metadata. The caller warms it (warm_up) before it serves.
+  std::shared_ptr<ServedVersion> build_version(std::unique_ptr<Runner> runner, ModelInfo info, const std::string& name,
+                                               const std::string& version) const;
+  // What the service serves (before start; lives as long as the service).
+  void set_models(ModelSet* models) { models_ = models; }
   void register_with(grpc::ServerBuilder& builder);
   // Start `threads` completion-queue threads (after BuildAndStart); each owns one queue filled in register_with.
   void start(grpc::Server* server);
-  // Warm-up: `batches` forwards straight on the runner (before SERVING).
-  void warm_up(int batches);
   void set_ready(bool ready) { ready_ = ready; }
   // The Open Inference Protocol's readiness: ready and not draining.
   bool oip_ready() const { return ready_ && serving_; }
@@ -76,32 +61,28 @@ class Service {
 
  private:
   friend class Call;
-  friend class HttpServer;  // the REST front end (http.h): the same batchers, statistics, metrics and state
-  const Runner& runner_;
-  const ModelShape& shape_;
-  ModelInfo info_;
+  friend class HttpServer;  // the REST front end (http.h): the same models, metrics and state
+  std::atomic<ModelSet*> models_{nullptr};  // read by forward threads (the overlap rule)
   ServiceOptions options_;
   Metrics* metrics_;
   grpc::AsyncGenericService generic_;
   std::vector<std::unique_ptr<grpc::Service>> listed_;  // the services' names, for reflection
   std::vector<std::unique_ptr<grpc::ServerCompletionQueue>> queues_;
   std::vector<std::thread> threads_;
-  Statistics statistics_;  // before the batchers, which report to it
-  std::unique_ptr<Batcher> lookups_, predictions_, both_;
   std::atomic<bool> ready_{false}, closing_{false}, serving_{true};
   std::atomic<int64_t> open_calls_{0};
   std::atomic<int64_t> in_flight_{0};
   std::atomic<int64_t> last_arrival_ns_{0};
-  std::string v1_metadata_;  // ModelMetadata bytes, built once
-  std::string oip_metadata_;  // ModelMetadataResponse bytes, built once
-  std::string oip_config_;    // ModelConfigResponse bytes, built once
-  std::string oip_config_json_;  // the same configuration in its JSON shape (REST)
-  std::string oip_metadata_json_;  // the model metadata in its JSON shape (REST)
   std::string server_metadata_;
 
   void poll(grpc::ServerCompletionQueue* queue);
   void arm(grpc::ServerCompletionQueue* queue);
   int64_t arriving() const;
+  ModelSet& models() const { return *models_.load(); }
 };
+
+// Warm-up: `batches` forwards of a new version straight on its runner (before it serves); RunnerError when one
+// fails or answers non-finite embeddings (a version that would answer garbage never serves).
+void warm_up(const ServedVersion& model, int batches, int64_t max_batch_size);
 
 }  // namespace embserve::server

@@ -42,6 +42,9 @@ _FLAGS = {
     "tls_key": "--tls-key",
     "http_port": "--http-port",
     "http_host": "--http-host",
+    "version_policy": "--version-policy",
+    "poll_s": "--poll-s",
+    "backend": "--backend",
 }
 
 
@@ -127,6 +130,11 @@ class NativeServed(Channels):
         assert not sanitizer, "the sanitizers reported an error (see the server's stderr above)"
         return code
 
+    @property
+    def pid(self) -> int:
+        """The process whose /proc/<pid>/maps shows what the server maps."""
+        return self.process.pid
+
     def log(self) -> str:
         return self.stderr_path.read_text() if self.stderr_path.exists() else ""
 
@@ -137,6 +145,11 @@ def start_kind(kind: str, loop_thread: Any, artifact: Path, **config: Any) -> An
         return NativeServed(artifact, **config)
     from tests.server.support import Served, local_config
 
+    if config.pop("backend", "torchscript") != "torchscript":  # the Python server serves a runtime loaded so
+        from infer.artifact.load import load
+
+        artifact = load(artifact, backend="pt2")  # type: ignore[assignment]
     served = Served.start(loop_thread, artifact, local_config(**config))
     served.kind = "python"  # type: ignore[attr-defined]
+    served.pid = os.getpid()  # type: ignore[attr-defined]
     return served

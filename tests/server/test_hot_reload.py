@@ -1,5 +1,6 @@
 """Zero-downtime reloads under load: 16 tritonclient threads for 30 s against ``embserve serve REPO --poll-s``
-while a new version lands in the repository (then, in a second test, 16 s while a broken one lands).
+while a new version lands in the repository (then, in a second test, 16 s while a broken one lands), on both
+servers (``--native``: embserve-server).
 
 The server runs in a subprocess so that its RSS is its own. Every answer must equal the in-process
 runtime of the version its ``model_version`` names; no call may fail. The latency percentiles
@@ -29,6 +30,7 @@ from infer.features import SparseFeatures
 from infer.quant.quantize import quantize
 from infer.weights import random_weights
 from server.launch import spawn_server
+from tests.server.native_support import SERVER_KINDS, native_binary
 from tests.server.oip_support import client, requested, triton_inputs
 from tests.server.test_repository import break_artifact
 
@@ -86,13 +88,15 @@ def run_under_load(
     batches: list[SparseFeatures],
     seconds: float = LOAD_SECONDS,
     after: Callable[[int], None] | None = None,
+    server_kind: str = "python",
 ) -> tuple[list[Call], list[str], float, int, int]:
     """Load the server of ``repo`` from CLIENTS threads for ``seconds``; ``change()`` the repository CHANGE_AT s in.
 
     Returns the calls, the failures, when the change was made, and the server's RSS before it and at the end.
     ``after(port)`` runs once the load is over, before the server stops.
     """
-    process, port = spawn_server(repo, "--poll-s", "0.25", "--max-delay-us", "1000")
+    native = ("--native",) if server_kind == "native" else ()
+    process, port = spawn_server(repo, "--poll-s", "0.25", "--max-delay-us", "1000", *native)
     calls: list[Call] = []
     failures: list[str] = []
     lock = threading.Lock()
@@ -143,12 +147,20 @@ def run_under_load(
 
 
 def _report(
-    case: str, calls: list[Call], changed: float, swapped: float, rss_before: int, rss_after: int, seconds: float
+    case: str,
+    calls: list[Call],
+    changed: float,
+    swapped: float,
+    rss_before: int,
+    rss_after: int,
+    seconds: float,
+    server_kind: str,
 ) -> None:
     before = [c.latency for c in calls if 2.0 <= c.started < changed]
     during = [c.latency for c in calls if changed <= c.started <= swapped + 1.0]
     line = {
         "case": case,
+        "server": server_kind,
         "calls": len(calls),
         "clients": CLIENTS,
         "seconds": seconds,
@@ -172,23 +184,30 @@ def _batches() -> list[SparseFeatures]:
     return [SparseFeatures.random(BIG_SPEC, batch_size=32, ids_per_bag=10, seed=seed) for seed in range(8)]
 
 
-def test_a_new_version_swaps_in_under_load(tmp_path, big_versions):
+@pytest.fixture(params=SERVER_KINDS)
+def server_kind(request) -> str:
+    if request.param == "native":
+        native_binary()  # skips when embserve-server is not built
+    return str(request.param)
+
+
+def test_a_new_version_swaps_in_under_load(tmp_path, big_versions, server_kind):
     repo = tmp_path / "repo"
     shutil.copytree(big_versions["1"], repo / MODEL / "1")
     batches = _batches()
     expected = {v: [load(big_versions[v]).lookup(b) for b in batches] for v in ("1", "2")}
     calls, failures, changed, rss_before, rss_after = run_under_load(
-        repo, lambda: _stage(big_versions["2"], repo, "2"), expected, batches
+        repo, lambda: _stage(big_versions["2"], repo, "2"), expected, batches, server_kind=server_kind
     )
     assert failures == []
     first_new = min(c.started for c in calls if c.version == "2")
     assert {c.version for c in calls} == {"1", "2"}
     assert all(c.version == "2" for c in calls if c.started > first_new + 2.0)  # then only the new version
     assert rss_after <= 1.10 * rss_before, f"RSS {rss_before / 2**20:.0f} MB -> {rss_after / 2**20:.0f} MB"
-    _report("new_version", calls, changed, first_new, rss_before, rss_after, LOAD_SECONDS)
+    _report("new_version", calls, changed, first_new, rss_before, rss_after, LOAD_SECONDS, server_kind)
 
 
-def test_a_broken_version_changes_nothing_under_load(tmp_path, big_versions):
+def test_a_broken_version_changes_nothing_under_load(tmp_path, big_versions, server_kind):
     repo = tmp_path / "repo"
     shutil.copytree(big_versions["2"], repo / MODEL / "2")
     batches = _batches()
@@ -201,11 +220,17 @@ def test_a_broken_version_changes_nothing_under_load(tmp_path, big_versions):
         refusals.extend(r for r in rows if r.get("version") == "3")
 
     calls, failures, changed, rss_before, rss_after = run_under_load(
-        repo, lambda: _stage(big_versions["broken"], repo, "3"), expected, batches, BROKEN_LOAD_SECONDS, refused
+        repo,
+        lambda: _stage(big_versions["broken"], repo, "3"),
+        expected,
+        batches,
+        BROKEN_LOAD_SECONDS,
+        refused,
+        server_kind,
     )
     assert [r.get("state") for r in refusals] == ["UNAVAILABLE"], refusals
     assert "fails its sha256 check" in refusals[0].get("reason", ""), refusals
     assert failures == []
     assert {c.version for c in calls} == {"2"}
     assert rss_after <= 1.10 * rss_before, f"RSS {rss_before / 2**20:.0f} MB -> {rss_after / 2**20:.0f} MB"
-    _report("broken_version", calls, changed, changed + 1.0, rss_before, rss_after, BROKEN_LOAD_SECONDS)
+    _report("broken_version", calls, changed, changed + 1.0, rss_before, rss_after, BROKEN_LOAD_SECONDS, server_kind)

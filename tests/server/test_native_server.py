@@ -7,6 +7,7 @@ The protocol, contract, bad-request, auth and drain tests run against both serve
 
 from __future__ import annotations
 
+import shutil
 import socket
 import subprocess
 from concurrent.futures import ThreadPoolExecutor
@@ -79,8 +80,7 @@ def test_concurrent_calls_are_merged_and_each_gets_its_own_rows(both, dense_runt
     [
         (["--workers", "2"], "embserve-server has no --workers"),
         (["--profile"], "embserve-server has no --profile"),
-        (["--poll-s", "7"], "--native with --poll-s comes with the next native-server issue"),
-        (["--backend", "pt2"], "--native with --backend pt2 comes with the next native-server issue"),
+        (["--backend", "onnxruntime"], "embserve-server runs --backend torchscript or pt2, not onnxruntime"),
     ],
 )
 def test_serve_native_refuses_what_the_binary_lacks_naming_it(dense_artifact, flags, fragment):
@@ -161,3 +161,29 @@ def test_a_second_native_server_on_a_serving_port_is_refused(dense_artifact):
     finally:
         first.close_channels()
         assert first.stop() == 0
+
+
+def test_a_repository_with_no_loadable_model_is_refused_naming_where_it_looked(tmp_path, sparse_artifact):
+    """As `embserve serve REPO` (test_repository.py's test_serve_names_a_missing_manifest...): which manifest.json is
+    missing and where the binary looked, exit code 2."""
+    repo = tmp_path / "repo"
+    shutil.copytree(sparse_artifact, repo / "m" / "1")
+    (repo / "m" / "1" / "manifest.json").unlink()
+    (tmp_path / "empty").mkdir()
+    expected = {
+        repo: [
+            f"model repository {repo} has no loadable model: looked for "
+            f"{repo / '<model>' / '<version>' / 'manifest.json'} (model folders: ['m'])",
+            f"{repo / 'm' / '1' / 'manifest.json'} is missing",
+        ],
+        tmp_path / "empty": ["(model folders: none) and found no version folder", "manifest.json is missing too"],
+    }
+    for folder, fragments in expected.items():
+        completed = subprocess.run(
+            [native_binary(), str(folder), "--host", "127.0.0.1", "--port", "0"],
+            capture_output=True,
+            text=True,
+            timeout=120,
+        )
+        assert completed.returncode == 2, completed.stderr
+        assert all(fragment in completed.stderr for fragment in fragments), completed.stderr

@@ -5,6 +5,7 @@ Expected values come from an in-process ``Runtime`` loaded separately from the s
 
 from __future__ import annotations
 
+import time
 from collections.abc import Iterator
 from typing import Any
 
@@ -197,13 +198,24 @@ def test_grpc_typed_contents(oip_server, spec, dense_runtime):
     assert torch.equal(got, dense_runtime.lookup(batch))
 
 
+def _answered(served: Served) -> None:
+    """Wait until every model call the server accepted is counted: embserve-server counts a gRPC call when its
+    answer's write completes, which can be after the client has the answer (a bound, not a measure)."""
+    deadline = time.monotonic() + 10.0
+    while served.metric("embserve_in_flight") != 0:
+        assert time.monotonic() < deadline, "embserve_in_flight never came back to 0"
+        time.sleep(0.02)
+
+
 def test_calls_are_counted_in_the_metrics(oip_server, spec):
+    _answered(oip_server)  # the module's earlier calls counted
     before = oip_server.metric("embserve_requests_total", {"method": "ModelInfer", "code": "OK"})
     before_rest = oip_server.metric("embserve_requests_total", {"method": "REST ModelInfer", "code": "OK"})
     batch = random_batch(spec, batch_size=3, seed=29)
     for protocol in PROTOCOLS:
         with client(protocol, _address(oip_server, protocol)) as c:
             c.infer(MODEL, triton_inputs(protocol, batch))
+    _answered(oip_server)
     assert oip_server.metric("embserve_requests_total", {"method": "ModelInfer", "code": "OK"}) == before + 1
     after_rest = oip_server.metric("embserve_requests_total", {"method": "REST ModelInfer", "code": "OK"})
     assert after_rest == before_rest + 1

@@ -1,18 +1,22 @@
 """A model repository behind the server: versions, policies, load/unload on demand, broken versions, memory check,
 and the hot swap of mapped versions (a call in flight ends on the old version, whose weight files are then unmapped,
-read from /proc/self/maps).
+read from /proc/<pid>/maps).
 
-Real servers on 127.0.0.1 port 0, talked to with tritonclient; expected values come from runtimes
-loaded in-process from the same version folders.
+One suite, two servers: the tests that take ``server_kind`` run against ``embserve serve`` and embserve-server,
+over gRPC and REST. Real servers on 127.0.0.1 port 0,
+talked to with tritonclient; expected values come from runtimes loaded in-process from the same version folders.
 """
 
 from __future__ import annotations
 
 import json
 import logging
+import os
 import shutil
 import threading
+import time
 import urllib.request
+from collections.abc import Callable
 from concurrent.futures import Future
 from pathlib import Path
 from typing import Any
@@ -39,6 +43,32 @@ from tests.server.oip_support import client, requested, triton_inputs
 from tests.server.support import CALL_TIMEOUT, NUM_DENSE, GatedModule
 
 MODEL = "ctr"
+
+
+def start_repository(start_any: Any, server_kind: str, root: Path, **config: Any) -> Any:
+    """A server of ``server_kind`` on the repository ``root``, with gRPC and REST."""
+    config.setdefault("http_port", 0)
+    return start_any(root, **config)
+
+
+def transports(served: Any) -> list[tuple[str, str]]:
+    """(protocol, address) of each OIP transport ``served`` speaks: gRPC and REST."""
+    return [("grpc", served.address), ("http", f"127.0.0.1:{served.running.http_port}")]
+
+
+def wait_until(done: Callable[[], bool], what: str, timeout: float = 4 * CALL_TIMEOUT) -> None:
+    """Wait for something the server does in the background (a poll, a release): a bound, not a measure."""
+    deadline = time.monotonic() + timeout
+    while not done():
+        assert time.monotonic() < deadline, f"never happened: {what}"
+        time.sleep(0.05)
+
+
+def freed(served: Any) -> None:
+    """Wait until the versions the server retired are freed (the Python server says when; the binary frees a
+    version when its last call returns, which a test checks in /proc/<pid>/maps)."""
+    if served.kind == "python":
+        served.loop.run(served.running.oip.repository.retired())
 
 
 def break_artifact(source: Path, target: Path) -> Path:
@@ -85,9 +115,11 @@ def _embeddings(c: Any, protocol: str, batch: Any, version: str = "") -> tuple[t
     return torch.from_numpy(np.array(result.as_numpy("embeddings"))), response["model_version"]
 
 
-def test_a_new_version_is_loaded_on_demand_and_replaces_the_old(tmp_path, start_server, versions, runtimes, spec):
+def test_a_new_version_is_loaded_on_demand_and_replaces_the_old(
+    tmp_path, server_kind, start_any, versions, runtimes, spec
+):
     root = make_repository(tmp_path / "repo", {MODEL: {"1": versions["1"]}})
-    served = start_server(root, http_port=0)
+    served = start_repository(start_any, server_kind, root)
     batch = random_batch(spec, batch_size=8, seed=40)
     with client("grpc", served.address) as c:
         assert c.get_model_metadata(MODEL, as_json=True)["versions"] == ["1"]
@@ -105,16 +137,16 @@ def test_a_new_version_is_loaded_on_demand_and_replaces_the_old(tmp_path, start_
     # embserve.v1 follows the repository's newest version too
     with EmbserveClient(served.address, timeout=CALL_TIMEOUT) as v1:
         assert torch.equal(v1.lookup(batch), runtimes["2"].lookup(batch))
-    with client("http", f"127.0.0.1:{served.running.http_port}") as c:
-        got, version = _embeddings(c, "http", batch)
-        assert version == "2" and torch.equal(got, runtimes["2"].lookup(batch))
-    loop = served.loop
-    loop.run(served.running.oip.repository.retired())  # the old version's batchers are gone
+    for protocol, address in transports(served)[1:]:
+        with client(protocol, address) as c:
+            got, version = _embeddings(c, protocol, batch)
+            assert version == "2" and torch.equal(got, runtimes["2"].lookup(batch))
+    freed(served)  # the old version's batchers are gone
 
 
-def test_an_explicit_version_list_serves_each_version(tmp_path, start_server, versions, runtimes, spec):
+def test_an_explicit_version_list_serves_each_version(tmp_path, server_kind, start_any, versions, runtimes, spec):
     root = make_repository(tmp_path / "repo", {MODEL: {"1": versions["1"], "2": versions["2"]}})
-    served = start_server(root, version_policy="versions:1,2")
+    served = start_any(root, version_policy="versions:1,2")
     batch = random_batch(spec, batch_size=5, seed=41)
     with client("grpc", served.address) as c:
         assert c.get_model_metadata(MODEL, as_json=True)["versions"] == ["1", "2"]
@@ -125,11 +157,11 @@ def test_an_explicit_version_list_serves_each_version(tmp_path, start_server, ve
         assert answered == "2"  # no version asked: the newest
 
 
-def test_embserve_v1_calls_name_a_model_and_version(tmp_path, start_server, versions, runtimes, spec):
+def test_embserve_v1_calls_name_a_model_and_version(tmp_path, server_kind, start_any, versions, runtimes, spec):
     root = make_repository(
         tmp_path / "repo", {MODEL: {"1": versions["1"], "2": versions["2"]}, "zzz": {"1": versions["1"]}}
     )
-    served = start_server(root, version_policy="versions:1,2")
+    served = start_any(root, version_policy="versions:1,2")
     batch = random_batch(spec, batch_size=4, weighted=True, seed=45)
     dense = torch.randn(4, NUM_DENSE, generator=torch.Generator().manual_seed(4))
     for version in ("1", "2"):
@@ -147,12 +179,12 @@ def test_embserve_v1_calls_name_a_model_and_version(tmp_path, start_server, vers
         assert caught.value.code() == grpc.StatusCode.NOT_FOUND and "unknown model 'nobody'" in caught.value.details()
 
 
-def test_a_broken_version_never_replaces_a_good_one(tmp_path, start_server, versions, runtimes, spec):
+def test_a_broken_version_never_replaces_a_good_one(tmp_path, server_kind, start_any, versions, runtimes, spec):
     root = make_repository(tmp_path / "repo", {MODEL: {"1": versions["1"]}})
-    served = start_server(root, http_port=0)
+    served = start_repository(start_any, server_kind, root)
     batch = random_batch(spec, batch_size=6, seed=42)
     shutil.copytree(versions["broken"], root / MODEL / "2")
-    for protocol, address in (("grpc", served.address), ("http", f"127.0.0.1:{served.running.http_port}")):
+    for protocol, address in transports(served):
         with client(protocol, address) as c:
             with pytest.raises(InferenceServerException) as caught:
                 c.load_model(MODEL)
@@ -160,38 +192,52 @@ def test_a_broken_version_never_replaces_a_good_one(tmp_path, start_server, vers
             assert "version 2: ctr/2/model.pt fails its sha256 check" in message and str(tmp_path) not in message
             got, version = _embeddings(c, protocol, batch)
             assert version == "1" and torch.equal(got, runtimes["1"].lookup(batch))
-    with client("http", f"127.0.0.1:{served.running.http_port}") as c:
-        properties = c.get_model_metadata(MODEL)["properties"]
-    assert '"2":' in properties["failed_versions"]
-    assert served.metric("embserve_requests_total", {"method": "model load", "code": "FAILED"}) == 2
+    # tritonclient.grpc parses with Triton's proto, which lacks the spec's `properties`: read them with ours
+    from server.proto import open_inference_grpc_pb2 as pb
+    from server.proto import open_inference_grpc_pb2_grpc as pb_grpc
+
+    stub = pb_grpc.GRPCInferenceServiceStub(served.channel())
+    properties = stub.ModelMetadata(pb.ModelMetadataRequest(name=MODEL), timeout=CALL_TIMEOUT).properties
+    failed_versions = json.loads(properties["failed_versions"])
+    assert list(failed_versions) == ["2"] and "fails its sha256 check" in failed_versions["2"]
+    # REST's metadata says the same: the loaded versions and the failed one with why
+    with urllib.request.urlopen(
+        f"http://{dict(transports(served))['http']}/v2/models/{MODEL}", timeout=CALL_TIMEOUT
+    ) as got:
+        rest = json.load(got)
+    assert rest["versions"] == ["1"] and rest["properties"]["failed_versions"] == properties["failed_versions"]
+    loads = len(transports(served))  # one explicit load of the broken version per transport
+    assert served.metric("embserve_requests_total", {"method": "model load", "code": "FAILED"}) == loads
 
 
 def test_a_repository_whose_newest_version_is_broken_starts_on_the_one_before(
-    tmp_path, start_server, versions, runtimes, spec
+    tmp_path, server_kind, start_any, versions, runtimes, spec
 ):
     root = make_repository(tmp_path / "repo", {MODEL: {"1": versions["1"], "2": versions["broken"]}})
-    served = start_server(root)
+    served = start_any(root)
     batch = random_batch(spec, batch_size=3, seed=43)
     with client("grpc", served.address) as c:
         got, version = _embeddings(c, "grpc", batch)
     assert version == "1" and torch.equal(got, runtimes["1"].lookup(batch))
 
 
-def test_models_unload_and_load_on_demand(tmp_path, start_server, versions, spec):
+@pytest.mark.parametrize("protocol", ["grpc", "http"])
+def test_models_unload_and_load_on_demand(tmp_path, server_kind, start_any, versions, spec, protocol):
     root = make_repository(tmp_path / "repo", {MODEL: {"1": versions["1"]}, "other": {"1": versions["2"]}})
-    served = start_server(root, http_port=0)
-    with client("http", f"127.0.0.1:{served.running.http_port}") as c:
+    served = start_repository(start_any, server_kind, root)
+    not_found = "404" if protocol == "http" else "StatusCode.NOT_FOUND"
+    with client(protocol, dict(transports(served))[protocol]) as c:
         assert c.is_model_ready("other")
         c.unload_model("other")
         assert not c.is_model_ready("other")
         with pytest.raises(InferenceServerException) as caught:
-            c.infer("other", triton_inputs("http", random_batch(spec, batch_size=2, seed=44)))
-        assert caught.value.status() == "404"
+            c.infer("other", triton_inputs(protocol, random_batch(spec, batch_size=2, seed=44)))
+        assert caught.value.status() == not_found
         c.load_model("other")
         assert c.is_model_ready("other")
         with pytest.raises(InferenceServerException) as caught:
             c.load_model("no_such_model")
-        assert caught.value.status() == "404"
+        assert caught.value.status() == not_found
         (root / "empty").mkdir()
         with pytest.raises(InferenceServerException) as caught:
             c.load_model("empty")
@@ -209,15 +255,15 @@ def _index(c: Any, protocol: str) -> list[tuple[str, str, str, str]]:
 
 @pytest.mark.parametrize("protocol", ["grpc", "http"])
 def test_the_repository_index_lists_every_model_version_and_its_state(
-    tmp_path, start_server, versions, runtimes, spec, protocol
+    tmp_path, server_kind, start_any, versions, runtimes, spec, protocol
 ):
     """Triton's get_model_repository_index: loaded versions READY, a broken version and an unloaded model
     UNAVAILABLE with the reason; a load of a served model succeeds and changes nothing."""
     layout = {MODEL: {"1": versions["1"], "2": versions["broken"]}, "other": {"1": versions["2"]}}
     root = make_repository(tmp_path / "repo", layout)
     (root / "empty").mkdir()
-    served = start_server(root, http_port=0)
-    address = served.address if protocol == "grpc" else f"127.0.0.1:{served.running.http_port}"
+    served = start_repository(start_any, server_kind, root)
+    address = dict(transports(served))[protocol]
     with client(protocol, address) as c:
         rows = _index(c, protocol)
         assert [r[:3] for r in rows] == [
@@ -251,11 +297,13 @@ def test_the_repository_index_lists_every_model_version_and_its_state(
             assert json.loads(response.read()) == [{"name": MODEL, "version": "1", "state": "READY", "reason": ""}]
 
 
-def test_unloading_embserve_v1s_model_moves_v1_to_the_next_model(tmp_path, start_server, versions, runtimes, spec):
+def test_unloading_embserve_v1s_model_moves_v1_to_the_next_model(
+    tmp_path, server_kind, start_any, versions, runtimes, spec
+):
     """The default model of embserve.v1 (the first by name) may be unloaded: v1 then serves the next model;
     the last model cannot be unloaded (FAILED_PRECONDITION, saying why)."""
     root = make_repository(tmp_path / "repo", {MODEL: {"1": versions["1"]}, "other": {"1": versions["2"]}})
-    served = start_server(root)
+    served = start_any(root)
     batch = random_batch(spec, batch_size=4, seed=47)
     with EmbserveClient(served.address, timeout=CALL_TIMEOUT) as v1:
         assert torch.equal(v1.lookup(batch), runtimes["1"].lookup(batch))  # MODEL sorts first
@@ -269,14 +317,13 @@ def test_unloading_embserve_v1s_model_moves_v1_to_the_next_model(tmp_path, start
             c.load_model(MODEL)
             assert c.is_model_ready(MODEL)
         assert torch.equal(v1.lookup(batch), runtimes["2"].lookup(batch))  # v1 stays where it moved
-    loop = served.loop
-    loop.run(served.running.oip.repository.retired())
+    freed(served)
 
 
-def test_the_index_of_one_artifact_and_a_load_of_it(start_server, dense_artifact, dense_runtime, spec):
-    served = start_server(dense_artifact, http_port=0)
+def test_the_index_of_one_artifact_and_a_load_of_it(server_kind, start_any, dense_artifact, dense_runtime, spec):
+    served = start_repository(start_any, server_kind, dense_artifact)
     batch = random_batch(spec, batch_size=2, seed=48)
-    for protocol, address in (("grpc", served.address), ("http", f"127.0.0.1:{served.running.http_port}")):
+    for protocol, address in transports(served):
         with client(protocol, address) as c:
             assert _index(c, protocol) == [("dense", "1", "READY", "")]
             c.load_model("dense")  # Triton: a load of a loaded model reloads it; one artifact: a no-op
@@ -354,10 +401,10 @@ def test_the_memory_a_version_needs_leaves_out_its_mapped_weight_files(tmp_path,
     assert repository_module.artifact_bytes(embedded) == sum(p.stat().st_size for p in embedded.iterdir())
 
 
-def mapped_files(folder: Path) -> set[str]:
-    """The files under ``folder`` that this process maps now."""
+def mapped_files(folder: Path, pid: int | None = None) -> set[str]:
+    """The files under ``folder`` that process ``pid`` (default: this one) maps now."""
     prefix = f"{folder.resolve()}/"
-    with open("/proc/self/maps") as handle:
+    with open(f"/proc/{pid or os.getpid()}/maps") as handle:
         paths = {line.split(maxsplit=5)[5].strip() for line in handle if len(line.split(maxsplit=5)) == 6}
     return {p for p in paths if p.startswith(prefix)}
 
@@ -435,6 +482,53 @@ def test_a_call_in_flight_ends_on_the_old_version_and_then_its_weight_files_are_
         assert torch.equal(v1.lookup(batch), runtimes["2"].lookup(batch))
 
 
+def test_a_swap_under_calls_answers_each_call_from_its_version_then_unmaps_the_old(
+    tmp_path, server_kind, start_any, versions, runtimes, spec
+):
+    """Callers keep calling while version 2 is loaded beside version 1 and swapped in: no call fails, each answer
+    equals the runtime of the version it names, and once the calls on version 1 are done its weight files leave
+    the server's /proc/<pid>/maps while version 2's are mapped."""
+    root = make_repository(tmp_path / "repo", {MODEL: {"1": versions["1"]}})
+    old, new = root / MODEL / "1", root / MODEL / "2"
+    served = start_any(root)
+    assert mapped_files(old, served.pid) == weight_files(old)
+    batches = [random_batch(spec, batch_size=8, seed=80 + i) for i in range(4)]
+    stop = threading.Event()
+    answers: list[tuple[int, torch.Tensor, str]] = []
+    failures: list[str] = []
+
+    def call_until_stopped(index: int) -> None:
+        with client("grpc", served.address) as c:
+            while not stop.is_set():
+                try:
+                    answers.append((index, *_embeddings(c, "grpc", batches[index])))
+                except Exception as err:  # noqa: BLE001 - every failure is collected and reported
+                    failures.append(f"{type(err).__name__}: {err}")
+
+    callers = [threading.Thread(target=call_until_stopped, args=(i,), daemon=True) for i in range(len(batches))]
+    for caller in callers:
+        caller.start()
+    try:
+        wait_until(lambda: len(answers) >= 8, "calls on version 1")
+        shutil.copytree(versions["2"], new)
+        with client("grpc", served.address) as c:
+            c.load_model(MODEL)  # returns once version 2 serves (policy latest:1 retires version 1)
+        # each caller may have had one call on version 1 in flight when the load returned: after those, only 2
+        seen = len(answers) + len(callers)
+        wait_until(lambda: len(answers) >= seen + 8, "calls on version 2")
+    finally:
+        stop.set()
+        for caller in callers:
+            caller.join(CALL_TIMEOUT)
+    assert failures == []
+    assert {version for _, _, version in answers} == {"1", "2"}
+    assert all(torch.equal(got, runtimes[version].lookup(batches[i])) for i, got, version in answers)
+    assert all(version == "2" for _, _, version in answers[seen:])
+    freed(served)
+    wait_until(lambda: mapped_files(old, served.pid) == set(), "version 1's weight files unmapped")
+    assert mapped_files(new, served.pid) == weight_files(new)
+
+
 def corrupt_weight_file(source: Path, target: Path) -> Path:
     """A copy of ``source`` one of whose mapped weight files no longer matches its manifest's checksum."""
     shutil.copytree(source, target)
@@ -446,25 +540,36 @@ def corrupt_weight_file(source: Path, target: Path) -> Path:
 
 
 def test_a_version_whose_weight_file_fails_its_checksum_leaves_the_old_one_serving(
-    tmp_path, start_server, versions, runtimes, spec, caplog
+    tmp_path, server_kind, start_any, versions, runtimes, spec, caplog
 ):
+    """The poller finds version 2, whose weight file fails its checksum: it is refused (logged and in the index with
+    its error's kind and file), version 1 keeps serving, and nothing of version 2 stays mapped."""
     root = make_repository(tmp_path / "repo", {MODEL: {"1": versions["1"]}})
-    served = start_server(root)
+    served = start_any(root, poll_s=0.1)
     batch = random_batch(spec, batch_size=5, seed=61)
-    corrupt_weight_file(versions["2"], root / MODEL / "2")
-    broken_file = Path(sorted(weight_files(root / MODEL / "2"))[0]).relative_to(root).as_posix()
+    broken = corrupt_weight_file(versions["2"], tmp_path / "broken")
+    broken_file = f"{MODEL}/2/{Path(sorted(weight_files(broken))[0]).name}"
+
+    def refused() -> bool:
+        with client("grpc", served.address) as c:
+            return (MODEL, "2", "UNAVAILABLE") in [row[:3] for row in _index(c, "grpc")]
+
     with caplog.at_level(logging.ERROR, logger=repository_module.__name__):
-        served.loop.run(served.running.oip.repository.poll_once())
-    logged = [r.getMessage() for r in caplog.records if r.name == repository_module.__name__]
+        os.rename(broken, root / MODEL / "2")  # whole: the poller never sees half a folder
+        wait_until(refused, "version 2 refused")
+    if served.kind == "python":
+        logged = [r.getMessage() for r in caplog.records if r.name == repository_module.__name__]
+    else:
+        logged = served.log().splitlines()
     assert any("ArtifactError(kind=checksum)" in line and broken_file in line for line in logged), logged
     got, version = _infer(served.address, batch)
     assert version == "1" and torch.equal(got, runtimes["1"].lookup(batch))
-    index = {(e["name"], e["version"]): e for e in served.running.oip.repository.index(ready_only=False)}
-    assert index[(MODEL, "1")]["state"] == "READY"
-    assert index[(MODEL, "2")]["state"] == "UNAVAILABLE"
-    assert "ArtifactError(kind=checksum)" in index[(MODEL, "2")]["reason"]
-    assert broken_file in index[(MODEL, "2")]["reason"]
-    assert mapped_files(root / MODEL / "2") == set()  # nothing of the failed version stays mapped
+    with client("grpc", served.address) as c:
+        index = {(row[0], row[1]): row for row in _index(c, "grpc")}
+    assert index[(MODEL, "1")][2] == "READY"
+    assert "ArtifactError(kind=checksum)" in index[(MODEL, "2")][3]
+    assert broken_file in index[(MODEL, "2")][3]
+    assert mapped_files(root / MODEL / "2", served.pid) == set()  # nothing of the failed version stays mapped
 
 
 class UncheckedOnly:
@@ -489,10 +594,11 @@ class UncheckedOnly:
 
 
 def test_repository_versions_run_the_unchecked_entries_after_the_servers_one_validation(
-    tmp_path, start_server, spec, monkeypatch
+    tmp_path, server_kind, start_any, spec, monkeypatch
 ):
-    """Good calls to a repository model equal the fp32 reference through the model's unchecked entries alone;
-    a bad one is INVALID_ARGUMENT naming the feature (the server's validation, per version's spec)."""
+    """Good calls to a repository model equal the fp32 reference through the model's unchecked entries alone (the
+    Python server's checked entries fail here; embserve-server runs only the unchecked ones); a bad one is
+    INVALID_ARGUMENT naming the feature (the server's validation, per version's spec)."""
     from infer.features import SparseFeatures
     from tests.support.call_contract import Reference, assert_matches
 
@@ -508,7 +614,7 @@ def test_repository_versions_run_the_unchecked_entries_after_the_servers_one_val
         return Runtime(runtime.path, runtime.manifest, UncheckedOnly(runtime.module))  # type: ignore[arg-type]
 
     monkeypatch.setattr(repository_module, "load", load_unchecked_only)
-    served = start_server(root)
+    served = start_any(root)
     batch = random_batch(spec, batch_size=6, seed=70)
     dense = torch.randn(6, NUM_DENSE, generator=torch.Generator().manual_seed(71))
     with torch.no_grad():

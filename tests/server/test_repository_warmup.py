@@ -2,6 +2,8 @@
 of its own) swaps in and answers as the independent reference does, unsharded and over 2 CPU shards; a version
 that fails its warm-up, or answers it in the wrong shape or with non-finite embeddings, is refused while the good
 one keeps serving; each version's phases are recorded (log, ``load_phases``, ``embserve_model_load_seconds``).
+The last two tests run the swap and the refused warm-up through either server (``server_kind``: embserve-server
+too), polled, over gRPC.
 
 Expected values: ``F.embedding_bag`` on the exported model's dequantized tables and its dense part on that
 (``tests.support.call_contract.Reference``), never the runtime under test.
@@ -161,3 +163,76 @@ def test_a_version_whose_warm_lookup_answers_wrong_is_refused(tmp_path, loop_thr
     assert f"model '{MODEL}' version 2: its warm-up lookup answered" in why and failed == 1
     assert ("non-finite embeddings" in why) == (answer == "nan_embeddings"), why
     assert "re-export the version" in why
+
+
+# ------------------------------------------------------------------------------------------ through either server
+def _version_answers(address: str, spec: Any, seed: int) -> tuple[Any, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(batch, dense, embeddings, scores) of the newest version, over embserve.v1 naming the model."""
+    from server.client import EmbserveClient
+    from tests.server.support import CALL_TIMEOUT
+
+    batch = random_batch(spec, 6, max_len=5, weighted=True, seed=seed)
+    dense = torch.randn(6, NUM_DENSE, generator=torch.Generator().manual_seed(seed))
+    with EmbserveClient(address, timeout=CALL_TIMEOUT, model=MODEL) as v1:
+        return batch, dense, v1.lookup(batch), v1.predict(batch, dense)
+
+
+def _index_rows(address: str) -> list[tuple[str, str, str, str]]:
+    from tests.server.oip_support import client
+
+    with client("grpc", address) as c:
+        rows = c.get_model_repository_index(as_json=True).get("models", [])
+    return sorted((r["name"], r.get("version", ""), r.get("state", ""), r.get("reason", "")) for r in rows)
+
+
+def _until(done: Any, what: str) -> None:
+    import time
+
+    deadline = time.monotonic() + 60
+    while not done():
+        assert time.monotonic() < deadline, f"never happened: {what}"
+        time.sleep(0.05)
+
+
+def _land(source: Path, root: Path, version: str) -> None:
+    """A version renamed in whole: the poller never sees half a folder."""
+    staging = root / ".staging" / version
+    shutil.copytree(source, staging)
+    staging.rename(root / MODEL / version)
+
+
+@pytest.mark.parametrize("shards", [1, 2], ids=["unsharded", "2_cpu_shards"])
+def test_a_retrained_version_polled_in_answers_as_the_reference_on_either_server(
+    tmp_path, server_kind, start_any, shards
+):
+    first, first_reference = _export(tmp_path / "v1", seed=21, shards=shards)
+    second, second_reference = _export(tmp_path / "v2", seed=22, shards=shards)
+    root = tmp_path / "repo"
+    _stage(first, root, "1")
+    served = start_any(root, poll_s=0.1)
+    spec = contract_spec()
+    before = _version_answers(served.address, spec, seed=1)
+    _land(second, root, "2")
+    _until(lambda: [r[:3] for r in _index_rows(served.address)] == [(MODEL, "2", "READY")], "version 2 alone")
+    after = _version_answers(served.address, spec, seed=2)
+    for (batch, dense, embeddings, scores), reference in ((before, first_reference), (after, second_reference)):
+        assert_matches(embeddings, reference.pooled(batch))
+        assert_matches(scores, reference.scores(batch, dense))
+
+
+def test_a_version_that_fails_its_warm_up_is_refused_on_either_server(tmp_path, server_kind, start_any):
+    good, reference = _export(tmp_path / "v1", seed=31)
+    torch.manual_seed(32)
+    broken, _ = _export(tmp_path / "v2", seed=32, dense_arch=FailsOnLargeBatches(NUM_DENSE, contract_spec().output_dim))
+    root = tmp_path / "repo"
+    _stage(good, root, "1")
+    served = start_any(root, poll_s=0.1)
+    _land(broken, root, "2")
+    _until(lambda: (MODEL, "2", "UNAVAILABLE") in [r[:3] for r in _index_rows(served.address)], "version 2 refused")
+    rows = {r[:2]: r for r in _index_rows(served.address)}
+    assert rows[(MODEL, "1")][2] == "READY"
+    assert "this dense part serves batches of at most 8 examples" in rows[(MODEL, "2")][3]
+    assert served.metric("embserve_requests_total", {"method": "model load", "code": "FAILED"}) == 1
+    batch, dense, embeddings, scores = _version_answers(served.address, contract_spec(), seed=3)
+    assert_matches(embeddings, reference.pooled(batch))
+    assert_matches(scores, reference.scores(batch, dense))
