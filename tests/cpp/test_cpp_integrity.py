@@ -163,13 +163,15 @@ def test_byte_flips_in_small_tensors_never_crash_embserve_run(
 
 
 def test_a_tampered_kernel_holder_is_a_model_error(embserve_run, unsharded_artifact, tmp_path):
-    """The batch-parallel runner's attributes steer how a request is sliced: a wrong feature count is caught."""
+    """The batch-parallel runner's attributes steer how a request is sliced: a feature count that cannot slice
+    (the list's rule for range_features: at least 1, since a block table's ranges count the model's features) is
+    caught."""
     copy = copy_artifact(unsharded_artifact, tmp_path)
     module = torch.jit.load(str(copy / "model.pt"))
-    module.embeddings.kernel_features = 99
+    module.embeddings.range_features = 0
     module.save(str(copy / "model.pt"))
     rehash(copy, "model.pt")
-    assert_clean_failure(run(embserve_run, copy), "ModelError", "kernel 0 (embeddings)", "kernel_features is 99")
+    assert_clean_failure(run(embserve_run, copy), "ModelError", "kernel 0 (embeddings)", "range_features is 0")
 
 
 @pytest.mark.parametrize("attribute", ["lf_lo", "lf_out_col", "row_block_hi", "lf_local_col", "copy_width", "min_rows"])
