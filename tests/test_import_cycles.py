@@ -7,6 +7,8 @@ from __future__ import annotations
 import ast
 from pathlib import Path
 
+from tests.support.import_cycles import find_cycle
+
 ROOT = Path(__file__).resolve().parents[1]
 PACKAGES = ("infer", "server")
 
@@ -65,32 +67,6 @@ def import_graph() -> dict[str, set[str]]:
             targets |= _targets(node, names)
         graph[name] = {t for t in targets if t in names and t != name and not name.startswith(t + ".")}
     return graph
-
-
-def find_cycle(graph: dict[str, set[str]]) -> list[str] | None:
-    state: dict[str, int] = {}  # 1: on the current path, 2: done
-    path: list[str] = []
-
-    def visit(node: str) -> list[str] | None:
-        state[node] = 1
-        path.append(node)
-        for child in sorted(graph[node]):
-            if state.get(child) == 1:
-                return path[path.index(child) :] + [child]
-            if child not in state:
-                found = visit(child)
-                if found:
-                    return found
-        path.pop()
-        state[node] = 2
-        return None
-
-    for node in sorted(graph):
-        if node not in state:
-            found = visit(node)
-            if found:
-                return found
-    return None
 
 
 def test_the_walk_sees_every_kind_of_import():

@@ -7,6 +7,8 @@ from __future__ import annotations
 import ast
 from pathlib import Path
 
+from tests.support.import_cycles import find_cycle
+
 SERVER = Path(__file__).resolve().parents[2] / "server"
 
 
@@ -33,32 +35,6 @@ def _graph() -> dict[str, set[str]]:
     return {name: {m for m in _imports(path, names) if m in modules and m != name} for name, path in modules.items()}
 
 
-def _cycle(graph: dict[str, set[str]]) -> list[str] | None:
-    state: dict[str, int] = {}  # 1: on the current path, 2: done
-    path: list[str] = []
-
-    def visit(node: str) -> list[str] | None:
-        state[node] = 1
-        path.append(node)
-        for child in sorted(graph[node]):
-            if state.get(child) == 1:
-                return path[path.index(child) :] + [child]
-            if child not in state:
-                found = visit(child)
-                if found:
-                    return found
-        path.pop()
-        state[node] = 2
-        return None
-
-    for node in sorted(graph):
-        if node not in state:
-            found = visit(node)
-            if found:
-                return found
-    return None
-
-
 def test_the_walk_sees_the_server_modules_and_their_imports():
     graph = _graph()
     assert "server.app" in graph and "server.adapters.v1.service" in graph["server.app"]
@@ -66,12 +42,12 @@ def test_the_walk_sees_the_server_modules_and_their_imports():
 
 
 def test_no_import_cycle_among_server_modules():
-    cycle = _cycle(_graph())
+    cycle = find_cycle(_graph())
     assert cycle is None, " -> ".join(cycle or [])
 
 
 def test_the_cycle_finder_finds_a_cycle():
-    assert _cycle({"a": {"b"}, "b": {"c"}, "c": {"a"}}) == ["a", "b", "c", "a"]
+    assert find_cycle({"a": {"b"}, "b": {"c"}, "c": {"a"}}) == ["a", "b", "c", "a"]
 
 
 # ---------------------------------------------------------------------------------------- one way through
