@@ -14,10 +14,10 @@
 #include <map>
 #include <mutex>
 #include <nlohmann/json.hpp>
-#include <random>
 #include <regex>
 
 #include "batcher.h"
+#include "internal_error.h"
 #include "metrics.h"
 #include "oip_codec.h"
 #include "request.h"
@@ -542,24 +542,7 @@ void HttpServer::respond(const httplib::Request& request, httplib::Response& res
     code = "INVALID_ARGUMENT", reason = "invalid";
     put_error(response, 400, err.what());
   } catch (const std::exception& err) {
-    static std::mutex mutex;
-    static std::map<std::string, int64_t> counts;
-    static std::mt19937_64 random{std::random_device{}()};
-    std::string id;
-    {
-      std::lock_guard<std::mutex> lock(mutex);
-      char text[17];
-      std::snprintf(text, sizeof(text), "%016llx", static_cast<unsigned long long>(random()));
-      id.assign(text, 12);
-      const int64_t count = ++counts[operation];
-      const std::string digits = std::to_string(count);
-      if (count == 1)
-        std::cerr << "ERROR embserve-server: " << operation << " failed (request id " << id << "): " << err.what()
-                  << std::endl;
-      else if (digits.find_first_not_of('0', 1) == std::string::npos && digits[0] == '1')
-        std::cerr << "ERROR embserve-server: " << operation << " failed again (request id " << id << "): " << count
-                  << " failures so far" << std::endl;
-    }
+    const std::string id = log_internal(operation, err.what());
     code = "INTERNAL", reason = "internal";
     put_error(response, 500, "internal error (request id " + id + "); see the server log");
   }

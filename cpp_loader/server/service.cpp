@@ -14,12 +14,12 @@
 #include <map>
 #include <mutex>
 #include <nlohmann/json.hpp>
-#include <random>
 #include <set>
 #include <sstream>
 
 #include "embserve/v1/inference.pb.h"
 #include "inference/open_inference_grpc.pb.h"
+#include "internal_error.h"
 #include "oip_codec.h"
 
 namespace embserve::server {
@@ -264,24 +264,7 @@ class Service::Call {
   }
 
   void internal(const std::exception& err) {
-    static std::mutex mutex;
-    static std::map<std::string, int64_t> counts;
-    static std::mt19937_64 random{std::random_device{}()};
-    std::string id;
-    {
-      std::lock_guard<std::mutex> lock(mutex);
-      char text[17];
-      std::snprintf(text, sizeof(text), "%016llx", static_cast<unsigned long long>(random()));
-      id.assign(text, 12);
-      const int64_t count = ++counts[method_];
-      std::string digits = std::to_string(count);
-      if (count == 1)
-        std::cerr << "ERROR embserve-server: " << method_ << " failed (request id " << id << "): " << err.what()
-                  << std::endl;
-      else if (digits.find_first_not_of('0', 1) == std::string::npos && digits[0] == '1')
-        std::cerr << "ERROR embserve-server: " << method_ << " failed again (request id " << id << "): " << count
-                  << " failures so far" << std::endl;
-    }
+    const std::string id = log_internal(method_, err.what());
     refuse(grpc::INTERNAL, "internal error (request id " + id + "); see the server log", "internal");
   }
 
