@@ -1,9 +1,10 @@
-"""A host loads only its part: its RSS after load is at most its part's bytes plus the RSS of a process that
-loaded a tiny one-host sharded model (torch, fbgemm, embserve, TorchScript code: the fixed cost), each measured
-in a fresh process.
+"""A host loads only its part: it maps its own weight files and no other host's, and its anonymous RSS after
+load is at most its part file's bytes plus the RSS of a process that loaded a tiny one-host sharded model (torch,
+fbgemm, embserve, TorchScript code: the fixed cost), each measured in a fresh process.
 
-The check uses anonymous RSS (RssAnon: heap and tensors); the file-backed part of VmRSS (shared libraries'
-pages) moves by tens of MB with the page cache of a shared machine, so VmRSS is printed but not compared."""
+The check uses anonymous RSS (RssAnon: heap and tensors), which a copy of any host's tables would land in; the
+mapped tables are file-backed, and the file-backed part of VmRSS (shared libraries' pages too) moves by tens of
+MB with the page cache of a shared machine, so VmRSS is printed but not compared."""
 
 from __future__ import annotations
 
@@ -41,17 +42,23 @@ if sys.argv[2] == "whole":
 else:
     from infer.artifact.hosts import load_host_part
     loaded = load_host_part(sys.argv[1], int(sys.argv[2]))
+folder = str(Path(sys.argv[1]).resolve()) + "/"
+mapped = sorted({line.split(None, 5)[5][len(folder):] for line in Path("/proc/self/maps").read_text().splitlines()
+                 if len(line.split(None, 5)) == 6 and line.split(None, 5)[5].startswith(folder)})
+print(",".join(mapped))
 print(rss("RssAnon"), rss("VmRSS"))  # while `loaded` is alive
 """
 
 
-def _rss_after_load(artifact, which: str) -> tuple[int, int]:
-    """(RssAnon, VmRSS) of a fresh process right after it loaded ``artifact`` (whole, or host ``which``'s part)."""
+def _rss_after_load(artifact, which: str) -> tuple[int, int, set[str]]:
+    """(RssAnon, VmRSS, the artifact's files it maps) of a fresh process right after it loaded ``artifact``
+    (whole, or host ``which``'s part)."""
     out = subprocess.run(
         [sys.executable, "-c", _RSS, str(artifact), which], capture_output=True, text=True, cwd=ROOT, check=True
     )
-    anon, total = out.stdout.strip().splitlines()[-1].split()
-    return int(anon), int(total)
+    *_, mapped, sizes = out.stdout.strip().splitlines()
+    anon, total = sizes.split()
+    return int(anon), int(total), set(filter(None, mapped.split(",")))
 
 
 @pytest.fixture(scope="module")
@@ -73,16 +80,19 @@ def test_host_rss_is_its_part_plus_one_host_overhead(big_host_artifact, tmp_path
     )
     tiny_model = shard_model(quantize(spec, random_weights(spec)), tiny_plan)
     tiny = export(tiny_model, tmp_path / "tiny", plan=tiny_plan)
-    overhead, overhead_total = _rss_after_load(tiny, "whole")
+    overhead, overhead_total, _ = _rss_after_load(tiny, "whole")
     manifest = Manifest.read(big_host_artifact)
-    parts = [manifest.file(part).bytes for part in manifest.host_parts]
-    for host, part_bytes in enumerate(parts):
-        rss, total = _rss_after_load(big_host_artifact, str(host))
+    weights = [{n for n in manifest.host_files(h) if n.endswith(".bin")} for h in range(manifest.num_hosts)]
+    table_bytes = [sum(manifest.file(n).bytes for n in files) for files in weights]
+    assert min(table_bytes) > 2 * SLACK, table_bytes  # a copy of any host's tables would pass SLACK
+    for host, part in enumerate(manifest.host_parts):
+        part_bytes = manifest.file(part).bytes
+        rss, total, mapped = _rss_after_load(big_host_artifact, str(host))
         print(
-            f"host {host}: RssAnon {rss / 1e6:.1f} MB <= part {part_bytes / 1e6:.1f} MB + tiny one-host overhead "
-            f"{overhead / 1e6:.1f} MB (VmRSS {total / 1e6:.1f} MB, tiny {overhead_total / 1e6:.1f} MB)"
+            f"host {host}: maps {sorted(mapped)} ({table_bytes[host] / 1e6:.1f} MB of tables); RssAnon "
+            f"{rss / 1e6:.1f} MB <= part {part_bytes / 1e6:.1f} MB + tiny one-host overhead {overhead / 1e6:.1f} MB "
+            f"(VmRSS {total / 1e6:.1f} MB, tiny {overhead_total / 1e6:.1f} MB)"
         )
-        # the load adds the part's bytes almost exactly; SLACK covers the allocator's rounding between processes
+        assert mapped == weights[host], (host, mapped, weights)  # its own tables, mapped; no other host's
+        # no table is copied into anonymous memory; SLACK covers the allocator's rounding between processes
         assert rss <= part_bytes + overhead + SLACK, (host, rss, part_bytes, overhead)
-        others = sum(parts) - part_bytes  # and at most half of the other hosts' bytes could be here
-        assert rss < overhead + part_bytes + others / 2, (host, rss, parts, overhead)
