@@ -74,8 +74,11 @@ docs: $(STAMP)
 typecheck: $(STAMP)
 	$(BIN)/mypy infer server
 
+# the native servers of the sanitized modules (tests/conftest.py SANITIZED_MODULES) run under embserve-server-asan
 pytest: $(STAMP) cpp perf-analyzer
-	$(BIN)/python -m pytest -q --durations=20 -n $(PYTEST_WORKERS) --dist loadfile
+	cmake --build $(CPP_BUILD) -j2 --target embserve-server-asan
+	EMBSERVE_SANITIZED_SERVER_BIN=$(abspath $(ASAN_BIN)) \
+		$(BIN)/python -m pytest -q --durations=20 -n $(PYTEST_WORKERS) --dist loadfile
 
 # ruff, mypy and the docs build run beside the C++ build (each waits on its own inputs only), then the tests; at
 # the end the wall time of each phase (pytest's own --durations lists the 20 slowest tests above it). setup: the
@@ -84,9 +87,8 @@ PHASE_TIMES := build/make-test-phases.txt
 test:
 	@mkdir -p $(dir $(PHASE_TIMES)) && rm -f $(PHASE_TIMES)
 	@$(MAKE) --no-print-directory timed-setup
-	@$(MAKE) --no-print-directory -j4 timed-lint timed-typecheck timed-cpp timed-docs
-	@$(MAKE) --no-print-directory timed-server-asan; asan=$$?; \
-		$(MAKE) --no-print-directory timed-pytest; status=$$?; [ $$asan = 0 ] || status=1; \
+	@$(MAKE) --no-print-directory -j4 timed-lint timed-typecheck timed-cpp timed-docs CPP_TARGETS="all embserve-server-asan"
+	@$(MAKE) --no-print-directory timed-pytest; status=$$?; \
 		echo "make test: wall time per phase (lint, typecheck, cpp and docs side by side):"; cat $(PHASE_TIMES); exit $$status
 
 setup: $(STAMP) perf-analyzer
@@ -117,6 +119,8 @@ $(BIN)/perf_analyzer: $(STAMP)
 # prometheus-cpp and cpp-httplib (OIP REST, with OpenSSL) packages, installed the same way.
 SERVER_DEBS := libgrpc++-dev protobuf-compiler-grpc libprotobuf-dev prometheus-cpp-dev libcpp-httplib-dev
 CPP_BUILD := cpp_loader/build
+# what `make cpp` builds; make test adds the sanitizer build of the server, so both compile side by side
+CPP_TARGETS ?= all
 SUDO := $(shell [ "$$(id -u)" != 0 ] && command -v sudo >/dev/null 2>&1 && echo sudo)
 
 cpp-deps:
@@ -129,7 +133,7 @@ cpp: $(STAMP) cpp-deps
 	test -f $(CPP_BUILD)/CMakeCache.txt || cmake -S cpp_loader -B $(CPP_BUILD) -DCMAKE_BUILD_TYPE=Release \
 		-DEMBSERVE_PYTHON=$(abspath $(BIN)/python) \
 		-DCMAKE_PREFIX_PATH="$$($(BIN)/python -c 'import torch; print(torch.utils.cmake_prefix_path)')"
-	cmake --build $(CPP_BUILD) -j2
+	cmake --build $(CPP_BUILD) -j2 --target $(CPP_TARGETS)
 	cmake --install $(CPP_BUILD) --prefix $(CPP_BUILD)/install
 
 # embserve-server alone (`embserve serve DIR --native` runs it from cpp_loader/build/server/)
@@ -140,22 +144,16 @@ server: $(STAMP) cpp-deps
 	cmake --build $(CPP_BUILD) -j2 --target embserve-server
 
 # embserve-server-asan: embserve-server under AddressSanitizer + UndefinedBehaviorSanitizer, built beside the release
-# binary (cpp_loader/server/CMakeLists.txt: only the server's own sources are compiled again), then the bad-request
-# corpus (v1 and OIP, gRPC and REST), malformed HTTP, the OIP (REST token and TLS included), contract, service,
-# hardening and native tests against it
-# (EMBSERVE_SERVER_BIN points the suite at it; NativeServed fails a test on any sanitizer line in the server's log).
-# make test runs it before the suite. Leak reports are off: libtorch and gRPC keep process-lifetime singletons
-# (allocator caches, the completion-queue threads) that are not freed at exit and would bury a real report.
+# binary (cpp_loader/server/CMakeLists.txt: only the server's own sources are compiled again). `make server-asan`
+# builds it and runs the native tests of the sanitized modules against it (tests/conftest.py SANITIZED_MODULES: the
+# bad-request corpus, v1 and OIP over gRPC and REST, malformed HTTP, REST token and TLS, contract, service,
+# hardening, native, repository, pt2); `make test` runs those same modules against it within its one pytest run.
+# NativeServed fails a test on any sanitizer line in the server's log.
 ASAN_BIN := $(CPP_BUILD)/server/embserve-server-asan
 server-asan: cpp
 	cmake --build $(CPP_BUILD) -j2 --target embserve-server-asan
-	EMBSERVE_SERVER_BIN=$(abspath $(ASAN_BIN)) \
-		ASAN_OPTIONS=detect_leaks=0:abort_on_error=0 UBSAN_OPTIONS=print_stacktrace=1 \
-		$(BIN)/python -m pytest -q -p no:cacheprovider -n $(PYTEST_WORKERS) --dist loadfile -k native \
-		tests/test_bad_requests.py tests/server/test_protocol_contract.py tests/server/test_service.py \
-		tests/server/test_hardening.py tests/server/test_native_server.py tests/server/test_oip_http.py \
-		tests/server/test_oip.py tests/server/test_oip_security.py tests/server/test_repository.py \
-		tests/server/test_pt2_serving.py
+	EMBSERVE_SANITIZED_SERVER_BIN=$(abspath $(ASAN_BIN)) $(BIN)/python -m pytest -q -p no:cacheprovider \
+		-n $(PYTEST_WORKERS) --dist loadfile -m sanitized -k native
 
 clean:
 	rm -rf $(VENV) artifacts build $(CPP_BUILD)

@@ -4,7 +4,10 @@ from __future__ import annotations
 
 import os
 import tempfile
+from collections.abc import Iterator
+from pathlib import Path
 
+import pytest
 import torch
 
 # AOTInductor's compile cache (/tmp/torchinductor_<user>) is shared by every process: two pytest-xdist workers
@@ -65,15 +68,60 @@ def random_batch(
     return SparseFeatures(spec.feature_names, values, lengths, weights)
 
 
-def pytest_collection_modifyitems(config, items):
-    import pytest
+# The modules whose native servers run under the sanitizer build when $EMBSERVE_SANITIZED_SERVER_BIN names it (make
+# test builds cpp_loader/build/server/embserve-server-asan and sets it; `make server-asan` runs only these, -m
+# sanitized -k native): the bad-request corpus (v1 and OIP, gRPC and REST), malformed HTTP, the OIP (REST token and
+# TLS included), contract, service, hardening, native, repository and pt2 tests. NativeServed fails a test on any
+# sanitizer line in the server's log.
+SANITIZED_MODULES = frozenset(
+    {
+        "tests/test_bad_requests.py",
+        "tests/server/test_protocol_contract.py",
+        "tests/server/test_service.py",
+        "tests/server/test_hardening.py",
+        "tests/server/test_native_server.py",
+        "tests/server/test_oip_http.py",
+        "tests/server/test_oip.py",
+        "tests/server/test_oip_security.py",
+        "tests/server/test_repository.py",
+        "tests/server/test_pt2_serving.py",
+    }
+)
+# leak reports are off: libtorch and gRPC keep process-lifetime singletons, and the server leaves with _exit after
+# its drain; a report aborts nothing (the test reads it from the server's log)
+SANITIZER_ENV = {"ASAN_OPTIONS": "detect_leaks=0:abort_on_error=0", "UBSAN_OPTIONS": "print_stacktrace=1"}
+_ROOT = Path(__file__).resolve().parent.parent
 
+
+def _module_path(path) -> str:
+    return Path(str(path)).resolve().relative_to(_ROOT).as_posix()
+
+
+def pytest_collection_modifyitems(config, items):
+    for item in items:
+        if _module_path(item.path) in SANITIZED_MODULES:
+            item.add_marker(pytest.mark.sanitized)
     if torch.cuda.is_available():
         return
     skip = pytest.mark.skip(reason="needs a CUDA device")
     for item in items:
         if "gpu" in item.keywords:
             item.add_marker(skip)
+
+
+@pytest.fixture(scope="module", autouse=True)
+def _sanitized_server_binary(request) -> Iterator[None]:
+    """In SANITIZED_MODULES, point every native server the module starts at $EMBSERVE_SANITIZED_SERVER_BIN (autouse:
+    set before the module's own server fixtures start one)."""
+    binary = os.environ.get("EMBSERVE_SANITIZED_SERVER_BIN")
+    if not binary or _module_path(request.path) not in SANITIZED_MODULES:
+        yield
+        return
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setenv("EMBSERVE_SERVER_BIN", binary)
+        for key, value in SANITIZER_ENV.items():
+            patch.setenv(key, value)
+        yield
 
 
 class TinyOverArch(torch.nn.Module):
