@@ -82,11 +82,11 @@ pytest: $(STAMP) cpp perf-analyzer
 
 # ruff, mypy and the docs build run beside the C++ build (each waits on its own inputs only), then the tests; at
 # the end the wall time of each phase (pytest's own --durations lists the 20 slowest tests above it). setup: the
-# venv and perf_analyzer.
+# venv and perf_analyzer, with the C++ packages (cpp-deps, apt) installed beside it.
 PHASE_TIMES := build/make-test-phases.txt
 test:
 	@mkdir -p $(dir $(PHASE_TIMES)) && rm -f $(PHASE_TIMES)
-	@$(MAKE) --no-print-directory timed-setup
+	@$(MAKE) --no-print-directory -j2 timed-setup timed-cpp-deps
 	@$(MAKE) --no-print-directory -j4 timed-lint timed-typecheck timed-cpp timed-docs CPP_TARGETS="all embserve-server-asan"
 	@$(MAKE) --no-print-directory timed-pytest; status=$$?; \
 		echo "make test: wall time per phase (lint, typecheck, cpp and docs side by side):"; cat $(PHASE_TIMES); exit $$status
@@ -105,7 +105,7 @@ bench: $(STAMP)
 perf-analyzer: $(BIN)/perf_analyzer
 
 $(BIN)/perf_analyzer: $(STAMP)
-	@dpkg -s libb64-0d >/dev/null 2>&1 || ($(SUDO) apt-get update && $(SUDO) apt-get install -y libb64-0d)
+	@dpkg -s libb64-0d >/dev/null 2>&1 || ($(APT) update && $(APT) install -y libb64-0d)
 	$(BIN)/python -m pip install --quiet --disable-pip-version-check --no-deps --upgrade \
 		--target $(PERF_ANALYZER_DIR) $(PERF_ANALYZER_PKGS)
 	test -x $(PERF_ANALYZER_DIR)/bin/perf_analyzer
@@ -121,13 +121,15 @@ SERVER_DEBS := libgrpc++-dev protobuf-compiler-grpc libprotobuf-dev prometheus-c
 CPP_BUILD := cpp_loader/build
 # what `make cpp` builds; make test adds the sanitizer build of the server, so both compile side by side
 CPP_TARGETS ?= all
+# apt-get waits for the package lock: make test runs cpp-deps beside the venv's setup, perf-analyzer after it
+APT = $(SUDO) apt-get -o DPkg::Lock::Timeout=300
 SUDO := $(shell [ "$$(id -u)" != 0 ] && command -v sudo >/dev/null 2>&1 && echo sudo)
 
 cpp-deps:
 	@dpkg -s nlohmann-json3-dev libssl-dev $(SERVER_DEBS) >/dev/null 2>&1 || \
-		($(SUDO) apt-get update && $(SUDO) apt-get install -y nlohmann-json3-dev libssl-dev $(SERVER_DEBS))
+		($(APT) update && $(APT) install -y nlohmann-json3-dev libssl-dev $(SERVER_DEBS))
 	@command -v cmake >/dev/null 2>&1 && command -v g++ >/dev/null 2>&1 || \
-		($(SUDO) apt-get update && $(SUDO) apt-get install -y cmake g++)
+		($(APT) update && $(APT) install -y cmake g++)
 
 cpp: $(STAMP) cpp-deps
 	test -f $(CPP_BUILD)/CMakeCache.txt || cmake -S cpp_loader -B $(CPP_BUILD) -DCMAKE_BUILD_TYPE=Release \
