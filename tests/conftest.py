@@ -97,7 +97,28 @@ def _module_path(path) -> str:
     return Path(str(path)).resolve().relative_to(_ROOT).as_posix()
 
 
+# The longest modules (pytest --durations, a full run), started first: pytest-xdist hands out whole modules
+# (--dist loadfile) in collection order, so a long module collected last keeps one worker busy alone at the end.
+# Within a module the order stays as written.
+LONGEST_MODULES = (
+    "tests/server/test_hot_reload.py",
+    "tests/artifact/test_pt2.py",
+    "tests/distributed/test_serving.py",
+    "tests/server/test_hardening.py",
+    "tests/distributed/test_launch.py",
+    "tests/distributed/test_replica_group.py",
+    "tests/artifact/test_mapped.py",
+    "tests/cpp/test_cpp_mapped.py",
+    "tests/cpp/test_cpp_pt2.py",
+    "tests/cpp/test_cpp_integrity.py",
+    "tests/server/test_workers.py",
+    "tests/shard/test_sharded.py",
+)
+
+
 def pytest_collection_modifyitems(config, items):
+    first = {name: rank for rank, name in enumerate(LONGEST_MODULES)}
+    items.sort(key=lambda item: first.get(_module_path(item.path), len(first)))  # stable: the rest keep their order
     for item in items:
         if _module_path(item.path) in SANITIZED_MODULES:
             item.add_marker(pytest.mark.sanitized)
