@@ -6,13 +6,15 @@ What each kind of block gets:
 - ``python``: run as written, in order, as one session (later blocks, on later pages too, use the names of
   earlier ones, so the quickstart's exports are made once and reused). The serving examples, which talk to
   ``127.0.0.1:50051`` / ``:8000``, get one server on the quickstart artifact, on free ports.
-- ``sh`` / ``bash`` (and unlabelled): each command is checked. An ``embserve`` command that is runnable as
+- ``sh`` / ``bash`` (and unlabelled): each command is checked here. An ``embserve`` command that is runnable as
   written is parsed by the real parser; a synopsis (``[optional]``, ``...``, ``a|b``, UPPERCASE placeholders)
   may name only flags its subcommand has. ``make X`` needs a target X in the Makefile, ``python path.py`` an
-  existing script, ``-m infer.cli ...`` (launchers) is an ``embserve`` command. Commands of other programs
-  (``perf_analyzer``, ``grpcurl``, ``cmake``, built binaries) are left to the tests of what they run
-  (``tests/server/test_perf_analyzer.py``, ``tests/cpp/``). The README's five-minute path runs for real
-  (``tests/test_readme_five_minutes.py``).
+  existing script, ``-m infer.cli ...`` (launchers) is an ``embserve`` command. Every runnable (non-synopsis)
+  command also runs: ``tests/test_docs_commands.py`` runs each in a scratch folder (servers started, queried
+  where the page queries them, stopped on SIGTERM), or names the test that runs the same words (the README's
+  five-minute path: ``tests/test_readme_five_minutes.py``; the cmake consumer: ``tests/cpp/test_consumer.py``;
+  ``make X`` phases: ``make test``), or lists it in its ``NOT_RUN`` table with the reason and where it is covered
+  instead (``make test`` itself, two-host launches, benchmarks).
 - ``json``: parses; a model spec (``"tables"``) loads as a ``ModelSpec``.
 - ``cmake``: ``tests/cpp/test_consumer.py`` builds and configures them. ``text``: pictures and formats, shown.
 """
