@@ -19,11 +19,12 @@ from server.client import EmbserveClient
 from server.group.members import REFORMED_LINE
 from tests.conftest import random_batch
 from tests.distributed.conftest import host_plan
-from tests.distributed.test_serving import _Group, _health, _Load
+from tests.distributed.test_serving import SharedGroup, _Group, _health, _Load
 from tests.support.call_contract import assert_matches
 
 HOSTS = 3
 REPLICAS = 2
+LOST_HOST_OPTIONS = ("--failure-grace-s", "3")
 
 
 @pytest.fixture(scope="module")
@@ -41,12 +42,24 @@ def fp32_reference(quantized):
     return FloatEmbeddingBagCollection(quantized.spec, dequantized_weights(quantized.spec, quantized))
 
 
+@pytest.fixture(scope="module")
+def table_group(replica_artifacts, tmp_path_factory):
+    """The table-wise replicated group: serves the fp32 check, then is taken by the lost-host test that kills a
+    host (or stopped at the module's end: SIGTERM to host 1, every host exits 0)."""
+    artifact = replica_artifacts["table"]
+    shared = SharedGroup(lambda: _Group(artifact, HOSTS, tmp_path_factory.mktemp("table"), *LOST_HOST_OPTIONS), 1)
+    yield shared
+    shared.close()
+
+
 @pytest.mark.parametrize("kind", ["table", "row"])
 def test_replicated_plan_serves_the_fp32_reference_on_every_front_end(replica_artifacts, fp32_reference, quantized,
-                                                                      tmp_path, kind):  # fmt: skip
+                                                                      table_group, tmp_path, kind):  # fmt: skip
+    """Every front end's Lookup equals fp32 ``embedding_bag``; SIGTERM to host 1 then stops every host with exit
+    0 (the table-wise group is the module's: that stop is ``table_group``'s, unless a lost-host test took it)."""
     spec = quantized.spec
     batches = [random_batch(spec, batch_size=3 + 4 * i, weighted=i % 2 == 1, seed=600 + i) for i in range(3)]
-    group = _Group(replica_artifacts[kind], HOSTS, tmp_path)
+    group = table_group.use() if kind == "table" else _Group(replica_artifacts[kind], HOSTS, tmp_path)
     try:
         for port in group.ports:
             with EmbserveClient(f"127.0.0.1:{port}") as client:
@@ -56,15 +69,19 @@ def test_replicated_plan_serves_the_fp32_reference_on_every_front_end(replica_ar
                         want = fp32_reference(batch)
                     assert float(want.abs().max()) > 0, (kind, port)
                     assert_matches(got, want)
+        if kind == "table":
+            table_group.use()  # every host still runs
+            return
         group.processes[1].send_signal(signal.SIGTERM)
         assert [p.wait(timeout=60) for p in group.processes] == [0, 0, 0], group.stderr(0)
     finally:
-        group.kill()
+        if kind != "table":
+            group.kill()
 
 
 @pytest.mark.parametrize("signum", [signal.SIGKILL, signal.SIGSTOP], ids=["dies", "hangs"])
-def test_a_lost_host_the_survivors_reform_and_serve_every_call(replica_artifacts, fp32_reference, quantized,
-                                                                   tmp_path, signum):  # fmt: skip
+def test_a_lost_host_the_survivors_reform_and_serve_every_call(fp32_reference, quantized, table_group,
+                                                                   signum):  # fmt: skip
     """SIGKILL (or SIGSTOP: a hang, noticed by the collective timeout) to host 2 (host 0 holds the store) while 6
     clients call hosts 0 and 1: both survivors print that the group re-formed with members [0, 1], every call
     before, during and after is answered OK and equals the reference (the failed step's callers are retried in
@@ -74,7 +91,7 @@ def test_a_lost_host_the_survivors_reform_and_serve_every_call(replica_artifacts
     batches = [random_batch(spec, batch_size=6, weighted=i % 2 == 0, seed=700 + i) for i in range(3)]
     with torch.inference_mode():
         expected = [fp32_reference(b) for b in batches]
-    group = _Group(replica_artifacts["table"], HOSTS, tmp_path, "--failure-grace-s", "3")
+    group = table_group.take()  # the module's group (it served the fp32 check first, when that ran), or a new one
     try:
         survivors = group.ports[:2]
         load = _Load(survivors, batches, expected, clients=6)

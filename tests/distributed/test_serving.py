@@ -12,6 +12,7 @@ import sys
 import threading
 import time
 from collections import Counter
+from collections.abc import Callable
 from pathlib import Path
 
 import grpc
@@ -41,6 +42,7 @@ def _health(port: int, timeout: float = 10.0) -> int:
 
 class _Group:
     def __init__(self, artifact: Path, hosts: int, folder: Path, *options: str, wait: bool = True) -> None:
+        self.artifact = artifact
         port = free_port()
         command = [sys.executable, "-m", "infer.cli", "serve", str(artifact), "--host", "127.0.0.1", "--port", "0",
                    "--collective-timeout-s", str(TIMEOUT_S), *options]  # fmt: skip
@@ -73,6 +75,43 @@ class _Group:
             if process.poll() is None:
                 process.kill()
                 process.wait()
+
+
+class SharedGroup:
+    """One group a module's tests share while none changes its state (each group costs a torch import and a
+    part load per rank): ``use`` gives the running group, ``take`` hands it to a test that stops or kills it (the
+    next ``use`` starts another), and ``close`` stops a group no test took: SIGTERM to ``stop_rank``, every rank
+    exits 0 having drained, no stack trace. A shared group that exited by itself fails the next ``use``."""
+
+    def __init__(self, start: Callable[[], _Group], stop_rank: int) -> None:
+        self._start, self._stop_rank = start, stop_rank
+        self._group: _Group | None = None
+
+    def use(self) -> _Group:
+        if self._group is None:
+            self._group = self._start()
+        group = self._group
+        codes = [p.poll() for p in group.processes]
+        assert codes == [None] * len(codes), (codes, [group.stderr(r) for r in range(len(codes))])
+        return group
+
+    def take(self) -> _Group:
+        group = self.use()
+        self._group = None
+        return group
+
+    def close(self) -> None:
+        if self._group is None:
+            return
+        group, self._group = self._group, None
+        try:
+            group.processes[self._stop_rank].send_signal(signal.SIGTERM)
+            codes = [p.wait(timeout=60) for p in group.processes]
+            assert codes == [0] * len(codes), (codes, group.stderr(0))
+            for rank in range(len(codes)):
+                assert "every rank drained" in group.stderr(rank) and "Traceback" not in group.stderr(rank)
+        finally:
+            group.kill()
 
 
 class _Load:
@@ -127,6 +166,19 @@ def _expected(quantized, kind, hosts, devices, batches):
     reference = shard_model(quantized, host_plan(quantized.spec, kind, hosts, devices))
     with torch.inference_mode():
         return [reference(b.values, b.lengths, b.weights) for b in batches], reference
+
+
+@pytest.fixture(scope="module")
+def column_group(host_artifacts, tmp_path_factory):
+    """3 hosts, column plan (served outputs equal the one-process model exactly), REST on every rank: used by the
+    bad-input and second-group tests, then taken by the SIGTERM race on rank 0 (or stopped at the module's end)."""
+    artifact = host_artifacts[(3, "column")]
+    shared = SharedGroup(
+        lambda: _Group(artifact, 3, tmp_path_factory.mktemp("column3"), "--http-port", "0", "--drain-grace-s", "0.3"),
+        stop_rank=2,
+    )
+    yield shared
+    shared.close()
 
 
 @pytest.mark.parametrize("stopped", [0, 1], ids=["host0", "host1"])
@@ -190,56 +242,10 @@ def test_failed_rank_under_load_turns_rank0_unavailable(host_artifacts, quantize
         group.kill()
 
 
-def test_sigterm_on_rank0_under_16_clients_cancels_nothing(host_artifacts, quantized, tmp_path):
-    """As one host (tests/server/test_stop_race.py): 16 clients over embserve.v1, OIP gRPC and REST send through
-    SIGTERM on rank 0 until it exited: 0 CANCELLED, 0 lost, answers equal the one-process model, every rank
-    exits 0."""
-    artifact = host_artifacts[(2, "column")]  # table- and column-wise: served outputs equal the reference exactly
-    group = _Group(artifact, 2, tmp_path, "--http-port", "0", "--drain-grace-s", "0.3")
-    try:
-        _, reference = _expected(quantized, "column", 2, 1, [])
-
-        def lookup(batch):
-            with torch.inference_mode():
-                return reference(batch.values, batch.lengths, batch.weights)
-
-        server = Server(group.processes[0], group.port, rest_port(group.logs[0]), artifact.name, group.logs[0])
-        result = race_stop(server, cases(quantized.spec, lookup), clients=16)
-        check_round(result, "rank 0 of 2")
-        assert group.processes[1].wait(timeout=60) == 0, group.stderr(1)
-        assert "every rank drained" in group.stderr(1) and "Traceback" not in group.stderr(1)
-    finally:
-        group.kill()
-
-
-def test_a_second_group_on_a_serving_port_is_refused_before_loading(host_artifacts, tmp_path):
-    """A second group given the port the first serves on: every rank of it (each checks its own port; here they
-    share one machine) says "gRPC port P is in use" before loading its part and exits 2 (no stack); the first
-    keeps serving and stops with exit 0."""
-    artifact = host_artifacts[(2, "column")]
-    (tmp_path / "first").mkdir()
-    (tmp_path / "second").mkdir()
-    first = _Group(artifact, 2, tmp_path / "first")
-    second = _Group(artifact, 2, tmp_path / "second", "--port", str(first.port), wait=False)
-    try:
-        codes = [p.wait(timeout=60 + TIMEOUT_S) for p in second.processes]
-        assert codes == [2, 2], (codes, second.stderr(0), second.stderr(1))
-        for rank in (0, 1):
-            assert f"gRPC port {first.port} is in use" in second.stderr(rank)
-            assert "loaded" not in second.stderr(rank)  # refused before its part loaded
-        assert "Traceback" not in second.stderr(0) + second.stderr(1)
-        with EmbserveClient(f"127.0.0.1:{first.port}") as client:  # the first group still serves
-            client.metadata()
-        first.processes[0].send_signal(signal.SIGTERM)
-        assert [p.wait(timeout=60) for p in first.processes] == [0, 0], (first.stderr(0), first.stderr(1))
-    finally:
-        first.kill()
-        second.kill()
-
-
-def test_bad_input_is_refused_on_every_front_end_and_the_group_serves_on(host_artifacts, quantized, tmp_path):
+def test_bad_input_is_refused_on_every_front_end_and_the_group_serves_on(column_group, quantized):
     """3 hosts: an id past its table and a negative length sent to each host's front end answer INVALID_ARGUMENT
-    naming the feature; a good call on each front end afterwards equals the one-process model."""
+    naming the feature; a good call on each front end afterwards equals the one-process model. (The group then
+    stops cleanly: every rank exits 0, in the SIGTERM race below or at the module's end.)"""
     spec = quantized.spec
     batch = random_batch(spec, batch_size=3, weighted=False, seed=500)
     expected, _ = _expected(quantized, "column", 3, 1, [batch])
@@ -250,21 +256,59 @@ def test_bad_input_is_refused_on_every_front_end_and_the_group_serves_on(host_ar
     bad_ids[first_of_feature] = feature.num_embeddings
     bad_lengths = batch.lengths.clone()
     bad_lengths[batch.batch_size] = -1
-    group = _Group(host_artifacts[(3, "column")], 3, tmp_path)
+    group = column_group.use()
+    for port in group.ports:
+        with EmbserveClient(f"127.0.0.1:{port}") as client:
+            with pytest.raises(grpc.RpcError) as refused:
+                client.lookup(dataclasses.replace(batch, values=bad_ids))
+            assert refused.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+            assert feature.name in refused.value.details()
+            with pytest.raises(grpc.RpcError) as refused:
+                client.lookup(dataclasses.replace(batch, lengths=bad_lengths))
+            assert refused.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+            assert feature.name in refused.value.details()
+            got = client.lookup(batch)
+            assert torch.equal(got, expected[0])
+    column_group.use()  # every rank still runs
+
+
+def test_a_second_group_on_a_serving_port_is_refused_before_loading(host_artifacts, column_group, tmp_path):
+    """A second group given the port the first serves on: every rank of it (each checks its own port; here they
+    share one machine) says "gRPC port P is in use" before loading its part and exits 2 (no stack); the first
+    keeps serving (and stops with exit 0: in the SIGTERM race below or at the module's end)."""
+    first = column_group.use()
+    second = _Group(host_artifacts[(2, "column")], 2, tmp_path, "--port", str(first.port), wait=False)
     try:
-        for port in group.ports:
-            with EmbserveClient(f"127.0.0.1:{port}") as client:
-                with pytest.raises(grpc.RpcError) as refused:
-                    client.lookup(dataclasses.replace(batch, values=bad_ids))
-                assert refused.value.code() == grpc.StatusCode.INVALID_ARGUMENT
-                assert feature.name in refused.value.details()
-                with pytest.raises(grpc.RpcError) as refused:
-                    client.lookup(dataclasses.replace(batch, lengths=bad_lengths))
-                assert refused.value.code() == grpc.StatusCode.INVALID_ARGUMENT
-                assert feature.name in refused.value.details()
-                got = client.lookup(batch)
-                assert torch.equal(got, expected[0])
-        group.processes[2].send_signal(signal.SIGTERM)
-        assert [p.wait(timeout=60) for p in group.processes] == [0, 0, 0], group.stderr(0)
+        codes = [p.wait(timeout=60 + TIMEOUT_S) for p in second.processes]
+        assert codes == [2, 2], (codes, second.stderr(0), second.stderr(1))
+        for rank in (0, 1):
+            assert f"gRPC port {first.port} is in use" in second.stderr(rank)
+            assert "loaded" not in second.stderr(rank)  # refused before its part loaded
+        assert "Traceback" not in second.stderr(0) + second.stderr(1)
+        with EmbserveClient(f"127.0.0.1:{first.port}") as client:  # the first group still serves
+            client.metadata()
+        column_group.use()  # every rank of it still runs
+    finally:
+        second.kill()
+
+
+def test_sigterm_on_rank0_under_16_clients_cancels_nothing(column_group, quantized):
+    """As one host (tests/server/test_stop_race.py): 16 clients over embserve.v1, OIP gRPC and REST send through
+    SIGTERM on rank 0 until it exited: 0 CANCELLED, 0 lost, answers equal the one-process model, every rank
+    exits 0. The group is the module's (it served the tests above first, when they ran)."""
+    group = column_group.take()
+    try:
+        _, reference = _expected(quantized, "column", 3, 1, [])
+
+        def lookup(batch):
+            with torch.inference_mode():
+                return reference(batch.values, batch.lengths, batch.weights)
+
+        server = Server(group.processes[0], group.port, rest_port(group.logs[0]), group.artifact.name, group.logs[0])
+        result = race_stop(server, cases(quantized.spec, lookup), clients=16)
+        check_round(result, "rank 0 of 3")
+        for rank in (1, 2):
+            assert group.processes[rank].wait(timeout=60) == 0, group.stderr(rank)
+            assert "every rank drained" in group.stderr(rank) and "Traceback" not in group.stderr(rank)
     finally:
         group.kill()
