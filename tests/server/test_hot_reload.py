@@ -2,7 +2,7 @@
 version lands in the repository (then, in a second test, while a broken one lands), on both servers (``--native``:
 embserve-server).
 
-The load runs until what each test checks has been seen: the new version answering alone for SETTLE_S, or the
+The load runs until what each test checks has been seen: the new version answering for SETTLE_S (alone after its first 2 s), or the
 server's index refusing the broken one and SETTLE_S more of load (LOAD_SECONDS caps both). The server runs in a
 subprocess so that its RSS is its own. Every answer must equal the in-process runtime of the version its
 ``model_version`` names; no call may fail. The latency percentiles before and during the swap are printed as one

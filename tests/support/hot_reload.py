@@ -28,10 +28,10 @@ from tests.server.oip_support import client, requested, triton_inputs
 
 CLIENTS = 16
 LOAD_SECONDS = 30.0  # a cap: the load ends once what the test checks has been seen
-CHANGE_AT = 3.0  # seconds into the load: every client has had answers, p99 "before" has a second of calls
+CHANGE_AT = 2.0  # seconds into the load: every client has had answers, p99 "before" has a second of calls
 # the load goes on this long once the change is visible: the new version alone (after its first answer + 2 s, as
 # asserted), or the broken version refused in the index while the old one answers
-SETTLE_S = 3.0
+SETTLE_S = 2.5
 MODEL = "emb"
 # ~80 MB of INT8 rows per version: a version that is never freed shows in the server's RSS
 BIG_SPEC = ModelSpec(
