@@ -4,9 +4,9 @@ embserve-server).
 
 The load runs until what each test checks has been seen: the new version answering for SETTLE_S (alone after its
 first 2 s), or the server's index refusing the broken one and SETTLE_S more of load (LOAD_SECONDS caps both). The
-server runs in a subprocess so that its RSS is its own. Every answer must equal the in-process runtime of the version its
-``model_version`` names; no call may fail. The latency percentiles before and during the swap are printed as one
-JSON line (numbers for the note, not asserted). The full 30 s runs this test made before are a bench:
+server runs in a subprocess so that its RSS is its own. Every answer must equal the in-process runtime of the
+version its ``model_version`` names; no call may fail. The latency percentiles before and during the swap are
+printed as one JSON line (numbers for the note, not asserted). The full 30 s runs this test made before are a bench:
 ``python bench/soak.py --hot-reload 30`` (``--native`` for embserve-server).
 """
 
