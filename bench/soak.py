@@ -30,6 +30,13 @@ version's last answered call (target <= 1 s), and the load average. ``--native``
     python bench/soak.py --stop-rounds 10 --clients 16 --stop-graces 0,0.2,1   # tests/server/test_stop_race.py x 10/3
     python bench/soak.py --swap --clients 16 --rounds 12          # --quick: 100,000 rows per table, 3 rounds
     python bench/soak.py --swap --native --clients 16 --quick
+    python bench/soak.py --hot-reload 30 [--native]  # tests/server/test_hot_reload.py's full 30 s windows
+
+``--hot-reload SECONDS`` runs ``tests/server/test_hot_reload.py``'s two cases for a fixed window each (the test ends
+its load once what it checks has been seen): 16 tritonclient threads against ``embserve serve REPO --poll-s 0.25``
+while version 2 lands CHANGE_AT s in (then, on a fresh server, a version failing its checksum). One JSON line per
+case: calls, failed calls (target 0), the versions answered, p99 before and during the change, RSS before and at
+the end (target <= 1.10x), and for the broken version its state in the index (target UNAVAILABLE).
 """
 
 from __future__ import annotations
@@ -354,6 +361,51 @@ def swap_case(args: argparse.Namespace) -> int:
     return 0 if met else 1
 
 
+# ------------------------------------------------------------------------------------------------- hot reload
+def hot_reload_case(seconds: float, native: bool) -> int:
+    """tests/server/test_hot_reload.py's new and broken version cases, each under load for ``seconds``."""
+    import shutil
+
+    from tests.support import hot_reload as hr
+
+    kind = "native" if native else "python"
+    batches = hr.request_batches()
+    failed = 0
+    with tempfile.TemporaryDirectory() as folder:
+        versions = hr.export_versions(Path(folder) / "versions")
+        expected = {v: [load(versions[v]).lookup(b) for b in batches] for v in ("1", "2")}
+        for case, first, landing, number in (("new_version", "1", "2", "2"), ("broken_version", "2", "broken", "3")):
+            repo = Path(folder) / f"repo-{case}"
+            shutil.copytree(versions[first], repo / hr.MODEL / first)
+            rows: list[dict[str, str]] = []
+            calls, failures, changed, rss_before, rss_after = hr.run_under_load(
+                repo,
+                lambda repo=repo, landing=landing, number=number: hr.stage(versions[landing], repo, number),
+                {v: expected[v] for v in ("1", "2") if v == first or landing == v},
+                batches,
+                lambda calls, port: False,  # the whole window
+                seconds,
+                lambda port, number=number, rows=rows: rows.extend(hr.index_rows(port, number)),
+                kind,
+            )
+            new = [c.started for c in calls if c.version == number]
+            swapped = min(new) if new else changed + 1.0
+            hr.report(case, calls, changed, swapped, rss_before, rss_after, seconds, kind)
+            met = not failures and rss_after <= 1.10 * rss_before
+            if case == "new_version":
+                met = met and bool(new) and all(c.version == number for c in calls if c.started > swapped + 2.0)
+            else:
+                met = met and [r.get("state") for r in rows] == ["UNAVAILABLE"] and {c.version for c in calls} == {"2"}
+            print(json.dumps({
+                "bench": "hot_reload", "case": case, "server": kind, "seconds": seconds, "calls": len(calls),
+                "failed": len(failures), "first_failures": failures[:3],
+                "versions": sorted({c.version for c in calls}), "index": rows,
+                "rss_ratio": round(rss_after / rss_before, 3), "load_avg": os.getloadavg()[0], "met": met,
+            }), flush=True)  # fmt: skip
+            failed += not met
+    return 1 if failed else 0
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--minutes", type=float, default=10.0)
@@ -363,19 +415,24 @@ def main() -> int:
     parser.add_argument(
         "--stop-graces", default="", help="--stop-rounds: comma-separated --drain-grace-s values, one per round in turn"
     )
+    parser.add_argument(
+        "--hot-reload", type=float, default=0.0, metavar="SECONDS", help="test_hot_reload's cases, SECONDS each"
+    )
     parser.add_argument("--swap", action="store_true", help="measure the repository's hot swap instead")
     parser.add_argument("--rounds", type=int, default=12, help="--swap: swaps")
     parser.add_argument("--tables", type=int, default=4, help="--swap: tables of D=128 INT8")
     parser.add_argument("--rows", type=int, default=1_000_000, help="--swap: rows per table")
     parser.add_argument("--steady-s", type=float, default=3.0, help="--swap: seconds between swaps")
     parser.add_argument("--quick", action="store_true", help="--swap: 100,000 rows per table, 3 rounds")
-    parser.add_argument("--native", action="store_true", help="--swap: serve with embserve-server")
+    parser.add_argument("--native", action="store_true", help="--swap, --hot-reload: serve with embserve-server")
     parser.add_argument("--workdir", default=os.path.join(tempfile.gettempdir(), "embserve-swap-bench"),
                         help="--swap: where the two versions are exported (kept for the next run)")  # fmt: skip
     parser.add_argument(
         "serve_options", nargs="*", help="--stop-rounds, --swap: more `embserve serve` options (after --)"
     )
     args = parser.parse_args()
+    if args.hot_reload:
+        return hot_reload_case(args.hot_reload, args.native)
     if args.swap:
         return swap_case(args)
     with tempfile.TemporaryDirectory() as folder:

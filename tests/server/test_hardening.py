@@ -179,50 +179,53 @@ class _Load:
 
 @pytest.mark.slow
 def test_sigterm_under_load_loses_nothing(sparse_artifact, sparse_runtime, spec, tmp_path, server_kind):
-    """5 rounds x 16 clients sending without pause through SIGTERM: health turns NOT_SERVING while calls are
-    still answered (the grace window), no call is CANCELLED or wrong, the process exits 0. Calls refused
-    after the window (UNAVAILABLE) were never accepted."""
+    """16 clients sending without pause through SIGTERM: health turns NOT_SERVING while calls are still answered
+    (the grace window), no call is CANCELLED or wrong, the process exits 0. Calls refused after the window
+    (UNAVAILABLE) were never accepted.
+
+    One round: before the fix (95c5f49) every round lost calls (its parent's server: 7-12 CANCELLED in each of 6
+    rounds out of 6). The 5 rounds this test ran before go on as a bench (16 clients of three protocols):
+    python bench/soak.py --stop-rounds 5 --clients 16 -- --drain-grace-s 1.0 --max-delay-us 2000"""
     batches = [random_batch(spec, batch_size=1 + i % 4, weighted=i % 2 == 0, seed=700 + i) for i in range(16)]
     expected = [sparse_runtime.lookup(b) for b in batches]
-    for round_index in range(5):
-        process, stdout = _serve(
-            sparse_artifact,
-            tmp_path,
-            "--drain-grace-s",
-            "1.0",
-            "--max-delay-us",
-            "2000",
-            "--forward-threads",
-            "2",
-            kind=server_kind,
-        )
-        try:
-            port = int(stdout.wait_for("serving on port", timeout=60).split()[-1])
-            channel = grpc.insecure_channel(f"127.0.0.1:{port}")
-            stub = pb_grpc.InferenceServiceStub(channel)
-            stub.GetModelMetadata(pb.GetModelMetadataRequest(), timeout=CALL_TIMEOUT)
-            load = _Load()
-            threads = [
-                threading.Thread(target=load.client, args=(stub, lookup_request(batches[i]), expected[i]), daemon=True)
-                for i in range(16)
-            ]
-            for thread in threads:
-                thread.start()
-            wait_until(lambda load=load: load.outcomes["OK"] >= 32, timeout=60, what="the clients' first answers")
-            watch = health_pb2_grpc.HealthStub(channel).Watch(health_pb2.HealthCheckRequest(service=""), timeout=30)
-            assert next(watch).status == SERVING
-            process.send_signal(signal.SIGTERM)
-            assert next(watch).status == NOT_SERVING
-            load.not_serving.set()
-            for thread in threads:
-                thread.join(60)
-            assert process.wait(timeout=60) == 0, (tmp_path / "stderr.txt").read_text()[-2000:]
-            channel.close()
-            assert load.outcomes["CANCELLED"] == 0 and load.wrong == 0, (round_index, load.outcomes, load.wrong)
-            assert set(load.outcomes) <= {"OK", "UNAVAILABLE"}, load.outcomes
-            assert load.ok_after_not_serving.is_set(), "no call was answered during the grace window"
-        finally:
-            _kill(process)
+    process, stdout = _serve(
+        sparse_artifact,
+        tmp_path,
+        "--drain-grace-s",
+        "1.0",
+        "--max-delay-us",
+        "2000",
+        "--forward-threads",
+        "2",
+        kind=server_kind,
+    )
+    try:
+        port = int(stdout.wait_for("serving on port", timeout=60).split()[-1])
+        channel = grpc.insecure_channel(f"127.0.0.1:{port}")
+        stub = pb_grpc.InferenceServiceStub(channel)
+        stub.GetModelMetadata(pb.GetModelMetadataRequest(), timeout=CALL_TIMEOUT)
+        load = _Load()
+        threads = [
+            threading.Thread(target=load.client, args=(stub, lookup_request(batches[i]), expected[i]), daemon=True)
+            for i in range(16)
+        ]
+        for thread in threads:
+            thread.start()
+        wait_until(lambda load=load: load.outcomes["OK"] >= 32, timeout=60, what="the clients' first answers")
+        watch = health_pb2_grpc.HealthStub(channel).Watch(health_pb2.HealthCheckRequest(service=""), timeout=30)
+        assert next(watch).status == SERVING
+        process.send_signal(signal.SIGTERM)
+        assert next(watch).status == NOT_SERVING
+        load.not_serving.set()
+        for thread in threads:
+            thread.join(60)
+        assert process.wait(timeout=60) == 0, (tmp_path / "stderr.txt").read_text()[-2000:]
+        channel.close()
+        assert load.outcomes["CANCELLED"] == 0 and load.wrong == 0, (load.outcomes, load.wrong)
+        assert set(load.outcomes) <= {"OK", "UNAVAILABLE"}, load.outcomes
+        assert load.ok_after_not_serving.is_set(), "no call was answered during the grace window"
+    finally:
+        _kill(process)
 
 
 def test_sigterm_while_starting_exits_cleanly(sparse_artifact, tmp_path, server_kind):
