@@ -4,7 +4,8 @@ The reference is fp32 ``F.embedding_bag`` on the dequantized tables (``tests.sup
 never the program. "No copy" is observed, not timed: rewriting the weight file under a loaded program changes its
 lookups, and anonymous memory after a load does not grow with the tables (two table sizes, fresh processes).
 The unsharded and sharded models are the ones test_pt2 compiles (``compiled_pt2``: once per session, across
-xdist workers); only ``large`` (a bigger table) and the embedded package compile for this file.
+xdist workers), the embedded one is tests/cpp/test_cpp_pt2.py's (``embedded_pt2``); only ``large`` compiles for
+this file alone: its bigger table is what the size tests compare and what "a package from another export" loads.
 """
 
 from __future__ import annotations
