@@ -390,15 +390,14 @@ def hot_reload_case(seconds: float, native: bool) -> int:
             )
             new = [c.started for c in calls if c.version == number]
             swapped = min(new) if new else changed + 1.0
-            hr.report(case, calls, changed, swapped, rss_before, rss_after, seconds, kind)
             met = not failures and rss_after <= 1.10 * rss_before
             if case == "new_version":
                 met = met and bool(new) and all(c.version == number for c in calls if c.started > swapped + 2.0)
             else:
                 met = met and [r.get("state") for r in rows] == ["UNAVAILABLE"] and {c.version for c in calls} == {"2"}
-            print(json.dumps({
-                "bench": "hot_reload", "case": case, "server": kind, "seconds": seconds, "calls": len(calls),
-                "failed": len(failures), "first_failures": failures[:3],
+            line = hr.summary(case, calls, changed, swapped, rss_before, rss_after, seconds, kind)
+            print(json.dumps({  # one line per case: the latencies and RSS with the outcome
+                "bench": "hot_reload", **line, "failed": len(failures), "first_failures": failures[:3],
                 "versions": sorted({c.version for c in calls}), "index": rows,
                 "rss_ratio": round(rss_after / rss_before, 3), "load_avg": os.getloadavg()[0], "met": met,
             }), flush=True)  # fmt: skip

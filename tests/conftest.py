@@ -117,10 +117,11 @@ LONGEST_MODULES = (
 
 
 def pytest_collection_modifyitems(config, items):
+    module = {item.nodeid: _module_path(item.path) for item in items}
     first = {name: rank for rank, name in enumerate(LONGEST_MODULES)}
-    items.sort(key=lambda item: first.get(_module_path(item.path), len(first)))  # stable: the rest keep their order
+    items.sort(key=lambda item: first.get(module[item.nodeid], len(first)))  # stable: the rest keep their order
     for item in items:
-        if _module_path(item.path) in SANITIZED_MODULES:
+        if module[item.nodeid] in SANITIZED_MODULES:
             item.add_marker(pytest.mark.sanitized)
     if torch.cuda.is_available():
         return

@@ -43,8 +43,8 @@ else:
     from infer.artifact.hosts import load_host_part
     loaded = load_host_part(sys.argv[1], int(sys.argv[2]))
 folder = str(Path(sys.argv[1]).resolve()) + "/"
-mapped = sorted({line.split(None, 5)[5][len(folder):] for line in Path("/proc/self/maps").read_text().splitlines()
-                 if len(line.split(None, 5)) == 6 and line.split(None, 5)[5].startswith(folder)})
+rows = [line.split(None, 5) for line in Path("/proc/self/maps").read_text().splitlines()]  # the 6th field: the path
+mapped = sorted({row[5][len(folder):] for row in rows if len(row) == 6 and row[5].startswith(folder)})
 print(",".join(mapped))
 print(rss("RssAnon"), rss("VmRSS"))  # while `loaded` is alive
 """

@@ -12,6 +12,7 @@ printed as one JSON line (numbers for the note, not asserted). The full 30 s run
 
 from __future__ import annotations
 
+import json
 import shutil
 import time
 from pathlib import Path
@@ -26,10 +27,10 @@ from tests.support.hot_reload import (
     Call,
     export_versions,
     index_rows,
-    report,
     request_batches,
     run_under_load,
     stage,
+    summary,
 )
 
 pytestmark = pytest.mark.slow
@@ -73,7 +74,7 @@ def test_a_new_version_swaps_in_under_load(tmp_path, big_versions, server_kind):
     assert late and all(c.version == "2" for c in late)  # then only the new version
     assert rss_after <= 1.10 * rss_before, f"RSS {rss_before / 2**20:.0f} MB -> {rss_after / 2**20:.0f} MB"
     seconds = max(c.started for c in calls)
-    report("new_version", calls, changed, first_new, rss_before, rss_after, seconds, server_kind)
+    print(json.dumps(summary("new_version", calls, changed, first_new, rss_before, rss_after, seconds, server_kind)))
 
 
 def test_a_broken_version_changes_nothing_under_load(tmp_path, big_versions, server_kind):
@@ -111,4 +112,5 @@ def test_a_broken_version_changes_nothing_under_load(tmp_path, big_versions, ser
     assert max(c.started for c in calls) >= changed + SETTLE_S  # the old version answered on after the refusal
     assert rss_after <= 1.10 * rss_before, f"RSS {rss_before / 2**20:.0f} MB -> {rss_after / 2**20:.0f} MB"
     seconds = max(c.started for c in calls)
-    report("broken_version", calls, changed, changed + 1.0, rss_before, rss_after, seconds, server_kind)
+    line = summary("broken_version", calls, changed, changed + 1.0, rss_before, rss_after, seconds, server_kind)
+    print(json.dumps(line))

@@ -5,7 +5,6 @@ checks has been seen) and ``bench/soak.py --hot-reload SECONDS`` (the full fixed
 
 from __future__ import annotations
 
-import json
 import os
 import shutil
 import signal
@@ -149,7 +148,7 @@ def run_under_load(
     return calls, failures, changed, rss_before, rss_after
 
 
-def report(
+def summary(
     case: str,
     calls: list[Call],
     changed: float,
@@ -158,10 +157,11 @@ def report(
     rss_after: int,
     seconds: float,
     server_kind: str,
-) -> None:
+) -> dict[str, object]:
+    """The case's JSON fields: calls, p99 before the change and from it to 1 s after ``swapped``, RSS before/after."""
     before = [c.latency for c in calls if 1.0 <= c.started < changed]
     during = [c.latency for c in calls if changed <= c.started <= swapped + 1.0]
-    line = {
+    return {
         "case": case,
         "server": server_kind,
         "calls": len(calls),
@@ -173,7 +173,6 @@ def report(
         "rss_before_mb": round(rss_before / 2**20, 1),
         "rss_after_mb": round(rss_after / 2**20, 1),
     }
-    print(json.dumps(line), flush=True)
 
 
 def stage(source: Path, repo: Path, version: str) -> None:
