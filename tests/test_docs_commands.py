@@ -24,7 +24,7 @@ import pytest
 import torch
 
 from server.workers import SERVING_LINE
-from tests.server.support import free_port
+from tests.server.support import LineReader, free_port
 from tests.test_readme import FENCE, ROOT, SHELL, SYNOPSIS, commands, pages
 
 PAGE_PORTS = ("50051", "8000", "9090")  # the pages' gRPC, REST and metrics ports
@@ -336,12 +336,14 @@ def _pages_run_here() -> list[str]:
 def _start(words: list[str], folder: Path, log: Path) -> subprocess.Popen[str]:
     with log.open("w") as err:
         server = subprocess.Popen(words, cwd=folder, stdout=subprocess.PIPE, stderr=err, text=True)
-    assert server.stdout is not None
-    line = server.stdout.readline()
-    if not line.startswith(SERVING_LINE):
+    reader = LineReader(server.stdout)  # bounded: a server that hangs before serving fails the test, not the run
+    try:
+        reader.wait_for(SERVING_LINE, timeout=120)
+        assert reader.lines[0].startswith(SERVING_LINE), reader.lines[0]  # its first line, as a user sees it
+    except AssertionError as err:
         server.kill()
         server.wait()
-        pytest.fail(f"`{shlex.join(words)}` did not serve: {line!r}\n{log.read_text()[-3000:]}")
+        pytest.fail(f"`{shlex.join(words)}` did not serve: {err}\n{log.read_text()[-3000:]}")
     return server
 
 
