@@ -92,9 +92,11 @@ def direct_tbe(spec: ModelSpec, model: torch.nn.Module) -> torch.nn.Module:
     return tbe
 
 
-def torchrec_baseline(spec: ModelSpec, weights: dict[str, torch.Tensor]) -> torch.jit.ScriptModule | None:
+def torchrec_baseline(
+    spec: ModelSpec, weights: dict[str, torch.Tensor], device: str = "cpu"
+) -> torch.jit.ScriptModule | None:
     """TorchRec's quantized EBC (``quantize_dynamic`` to INT8, as TorchRec users serve it) on the same fp32
-    weights, scripted, called with (values, lengths); None when torchrec is not installed."""
+    weights on ``device``, scripted, called with (values, lengths); None when torchrec is not installed."""
     try:
         import torch.ao.quantization as tq
         from torchrec import EmbeddingBagCollection, EmbeddingBagConfig, KeyedJaggedTensor
@@ -112,7 +114,7 @@ def torchrec_baseline(spec: ModelSpec, weights: dict[str, torch.Tensor]) -> torc
         for t in spec.tables
     ]
     # quantize_dynamic swaps children, never the root: the EBC goes in a container
-    holder = torch.nn.ModuleDict({"ebc": EmbeddingBagCollection(tables=configs, device=torch.device("cpu"))})
+    holder = torch.nn.ModuleDict({"ebc": EmbeddingBagCollection(tables=configs, device=torch.device(device))})
     with torch.no_grad():
         for name, bag in holder["ebc"].embedding_bags.items():
             bag.weight.copy_(weights[name])
