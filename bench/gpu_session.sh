@@ -44,6 +44,19 @@ PY=${PY:-python3}
 if command -v nvidia-smi > /dev/null; then
   step setup 60 bash .gpukit/setup.sh
   export PYTHONPATH=/tmp/site:$PWD
+  # The kit leaves fbgemm's training libraries out (2 GB). fbgemm_gpu_tbe_common.so (bounds_check_indices, which
+  # the inference TBE calls) is in no list of fbgemm's __init__: a full install loads it as a dependency of
+  # fbgemm_gpu_tbe_training_forward.so, which embserve's REQUIRED_LIBRARIES also names. An empty library of that
+  # name, depending on tbe_common, stands in for it here (no training op is called by an inference model).
+  fb=/tmp/site/fbgemm_gpu
+  if [ ! -f $fb/fbgemm_gpu_tbe_training_forward.so ]; then
+    echo 'void embserve_kit_training_forward_absent(void) {}' > /tmp/kit_stub.c
+    gcc -shared -fPIC -o $fb/fbgemm_gpu_tbe_training_forward.so /tmp/kit_stub.c -Wl,--no-as-needed -L$fb \
+      -l:fbgemm_gpu_tbe_common.so -Wl,-rpath,'$ORIGIN' >> "$LOG" 2>&1
+  fi
+  python3 -c "import torch, fbgemm_gpu; f = torch.ops.fbgemm; print('fbgemm ops:', \
+    [hasattr(f, o) for o in ('bounds_check_indices', 'int_nbit_split_embedding_codegen_lookup_function')])" 2>&1 \
+    | grep -v "^ \|WARNING" | tee -a "$LOG"
   nvidia-smi -L >> "$LOG" 2>&1
 else  # a dry run of the script on a CPU machine (PY=.venv/bin/python): the gpu tests skip
   export PYTHONPATH=$PWD
@@ -59,7 +72,7 @@ if wants bench; then  # embserve against TorchRec's quantized EBC and fbgemm (de
 fi
 if wants cpp; then  # the C++ loader built against this machine's (CUDA) torch, embserve_run on CUDA artifacts
   step cpp-build 130 sh -c "cmake -S cpp_loader -B /tmp/cpp-gpu -DCMAKE_BUILD_TYPE=Release -DEMBSERVE_PYTHON=$PY \
-    -DCMAKE_PREFIX_PATH=$PWD/.gpuextra/usr -DOPENSSL_ROOT_DIR=$PWD/.gpuextra/usr > /tmp/cmake.log 2>&1 \
+    -DTorch_DIR=\$($PY -c 'import torch; print(torch.utils.cmake_prefix_path)')/Torch -DCMAKE_PREFIX_PATH=$PWD/.gpuextra/usr -DOPENSSL_ROOT_DIR=$PWD/.gpuextra/usr > /tmp/cmake.log 2>&1 \
     || { tail -40 /tmp/cmake.log; exit 1; }; cmake --build /tmp/cpp-gpu -j16 --target embserve_run 2>&1 | tail -30"
   LD_LIBRARY_PATH=$PWD/.gpuextra/usr/lib EMBSERVE_RUN_BIN=/tmp/cpp-gpu/embserve_run \
     step cpp-tests 50 $PYTEST -m gpu -rs tests/cpp/test_cpp_cuda.py
