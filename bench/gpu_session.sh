@@ -6,7 +6,7 @@
 # Here, once:   bash ../shared/gpu/make-kit.sh            # .gpukit/: fbgemm-gpu 1.6 for the machine's torch 2.11
 #               bash bench/gpu_session.sh --extras        # .gpuextra/: nlohmann_json and OpenSSL for the C++ build
 # The device:   run(command="bash bench/gpu_session.sh", carry=[".gpukit", ".gpuextra"], timeout_s=560)
-# Steps to run: GPU_STEPS="tests bench cpp suite" (the default; any subset, in that order).
+# Steps to run: GPU_STEPS="tests cpp bench suite" (the default; any subset, in that order).
 set -u
 if [ "${1:-}" = "--extras" ]; then
   # what the GPU machine's image lacks to build the C++ loader: nlohmann_json's headers and CMake package,
@@ -24,7 +24,7 @@ fi
 
 OUT=${OUT:-/tmp/gpu-session}
 mkdir -p "$OUT"
-STEPS=${GPU_STEPS:-tests bench cpp suite}
+STEPS=${GPU_STEPS:-tests cpp bench suite}
 export PYTHONUNBUFFERED=1 PYTHONDONTWRITEBYTECODE=1
 LOG="$OUT/session.log"
 
@@ -68,7 +68,7 @@ if wants tests; then  # every gpu-marked test that needs no C++ build
   step gpu-tests 90 $PYTEST -m gpu -rs tests/quant tests/shard tests/server/test_serve_cuda.py
 fi
 if wants bench; then  # embserve against TorchRec's quantized EBC and fbgemm (device, UVM) on this GPU
-  step bench 130 sh -c "$PY bench/lookup_cuda.py --rounds 30 > $OUT/bench.jsonl"
+  step bench 130 sh -c "$PY bench/lookup_cuda.py --rounds 30 --profile > $OUT/bench.jsonl"
 fi
 if wants cpp; then  # the C++ loader built against this machine's (CUDA) torch, embserve_run on CUDA artifacts
   step cpp-build 130 sh -c "cmake -S cpp_loader -B /tmp/cpp-gpu -DCMAKE_BUILD_TYPE=Release -DEMBSERVE_PYTHON=$PY \

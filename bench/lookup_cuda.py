@@ -162,6 +162,29 @@ def run(
     return rows
 
 
+def profile(
+    w: Workload,
+    cases: dict[str, Callable[[torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]],
+    device: torch.device,
+) -> None:
+    """Where a call of the exported model and of the bare TBE spends its time (torch.profiler, on stderr)."""
+    from torch.profiler import ProfilerActivity
+    from torch.profiler import profile as torch_profile
+
+    values, lengths, offsets = (t.to(device) for t in make_index_sets(w, 1, seed=2)[0])
+    activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if device.type == "cuda" else [])
+    for name in ("embserve_exported", "fbgemm_device"):
+        if name not in cases:
+            continue
+        with torch.inference_mode(), torch_profile(activities=activities) as prof:
+            for _ in range(20):
+                cases[name](values, lengths, offsets)
+            if device.type == "cuda":
+                torch.cuda.synchronize()
+        table = prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=18)
+        print(f"--- profile {name} {w.name} batch {w.batch_size} (20 calls)\n{table}", file=sys.stderr, flush=True)
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--rows", type=int, default=1_000_000, help="rows per table (default 1,000,000)")
@@ -169,6 +192,7 @@ def main() -> int:
     parser.add_argument("--index-sets", type=int, default=4, help="distinct id batches cycled through")
     parser.add_argument("--batches", default="2048,16384", help="batch sizes, comma-separated")
     parser.add_argument("--device", default="cuda:0", help="the device (default cuda:0; cpu runs the code path)")
+    parser.add_argument("--profile", action="store_true", help="also print torch.profiler tables on stderr")
     args = parser.parse_args()
     device = torch.device(args.device)
     copy_bw = copy_bytes_per_s(device, size=(1 << 30) if device.type == "cuda" else (1 << 26))
@@ -180,7 +204,10 @@ def main() -> int:
         for case, error in errors.items():
             print(json.dumps({"bench": "lookup_cuda", "workload": name, "case": case, "error": error}), flush=True)
         for batch in (int(b) for b in args.batches.split(",")):
-            run(Workload(name, 8, args.rows, dim, batch, 20), cases, device, args.rounds, args.index_sets, copy_bw)
+            w = Workload(name, 8, args.rows, dim, batch, 20)
+            run(w, cases, device, args.rounds, args.index_sets, copy_bw)
+            if args.profile:
+                profile(w, cases, device)
         del cases
         if device.type == "cuda":
             torch.cuda.empty_cache()

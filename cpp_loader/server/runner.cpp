@@ -50,6 +50,9 @@ class ModelRunner : public Runner {
         // one forward pools once and scores: Both keeps the pooled lookups, Predict the scores only
         std::tie(pooled, scores) = model_.lookup_and_predict_unchecked(dense, values, lengths, weights);
       }
+      // a CUDA model answers on its device: the destinations are host memory
+      pooled = pooled.to(at::kCPU);
+      if (scores.defined()) scores = scores.to(at::kCPU);
       for (const auto& d : destinations) {
         if (d.embeddings != nullptr) {
           at::Tensor rows = pooled.narrow(0, d.row_start, d.rows);

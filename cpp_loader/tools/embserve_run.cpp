@@ -340,7 +340,7 @@ RequestFile read_request_file(const std::string& path) {
 }
 
 void write_tensor(std::ostream& out, const at::Tensor& input) {
-  at::Tensor tensor = input.contiguous();
+  at::Tensor tensor = input.to(at::kCPU).contiguous();  // a CUDA model answers on its device
   uint8_t code = tensor.scalar_type() == at::kInt ? 1 : tensor.scalar_type() == at::kLong ? 2 : 3;
   write_pod<uint8_t>(out, code);
   write_pod<uint8_t>(out, static_cast<uint8_t>(tensor.dim()));

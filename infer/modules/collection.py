@@ -5,7 +5,8 @@ or C++) call them without embserve. Every input is validated inside the module b
 sees it; validation failures raise with ``REQUEST_ERROR_PREFIX`` and the wording of ``request_rules``.
 """
 
-from typing import Final, List, Optional, Tuple
+import copy
+from typing import Final, List, Optional, Tuple, Union
 
 import torch
 from torch import Tensor, nn
@@ -433,6 +434,19 @@ class _NoDenseArch(nn.Module):
 
     def forward(self, dense_features: Tensor, pooled: Tensor) -> Tensor:
         raise RuntimeError(self.request_error_prefix + rules.NO_DENSE_PART)
+
+
+def placed_dense_arch(dense_arch: Optional[nn.Module], device: Union[str, torch.device]) -> Optional[nn.Module]:
+    """The dense part on ``device``, where the pooled embeddings land (``score`` hands it the pooled rows there): a
+    moved copy when any of its parameters or buffers lives elsewhere (a CUDA model's dense part; the caller's module
+    is never moved), the module itself otherwise."""
+    if dense_arch is None:
+        return None
+    target = torch.device(device)
+    tensors = list(dense_arch.parameters()) + list(dense_arch.buffers())
+    if all(t.device == target for t in tensors):
+        return dense_arch
+    return copy.deepcopy(dense_arch).to(target)
 
 
 class EmbserveModel(nn.Module):

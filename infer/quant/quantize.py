@@ -15,7 +15,7 @@ import torch
 
 from infer.config import DataType, ModelSpec
 from infer.errors import WeightsError
-from infer.modules.collection import EmbserveModel, QuantizedEmbeddingBagCollection, tbe_tables
+from infer.modules.collection import EmbserveModel, QuantizedEmbeddingBagCollection, placed_dense_arch, tbe_tables
 from infer.quant.blocks import block_orders as checked_block_orders
 from infer.quant.blocks import remap_of
 from infer.quant.rowwise import dequantize_rows, quantize_rows
@@ -65,7 +65,7 @@ def quantize(
             _fill_table(table.name, weights[table.name], block.data_type, data, row_scales, progress, rows)
             start += block.rows
         collection.set_block_remap(table.name, remap_of(order))
-    return EmbserveModel(spec, collection, spec.dense_arch)
+    return EmbserveModel(spec, collection, placed_dense_arch(spec.dense_arch, device))
 
 
 def _fill_table(

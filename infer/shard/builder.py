@@ -17,7 +17,7 @@ import torch
 
 from infer.config import DataType, ModelSpec, TableConfig
 from infer.errors import ConfigError, PlanError, PlanErrorKind
-from infer.modules.collection import EmbserveModel, QuantizedEmbeddingBagCollection
+from infer.modules.collection import EmbserveModel, QuantizedEmbeddingBagCollection, placed_dense_arch
 from infer.modules.sharded import (
     READ_ALL,
     READ_BATCH_SLICE,
@@ -346,4 +346,4 @@ def _sharded_model(spec: ModelSpec, shards: list[DeviceShards], output_device: s
         and shards[0].lf_dim == [f.embedding_dim for f in features]
     )
     collection = ShardedEmbeddingBagCollection(spec, shards, output_device, identity)
-    return EmbserveModel(spec, collection, spec.dense_arch)
+    return EmbserveModel(spec, collection, placed_dense_arch(spec.dense_arch, output_device))

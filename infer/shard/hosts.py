@@ -16,7 +16,7 @@ import torch
 
 from infer.config import ModelSpec, PoolingType
 from infer.errors import ConfigError, PlanError, PlanErrorKind
-from infer.modules.collection import EmbserveModel, QuantizedEmbeddingBagCollection
+from infer.modules.collection import EmbserveModel, QuantizedEmbeddingBagCollection, placed_dense_arch
 from infer.modules.sharded import EmptyPartialCollection, ShardedEmbeddingBagCollection
 from infer.planner.types import ShardingPlan
 from infer.shard.builder import DeviceLayout, build_device_shards, check_plan, device_layouts
@@ -71,7 +71,8 @@ def shard_host(
     if not shards:
         collection = EmptyPartialCollection(spec)
     logger.debug("host %d: %d devices with shards", host, len(shards))
-    return EmbserveModel(spec, collection, model.dense_arch if host == 0 and model.has_dense else None)
+    dense_arch = placed_dense_arch(model.dense_arch, output_device) if host == 0 and model.has_dense else None
+    return EmbserveModel(spec, collection, dense_arch)
 
 
 def finish_partial(spec: ModelSpec, summed: torch.Tensor, lengths: torch.Tensor) -> torch.Tensor:

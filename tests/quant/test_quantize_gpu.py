@@ -10,7 +10,7 @@ from infer.artifact.load import load
 from infer.config import DataType, PoolingType
 from infer.quant.quantize import quantize
 from infer.weights import random_weights
-from tests.conftest import mixed_spec, random_batch, small_spec
+from tests.conftest import CUDA_TOLERANCE, mixed_spec, random_batch, small_spec
 
 
 @pytest.mark.gpu
@@ -25,7 +25,7 @@ def test_cuda_model_matches_cpu_model(pooling):
     expected = cpu(batch.values, batch.lengths, batch.weights)
     got = gpu(batch.values.cuda(), batch.lengths.cuda(), batch.weights.cuda())
     assert got.device.type == "cuda"
-    assert torch.allclose(got.cpu(), expected, rtol=1e-5, atol=1e-5)
+    assert torch.allclose(got.cpu(), expected, rtol=CUDA_TOLERANCE, atol=CUDA_TOLERANCE)
 
 
 @pytest.mark.gpu

@@ -175,5 +175,5 @@ def remap_shard_devices(module: torch.jit.ScriptModule, mapping: Mapping[str, st
     if hasattr(embeddings, "output_device"):
         embeddings.output_device = mapping.get(embeddings.output_device, embeddings.output_device)
     if hasattr(embeddings, "shards"):
-        for shard in embeddings.shards:
+        for shard in embeddings.shards.children():  # a scripted ModuleList has no Python __iter__ (torch 2.11)
             shard.device = mapping.get(shard.device, shard.device)
