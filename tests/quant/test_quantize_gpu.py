@@ -37,4 +37,5 @@ def test_cuda_artifact_round_trip(tmp_path):
     batch = random_batch(spec, 16)
     with torch.no_grad():
         expected = model(batch.values.cuda(), batch.lengths.cuda(), None).cpu()
-    assert torch.equal(runtime.lookup(batch), expected)
+    got = runtime.lookup(batch)
+    assert torch.equal(got, expected), f"max abs diff {float((got - expected).abs().max())}, ids {batch.values.dtype}"

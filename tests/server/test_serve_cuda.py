@@ -29,7 +29,8 @@ def test_a_cuda_artifact_serves_what_the_runtime_computes(start_server, tmp_path
     for seed, batch_size in enumerate((1, 9, 64)):
         batch = random_batch(spec, batch_size=batch_size, weighted=seed == 1, seed=seed)
         response = served.stub().Lookup(lookup_request(batch), timeout=CALL_TIMEOUT)
-        assert torch.equal(codec.decode_embeddings(response), runtime.lookup(batch).cpu())
+        served_rows, expected = codec.decode_embeddings(response), runtime.lookup(batch).cpu()
+        assert torch.equal(served_rows, expected), f"max abs diff {float((served_rows - expected).abs().max())}"
         dense = torch.randn(batch_size, NUM_DENSE)
         with EmbserveClient(served.address, timeout=CALL_TIMEOUT) as client:
             assert torch.equal(client.predict(batch, dense), runtime.predict(batch, dense).cpu())

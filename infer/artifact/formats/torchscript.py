@@ -9,6 +9,7 @@ from pathlib import Path
 
 import torch
 
+from infer.artifact.kernel_attributes import PLACEMENT_HOST
 from infer.artifact.kernels import Kernel, check_kernel, kernel_holders, model_tbes
 from infer.artifact.manifest import (
     MANIFEST_FILE,
@@ -175,5 +176,21 @@ def remap_shard_devices(module: torch.jit.ScriptModule, mapping: Mapping[str, st
     if hasattr(embeddings, "output_device"):
         embeddings.output_device = mapping.get(embeddings.output_device, embeddings.output_device)
     if hasattr(embeddings, "shards"):
-        for shard in embeddings.shards.children():  # a scripted ModuleList has no Python __iter__ (torch 2.11)
+        for shard in embeddings.shards.children():  # a loaded ModuleList has no Python __iter__ (torch 2.11)
             shard.device = mapping.get(shard.device, shard.device)
+            _remap_kernel(shard, mapping)
+    else:
+        _remap_kernel(embeddings, mapping)  # the unsharded collection runs its kernel itself
+
+
+def _remap_kernel(holder: torch.jit.ScriptModule, mapping: Mapping[str, str]) -> None:
+    """Point a kernel's runner at its mapped device. A CUDA kernel mapped to the CPU keeps its rows (row alignment 16,
+    which fbgemm's CPU op honours) but must say they are host memory: the CPU op refuses DEVICE placements
+    ("Expected placement != PlacementType::DEVICE", seen on an H200 loading a CUDA artifact with cuda:0=cpu)."""
+    if not hasattr(holder, "kernel_device"):
+        return
+    source = holder.kernel_device
+    target = mapping.get(source, source)
+    if torch.device(target).type == "cpu" and torch.device(source).type != "cpu":
+        holder.tbe.weights_placements.fill_(PLACEMENT_HOST)
+    holder.kernel_device = target
