@@ -1,6 +1,6 @@
 """The C++ loader's Pt2 backend (model.pt2, AOTInductor) against the Python TorchScript artifact: same outputs bit
 for bit, the same request errors, typed load errors. Each model.pt2 is compiled once per session (export(...,
-pt2=True), about a minute each on this machine kind: the unsharded and table-wise pt2_spec models, shared with
+pt2=True), about a minute each on this machine kind: the unsharded and 4-device pt2_spec models, shared with
 tests/artifact/test_pt2.py, the bad-request corpus's model, and pt2_spec with its tables inside, shared with
 tests/artifact/test_pt2_weights.py)."""
 
@@ -25,7 +25,7 @@ from tests.support.pt2_models import PT2_SEED, embedded_pt2, pt2_spec
 Request = tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]
 
 
-@pytest.fixture(params=["unsharded", "sharded_tw2"])
+@pytest.fixture(params=["unsharded", "sharded"])
 def any_pt2_artifact(request: pytest.FixtureRequest) -> Path:
     name = "pt2_artifact" if request.param == "unsharded" else "sharded_pt2_artifact"
     return request.getfixturevalue(name)  # type: ignore[no-any-return]
@@ -69,8 +69,8 @@ def parity_requests(batch: int) -> list[Request]:
 
 @pytest.mark.parametrize("batch", [1, 16, 4096])
 def test_pt2_outputs_equal_torchscript(batch, embserve_run, any_pt2_artifact, tmp_path):
-    """INT8/INT4/INT2/FP16/FP32 tables, SUM and MEAN, weighted and not, int32 and int64 ids, unsharded and
-    table-wise over 2 devices: torch.equal to the TorchScript model."""
+    """INT8/INT4/INT2/FP16/FP32 tables, SUM and MEAN, weighted and not, int32 and int64 ids, unsharded and over 4
+    devices (column-wise, replicated, table-wise): torch.equal to the TorchScript model."""
     requests = parity_requests(batch)
     result, responses = run_requests(embserve_run, any_pt2_artifact, requests, tmp_path)
     assert result.returncode == 0, result.stderr
@@ -255,8 +255,8 @@ def test_a_damaged_weight_file_is_a_checksum_error_for_pt2(embserve_run, pt2_art
 
 def test_a_pt2_package_from_another_export_is_a_model_error(embserve_run, pt2_artifact, sharded_pt2_artifact, tmp_path):
     """model.pt2 compiled for other weight buffers (re-hashed into the manifest) is refused naming model.pt2 and
-    the fix, never run over buffers it was not compiled for. (The table-wise manifest with the unsharded package:
-    that one has a dense program too, which the table-wise manifest does not name.)"""
+    the fix, never run over buffers it was not compiled for. (The sharded manifest with the unsharded package:
+    that one has a dense program too, which the sharded manifest does not name.)"""
     artifact = copy_artifact(sharded_pt2_artifact, tmp_path)
     (artifact / "model.pt2").write_bytes((pt2_artifact / "model.pt2").read_bytes())
     rehash(artifact, "model.pt2")
