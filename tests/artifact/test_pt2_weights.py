@@ -4,8 +4,9 @@ The reference is fp32 ``F.embedding_bag`` on the dequantized tables (``tests.sup
 never the program. "No copy" is observed, not timed: rewriting the weight file under a loaded program changes its
 lookups, and anonymous memory after a load does not grow with the tables (two table sizes, fresh processes).
 The unsharded and sharded models are the ones test_pt2 compiles (``compiled_pt2``: once per session, across
-xdist workers), the embedded one is tests/cpp/test_cpp_pt2.py's (``embedded_pt2``); only ``large`` compiles for
-this file alone: its bigger table is what the size tests compare and what "a package from another export" loads.
+xdist workers), the embedded one is tests/cpp/test_cpp_pt2.py's (``embedded_pt2``: the bad-request corpus's model);
+only ``large`` compiles for this file alone: its bigger table is what the size tests compare and what "a package
+from another export" loads.
 """
 
 from __future__ import annotations
@@ -204,7 +205,7 @@ def test_a_package_from_another_export_is_refused_naming_the_file(mapped, tmp_pa
 
 def test_an_embedded_artifact_keeps_the_tables_in_its_package(tmp_path_factory):
     """An artifact without weight files (``weights="embedded"``, as every pt2 package was before) compiles its
-    tables into model.pt2 and loads as before (pt2_spec's package, compiled once with the C++ loader's test)."""
+    tables into model.pt2 and loads as before (the corpus's model, compiled once with the C++ loader's tests)."""
     spec, path = embedded_pt2(tmp_path_factory)
     reference = Reference(spec, quantize(spec, random_weights(spec, seed=PT2_SEED)))
     assert not _weight_files(path)

@@ -14,8 +14,7 @@ import torch
 
 from infer.config import ModelSpec
 from tests.support.call_contract import NUM_DENSE, ColumnScores
-from tests.support.once import built_once, digest
-from tests.support.pt2_models import compiled_pt2, contract_pt2
+from tests.support.pt2_models import compiled_pt2, contract_pt2, embedded_pt2
 
 ROOT = Path(__file__).resolve().parents[2]
 CPP = ROOT / "cpp_loader"
@@ -144,19 +143,9 @@ def sharded_pt2_artifact(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 @pytest.fixture(scope="session")
 def corpus_pt2_artifact(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    """The bad-request corpus's model (tests/support/bad_requests.py) with model.pt2."""
-    from infer.artifact.export import export
-    from infer.quant.quantize import quantize
-    from infer.weights import random_weights
-    from tests.support.bad_requests import CORPUS_SPEC
-
-    weights = random_weights(CORPUS_SPEC, seed=0)
-
-    def build(folder: Path) -> Path:
-        print("compiling model.pt2 for the bad-request corpus's model (about a minute)", flush=True)
-        return export(quantize(CORPUS_SPEC, weights), folder / "corpus", pt2=True)
-
-    return built_once(tmp_path_factory, f"pt2-corpus-{digest(CORPUS_SPEC.to_dict(), weights)}", build)
+    """The bad-request corpus's model (tests/support/bad_requests.py) with model.pt2: pt2_models.embedded_pt2's
+    (its tables inside the package), compiled once per session with the embedded-format tests'."""
+    return embedded_pt2(tmp_path_factory)[1]
 
 
 DENSE_INPUTS = NUM_DENSE  # the call contract's dense inputs, which dense_pt2_artifact takes

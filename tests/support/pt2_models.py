@@ -12,10 +12,14 @@
   table's columns from two devices, tables replicated over two and three devices, table-wise tables: a device
   reading non-consecutive features, one reading a run of features that starts mid-request): test_pt2.py,
   test_pt2_weights.py and the C++ loader's pt2 tests.
-- ``embedded_pt2(...)``: ``pt2_spec()`` unsharded with every table inside model.pt2 (``weights="embedded"``, no
-  weight files): tests/artifact/test_pt2_weights.py and tests/cpp/test_cpp_pt2.py.
+- ``embedded_pt2(...)``: the bad-request corpus's model (``tests.support.bad_requests.CORPUS_SPEC``: an INT8 SUM
+  and an INT8 MEAN table) with every table inside model.pt2 (``weights="embedded"``, no weight files, as every
+  model.pt2 was before mapped weight files): the C++ loader's pt2 corpus test (its requests never reach the
+  program, so how the program holds its tables does not matter to it) and the embedded-format tests of
+  tests/artifact/test_pt2_weights.py and tests/cpp/test_cpp_pt2.py (a kernel's tables are one byte buffer
+  whatever their types: where the package keeps that buffer is what they check).
 
-(tests/cpp/conftest.py compiles the bad-request corpus's model, test_pt2_weights.py a 300x bigger table.)
+(test_pt2_weights.py compiles a 300x bigger table of its own.)
 """
 
 from __future__ import annotations
@@ -131,16 +135,18 @@ def _sharded_export(spec: ModelSpec, weights: dict[str, torch.Tensor], plan):  #
 
 
 def embedded_pt2(tmp_path_factory: pytest.TempPathFactory) -> tuple[ModelSpec, Path]:
-    """(spec, artifact folder "embedded"): ``pt2_spec()`` (no dense part) with its tables compiled into model.pt2."""
+    """(spec, artifact folder "embedded"): ``CORPUS_SPEC`` (no dense part) with its tables compiled into model.pt2,
+    weights ``random_weights(spec, seed=PT2_SEED)``."""
     from infer.artifact.export import export
     from infer.quant.quantize import quantize
     from infer.weights import random_weights
+    from tests.support.bad_requests import CORPUS_SPEC
 
-    spec = pt2_spec()
+    spec = CORPUS_SPEC
     weights = random_weights(spec, seed=PT2_SEED)
 
     def build(folder: Path) -> Path:
-        print("compiling model.pt2 for pt2_spec with its tables inside (about a minute)", flush=True)
+        print("compiling model.pt2 for the corpus's model with its tables inside (about a minute)", flush=True)
         return export(quantize(spec, weights), folder / "embedded", pt2=True, weights="embedded")
 
     key = digest("pt2-embedded", spec.to_dict(), weights)
