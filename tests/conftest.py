@@ -18,6 +18,15 @@ if os.environ.get("PYTEST_XDIST_WORKER") and "TORCHINDUCTOR_CACHE_DIR" not in os
         tempfile.gettempdir(), f"torchinductor_embserve_{os.environ['PYTEST_XDIST_WORKER']}"
     )
 
+# AOTInductor compiles a package's wrapper (the C++ that checks inputs, allocates buffers and calls the generated
+# kernels and fbgemm's operators; the kernels, defined in their own file, stay at -O3) at -O1 with line tables:
+# about 5 CPU-s of g++ a program on this 2-core kind of host. At -O0 without line tables a model of two programs
+# compiles in 18 % less CPU (16.4 -> 13.4 CPU-s, self + children, warm caches). Read when torch._inductor.config is
+# first imported (by a compile); set for this process and those it starts, unless the caller set them. A user's
+# export keeps torch's defaults.
+os.environ.setdefault("AOT_INDUCTOR_COMPILE_WRAPPER_OPT_LEVEL", "O0")
+os.environ.setdefault("AOT_INDUCTOR_ENABLE_LINE_TABLES", "0")
+
 from infer.config import DataType, ModelSpec, PoolingType, TableConfig
 from infer.features import SparseFeatures
 

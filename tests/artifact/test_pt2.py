@@ -2,9 +2,9 @@
 
 The reference is always the TorchScript artifact loaded from the same export (``infer.load(path)``), never
 the program under test. Compiling takes up to a minute per model, so each model is compiled once per
-session (three compiles, tests/support/pt2_models.py: unsharded with a dense part, table-wise over 2 CPU devices,
-and column-wise + replicated + table-wise over 3; the C++ loader's tests run the first two); the export logs a
-progress line.
+session (two compiles, tests/support/pt2_models.py: unsharded with a dense part, exported through the CLI with the
+dense part scripted, and column-wise + replicated + table-wise over 4 CPU devices; the C++ loader's tests and
+test_pt2_weights run both, test_pt2_contract the first); the export logs a progress line.
 """
 
 from __future__ import annotations
@@ -124,7 +124,8 @@ def test_predictions_match_the_torchscript_artifact(compiled):
         got = pt2.predict(batch, dense)
         assert got.shape == expected.shape == (batch.batch_size,), case
         assert torch.equal(got, expected), (case, float((got - expected).abs().max()))
-    with pytest.raises(RequestError, match=r"dense_features must have shape \[3, 4\], got \[2, 4\]"):
+    shapes = rf"dense_features must have shape \[3, {NUM_DENSE}\], got \[2, {NUM_DENSE}\]"
+    with pytest.raises(RequestError, match=shapes):
         pt2.module.predict(torch.zeros(2, NUM_DENSE), *_int64_lengths(random_batch(spec, 3))[:2])
     with pytest.raises(RequestError, match="float32"):
         pt2.module.predict(torch.zeros(3, NUM_DENSE, dtype=torch.float64), *_int64_lengths(random_batch(spec, 3))[:2])
@@ -344,7 +345,7 @@ def test_cli_inspect_and_run_with_the_pt2_backend(compiled):
 
 def test_serve_with_the_pt2_backend(compiled):
     name, spec, path, scripted, _ = compiled
-    if name != "table_wise":
+    if name != "mixed_sharding":
         return
     server, port = spawn_server(path, "--backend", "pt2", "--forward-threads", "1")
     try:

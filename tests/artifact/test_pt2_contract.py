@@ -1,9 +1,11 @@
 """The call contract (issue 24) on the pt2 backend, exported the way the user did it: ``embserve export --pt2``
 with a ``torch.jit.script``ed dense part (``--dense-arch dense.pt``) returning ``[B, 1]``.
 
-One compile per session (about a minute; tests/support/pt2_models.py: the C++ loader's contract tests run the same
-artifact). The reference is fp32 ``F.embedding_bag`` on the dequantized
-tables and the dense part applied to it (``tests/support/call_contract.py``), never the program under test.
+The model is tests/support/pt2_models.py's unsharded pt2_spec, exported that way (compiled once per session, shared
+with test_pt2, test_pt2_weights, the pt2 servers' and the C++ loader's tests): its tables hold every case the
+contract's own model has (a SUM table read by two features, a MEAN FP16 table) and more, its dense part is the
+contract's ``ColumnScores``. The reference is fp32 ``F.embedding_bag`` on the dequantized tables and the dense part
+applied to it (``tests/support/call_contract.py``), never the program under test.
 """
 
 from __future__ import annotations

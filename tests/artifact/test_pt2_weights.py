@@ -4,8 +4,9 @@ The reference is fp32 ``F.embedding_bag`` on the dequantized tables (``tests.sup
 never the program. "No copy" is observed, not timed: rewriting the weight file under a loaded program changes its
 lookups, and anonymous memory after a load does not grow with the tables (two table sizes, fresh processes).
 The unsharded and sharded models are the ones test_pt2 compiles (``compiled_pt2``: once per session, across
-xdist workers), the embedded one is tests/cpp/test_cpp_pt2.py's (``embedded_pt2``); only ``large`` compiles for
-this file alone: its bigger table is what the size tests compare and what "a package from another export" loads.
+xdist workers), the embedded one is tests/cpp/test_cpp_pt2.py's (``embedded_pt2``: the bad-request corpus's model);
+only ``large`` compiles for this file alone: its bigger table is what the size tests compare and what "a package
+from another export" loads.
 """
 
 from __future__ import annotations
@@ -58,7 +59,7 @@ def small(tmp_path_factory):  # type: ignore[no-untyped-def]
 
 @pytest.fixture(scope="module", params=["unsharded", "sharded"])
 def mapped(request, tmp_path_factory):  # type: ignore[no-untyped-def]
-    """``small``, or pt2_spec on three CPU devices: one table's columns split, tables replicated (each replica a
+    """``small``, or pt2_spec on four CPU devices: one table's columns split, tables replicated (each replica a
     slice of the batch), the rest table-wise (``mixed_sharding``)."""
     if request.param == "unsharded":
         return request.getfixturevalue("small")
@@ -67,7 +68,8 @@ def mapped(request, tmp_path_factory):  # type: ignore[no-untyped-def]
 
 @pytest.fixture(scope="module")
 def large(small, tmp_path_factory):  # type: ignore[no-untyped-def]
-    """``small`` with a 300x bigger t_int8 (everything else alike, the dense part too): compiled here alone."""
+    """``small`` with a 300x bigger t_int8 (everything else alike, the dense part too): compiled here alone, through
+    ``export`` with the dense part a plain module (``small`` came through the CLI, scripted)."""
     small_spec = small[0]
     tables = tuple(replace(t, num_embeddings=LARGE_ROWS) if t.name == "t_int8" else t for t in small_spec.tables)
     spec = ModelSpec(tables).with_dense_arch(small_spec.dense_arch, small_spec.num_dense_features)
@@ -141,6 +143,21 @@ def test_package_size_does_not_grow_with_the_tables(small, large):
     assert (large_path / "model.pt2").stat().st_size < table_growth
 
 
+def test_a_plain_module_dense_part_predicts_as_the_reference(large):
+    """The dense program compiled from the module itself (no TorchScript conversion): predict equals the fp32
+    reference and the TorchScript artifact of the same export, within fp32 rounding (bit-equal is not promised: a
+    batch of 257 here differs from TorchScript in the last bits of some scores)."""
+    spec, reference, path = large
+    runtime, scripted = load(path, backend="pt2"), load(path)
+    assert runtime.has_dense
+    generator = torch.Generator().manual_seed(12)
+    for batch in _batches(spec):
+        dense = torch.randn(batch.batch_size, spec.num_dense_features, generator=generator)
+        scores = runtime.predict(batch, dense)
+        assert_matches(scores, reference.scores(batch, dense))
+        torch.testing.assert_close(scores, scripted.predict(batch, dense), rtol=0, atol=1e-5)
+
+
 def test_the_program_reads_the_mapping_not_a_copy(mapped, tmp_path):
     """Rewriting the weight file in place (same inode: a private read-only mapping sees it) changes the loaded
     program's lookups: it reads the mapped pages. Zeroed INT8/INT4/FP16 rows (scale and bias 0) pool to 0."""
@@ -188,7 +205,7 @@ def test_a_package_from_another_export_is_refused_naming_the_file(mapped, tmp_pa
 
 def test_an_embedded_artifact_keeps_the_tables_in_its_package(tmp_path_factory):
     """An artifact without weight files (``weights="embedded"``, as every pt2 package was before) compiles its
-    tables into model.pt2 and loads as before (pt2_spec's package, compiled once with the C++ loader's test)."""
+    tables into model.pt2 and loads as before (the corpus's model, compiled once with the C++ loader's tests)."""
     spec, path = embedded_pt2(tmp_path_factory)
     reference = Reference(spec, quantize(spec, random_weights(spec, seed=PT2_SEED)))
     assert not _weight_files(path)

@@ -14,8 +14,7 @@ import torch
 
 from infer.config import ModelSpec
 from tests.support.call_contract import NUM_DENSE, ColumnScores
-from tests.support.once import built_once, digest
-from tests.support.pt2_models import compiled_pt2, contract_pt2
+from tests.support.pt2_models import compiled_pt2, contract_pt2, embedded_pt2
 
 ROOT = Path(__file__).resolve().parents[2]
 CPP = ROOT / "cpp_loader"
@@ -130,34 +129,26 @@ def onnx_artifact(tmp_path_factory: pytest.TempPathFactory) -> Path:
 @pytest.fixture(scope="session")
 def pt2_artifact(tmp_path_factory: pytest.TempPathFactory) -> Path:
     """pt2_spec (INT8, INT4, INT2, FP16, FP32 tables; SUM and MEAN) unsharded, with a dense part; model.pt and
-    model.pt2, compiled once per session with tests/artifact/test_pt2.py's (tests/support/pt2_models.py)."""
+    model.pt2 (lookup and dense programs), compiled once per session with tests/artifact/test_pt2.py's
+    (tests/support/pt2_models.py). dense_pt2_artifact is the same folder."""
     return compiled_pt2(tmp_path_factory, "unsharded")[1]
 
 
 @pytest.fixture(scope="session")
 def sharded_pt2_artifact(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    """pt2_spec sharded table-wise over 2 CPU devices, with model.pt and model.pt2 (one program)."""
-    return compiled_pt2(tmp_path_factory, "table_wise")[1]
+    """pt2_spec over 4 CPU devices (column-wise, replicated over two and three devices, table-wise), with model.pt
+    and model.pt2 (one program)."""
+    return compiled_pt2(tmp_path_factory, "mixed_sharding")[1]
 
 
 @pytest.fixture(scope="session")
 def corpus_pt2_artifact(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    """The bad-request corpus's model (tests/support/bad_requests.py) with model.pt2."""
-    from infer.artifact.export import export
-    from infer.quant.quantize import quantize
-    from infer.weights import random_weights
-    from tests.support.bad_requests import CORPUS_SPEC
-
-    weights = random_weights(CORPUS_SPEC, seed=0)
-
-    def build(folder: Path) -> Path:
-        print("compiling model.pt2 for the bad-request corpus's model (about a minute)", flush=True)
-        return export(quantize(CORPUS_SPEC, weights), folder / "corpus", pt2=True)
-
-    return built_once(tmp_path_factory, f"pt2-corpus-{digest(CORPUS_SPEC.to_dict(), weights)}", build)
+    """The bad-request corpus's model (tests/support/bad_requests.py) with model.pt2: pt2_models.embedded_pt2's
+    (its tables inside the package), compiled once per session with the embedded-format tests'."""
+    return embedded_pt2(tmp_path_factory)[1]
 
 
-DENSE_INPUTS = NUM_DENSE  # the call contract's model's, which dense_pt2_artifact is
+DENSE_INPUTS = NUM_DENSE  # the call contract's dense inputs, which dense_pt2_artifact takes
 
 
 @dataclass(frozen=True)
@@ -171,9 +162,10 @@ class DenseArtifact:
 
 @pytest.fixture(scope="session")
 def dense_pt2_artifact(tmp_path_factory: pytest.TempPathFactory) -> DenseArtifact:
-    """The call contract's model (an INT8 SUM table read by two features and an FP16 MEAN table, a dense part
-    returning ``[B, 1]``) exported with ``embserve export --pt2 --dense-arch``: model.pt and model.pt2 (its lookup
-    and dense programs), compiled once per session with tests/artifact/test_pt2_contract.py's."""
+    """The call contract's pt2 model (pt2_spec: an INT8 SUM table read by two features, an FP16 MEAN table and
+    more; the contract's dense part returning ``[B, 1]``) exported with ``embserve export --pt2 --dense-arch``:
+    model.pt and model.pt2 (its lookup and dense programs), pt2_artifact's folder, compiled once per session with
+    tests/artifact/test_pt2_contract.py's."""
     from infer.quant.quantize import quantize
 
     artifact = contract_pt2(tmp_path_factory)

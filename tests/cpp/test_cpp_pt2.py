@@ -1,7 +1,7 @@
 """The C++ loader's Pt2 backend (model.pt2, AOTInductor) against the Python TorchScript artifact: same outputs bit
 for bit, the same request errors, typed load errors. Each model.pt2 is compiled once per session (export(...,
-pt2=True), about a minute each on this machine kind: the unsharded and table-wise pt2_spec models, shared with
-tests/artifact/test_pt2.py, the bad-request corpus's model, and pt2_spec with its tables inside, shared with
+pt2=True), about a minute each on this machine kind: the unsharded and 4-device pt2_spec models, shared with
+tests/artifact/test_pt2.py, and the bad-request corpus's model with its tables inside, shared with
 tests/artifact/test_pt2_weights.py)."""
 
 from __future__ import annotations
@@ -15,6 +15,7 @@ import torch
 
 from infer.artifact.cpp_io import read_responses, write_requests
 from infer.artifact.load import load
+from infer.config import ModelSpec
 from infer.features import SparseFeatures
 from tests.conftest import random_batch
 from tests.cpp.support import assert_clean_failure, run
@@ -25,7 +26,7 @@ from tests.support.pt2_models import PT2_SEED, embedded_pt2, pt2_spec
 Request = tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]
 
 
-@pytest.fixture(params=["unsharded", "sharded_tw2"])
+@pytest.fixture(params=["unsharded", "sharded"])
 def any_pt2_artifact(request: pytest.FixtureRequest) -> Path:
     name = "pt2_artifact" if request.param == "unsharded" else "sharded_pt2_artifact"
     return request.getfixturevalue(name)  # type: ignore[no-any-return]
@@ -55,13 +56,14 @@ def run_requests(
     return result, read_responses(folder / "o.bin") if (folder / "o.bin").exists() else []
 
 
-def parity_requests(batch: int) -> list[Request]:
+def parity_requests(batch: int, spec: ModelSpec | None = None) -> list[Request]:
+    """Unweighted and weighted, int64 and int32 ids, for ``spec`` (default ``pt2_spec()``)."""
     requests: list[Request] = []
     for seed, (id_dtype, weighted) in enumerate(
         [(torch.int64, False), (torch.int32, False), (torch.int64, True), (torch.int32, True)]
     ):
         b = random_batch(
-            pt2_spec(), batch_size=batch, max_len=8, weighted=weighted, seed=seed + batch, id_dtype=id_dtype
+            spec or pt2_spec(), batch_size=batch, max_len=8, weighted=weighted, seed=seed + batch, id_dtype=id_dtype
         )
         requests.append((b.values, b.lengths, b.weights))
     return requests
@@ -69,8 +71,8 @@ def parity_requests(batch: int) -> list[Request]:
 
 @pytest.mark.parametrize("batch", [1, 16, 4096])
 def test_pt2_outputs_equal_torchscript(batch, embserve_run, any_pt2_artifact, tmp_path):
-    """INT8/INT4/INT2/FP16/FP32 tables, SUM and MEAN, weighted and not, int32 and int64 ids, unsharded and
-    table-wise over 2 devices: torch.equal to the TorchScript model."""
+    """INT8/INT4/INT2/FP16/FP32 tables, SUM and MEAN, weighted and not, int32 and int64 ids, unsharded and over 4
+    devices (column-wise, replicated, table-wise): torch.equal to the TorchScript model."""
     requests = parity_requests(batch)
     result, responses = run_requests(embserve_run, any_pt2_artifact, requests, tmp_path)
     assert result.returncode == 0, result.stderr
@@ -255,8 +257,8 @@ def test_a_damaged_weight_file_is_a_checksum_error_for_pt2(embserve_run, pt2_art
 
 def test_a_pt2_package_from_another_export_is_a_model_error(embserve_run, pt2_artifact, sharded_pt2_artifact, tmp_path):
     """model.pt2 compiled for other weight buffers (re-hashed into the manifest) is refused naming model.pt2 and
-    the fix, never run over buffers it was not compiled for. (The table-wise manifest with the unsharded package:
-    that one has a dense program too, which the table-wise manifest does not name.)"""
+    the fix, never run over buffers it was not compiled for. (The sharded manifest with the unsharded package:
+    that one has a dense program too, which the sharded manifest does not name.)"""
     artifact = copy_artifact(sharded_pt2_artifact, tmp_path)
     (artifact / "model.pt2").write_bytes((pt2_artifact / "model.pt2").read_bytes())
     rehash(artifact, "model.pt2")
@@ -266,7 +268,7 @@ def test_a_pt2_package_from_another_export_is_a_model_error(embserve_run, pt2_ar
 def test_an_embedded_pt2_keeps_its_tables_and_matches_fp32(embserve_run, tmp_path_factory, tmp_path):
     """An artifact without weight files (``weights="embedded"``, as every model.pt2 was before) compiles its tables
     into model.pt2: the C++ loader runs it as it is, no mapping handed over, and it equals the fp32 reference
-    (compiled once with tests/artifact/test_pt2_weights.py's)."""
+    (the corpus's model, compiled once with tests/artifact/test_pt2_weights.py's and test_pt2_bad_request_corpus's)."""
     from infer.quant.quantize import quantize
     from infer.weights import random_weights
     from tests.support.call_contract import Reference, assert_matches
@@ -274,7 +276,7 @@ def test_an_embedded_pt2_keeps_its_tables_and_matches_fp32(embserve_run, tmp_pat
     spec, artifact = embedded_pt2(tmp_path_factory)
     model = quantize(spec, random_weights(spec, seed=PT2_SEED))
     assert not list(artifact.glob("weights-*.bin"))
-    requests = parity_requests(16)
+    requests = parity_requests(16, spec)
     result, responses = run_requests(embserve_run, artifact, requests, tmp_path)
     assert result.returncode == 0, result.stderr
     reference = Reference(spec, model)
