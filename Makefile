@@ -40,16 +40,23 @@ BENCH_PKGS := mlcommons-loadgen==6.0.17
 PERF_ANALYZER_PKGS := tritonclient==2.51.0 nvidia-cuda-runtime-cu12==12.9.79
 PERF_ANALYZER_DIR := $(VENV)/perf_analyzer
 STAMP := $(VENV)/.installed
+# torch and fbgemm alone, before the rest: all the C++ build reads from the venv (libtorch's headers, libraries and
+# CMake package; fbgemm_gpu's folder for the RUNPATH), so make test compiles while pip installs the rest
+TORCH_STAMP := $(VENV)/.torch-installed
 # pytest-xdist workers for make test: one per core, at most 4 (each worker imports torch and fbgemm; the
 # suite alone keeps one of two cores busy). Test files are the unit of distribution (--dist loadfile), so a
 # module's fixtures (an exported or compiled artifact) are built once.
 PYTEST_WORKERS ?= $(shell n=$$(nproc 2>/dev/null || echo 1); echo $$(( n < 4 ? n : 4 )))
 
-.PHONY: demo test setup lint typecheck pytest bench clean cpp cpp-deps perf-analyzer server server-asan docs
+.PHONY: demo test setup setup-torch lint typecheck pytest bench clean cpp cpp-deps perf-analyzer server server-asan docs
 
-$(STAMP): pyproject.toml Makefile
+$(TORCH_STAMP): Makefile
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
-	$(BIN)/python -m pip install --quiet --disable-pip-version-check torch==$(TORCH_VERSION)
+	$(BIN)/python -m pip install --quiet --disable-pip-version-check torch==$(TORCH_VERSION) $(FBGEMM_PKG)
+	touch $(TORCH_STAMP)
+
+# order-only on torch's stamp: a venv that has both stamps reinstalls only when the Makefile or pyproject.toml changes
+$(STAMP): pyproject.toml Makefile | $(TORCH_STAMP)
 	$(BIN)/python -m pip install --quiet --disable-pip-version-check $(FBGEMM_PKG) $(SERVING_PKGS) \
 		pytest pytest-xdist==3.8.0 execnet==2.1.2 ruff mypy numpy scipy matplotlib "hypothesis==6.140.0" \
 		"setuptools>=64" $(DOCS_PKGS)
@@ -80,18 +87,26 @@ pytest: $(STAMP) cpp perf-analyzer
 	EMBSERVE_SANITIZED_SERVER_BIN=$(abspath $(ASAN_BIN)) \
 		$(BIN)/python -m pytest -q --durations=20 -n $(PYTEST_WORKERS) --dist loadfile
 
-# ruff, mypy and the docs build run beside the C++ build (each waits on its own inputs only), then the tests; at
-# the end the wall time of each phase (pytest's own --durations lists the 20 slowest tests above it). setup: the
-# venv and perf_analyzer, with the C++ packages (cpp-deps, apt) installed beside it.
+# The phases before the tests run side by side, each waiting on its own inputs only (the timed-X rules below):
+# setup-torch (the venv with torch and fbgemm) and cpp-deps (apt) first; then the C++ build beside the rest of
+# the venv (setup: pip, perf_analyzer), and ruff, mypy and the docs build once that is in. At the end the wall time
+# of each phase (pytest's own --durations lists the 20 slowest tests above it).
 PHASE_TIMES := build/make-test-phases.txt
 test:
 	@mkdir -p $(dir $(PHASE_TIMES)) && rm -f $(PHASE_TIMES)
-	@$(MAKE) --no-print-directory -j2 timed-setup timed-cpp-deps
-	@$(MAKE) --no-print-directory -j4 timed-lint timed-typecheck timed-cpp timed-docs CPP_TARGETS="all embserve-server-asan"
+	@$(MAKE) --no-print-directory -j6 timed-setup-torch timed-cpp-deps timed-setup timed-cpp timed-lint timed-typecheck \
+		timed-docs CPP_TARGETS="all embserve-server-asan"
 	@$(MAKE) --no-print-directory timed-pytest; status=$$?; \
-		echo "make test: wall time per phase (lint, typecheck, cpp and docs side by side):"; cat $(PHASE_TIMES); exit $$status
+		echo "make test: wall time per phase (those before pytest side by side):"; cat $(PHASE_TIMES); exit $$status
 
 setup: $(STAMP) perf-analyzer
+
+setup-torch: $(TORCH_STAMP)
+
+# make test's order (one make -j, so each $(MAKE) X below starts only when what it reads is in)
+timed-setup timed-cpp: timed-setup-torch
+timed-cpp: timed-cpp-deps
+timed-lint timed-typecheck timed-docs: timed-setup
 
 # timed-X: make X, then append its wall time to $(PHASE_TIMES)
 timed-%:
@@ -119,6 +134,12 @@ $(BIN)/perf_analyzer: $(STAMP)
 # prometheus-cpp and cpp-httplib (OIP REST, with OpenSSL) packages, installed the same way.
 SERVER_DEBS := libgrpc++-dev protobuf-compiler-grpc libprotobuf-dev prometheus-cpp-dev libcpp-httplib-dev
 CPP_BUILD := cpp_loader/build
+# configured once (the tests and `make server` reuse it); Ninja where installed (cpp-deps installs ninja-build): it
+# builds the release and sanitizer targets of make test in one graph, compiling a program while its libraries link
+CPP_CONFIGURE = test -f $(CPP_BUILD)/CMakeCache.txt || cmake -S cpp_loader -B $(CPP_BUILD) -DCMAKE_BUILD_TYPE=Release \
+	-G "$$(command -v ninja >/dev/null 2>&1 && echo Ninja || echo 'Unix Makefiles')" \
+	-DEMBSERVE_PYTHON=$(abspath $(BIN)/python) \
+	-DCMAKE_PREFIX_PATH="$$($(BIN)/python -c 'import torch; print(torch.utils.cmake_prefix_path)')"
 # what `make cpp` builds; make test adds the sanitizer build of the server, so both compile side by side
 CPP_TARGETS ?= all
 # apt-get waits for the package lock: make test runs cpp-deps beside the venv's setup, perf-analyzer after it
@@ -128,21 +149,17 @@ SUDO := $(shell [ "$$(id -u)" != 0 ] && command -v sudo >/dev/null 2>&1 && echo 
 cpp-deps:
 	@dpkg -s nlohmann-json3-dev libssl-dev $(SERVER_DEBS) >/dev/null 2>&1 || \
 		($(APT) update && $(APT) install -y nlohmann-json3-dev libssl-dev $(SERVER_DEBS))
-	@command -v cmake >/dev/null 2>&1 && command -v g++ >/dev/null 2>&1 || \
-		($(APT) update && $(APT) install -y cmake g++)
+	@command -v cmake >/dev/null 2>&1 && command -v g++ >/dev/null 2>&1 && command -v ninja >/dev/null 2>&1 || \
+		($(APT) update && $(APT) install -y cmake g++ ninja-build)
 
-cpp: $(STAMP) cpp-deps
-	test -f $(CPP_BUILD)/CMakeCache.txt || cmake -S cpp_loader -B $(CPP_BUILD) -DCMAKE_BUILD_TYPE=Release \
-		-DEMBSERVE_PYTHON=$(abspath $(BIN)/python) \
-		-DCMAKE_PREFIX_PATH="$$($(BIN)/python -c 'import torch; print(torch.utils.cmake_prefix_path)')"
+cpp: $(TORCH_STAMP) cpp-deps
+	$(CPP_CONFIGURE)
 	cmake --build $(CPP_BUILD) -j2 --target $(CPP_TARGETS)
 	cmake --install $(CPP_BUILD) --prefix $(CPP_BUILD)/install
 
 # embserve-server alone (`embserve serve DIR --native` runs it from cpp_loader/build/server/)
-server: $(STAMP) cpp-deps
-	test -f $(CPP_BUILD)/CMakeCache.txt || cmake -S cpp_loader -B $(CPP_BUILD) -DCMAKE_BUILD_TYPE=Release \
-		-DEMBSERVE_PYTHON=$(abspath $(BIN)/python) \
-		-DCMAKE_PREFIX_PATH="$$($(BIN)/python -c 'import torch; print(torch.utils.cmake_prefix_path)')"
+server: $(TORCH_STAMP) cpp-deps
+	$(CPP_CONFIGURE)
 	cmake --build $(CPP_BUILD) -j2 --target embserve-server
 
 # embserve-server-asan: embserve-server under AddressSanitizer + UndefinedBehaviorSanitizer, built beside the release
@@ -152,7 +169,7 @@ server: $(STAMP) cpp-deps
 # hardening, native, repository, pt2); `make test` runs those same modules against it within its one pytest run.
 # NativeServed fails a test on any sanitizer line in the server's log.
 ASAN_BIN := $(CPP_BUILD)/server/embserve-server-asan
-server-asan: cpp
+server-asan: cpp $(STAMP)
 	cmake --build $(CPP_BUILD) -j2 --target embserve-server-asan
 	EMBSERVE_SANITIZED_SERVER_BIN=$(abspath $(ASAN_BIN)) $(BIN)/python -m pytest -q -p no:cacheprovider \
 		-n $(PYTEST_WORKERS) --dist loadfile -m sanitized -k native

@@ -2,7 +2,7 @@
 #include "runner.h"
 
 #include <ATen/Parallel.h>
-#include <torch/torch.h>
+#include <torch/types.h>
 
 #include <cstring>
 #include <tuple>

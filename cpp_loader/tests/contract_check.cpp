@@ -7,7 +7,7 @@
 // Usage: embserve_contract_check ARTIFACT [torchscript|pt2]. Exits 0 unless the model cannot be loaded.
 #include <embserve/loader.h>
 
-#include <torch/torch.h>
+#include <torch/types.h>
 
 #include <iostream>
 #include <string>

@@ -7,7 +7,8 @@
 // Prints "ok ..." and exits 0 on success; exits 1 naming the first mismatch otherwise.
 #include <embserve/loader.h>
 
-#include <torch/torch.h>
+#include <torch/types.h>
+#include <torch/utils.h>
 
 #include <atomic>
 #include <iostream>

@@ -28,7 +28,7 @@
 // File format: see infer/artifact/cpp_io.py (request files EMBSRQ01 and EMBSRQ02, response files EMBSRS02).
 #include <embserve/loader.h>
 
-#include <torch/torch.h>
+#include <torch/types.h>
 
 #include <algorithm>
 #include <chrono>
