@@ -125,7 +125,8 @@ bool truthy(const Json& value) {
   if (value.is_number_unsigned()) return value.get<uint64_t>() != 0;
   if (value.is_number_integer()) return value.get<int64_t>() != 0;
   if (value.is_number_float()) return value.get<double>() != 0.0;
-  return !value.empty();  // string, array, object
+  if (value.is_string()) return !value.get_ref<const std::string&>().empty();  // json's empty() holds for no scalar
+  return !value.empty();  // array, object
 }
 
 // codec.parameter_flag of a JSON parameters object

@@ -176,6 +176,12 @@ ODD_REQUESTS = [
     ("POST", _INFER, {"inputs": [{"name": "x", "shape": [1], "parameters": {"binary_data_size": 4}}]}),
     ("POST", _INFER, {"inputs": [{"name": "x", "shape": [1], "parameters": {"binary_data_size": -1}}]}),
     ("POST", _INFER, {"inputs": [{"name": "x", "shape": [1], "parameters": {"binary_data_size": "a"}}]}),
+    # found by bench/rest_fuzz.py: Python answered these with 500s, embserve-server refused an empty string
+    ("POST", _INFER, {"inputs": [], "outputs": 5}),
+    ("POST", _INFER, {"inputs": [], "outputs": [{"name": "embeddings", "parameters": -7}]}),
+    ("POST", _INFER, {"inputs": [_tensor("f_int8__values", "INT64", [1], [1])], "outputs": ""}),
+    ("POST", _INFER, {"inputs": [{"name": "x", "datatype": False, "shape": [1], "data": [1]}]}),
+    ("POST", _INFER, {"inputs": [{"name": "x", "datatype": "INT64", "shape": [1], "data": [1], "parameters": -7}]}),
     ("POST", "/v2/models/dense/versions/2/infer", {"inputs": []}),
     ("POST", "/v2/models/dense/versions/1/infer", {"inputs": []}),
     ("GET", "/v2/models/dense/versions/2", None),

@@ -227,10 +227,15 @@ def parse_infer_body(
     fp16 = oc.parameter_flag(parameters, oc.FP16_PARAMETER)
     requested = []
     binary_of: dict[str, bool] = {}
-    for index, item in enumerate(request.get("outputs") or []):
+    outputs = request.get("outputs") or []
+    if not isinstance(outputs, list):  # a number is no list of outputs (it was a TypeError: a 500)
+        raise RequestError("output #0 must be an object with a 'name'")
+    for index, item in enumerate(outputs):
         if not isinstance(item, dict) or not isinstance(item.get("name"), str):
             raise RequestError(f"output #{index} must be an object with a 'name'")
-        output_parameters = item.get("parameters") or {}
+        output_parameters = item.get("parameters")
+        if not isinstance(output_parameters, dict):  # as embserve-server: no parameters
+            output_parameters = {}
         requested.append(oc.RequestedOutput(item["name"], fp16 or oc.parameter_flag(output_parameters, "output_fp16")))
         if "binary_data" in output_parameters:
             binary_of[item["name"]] = oc.parameter_flag(output_parameters, "binary_data")
