@@ -6,14 +6,17 @@ A small exported model (three features on two tables, a dense part) is served by
 valid ``/v2`` requests go to it over several keep-alive connections: JSON bodies with wrong types, shapes, ids
 out of range, huge or negative lengths, syntax errors and deep nesting; binary-tensor bodies with bad
 ``Inference-Header-Content-Length`` and ``binary_data_size``; bad framing (Content-Length, chunked, encodings),
-truncated and oversized bodies, bad request lines and headers, bad paths and methods, pipelined requests.
+truncated and oversized bodies, bad request lines and headers, bad paths and methods, pipelined requests (only the
+first answer is read: cpp-httplib 0.11 drops the bytes of a pipelined request past the first; the client waits for
+its keep-alive timeout).
 
 Every answer must be a well-formed HTTP/1.1 response (status line, headers, a body of its Content-Length; an
 error's body ``{"error": "..."}``) with a status of its input class (``CLASSES``), never a 5xx; every 200 to a
 valid request must carry the outputs an in-process ``Runtime`` computes for it (embeddings bit-equal, scores to
 float rounding). A sample of the cases also goes to the Python server (``embserve serve``) on the same model: its
-status must equal the native one, case by case. At the end the native server must still answer a valid request
-correctly, exit 0 on SIGTERM, and its stderr must hold no sanitizer report.
+status family (2xx, 4xx, 5xx, closed) must equal the native one, case by case, except in ``LENIENT`` classes
+(where the two HTTP readers differ by design); exact status differences are counted too. At the end the native
+server must still answer a valid request correctly, exit 0 on SIGTERM, and its stderr must hold no sanitizer report.
 
 Prints one JSON line per input class (requests, native status histogram, the Python sample's, mismatches) and a
 summary line (requests, req/s, sanitizer reports, failures, load average).
