@@ -75,7 +75,9 @@ def merge(
             if weighted:
                 w = batch.weights
                 weights.append(w[ends[f] : ends[f + 1]] if w is not None else torch.ones(ends[f + 1] - ends[f]))
-    dense = torch.cat([b.dense for b in batches]) if batches[0].dense is not None else None  # type: ignore[misc]
+    # a lookup batch may merge requests with dense features and requests without (it needs none of them)
+    dense_parts = [b.dense for b in batches if b.dense is not None]
+    dense = torch.cat(dense_parts) if len(dense_parts) == len(batches) else None
     return (
         torch.cat(values).to(id_dtype),
         torch.cat(lengths),

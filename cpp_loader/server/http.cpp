@@ -31,6 +31,7 @@ using Clock = std::chrono::steady_clock;
 using Json = nlohmann::ordered_json;
 
 constexpr const char* kHeaderLength = "Inference-Header-Content-Length";
+constexpr size_t kMaxHeaderLines = 100;
 constexpr const char* kDraining = "the server is shutting down; retry on another replica";
 
 // A refusal with the gRPC code it stands for (the metrics' label), its HTTP status and rejected-total reason
@@ -42,15 +43,52 @@ struct Refusal {
   const char* reason;
 };
 
+// A JSON text, ASCII only as Python's json.dumps writes it. Bytes that are no UTF-8 (a client's path or body
+// quoted in a message, a message cut inside a character) become U+FFFD, as urllib's unquote makes them: dump's
+// default would throw and turn a refusal into a 500.
+std::string dumped(const Json& value) { return value.dump(-1, ' ', true, Json::error_handler_t::replace); }
+
 // the JSON body of every error: {"error": "..."}
 void put_error(httplib::Response& response, int status, const std::string& message) {
   response.status = status;
-  response.set_content(Json{{"error", bounded(message)}}.dump(-1, ' ', true), "application/json");
+  response.set_content(dumped(Json{{"error", bounded(message)}}), "application/json");
 }
 
 void put_json(httplib::Response& response, const Json& payload) {
   response.status = 200;
-  response.set_content(payload.dump(-1, ' ', true), "application/json");
+  response.set_content(dumped(payload), "application/json");
+}
+
+// The value of a header given more than once is its last one, as the Python server's header dict keeps it
+// (httplib's get_header_value answers the first).
+std::string last_header(const httplib::Request& request, const char* name) {
+  const size_t count = request.get_header_value_count(name);
+  return count == 0 ? std::string() : request.get_header_value(name, count - 1);
+}
+
+// rest_server.check_json_depth: a JSON text nested deeper than kMaxJsonDepth is refused before it is parsed, so no
+// recursive walk over it (the tensor's nest, a message quoting a value, the echoed id) can run out of stack.
+constexpr int kMaxJsonDepth = 100;
+void check_json_depth(const char* begin, const char* end) {
+  int depth = 0;
+  bool in_string = false;
+  for (const char* p = begin; p < end; ++p) {
+    const char c = *p;
+    if (in_string) {
+      if (c == '\\') {
+        ++p;
+      } else if (c == '"') {
+        in_string = false;
+      }
+    } else if (c == '"') {
+      in_string = true;
+    } else if (c == '[' || c == '{') {
+      if (++depth > kMaxJsonDepth)
+        throw BadRequest("the request nests JSON deeper than " + std::to_string(kMaxJsonDepth) + " levels");
+    } else if (c == ']' || c == '}') {
+      --depth;
+    }
+  }
 }
 
 bool constant_time_equal(const std::string& a, const std::string& b) {
@@ -87,7 +125,8 @@ bool truthy(const Json& value) {
   if (value.is_number_unsigned()) return value.get<uint64_t>() != 0;
   if (value.is_number_integer()) return value.get<int64_t>() != 0;
   if (value.is_number_float()) return value.get<double>() != 0.0;
-  return !value.empty();  // string, array, object
+  if (value.is_string()) return !value.get_ref<const std::string&>().empty();  // json's empty() holds for no scalar
+  return !value.empty();  // array, object
 }
 
 // codec.parameter_flag of a JSON parameters object
@@ -266,7 +305,7 @@ InferBody parse_infer_body(const std::string& body, const httplib::Request& http
   size_t split = body.size();
   if (http.has_header(kHeaderLength)) {
     int64_t given = 0;
-    if (!parse_int(http.get_header_value(kHeaderLength), given))
+    if (!parse_int(last_header(http, kHeaderLength), given))
       throw BadRequest("Inference-Header-Content-Length is not a number");
     if (given < 0 || static_cast<uint64_t>(given) > body.size())
       throw BadRequest("Inference-Header-Content-Length " + std::to_string(given) + " exceeds the body's " +
@@ -276,6 +315,7 @@ InferBody parse_infer_body(const std::string& body, const httplib::Request& http
   const char* binary = body.data() + split;
   const size_t binary_size = body.size() - split;
   InferBody parsed;
+  check_json_depth(body.data(), body.data() + split);
   try {
     parsed.request = Json::parse(body.begin(), body.begin() + static_cast<std::ptrdiff_t>(split));
   } catch (const Json::exception& err) {
@@ -444,28 +484,45 @@ int HttpServer::start() {
   server.set_payload_max_length(static_cast<size_t>(options_.max_body));
   // HTTP itself refused (rest_server.read_request's HttpError): answered, then the connection closes
   const int64_t max_body = options_.max_body;
-  server.set_pre_routing_handler([max_body](const httplib::Request& request, httplib::Response& response) {
+  server.set_pre_routing_handler([this, max_body](const httplib::Request& request, httplib::Response& response) {
     auto refuse = [&](int status, const std::string& message) {
       put_error(response, status, message);
       response.set_header("Connection", "close");
       return httplib::Server::HandlerResponse::Handled;
     };
-    std::string transfer = request.get_header_value("Transfer-Encoding");
+    // rest_server.read_request reads at most 100 header lines (httplib adds REMOTE_ADDR, REMOTE_PORT, LOCAL_ADDR and
+    // LOCAL_PORT to those the client sent)
+    if (request.headers.size() >= kMaxHeaderLines + 4)
+      return refuse(431, "more than " + std::to_string(kMaxHeaderLines) + " header lines");
+    std::string transfer = last_header(request, "Transfer-Encoding");
     std::transform(transfer.begin(), transfer.end(), transfer.begin(), [](unsigned char c) { return std::tolower(c); });
     if (transfer.find("chunked") != std::string::npos)
       return refuse(411, "chunked request bodies are not supported; send Content-Length");
     if (request.has_header("Content-Length")) {
+      // two lengths that disagree frame the body two ways (RFC 9112 6.3): refused, as the Python server does
+      const std::string given = request.get_header_value("Content-Length");
+      for (size_t i = 1; i < request.get_header_value_count("Content-Length"); ++i)
+        if (request.get_header_value("Content-Length", i) != given)
+          return refuse(400, "Content-Length is given twice with different values");
       int64_t length = 0;
-      if (!parse_int(request.get_header_value("Content-Length"), length))
+      if (!parse_int(given, length))
         return refuse(400, "Content-Length is not a number");
       if (length < 0 || length > max_body)
         return refuse(413, "request body of " + std::to_string(length) + " bytes exceeds the server's limit of " +
                                std::to_string(max_body) + " bytes (--max-message-mb)");
     }
-    std::string encoding = request.get_header_value("Content-Encoding");
+    std::string encoding = last_header(request, "Content-Encoding");
     std::transform(encoding.begin(), encoding.end(), encoding.begin(), [](unsigned char c) { return std::tolower(c); });
     if (!encoding.empty() && encoding != "identity" && encoding != "gzip" && encoding != "deflate")
       return refuse(415, "Content-Encoding " + py_repr(encoding) + " is not supported");
+    if (!request.has_header("Content-Length")) {
+      // no body (the Python server reads none without a length); httplib would read one until the client hangs up
+      const std::string& m = request.method;
+      if (m == "POST" || m == "PUT" || m == "PATCH" || m == "DELETE" || m == "PRI") {
+        respond(request, response);
+        return httplib::Server::HandlerResponse::Handled;
+      }
+    }
     return httplib::Server::HandlerResponse::Unhandled;
   });
   // what httplib refused on its own (a malformed request line or header, a body it could not read): JSON words
@@ -486,6 +543,19 @@ int HttpServer::start() {
     response.set_header("Connection", "close");
     return httplib::Server::HandlerResponse::Handled;
   }));
+  // what escaped respond() (it answers every refusal itself): the generic words and a request id, never httplib's
+  // default (a 500 whose EXCEPTION_WHAT header tells the client our internals)
+  server.set_exception_handler([](const httplib::Request&, httplib::Response& response, std::exception_ptr error) {
+    std::string what = "unknown exception";
+    try {
+      std::rethrow_exception(error);
+    } catch (const std::exception& err) {
+      what = err.what();
+    } catch (...) {
+    }
+    const std::string id = log_internal("REST", what.c_str());
+    put_error(response, 500, "internal error (request id " + id + "); see the server log");
+  });
   auto handler = [this](const httplib::Request& request, httplib::Response& response) { respond(request, response); };
   server.Get(".*", handler);
   server.Post(".*", handler);
@@ -513,13 +583,17 @@ void HttpServer::stop_accepting() {
 
 bool HttpServer::authorized(const httplib::Request& request, const std::string& path) const {
   if (options_.auth_token.empty() || path.rfind("/v2/health/", 0) == 0) return true;
-  return constant_time_equal(request.get_header_value("Authorization"), "Bearer " + options_.auth_token);
+  return constant_time_equal(last_header(request, "Authorization"), "Bearer " + options_.auth_token);
 }
 
 // rest_server._respond: authorize, route, answer; every refusal a status and {"error": words}; counted in metrics
 void HttpServer::respond(const httplib::Request& request, httplib::Response& response) {
   const auto started = Clock::now();
-  ++in_flight_;
+  struct Counted {  // in flight until answered, however respond() ends
+    std::atomic<int64_t>& count;
+    explicit Counted(std::atomic<int64_t>& c) : count(c) { ++count; }
+    ~Counted() { --count; }
+  } counted(in_flight_);
   std::string operation = "REST";
   const char* code = "OK";
   const char* reason = "";
@@ -549,7 +623,6 @@ void HttpServer::respond(const httplib::Request& request, httplib::Response& res
   if (*reason) metrics_.rejected(reason);
   metrics_.call(operation, code, std::chrono::duration<double>(Clock::now() - started).count());
   if (closing_) response.set_header("Connection", "close");
-  --in_flight_;
 }
 
 // rest_server._route
@@ -630,6 +703,7 @@ void HttpServer::route(const httplib::Request& request, httplib::Response& respo
     Json options = Json::object();
     const bool blank = request.body.find_first_not_of(" \t\r\n\f\v") == std::string::npos;
     if (!blank) {
+      check_json_depth(request.body.data(), request.body.data() + request.body.size());
       try {
         options = Json::parse(request.body);
       } catch (const Json::exception& err) {
@@ -724,7 +798,7 @@ void HttpServer::infer(const std::string& name, const std::string& version, cons
         outputs.push_back(std::move(entry));
       }
       payload["outputs"] = std::move(outputs);
-      return payload.dump(-1, ' ', true);
+      return dumped(payload);
     };
     std::string out;                  // the body, when every output is binary
     std::vector<std::vector<char>> scratch(outs.size());  // else each output's bytes

@@ -94,3 +94,19 @@ def test_without_a_flush_the_batch_keeps_waiting_for_company():
         call.cancel()
 
     _run(scenario)
+
+
+def test_a_lookup_batch_merges_requests_with_and_without_dense_features():
+    """A lookup merges requests that carry dense features beside ones that do not (it needs none of them); the
+    merge refused them with a TypeError, a 500 to valid requests that happened to overlap (bench/rest_fuzz.py)."""
+    from server.batcher import merge
+
+    plain = _batch(1, 2)
+    dense = ValidatedBatch(plain.values, plain.lengths, None, torch.ones(2, 3), 2, NUM_FEATURES)
+    values, lengths, weights, merged_dense = merge([dense, plain, dense])  # the first with, a later one without
+    assert merged_dense is None and weights is None
+    assert torch.equal(lengths, torch.cat([plain.lengths[:2], plain.lengths[:2], plain.lengths[:2],
+                                           plain.lengths[2:], plain.lengths[2:], plain.lengths[2:]]))  # fmt: skip
+    assert values.numel() == 3 * plain.values.numel()
+    both = merge([dense, dense])[3]
+    assert both is not None and torch.equal(both, torch.ones(4, 3))

@@ -80,16 +80,44 @@ def _request(served: Served, method: str, path: str, body: bytes = b"", headers:
         ("GET", "/v2/nowhere", b"", {}, 404, "no route GET /v2/nowhere"),
         ("GET", "/v2/models/nobody", b"", {}, 404, "unknown model 'nobody'"),
         ("POST", "/v2/models/dense/infer", b"{}", {"Content-Encoding": "br"}, 415, "not supported"),
+        # found by bench/rest_fuzz.py: embserve-server overflowed its stack on a deep nest (a crash), answered 500
+        # with its internals in a header to a path or body of bytes that are no UTF-8, and Python answered 500 to
+        # a deep nest (RecursionError) and dropped the connection on a body that is no gzip
+        ("POST", "/v2/models/dense/infer", b'{"inputs":[{"name":"x","datatype":"INT64","shape":[1],"data":'
+         + b"[" * 20_000 + b"1" + b"]" * 20_000 + b"}]}", {}, 400, "nests JSON deeper than 100 levels"),
+        ("POST", "/v2/models/dense/infer", b'{"inputs":[],"id":' + b"{\"a\":" * 150 + b"1" + b"}" * 151, {}, 400,
+         "nests JSON deeper than 100 levels"),
+        ("GET", "/v2/models/%ff", b"", {}, 404, "unknown model '\ufffd'"),
+        ("POST", "/v2/models/dense/infer", b'{"inputs":[{"name":"\xc3(x"}]}', {}, 400, "not valid JSON"),
+        ("POST", "/v2/models/dense/infer", b"\x1f\x8b\x08garbage", {"Content-Encoding": "gzip"}, 400, ""),
     ],
     ids=[
         "bad_json", "not_an_object", "unnamed_input", "non_numeric_data", "binary_past_the_end",
         "header_length_past_body", "too_large", "unknown_route", "unknown_model", "unknown_encoding",
+        "deep_nest", "deep_nest_in_id", "path_not_utf8", "json_not_utf8", "not_gzip",
     ],
 )  # fmt: skip
 def test_bad_http_requests_get_their_status(rest_server, method, path, body, headers, status, fragment):
     got_status, payload = _request(rest_server, method, path, body, headers)
     assert got_status == status
     assert fragment in json.loads(payload)["error"]
+
+
+def _raw(served: Served, wire: bytes) -> bytes:
+    with socket.create_connection(("127.0.0.1", served.running.http_port), timeout=10) as sock:
+        sock.sendall(wire)
+        return sock.recv(4096)
+
+
+def test_framing_the_fuzzer_found(rest_server):
+    """Two Content-Lengths that disagree are refused (each server read a different one); a POST without one has no
+    body (embserve-server read until the client hung up: no answer)."""
+    answer = _raw(
+        rest_server, b"POST /v2/repository/index HTTP/1.1\r\nContent-Length: 2\r\nContent-Length: 7\r\n\r\n{}"
+    )
+    assert answer.startswith(b"HTTP/1.1 400") and b"Content-Length is given twice" in answer
+    answer = _raw(rest_server, b"POST /v2/repository/index HTTP/1.1\r\nHost: x\r\n\r\n")
+    assert answer.startswith(b"HTTP/1.1 200")
 
 
 def test_the_server_survives_garbage_and_keeps_serving(rest_server, spec):
@@ -148,6 +176,12 @@ ODD_REQUESTS = [
     ("POST", _INFER, {"inputs": [{"name": "x", "shape": [1], "parameters": {"binary_data_size": 4}}]}),
     ("POST", _INFER, {"inputs": [{"name": "x", "shape": [1], "parameters": {"binary_data_size": -1}}]}),
     ("POST", _INFER, {"inputs": [{"name": "x", "shape": [1], "parameters": {"binary_data_size": "a"}}]}),
+    # found by bench/rest_fuzz.py: Python answered these with 500s, embserve-server refused an empty string
+    ("POST", _INFER, {"inputs": [], "outputs": 5}),
+    ("POST", _INFER, {"inputs": [], "outputs": [{"name": "embeddings", "parameters": -7}]}),
+    ("POST", _INFER, {"inputs": [_tensor("f_int8__values", "INT64", [1], [1])], "outputs": ""}),
+    ("POST", _INFER, {"inputs": [{"name": "x", "datatype": False, "shape": [1], "data": [1]}]}),
+    ("POST", _INFER, {"inputs": [{"name": "x", "datatype": "INT64", "shape": [1], "data": [1], "parameters": -7}]}),
     ("POST", "/v2/models/dense/versions/2/infer", {"inputs": []}),
     ("POST", "/v2/models/dense/versions/1/infer", {"inputs": []}),
     ("GET", "/v2/models/dense/versions/2", None),

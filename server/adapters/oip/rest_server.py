@@ -10,7 +10,6 @@ extension that tritonclient.http uses by default: the body is a JSON header of
 from __future__ import annotations
 
 import asyncio
-import gzip
 import hmac
 import json
 import logging
@@ -42,6 +41,9 @@ _MODEL_PATH = re.compile(
     r"^/v2/models/(?P<name>[^/]+)(?:/versions/(?P<version>[^/]+))?(?P<action>/ready|/infer|/config|/stats)?$"
 )
 _REPOSITORY_PATH = re.compile(r"^/v2/repository/models/(?P<name>[^/]+)/(?P<action>load|unload)$")
+_MAX_JSON_DEPTH = 100  # embserve-server's kMaxJsonDepth
+_JSON_STRING = re.compile(rb'"(?:[^"\\]|\\.)*"?', re.S)
+_JSON_BRACKET = re.compile(rb"[\[\]{}]")
 _OPEN_PATHS = ("/v2/health/",)  # probes work without the token, as on gRPC
 _HTTP_STATUS = {
     grpc.StatusCode.OK: HTTPStatus.OK,
@@ -109,7 +111,11 @@ async def read_request(reader: asyncio.StreamReader, max_body: int) -> HttpReque
         name, separator, value = header.decode("latin-1").partition(":")
         if not separator:
             raise HttpError(HTTPStatus.BAD_REQUEST, f"malformed header line {header[:100]!r}")
-        headers[name.strip().lower()] = value.strip()
+        key = name.strip().lower()
+        if key == "content-length" and headers.get(key, value.strip()) != value.strip():
+            # two lengths that disagree frame the body two ways (RFC 9112 6.3)
+            raise HttpError(HTTPStatus.BAD_REQUEST, "Content-Length is given twice with different values")
+        headers[key] = value.strip()
     else:
         raise HttpError(HTTPStatus.REQUEST_HEADER_FIELDS_TOO_LARGE, f"more than {_MAX_HEADER_LINES} header lines")
     if "chunked" in headers.get("transfer-encoding", "").lower():
@@ -125,14 +131,27 @@ async def read_request(reader: asyncio.StreamReader, max_body: int) -> HttpReque
         )
     body = await reader.readexactly(length) if length else b""
     encoding = headers.get("content-encoding", "").lower()
-    if encoding == "gzip":
-        body = gzip.decompress(body)
-    elif encoding == "deflate":
-        body = zlib.decompress(body)
+    if encoding in ("gzip", "deflate"):
+        body = _inflate(body, encoding, max_body)
     elif encoding not in ("", "identity"):
         raise HttpError(HTTPStatus.UNSUPPORTED_MEDIA_TYPE, f"Content-Encoding {encoding!r} is not supported")
-    path = target.split("?", 1)[0]
+    path = target.split("#", 1)[0].split("?", 1)[0]  # a fragment is no part of the path (nor sent by clients)
     return HttpRequest(method.upper(), path, headers, body)
+
+
+def _inflate(body: bytes, encoding: str, max_body: int) -> bytes:
+    """A gzip or deflate body, inflated to at most ``max_body`` bytes (a small bomb must not fill the memory)."""
+    inflater = zlib.decompressobj(wbits=31 if encoding == "gzip" else 15)
+    try:
+        inflated = inflater.decompress(body, max_body + 1)
+    except zlib.error:
+        raise HttpError(HTTPStatus.BAD_REQUEST, f"the request body is not valid {encoding} data") from None
+    if len(inflated) > max_body:
+        raise HttpError(
+            HTTPStatus.REQUEST_ENTITY_TOO_LARGE,
+            f"request body inflates past the server's limit of {max_body} bytes (--max-message-mb)",
+        )
+    return inflated
 
 
 def _serialize(response: HttpResponse, keep_alive: bool) -> bytes:
@@ -145,6 +164,18 @@ def _serialize(response: HttpResponse, keep_alive: bool) -> bytes:
 
 
 # ------------------------------------------------------------------------------------------ infer body
+def check_json_depth(raw: bytes) -> None:
+    """Refuse a JSON text nested deeper than ``_MAX_JSON_DEPTH`` before parsing it (json.loads would recurse
+    until RecursionError, a 500); brackets inside strings do not count. embserve-server applies the same rule."""
+    if raw.count(b"[") + raw.count(b"{") <= _MAX_JSON_DEPTH:
+        return
+    depth = 0
+    for bracket in _JSON_BRACKET.findall(_JSON_STRING.sub(b"", raw)):
+        depth += 1 if bracket in b"[{" else -1
+        if depth > _MAX_JSON_DEPTH:
+            raise RequestError(f"the request nests JSON deeper than {_MAX_JSON_DEPTH} levels")
+
+
 def parse_infer_body(
     body: bytes, header_length: str | None
 ) -> tuple[dict[str, Any], list[oc.InputTensor], list[oc.RequestedOutput], bool, bool]:
@@ -159,6 +190,7 @@ def parse_infer_body(
         header, binary = body[:split], memoryview(body)[split:]
     else:
         header, binary = body, memoryview(b"")
+    check_json_depth(header)
     try:
         request = json.loads(header)
     except (ValueError, UnicodeDecodeError) as err:
@@ -174,9 +206,12 @@ def parse_infer_body(
         if not isinstance(item, dict) or not isinstance(item.get("name"), str):
             raise RequestError(f"input #{index} must be an object with a 'name'")
         name, datatype, shape = item["name"], item.get("datatype", ""), item.get("shape")
+        if not isinstance(datatype, str):  # named in the refusal of an unknown datatype
+            datatype = str(datatype)
         if not isinstance(shape, list) or not all(isinstance(d, int) for d in shape):
             raise RequestError(f"input {name!r}: 'shape' must be a list of integers")
-        size = (item.get("parameters") or {}).get("binary_data_size")
+        input_parameters = item.get("parameters")
+        size = input_parameters.get("binary_data_size") if isinstance(input_parameters, dict) else None
         if size is not None:
             if not isinstance(size, int) or size < 0 or offset + size > len(binary):
                 raise RequestError(f"input {name!r}: binary_data_size {size} runs past the request's binary data")
@@ -192,10 +227,15 @@ def parse_infer_body(
     fp16 = oc.parameter_flag(parameters, oc.FP16_PARAMETER)
     requested = []
     binary_of: dict[str, bool] = {}
-    for index, item in enumerate(request.get("outputs") or []):
+    outputs = request.get("outputs") or []
+    if not isinstance(outputs, list):  # a number is no list of outputs (it was a TypeError: a 500)
+        raise RequestError("output #0 must be an object with a 'name'")
+    for index, item in enumerate(outputs):
         if not isinstance(item, dict) or not isinstance(item.get("name"), str):
             raise RequestError(f"output #{index} must be an object with a 'name'")
-        output_parameters = item.get("parameters") or {}
+        output_parameters = item.get("parameters")
+        if not isinstance(output_parameters, dict):  # as embserve-server: no parameters
+            output_parameters = {}
         requested.append(oc.RequestedOutput(item["name"], fp16 or oc.parameter_flag(output_parameters, "output_fp16")))
         if "binary_data" in output_parameters:
             binary_of[item["name"]] = oc.parameter_flag(output_parameters, "binary_data")
@@ -419,6 +459,7 @@ class RestServer:
 
     async def _index(self, body: bytes) -> HttpResponse:
         """Triton's ``POST /v2/repository/index``: an optional body ``{"ready": true}``; a JSON list back."""
+        check_json_depth(body)
         try:
             options = json.loads(body) if body.strip() else {}
         except (ValueError, UnicodeDecodeError) as err:
