@@ -9,9 +9,14 @@ first access, so ``embserve``'s flag parsing and refusals run without torch. fbg
 
 from __future__ import annotations
 
-import importlib
-from typing import TYPE_CHECKING, Any
+from importlib import import_module
+from typing import TYPE_CHECKING
 
+if TYPE_CHECKING:
+    from infer.artifact.export import export
+    from infer.artifact.load import load
+    from infer.artifact.runtime import Runtime
+    from infer.artifact.stream import export_streaming
 from infer.config import DataType, FeatureInfo, ModelSpec, PoolingType, TableConfig
 from infer.errors import (
     ArtifactError,
@@ -24,40 +29,8 @@ from infer.errors import (
     RequestError,
     WeightsError,
 )
-from infer.version import __version__
-
-# The names below need torch: each is imported on first access (PEP 562), so a process that only parses
-# ``embserve``'s flags, or refuses them, never pays torch's import (2-3 CPU-s). ``from infer import X`` works for
-# every public name.
-_LAZY = {
-    "export": "infer.artifact.export",
-    "load": "infer.artifact.load",
-    "Runtime": "infer.artifact.runtime",
-    "export_streaming": "infer.artifact.stream",
-    "SparseFeatures": "infer.features",
-    "ImportedModel": "infer.interop.torchrec",
-    "from_torchrec": "infer.interop.torchrec",
-    "load_torchrec_checkpoint": "infer.interop.torchrec",
-    "EmbeddingPlanner": "infer.planner.planner",
-    "plan_for_inference": "infer.planner.planner",
-    "ComputeDevice": "infer.planner.types",
-    "ParameterConstraints": "infer.planner.types",
-    "ShardingPlan": "infer.planner.types",
-    "ShardingType": "infer.planner.types",
-    "Topology": "infer.planner.types",
-    "accuracy_report": "infer.quant.accuracy",
-    "quantize": "infer.quant.quantize",
-    "FloatEmbeddingBagCollection": "infer.reference",
-    "shard_model": "infer.shard.builder",
-    "load_checkpoint": "infer.weights",
-    "random_weights": "infer.weights",
-}
 
 if TYPE_CHECKING:
-    from infer.artifact.export import export
-    from infer.artifact.load import load
-    from infer.artifact.runtime import Runtime
-    from infer.artifact.stream import export_streaming
     from infer.features import SparseFeatures
     from infer.interop.torchrec import ImportedModel, from_torchrec, load_torchrec_checkpoint
     from infer.planner.planner import EmbeddingPlanner, plan_for_inference
@@ -66,21 +39,15 @@ if TYPE_CHECKING:
     from infer.quant.quantize import quantize
     from infer.reference import FloatEmbeddingBagCollection
     from infer.shard.builder import shard_model
+from infer.version import __version__
+
+if TYPE_CHECKING:
     from infer.weights import load_checkpoint, random_weights
 
-
-def __getattr__(name: str) -> Any:
-    module = _LAZY.get(name)
-    if module is None:
-        raise AttributeError(f"module 'infer' has no attribute {name!r}")
-    value = getattr(importlib.import_module(module), name)
-    globals()[name] = value
-    return value
-
-
-def __dir__() -> list[str]:
-    return sorted(set(globals()) | set(_LAZY))
-
+# Every name but the config's, the errors and the version needs torch: infer._lazy imports each on first access
+# (PEP 562), so a process that only parses embserve's flags or refuses them never imports torch (2-3 CPU-s);
+# ``from infer import NAME`` works for every public name.
+import_module("infer._lazy").install(globals())
 
 __all__ = [
     "ArtifactError",
