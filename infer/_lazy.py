@@ -6,6 +6,7 @@ by griffe) lists ``infer``'s names, not the hooks."""
 from __future__ import annotations
 
 import importlib
+import importlib.util
 from typing import Any
 
 # The names below need torch: each is imported on first access (PEP 562), so a process that only parses
@@ -41,9 +42,12 @@ def install(namespace: dict[str, Any]) -> None:
 
     def __getattr__(name: str) -> Any:
         module = LAZY.get(name)
-        if module is None:
+        if module is not None:
+            value = getattr(importlib.import_module(module), name)
+        elif not name.startswith("_") and importlib.util.find_spec(f"infer.{name}") is not None:
+            value = importlib.import_module(f"infer.{name}")  # ``infer.planner`` after a bare ``import infer``
+        else:
             raise AttributeError(f"module 'infer' has no attribute {name!r}")
-        value = getattr(importlib.import_module(module), name)
         namespace[name] = value  # imported once, then an ordinary attribute
         return value
 
