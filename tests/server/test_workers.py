@@ -28,7 +28,6 @@ import pytest
 import torch
 
 from infer.artifact.export import export
-from infer.cli import main
 from infer.features import SparseFeatures
 from infer.quant.quantize import quantize
 from infer.weights import random_weights
@@ -37,7 +36,15 @@ from server.launch import spawn_server
 from server.workers import WORKER_LINE
 from tests.conftest import TinyOverArch, random_batch
 from tests.server.oip_support import client, requested, triton_inputs
-from tests.server.support import CALL_TIMEOUT, NUM_DENSE, free_port, rpc_error, scrape_metrics, wait_until
+from tests.server.support import (
+    CALL_TIMEOUT,
+    NUM_DENSE,
+    free_port,
+    rpc_error,
+    scrape_metrics,
+    serve_in_process,
+    wait_until,
+)
 from tests.support.call_contract import Reference, assert_matches
 
 REPO = Path(__file__).resolve().parents[2]
@@ -194,20 +201,6 @@ def test_bad_requests_are_invalid_argument_naming_the_feature_on_every_worker(sh
     assert instance.process.poll() is None
 
 
-def _serve_in_process(capsys, *args: str) -> tuple[int, str]:
-    """``embserve serve ARGS`` refused in this process: its exit code and stderr. A refusal (port, repository)
-    comes before any model loads or port is served, and a second interpreter (torch's import, 2-3 CPU-s) is not
-    what these tests check; the signal handlers ``serve`` installs are put back."""
-    handlers = {signum: signal.getsignal(signum) for signum in (signal.SIGTERM, signal.SIGINT)}
-    capsys.readouterr()
-    try:
-        code = main(["serve", *args])
-    finally:
-        for signum, handler in handlers.items():
-            signal.signal(signum, handler)
-    return code, capsys.readouterr().err
-
-
 @pytest.mark.parametrize(
     ("workers", "role", "flag", "in_process"),
     [("1", "gRPC", "--port", True), ("2", "gRPC", "--port", True), ("1", "HTTP", "--http-port", True)]
@@ -219,7 +212,7 @@ def test_a_second_serve_on_the_instances_port_is_refused(shared, model, workers,
     args = ["serve", str(model.artifact), "--host", "127.0.0.1"]
     args += ["--workers", workers, *(["--port", str(port)] if role == "gRPC" else ["--port", "0", flag, str(port)])]
     if in_process:
-        code, stderr = _serve_in_process(capsys, *args[1:])
+        code, stderr = serve_in_process(capsys, *args[1:])
     else:
         command = [sys.executable, "-m", "infer.cli", *args]
         second = subprocess.run(command, cwd=REPO, capture_output=True, text=True, timeout=120)  # a bound on a hang
@@ -322,7 +315,7 @@ def test_the_workers_map_one_copy_of_the_weights(shared, model):
 def test_a_model_repository_with_workers_is_refused_naming_the_flag(model, tmp_path, capsys):
     (tmp_path / "repo" / "dense").mkdir(parents=True)
     (tmp_path / "repo" / "dense" / "1").symlink_to(model.artifact)
-    code, stderr = _serve_in_process(
+    code, stderr = serve_in_process(
         capsys, str(tmp_path / "repo"), "--host", "127.0.0.1", "--port", "0", "--workers", "2"
     )
     assert code == 2, stderr
