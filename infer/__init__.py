@@ -2,16 +2,21 @@
 
 The flow, one room each: ``infer.planner`` (where tables go) -> ``infer.quant`` (fp32 -> TBE rows) ->
 ``infer.shard`` (plan -> sharded model) -> ``infer.artifact`` (export, verified load, runtime).
-Importing ``infer`` is light: torch (and numpy) only. fbgemm is imported on first use of ``quantize``
-or ``load``; CUDA is never initialised by the import; the server (``server``) is never imported.
+Importing ``infer`` is light: the config, errors and version eagerly; every name that needs torch (and numpy) on
+first access, so ``embserve``'s flag parsing and refusals run without torch. fbgemm is imported on first use of
+``quantize`` or ``load``; CUDA is never initialised by the import; the server (``server``) is never imported.
 """
 
 from __future__ import annotations
 
-from infer.artifact.export import export
-from infer.artifact.load import load
-from infer.artifact.runtime import Runtime
-from infer.artifact.stream import export_streaming
+from importlib import import_module
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from infer.artifact.export import export
+    from infer.artifact.load import load
+    from infer.artifact.runtime import Runtime
+    from infer.artifact.stream import export_streaming
 from infer.config import DataType, FeatureInfo, ModelSpec, PoolingType, TableConfig
 from infer.errors import (
     ArtifactError,
@@ -24,16 +29,25 @@ from infer.errors import (
     RequestError,
     WeightsError,
 )
-from infer.features import SparseFeatures
-from infer.interop.torchrec import ImportedModel, from_torchrec, load_torchrec_checkpoint
-from infer.planner.planner import EmbeddingPlanner, plan_for_inference
-from infer.planner.types import ComputeDevice, ParameterConstraints, ShardingPlan, ShardingType, Topology
-from infer.quant.accuracy import accuracy_report
-from infer.quant.quantize import quantize
-from infer.reference import FloatEmbeddingBagCollection
-from infer.shard.builder import shard_model
+
+if TYPE_CHECKING:
+    from infer.features import SparseFeatures
+    from infer.interop.torchrec import ImportedModel, from_torchrec, load_torchrec_checkpoint
+    from infer.planner.planner import EmbeddingPlanner, plan_for_inference
+    from infer.planner.types import ComputeDevice, ParameterConstraints, ShardingPlan, ShardingType, Topology
+    from infer.quant.accuracy import accuracy_report
+    from infer.quant.quantize import quantize
+    from infer.reference import FloatEmbeddingBagCollection
+    from infer.shard.builder import shard_model
 from infer.version import __version__
-from infer.weights import load_checkpoint, random_weights
+
+if TYPE_CHECKING:
+    from infer.weights import load_checkpoint, random_weights
+
+# Every name but the config's, the errors and the version needs torch: infer._lazy imports each on first access
+# (PEP 562), so a process that only parses embserve's flags or refuses them never imports torch (2-3 CPU-s);
+# ``from infer import NAME`` works for every public name.
+import_module("infer._lazy").install(globals())
 
 __all__ = [
     "ArtifactError",

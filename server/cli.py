@@ -13,7 +13,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from infer.artifact.load import BACKENDS
+from infer.artifact.backends import BACKENDS
 from infer.errors import ConfigError
 from server.workers import WORKER_FLAG
 

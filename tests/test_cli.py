@@ -231,3 +231,37 @@ def test_plan_with_eval_refuses_a_pooling_nobody_stated(tmp_path, capsys):
     assert "table(s) ['users'] is not stated" in message and '"pooling" to "sum" or "mean"' in message
     # the plan itself does not depend on the pooling: without --eval it is made
     assert main([*args[:-4], "--out", str(tmp_path / "plan.json")]) == 0
+
+
+def test_the_parser_and_a_refused_flag_do_not_import_torch():
+    """``import infer`` imports torch on first use of a name that needs it: building every subcommand's parser and
+    refusing a bad flag run without it (each ``embserve`` that fails early would pay 2-3 CPU-s)."""
+    script = (
+        "import sys, infer, infer.cli\n"
+        "infer.cli.build_parser()\n"
+        "try:\n"
+        "    infer.cli.main(['export', '--no-such-flag'])\n"
+        "except SystemExit as done:\n"
+        "    assert done.code == 2, done.code\n"
+        "print(sorted(name for name in sys.modules if name.split('.')[0] in ('torch', 'numpy')))\n"
+    )
+    result = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=120)
+    assert result.returncode == 0, result.stderr
+    assert result.stdout.strip() == "[]", result.stdout
+
+
+def test_every_public_name_of_infer_resolves():
+    """What the lazy ``infer`` offers is what it exports: ``from infer import NAME`` works for each of ``__all__``
+    (in this process, where torch is already imported), and each is the object of the module that defines it."""
+    import importlib
+
+    import infer
+
+    assert sorted(set(infer.__all__) - set(dir(infer))) == []
+    for name in infer.__all__:
+        value = getattr(infer, name)
+        assert value is not None, name
+        if not name.startswith("__"):
+            assert value is vars(importlib.import_module(value.__module__))[name], name
+    with pytest.raises(AttributeError, match="no_such_name"):
+        infer.no_such_name  # noqa: B018

@@ -10,6 +10,7 @@ from typing import Any
 
 import torch
 
+from infer.artifact.backends import BACKENDS
 from infer.artifact.fbgemm_libs import load_fbgemm, load_operators
 from infer.artifact.formats import torchscript
 from infer.artifact.kernels import check_routing, expected_kernels
@@ -26,7 +27,6 @@ from infer.storage.checksums import FULL, check_verify_mode
 logger = logging.getLogger(__name__)
 
 MODEL = ArtifactErrorKind.MODEL
-BACKENDS = ("torchscript", "onnxruntime", "pt2")
 
 
 def load(

@@ -7,7 +7,7 @@ import logging
 import time
 from typing import TYPE_CHECKING, Any
 
-from infer.artifact.load import BACKENDS
+from infer.artifact.backends import BACKENDS
 from infer.commands.common import _gb_rate
 from infer.commands.hot_rows import add_hot_rows_arguments, describe_hot_rows, hot_rows_of
 

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import signal
 import socket
 import threading
 import time
@@ -21,6 +22,7 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from infer.artifact.load import load
 from infer.artifact.runtime import Runtime
+from infer.cli import main as cli_main
 from infer.features import SparseFeatures
 from server.adapters.v1 import codec
 from server.app import SERVICE_NAME, RunningServer, ServerConfig, create_server
@@ -235,3 +237,18 @@ def scrape_metrics(port: int) -> dict[str, list[Any]]:
         assert response.status == 200
         text = response.read().decode()
     return {family.name: family.samples for family in text_string_to_metric_families(text)}
+
+
+def serve_in_process(capsys, *args: str) -> tuple[int, str]:
+    """``embserve serve ARGS`` refused in this process: its exit code and stderr (``capsys``'s). For the tests of a
+    refusal that comes before any model loads or port is served (a port in use, a repository with --workers),
+    where a second interpreter (torch's import, 2-3 CPU-s) is not what they check; each such test file keeps
+    one real ``python -m infer.cli serve`` refusal. The signal handlers ``serve`` installs are put back."""
+    handlers = {signum: signal.getsignal(signum) for signum in (signal.SIGTERM, signal.SIGINT)}
+    capsys.readouterr()
+    try:
+        code = cli_main(["serve", *args])
+    finally:
+        for signum, handler in handlers.items():
+            signal.signal(signum, handler)
+    return code, capsys.readouterr().err

@@ -16,7 +16,7 @@ from infer.errors import ConfigError
 from server.app import create_server
 from server.client import EmbserveClient
 from tests.conftest import random_batch
-from tests.server.support import CALL_TIMEOUT, local_config
+from tests.server.support import CALL_TIMEOUT, local_config, serve_in_process
 
 REPO = Path(__file__).resolve().parents[2]
 
@@ -25,22 +25,32 @@ def _port_of(served, role: str) -> int:
     return {"gRPC": served.port, "HTTP": served.running.http_port, "metrics": served.running.metrics_port}[role]
 
 
-@pytest.mark.parametrize(("role", "flag"), [("gRPC", "--port"), ("HTTP", "--http-port"), ("metrics", "--metrics-port")])
+@pytest.mark.parametrize(
+    ("role", "flag", "in_process"),
+    [("gRPC", "--port", False), ("HTTP", "--http-port", True), ("metrics", "--metrics-port", True)],
+)
 def test_a_second_server_on_a_serving_port_exits_naming_it(
-    start_server, dense_artifact, dense_runtime, spec, role, flag
+    start_server, dense_artifact, dense_runtime, spec, role, flag, in_process, capsys
 ):
+    """gRPC's refusal from a real second process; HTTP's and metrics' from ``embserve serve`` in this one (the
+    same command-line path, without a second torch import)."""
     first = start_server(dense_artifact, http_port=0, metrics_port=0)
     port = _port_of(first, role)
-    command = [sys.executable, "-m", "infer.cli", "serve", str(dense_artifact), "--host", "127.0.0.1"]
-    command += ["--port", "0", flag, str(port)] if flag != "--port" else ["--port", str(port)]
-    second = subprocess.Popen(command, cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
-    try:
-        _, stderr = second.communicate(timeout=60)  # a bound on a hang, not a measurement
-    finally:
-        if second.poll() is None:
-            second.kill()
-            second.wait(10)
-    assert second.returncode != 0
+    args = ["serve", str(dense_artifact), "--host", "127.0.0.1"]
+    args += ["--port", "0", flag, str(port)] if flag != "--port" else ["--port", str(port)]
+    if in_process:
+        code, stderr = serve_in_process(capsys, *args[1:])
+    else:
+        command = [sys.executable, "-m", "infer.cli", *args]
+        second = subprocess.Popen(command, cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+        try:
+            _, stderr = second.communicate(timeout=60)  # a bound on a hang, not a measurement
+        finally:
+            if second.poll() is None:
+                second.kill()
+                second.wait(10)
+        code = second.returncode
+    assert code != 0
     assert f"{role} port {port} is in use" in stderr and flag in stderr, stderr
     assert "Traceback" not in stderr, stderr
     batch = random_batch(spec, batch_size=3, seed=81)

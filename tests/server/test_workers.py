@@ -36,7 +36,15 @@ from server.launch import spawn_server
 from server.workers import WORKER_LINE
 from tests.conftest import TinyOverArch, random_batch
 from tests.server.oip_support import client, requested, triton_inputs
-from tests.server.support import CALL_TIMEOUT, NUM_DENSE, free_port, rpc_error, scrape_metrics, wait_until
+from tests.server.support import (
+    CALL_TIMEOUT,
+    NUM_DENSE,
+    free_port,
+    rpc_error,
+    scrape_metrics,
+    serve_in_process,
+    wait_until,
+)
 from tests.support.call_contract import Reference, assert_matches
 
 REPO = Path(__file__).resolve().parents[2]
@@ -193,17 +201,25 @@ def test_bad_requests_are_invalid_argument_naming_the_feature_on_every_worker(sh
     assert instance.process.poll() is None
 
 
-@pytest.mark.parametrize("workers", ["1", "2"])
-@pytest.mark.parametrize(("role", "flag"), [("gRPC", "--port"), ("HTTP", "--http-port")])
-def test_a_second_serve_on_the_instances_port_is_refused(shared, model, workers, role, flag):
+@pytest.mark.parametrize(
+    ("workers", "role", "flag", "in_process"),
+    [("1", "gRPC", "--port", True), ("2", "gRPC", "--port", True), ("1", "HTTP", "--http-port", True)]
+    + [("2", "HTTP", "--http-port", False)],  # one real second process: a refusal from the command line
+)
+def test_a_second_serve_on_the_instances_port_is_refused(shared, model, workers, role, flag, in_process, capsys):
     instance = shared
     port = instance.port if role == "gRPC" else instance.http_port
-    command = [sys.executable, "-m", "infer.cli", "serve", str(model.artifact), "--host", "127.0.0.1"]
-    command += ["--workers", workers, *(["--port", str(port)] if role == "gRPC" else ["--port", "0", flag, str(port)])]
-    second = subprocess.run(command, cwd=REPO, capture_output=True, text=True, timeout=120)  # a bound on a hang
-    assert second.returncode != 0
-    assert f"{role} port {port} is in use" in second.stderr and flag in second.stderr, second.stderr
-    assert "Traceback" not in second.stderr, second.stderr
+    args = ["serve", str(model.artifact), "--host", "127.0.0.1"]
+    args += ["--workers", workers, *(["--port", str(port)] if role == "gRPC" else ["--port", "0", flag, str(port)])]
+    if in_process:
+        code, stderr = serve_in_process(capsys, *args[1:])
+    else:
+        command = [sys.executable, "-m", "infer.cli", *args]
+        second = subprocess.run(command, cwd=REPO, capture_output=True, text=True, timeout=120)  # a bound on a hang
+        code, stderr = second.returncode, second.stderr
+    assert code != 0
+    assert f"{role} port {port} is in use" in stderr and flag in stderr, stderr
+    assert "Traceback" not in stderr, stderr
     batch = random_batch(model.spec, batch_size=4, seed=8)
     _on_both_workers(instance, lambda client: assert_matches(client.lookup(batch), model.reference.pooled(batch)))
 
@@ -296,14 +312,15 @@ def test_the_workers_map_one_copy_of_the_weights(shared, model):
     assert sum(pss for _, pss in mappings) <= size + 4096 * WORKERS, (mappings, size)
 
 
-def test_a_model_repository_with_workers_is_refused_naming_the_flag(model, tmp_path):
+def test_a_model_repository_with_workers_is_refused_naming_the_flag(model, tmp_path, capsys):
     (tmp_path / "repo" / "dense").mkdir(parents=True)
     (tmp_path / "repo" / "dense" / "1").symlink_to(model.artifact)
-    command = [sys.executable, "-m", "infer.cli", "serve", str(tmp_path / "repo"), "--host", "127.0.0.1"]
-    refused = subprocess.run([*command, "--port", "0", "--workers", "2"], cwd=REPO, capture_output=True, text=True)
-    assert refused.returncode == 2, refused.stderr
-    assert "--workers 2" in refused.stderr and "model repository" in refused.stderr, refused.stderr
-    assert "Traceback" not in refused.stderr, refused.stderr
+    code, stderr = serve_in_process(
+        capsys, str(tmp_path / "repo"), "--host", "127.0.0.1", "--port", "0", "--workers", "2"
+    )
+    assert code == 2, stderr
+    assert "--workers 2" in stderr and "model repository" in stderr, stderr
+    assert "Traceback" not in stderr, stderr
 
 
 def _exited(pid: int) -> bool:
