@@ -11,6 +11,7 @@ import random
 import zipfile
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
+from copy import deepcopy
 from pathlib import Path
 from typing import Any
 
@@ -76,10 +77,12 @@ def test_tampered_kernels_are_model_errors(
     embserve_run, unsharded_artifact, sharded_artifact, embedded_unsharded_artifact, tmp_path
 ):
     artifacts = {"unsharded": unsharded_artifact, "sharded": sharded_artifact, "embedded": embedded_unsharded_artifact}
+    # torch.jit.load is most of the setup's CPU: load each artifact's model once, tamper a deep copy per case
+    loaded = {which: torch.jit.load(str(artifact / "model.pt")) for which, artifact in artifacts.items()}
     folders = []
     for name, which, kernel, tamper, fragment in CASES:
         copy = copy_artifact(artifacts[which], tmp_path / name)
-        module = torch.jit.load(str(copy / "model.pt"))
+        module = deepcopy(loaded[which])
         tamper(_tbe(module, kernel))
         module.save(str(copy / "model.pt"))
         rehash(copy, "model.pt")

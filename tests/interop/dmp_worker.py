@@ -3,7 +3,9 @@
 Shards a DLRM's six-table EBC row-wise and table-wise over 2 CPU ranks, loads the unsharded tables into it,
 then writes what embserve imports: from the DMP model, from its sharded state_dict(), a DCP save, and the
 imported dense part's output next to the DMP model's.
-Usage: RANK=r WORLD_SIZE=2 MASTER_ADDR=127.0.0.1 MASTER_PORT=p python dmp_worker.py OUT_DIR [sharded_tensor|dtensor]
+Usage: RANK=r WORLD_SIZE=2 MASTER_ADDR=127.0.0.1 MASTER_PORT=p python dmp_worker.py OUT_DIR [sharded_tensor|dtensor]...
+Each kind (the type of the sharded state dict's values) builds its own DMP model in the one process group and
+writes into OUT_DIR/KIND (one process start for both kinds: importing torchrec is most of a rank's CPU).
 """
 
 from __future__ import annotations
@@ -47,10 +49,16 @@ def _dtensor_blocks(value: DTensor) -> list[tuple[torch.Tensor, tuple[int, int]]
     return [(t, (int(o[0]), int(o[1]))) for t, o in zip(local.local_shards(), local.local_offsets())]
 
 
-def main(out: Path, kind: str) -> None:
+def main(out: Path, kinds: list[str]) -> None:
     warnings.filterwarnings("ignore")
     dist.init_process_group("gloo")
-    rank = dist.get_rank()
+    for kind in kinds:
+        (out / kind).mkdir(parents=True, exist_ok=True)
+        run_kind(out / kind, kind, dist.get_rank())
+    dist.destroy_process_group()
+
+
+def run_kind(out: Path, kind: str, rank: int) -> None:
     reference = float_ebc(seed=0)  # the unsharded model, identical on both ranks
     full = {name: bag.weight.detach().clone() for name, bag in reference.embedding_bags.items()}
     sharder = EmbeddingBagCollectionSharder()
@@ -106,8 +114,7 @@ def main(out: Path, kind: str) -> None:
     torch.save({"ours": ours, "theirs": theirs}, out / f"dense_rank{rank}.pt")
     (out / "spec.json").write_text(imported.spec.to_json()) if rank == 0 else None
     dist.barrier()
-    dist.destroy_process_group()
 
 
 if __name__ == "__main__":
-    main(Path(sys.argv[1]), sys.argv[2] if len(sys.argv) > 2 else "sharded_tensor")
+    main(Path(sys.argv[1]), sys.argv[2:] or ["sharded_tensor"])

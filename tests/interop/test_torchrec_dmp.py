@@ -26,15 +26,19 @@ def _free_port() -> int:
         return int(sock.getsockname()[1])
 
 
-@pytest.fixture(scope="module", params=["sharded_tensor", "dtensor"])
-def dmp_outputs(request, tmp_path_factory):
-    """Run the two ranks; ``request.param`` is the type of the sharded state dict's values."""
+KINDS = ("sharded_tensor", "dtensor")
+
+
+@pytest.fixture(scope="module")
+def dmp_runs(tmp_path_factory):
+    """Run the two ranks once for both kinds (the type of the sharded state dict's values): each kind's DMP model
+    writes into its own folder."""
     out = tmp_path_factory.mktemp("dmp")
     env = {**os.environ, "WORLD_SIZE": "2", "LOCAL_WORLD_SIZE": "2", "MASTER_ADDR": "127.0.0.1"}
     env["MASTER_PORT"] = str(_free_port())
     workers = [
         subprocess.Popen(
-            [sys.executable, str(WORKER), str(out), request.param],
+            [sys.executable, str(WORKER), str(out), *KINDS],
             env={**env, "RANK": str(rank), "LOCAL_RANK": str(rank)},
             stdout=subprocess.PIPE,
             stderr=subprocess.STDOUT,
@@ -53,6 +57,12 @@ def dmp_outputs(request, tmp_path_factory):
     for worker, log in zip(workers, logs):
         assert worker.returncode == 0, log[-4000:]
     return out
+
+
+@pytest.fixture(params=KINDS)
+def dmp_outputs(request, dmp_runs):
+    """The outputs of the DMP model whose sharded state dict holds ``request.param`` values."""
+    return dmp_runs / request.param
 
 
 @pytest.mark.slow

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+import functools
 import subprocess
 import sys
 import textwrap
@@ -71,10 +72,15 @@ def assert_parity(kind: str, got: torch.Tensor, expected: torch.Tensor) -> None:
         assert float((got - expected).abs().max()) <= 1e-6 * scale
 
 
+@functools.cache
+def quantized_model(pooling: PoolingType) -> tuple[ModelSpec, torch.nn.Module]:
+    spec = sharding_spec(pooling)
+    return spec, quantize(spec, random_weights(spec, seed=4))
+
+
 @pytest.fixture(scope="module", params=list(PoolingType), ids=lambda p: p.value)
 def quantized(request):
-    spec = sharding_spec(request.param)
-    return spec, quantize(spec, random_weights(spec, seed=4))
+    return quantized_model(request.param)
 
 
 @pytest.mark.parametrize("kind", ["table_wise", "table_blocks", "row_wise", "column_wise", "replicated", "mixed"])
@@ -177,32 +183,40 @@ def test_a_device_reading_one_slice_checks_each_features_own_range(quantized):
         assert torch.equal(sharded(good.values, good.lengths, None), model(good.values, good.lengths, None))
 
 
-def test_sharded_artifact_round_trips_in_a_fresh_process(quantized, tmp_path):
-    spec, model = quantized
-    plan = make_plan(spec, 4, layout("mixed", 4))
-    sharded = shard_model(model, plan)
-    path = export(sharded, tmp_path / "sharded", plan=plan)
-    runtime = load(path)
-    assert runtime.manifest.plan_file == "plan.json" and runtime.manifest.world_size == 4
-    batch = random_batch(spec, 9, weighted=True, seed=8)
-    torch.save((batch.values, batch.lengths, batch.weights), tmp_path / "in.pt")
+def test_sharded_artifacts_round_trip_in_a_fresh_process(tmp_path):
+    """Every pooling's sharded artifact, loaded and looked up in one fresh process (one child for all poolings:
+    each child's torch import costs more than its lookups)."""
+    cases = []
+    for pooling in PoolingType:
+        spec, model = quantized_model(pooling)
+        plan = make_plan(spec, 4, layout("mixed", 4))
+        sharded = shard_model(model, plan)
+        path = export(sharded, tmp_path / f"sharded-{pooling.value}", plan=plan)
+        runtime = load(path)
+        assert runtime.manifest.plan_file == "plan.json" and runtime.manifest.world_size == 4
+        batch = random_batch(spec, 9, weighted=True, seed=8)
+        torch.save((batch.values, batch.lengths, batch.weights), tmp_path / f"in-{pooling.value}.pt")
+        with torch.no_grad():
+            expected = sharded(batch.values, batch.lengths, batch.weights)
+        cases.append(
+            (str(path), str(tmp_path / f"in-{pooling.value}.pt"), str(tmp_path / f"out-{pooling.value}.pt"), expected)
+        )
     script = textwrap.dedent(
         f"""
         import torch
         from infer.artifact.load import load
         from infer.features import SparseFeatures
-        runtime = load({str(path)!r})
-        values, lengths, weights = torch.load({str(tmp_path / "in.pt")!r})
-        torch.save(runtime.lookup(SparseFeatures(runtime.feature_names, values, lengths, weights)),
-                   {str(tmp_path / "out.pt")!r})
+        for path, inputs, out in {[case[:3] for case in cases]!r}:
+            runtime = load(path)
+            values, lengths, weights = torch.load(inputs)
+            torch.save(runtime.lookup(SparseFeatures(runtime.feature_names, values, lengths, weights)), out)
         """
     )
     child = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True)
     # the child's stderr in the failure message: a rare abort of this child (seen twice under load) needs it
     assert child.returncode == 0, f"exit code {child.returncode}: {child.stderr[-4000:]}"
-    with torch.no_grad():
-        expected = sharded(batch.values, batch.lengths, batch.weights)
-    assert torch.equal(torch.load(tmp_path / "out.pt"), expected)
+    for path, _, out, expected in cases:
+        assert torch.equal(torch.load(out), expected), path
 
 
 def test_shard_model_takes_only_an_unsharded_model(quantized):
