@@ -22,6 +22,7 @@
 #include <thread>
 
 #include <ATen/Parallel.h>
+#include <ATen/core/dispatch/Dispatcher.h>
 #include <c10/core/InferenceMode.h>
 #include <nlohmann/json.hpp>
 #include <torch/csrc/inductor/aoti_package/model_package_loader.h>
@@ -1525,8 +1526,106 @@ Model Model::load(const std::string& artifact_dir, const LoadOptions& options) {
     if (all_cpu) threads = std::max(1, static_cast<int>(cores) / model.world_size_);
   }
   if (threads > 0) at::set_num_threads(threads);
+  model.build_direct_plan();
   model.load_seconds_ = seconds_since(started);
   return model;
+}
+
+struct Model::DirectPlan {
+  c10::OperatorHandle op;
+  std::vector<c10::IValue> head;  // the op's arguments before indices (dev_weights .. max_float32_D)
+  int64_t pooling_mode = 0, output_dtype = 1;
+  c10::IValue lxu_cache_weights, row_alignment, max_float8_D, fp8_exponent_bits, fp8_exponent_bias;
+  at::Tensor no_cache_locations;
+  int64_t num_features = 0, threads = 1;
+  std::vector<std::array<int64_t, 3>> means;  // (feature, first column, end column) of each MEAN feature
+};
+
+namespace {
+int64_t int_attr(const torch::jit::Module& m, const char* name) {
+  const c10::IValue v = m.attr(name);
+  if (v.isEnum()) return v.toEnumHolder()->value().toInt();
+  return v.toInt();
+}
+}  // namespace
+
+// The direct plan, only for what the loader can prove the scripted lookup_unchecked computes as one op call
+// (KernelRunner.kernel's direct branch, infer/modules/tbe.py) plus apply_mean (infer/modules/collection.py);
+// anything else keeps the TorchScript path.
+void Model::build_direct_plan() {
+  if (const char* env = std::getenv("EMBSERVE_FORCE_TORCHSCRIPT"); env && *env && std::string(env) != "0") return;
+  if (backend_ != Backend::TorchScript || !module_ || !lookup_unchecked_) return;
+  try {
+    const torch::jit::Module embeddings = module_->attr("embeddings").toModule();
+    if (embeddings.hasattr("shards") || !embeddings.hasattr("has_blocks") || embeddings.attr("has_blocks").toBool())
+      return;
+    if (!embeddings.hasattr("direct_kernel") || !embeddings.attr("direct_kernel").toBool()) return;
+    if (embeddings.attr("kernel_device").toStringRef() != "cpu") return;
+    const torch::jit::Module tbe = embeddings.attr("tbe").toModule();
+    auto plan = std::make_shared<DirectPlan>(DirectPlan{
+        c10::Dispatcher::singleton().findSchemaOrThrow("fbgemm::int_nbit_split_embedding_codegen_lookup_function", ""),
+        {}});
+    plan->head = {int_attr(tbe, "host_size") > 0 ? tbe.attr("weights_host") : tbe.attr("weights_dev"),
+                  tbe.attr("weights_uvm"),
+                  tbe.attr("weights_placements"),
+                  tbe.attr("weights_offsets"),
+                  tbe.attr("weights_tys"),
+                  tbe.attr("D_offsets"),
+                  int_attr(tbe, "total_D"),
+                  int_attr(tbe, "max_int2_D"),
+                  int_attr(tbe, "max_int4_D"),
+                  int_attr(tbe, "max_int8_D"),
+                  int_attr(tbe, "max_float16_D"),
+                  int_attr(tbe, "max_float32_D")};
+    plan->pooling_mode = int_attr(tbe, "pooling_mode");
+    plan->output_dtype = int_attr(tbe, "output_dtype");
+    plan->lxu_cache_weights = tbe.attr("lxu_cache_weights");
+    plan->row_alignment = tbe.attr("row_alignment");
+    plan->max_float8_D = tbe.attr("max_float8_D");
+    plan->fp8_exponent_bits = tbe.attr("fp8_exponent_bits");
+    plan->fp8_exponent_bias = tbe.attr("fp8_exponent_bias");
+    plan->no_cache_locations = at::empty({0}, at::TensorOptions().dtype(at::kInt));
+    plan->num_features = embeddings.attr("num_features").toInt();
+    plan->threads = embeddings.attr("threads").toInt();
+    if (embeddings.attr("range_features").toInt() != plan->num_features) return;
+    const auto starts = embeddings.attr("column_starts").toIntVector();
+    const auto dims = embeddings.attr("feature_dims").toIntVector();
+    for (const int64_t f : embeddings.attr("mean_features").toIntVector())
+      plan->means.push_back({f, starts.at(f), starts.at(f) + dims.at(f)});
+    direct_ = std::move(plan);
+  } catch (const std::exception&) {
+    direct_.reset();  // an attribute this loader does not know: the TorchScript path
+  }
+}
+
+// As KernelRunner.pool (one chunk) + apply_mean: bag_offsets in the ids' dtype, the op, MEAN by float division.
+at::Tensor Model::lookup_direct(const DirectPlan& plan, const at::Tensor& values, const at::Tensor& lengths,
+                                const std::optional<at::Tensor>& weights) const {
+  c10::InferenceMode guard;
+  at::Tensor offsets = at::zeros({lengths.numel() + 1}, values.options());
+  offsets.slice(0, 1).copy_(at::cumsum(lengths, 0).to(values.scalar_type()));
+  torch::jit::Stack stack(plan.head);
+  stack.reserve(23);
+  stack.emplace_back(values);
+  stack.emplace_back(offsets);
+  stack.emplace_back(plan.pooling_mode);
+  stack.emplace_back(weights ? c10::IValue(*weights) : c10::IValue());
+  stack.emplace_back(plan.output_dtype);
+  stack.emplace_back(plan.lxu_cache_weights);
+  stack.emplace_back(plan.no_cache_locations);
+  stack.emplace_back(plan.row_alignment);
+  stack.emplace_back(plan.max_float8_D);
+  stack.emplace_back(plan.fp8_exponent_bits);
+  stack.emplace_back(plan.fp8_exponent_bias);
+  plan.op.callBoxed(&stack);
+  at::Tensor out = stack.back().toTensor();
+  if (!plan.means.empty()) {
+    const int64_t batch = lengths.numel() / plan.num_features;
+    const at::Tensor counts =
+        lengths.view({plan.num_features, batch}).to(out.device(), out.scalar_type()).clamp(1.0);
+    for (const auto& [f, start, end] : plan.means) out.slice(1, start, end).div_(counts[f].unsqueeze(1));
+  }
+  return out;
 }
 
 std::vector<std::string> Model::feature_names() const {
@@ -1715,6 +1814,12 @@ at::Tensor Model::lookup(const at::Tensor& values, const at::Tensor& lengths,
                          const std::optional<at::Tensor>& weights) const {
   validate(values, lengths, weights);
   if (backend_ == Backend::Pt2) return lookup_pt2(values, lengths, weights);
+  if (direct_ && direct_->num_features > 0) {
+    // KernelRunner.chunks_for: a batch the script would split over threads keeps the script's parallel path
+    const int64_t batch = lengths.numel() / direct_->num_features;
+    if (direct_->threads <= 1 || std::min({direct_->threads, batch, values.numel() / 4096}) <= 1)
+      return lookup_direct(*direct_, values, lengths, weights);
+  }
   ScriptCall call(plain_execution_);
   try {
     return module_->forward(script_inputs({values, lengths}, weights)).toTensor();
@@ -1902,6 +2007,12 @@ at::Tensor Model::score_pt2(const at::Tensor& dense_features, const at::Tensor& 
 at::Tensor Model::lookup_unchecked(const at::Tensor& values, const at::Tensor& lengths,
                                    const std::optional<at::Tensor>& weights) const {
   if (backend_ == Backend::Pt2) return lookup_pt2(values, lengths, weights);
+  if (direct_ && direct_->num_features > 0) {
+    // KernelRunner.chunks_for: a batch the script would split over threads keeps the script's parallel path
+    const int64_t batch = lengths.numel() / direct_->num_features;
+    if (direct_->threads <= 1 || std::min({direct_->threads, batch, values.numel() / 4096}) <= 1)
+      return lookup_direct(*direct_, values, lengths, weights);
+  }
   ScriptCall call(plain_execution_);
   try {
     auto inputs = script_inputs({values, lengths}, weights);

@@ -585,6 +585,8 @@ int run(int argc, char** argv) {
     return kSomeFailed;
   }
   const embserve::Model& model = *loaded;
+  if (unchecked_entries && !requests_paths.empty())  // which path Model::lookup_unchecked takes (the tests read it)
+    std::cout << "lookup_unchecked: " << (model.direct_lookup() ? "direct" : "torchscript") << "\n";
   if (requests_paths.empty()) {
     std::cout << "loaded " << artifact << " (" << (model.backend() == embserve::Backend::Pt2 ? "pt2" : "torchscript")
               << "): " << model.features().size() << " features, output_dim "

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import os
 import shutil
 import subprocess
 from pathlib import Path
@@ -38,25 +39,47 @@ def parity_requests() -> list[tuple[torch.Tensor, torch.Tensor, torch.Tensor | N
     return requests
 
 
-@pytest.mark.parametrize("entry", ["checked", "unchecked"])
-@pytest.mark.parametrize("kind", ["unsharded", "sharded"])
-def test_outputs_equal_python(kind, entry, embserve_run, unsharded_artifact, sharded_artifact, tmp_path):
+@pytest.mark.parametrize(
+    ("kind", "entry"),
+    [("unsharded", "checked"), ("sharded", "checked"), ("unsharded", "unchecked"), ("sharded", "unchecked")]
+    + [("embedded_unsharded", "unchecked")],
+)
+def test_outputs_equal_python(
+    kind, entry, embserve_run, unsharded_artifact, embedded_unsharded_artifact, sharded_artifact, tmp_path
+):
     """Model::lookup, and Model::lookup_unchecked after Model::validate (``--unchecked``: the entry embserve-server
-    runs after its own checks), answer as the Python runtime does, bit for bit."""
-    artifact = unsharded_artifact if kind == "unsharded" else sharded_artifact
+    runs after its own checks), answer as the Python runtime does, bit for bit. An unsharded CPU model's
+    lookup_unchecked runs fbgemm's op directly (no TorchScript interpreter): it answers bit for bit as the
+    interpreter does ($EMBSERVE_FORCE_TORCHSCRIPT=1) and as Python; a sharded model keeps the interpreter."""
+    artifact = {"unsharded": unsharded_artifact, "embedded_unsharded": embedded_unsharded_artifact}.get(
+        kind, sharded_artifact
+    )
     requests = parity_requests()
     write_requests(tmp_path / "requests.bin", requests)
-    flags = ["--unchecked"] if entry == "unchecked" else []
-    result = run(embserve_run, artifact, "--requests", tmp_path / "requests.bin", "--out", tmp_path / "out.bin", *flags)
-    assert result.returncode == 0, result.stderr
-    responses = read_responses(tmp_path / "out.bin")
     runtime = load(artifact)
-    assert len(responses) == len(requests)
-    for (values, lengths, weights), response in zip(requests, responses):
-        expected = runtime.lookup(SparseFeatures(runtime.feature_names, values, lengths, weights))
-        assert response.ok, response.message
-        assert response.output is not None and response.output.dtype == torch.float32
-        assert torch.equal(response.output, expected)
+    expected = [runtime.lookup(SparseFeatures(runtime.feature_names, v, n, w)) for v, n, w in requests]
+    paths = ["direct", "torchscript"] if entry == "unchecked" and kind != "sharded" else ["default"]
+    for path in paths:
+        flags = ["--unchecked"] if entry == "unchecked" else []
+        env = {**os.environ, "EMBSERVE_FORCE_TORCHSCRIPT": "1" if path == "torchscript" else "0"}
+        out = tmp_path / f"out-{path}.bin"
+        result = subprocess.run(
+            [str(embserve_run), str(artifact), "--requests", str(tmp_path / "requests.bin"), "--out", str(out), *flags],
+            capture_output=True,
+            text=True,
+            env=env,
+            timeout=300,
+        )
+        assert result.returncode == 0, result.stderr
+        if entry == "unchecked":
+            taken = "torchscript" if kind == "sharded" else path
+            assert f"lookup_unchecked: {taken}" in result.stdout
+        responses = read_responses(out)
+        assert len(responses) == len(requests)
+        for want, response in zip(expected, responses):
+            assert response.ok, response.message
+            assert response.output is not None and response.output.dtype == torch.float32
+            assert torch.equal(response.output, want)
 
 
 def test_bad_requests_are_typed_errors_and_the_process_goes_on(embserve_run, unsharded_artifact, tmp_path):

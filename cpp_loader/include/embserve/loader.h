@@ -162,6 +162,9 @@ class Model {
   int world_size() const { return world_size_; }
   const std::string& path() const { return path_; }
   Backend backend() const { return backend_; }
+  // Whether lookup_unchecked runs fbgemm's op directly (a CPU model with one plain kernel), not the TorchScript
+  // interpreter; $EMBSERVE_FORCE_TORCHSCRIPT=1 at load forces the interpreter.
+  bool direct_lookup() const { return direct_ != nullptr; }
   // Absolute paths of the fbgemm libraries loaded for this model, in load order.
   const std::vector<std::string>& libraries() const { return libraries_; }
   // What the load read or mapped (the bytes of every file the manifest lists), how long Model::load took, and how
@@ -195,6 +198,15 @@ class Model {
   bool plain_execution_ = false;
   // model.pt's unchecked entries (null: an artifact exported before them; the checked methods run instead)
   std::shared_ptr<const torch::jit::Method> lookup_unchecked_, lookup_and_predict_unchecked_, lookup_and_predict_;
+  // A Lookup without the TorchScript interpreter (build_direct_plan): for a CPU model with one plain kernel (no
+  // shards, no precision blocks, no pruning or cache), fbgemm's lookup op on the kernel's own buffers, then the
+  // MEAN division, as the scripted lookup_unchecked computes it (the same op on the same arguments). Null: the
+  // TorchScript path ($EMBSERVE_FORCE_TORCHSCRIPT=1 forces it).
+  struct DirectPlan;
+  std::shared_ptr<const DirectPlan> direct_;
+  void build_direct_plan();
+  at::Tensor lookup_direct(const DirectPlan& plan, const at::Tensor& values, const at::Tensor& lengths,
+                           const std::optional<at::Tensor>& weights) const;
 
   at::Tensor lookup_pt2(const at::Tensor& values, const at::Tensor& lengths,
                         const std::optional<at::Tensor>& weights) const;
