@@ -42,56 +42,62 @@ def fp32_reference(quantized):
     return FloatEmbeddingBagCollection(quantized.spec, dequantized_weights(quantized.spec, quantized))
 
 
-@pytest.fixture(scope="module")
-def table_group(replica_artifacts, tmp_path_factory):
-    """The table-wise replicated group: serves the fp32 check, then is taken by the lost-host test that kills a
-    host (or stopped at the module's end: SIGTERM to host 1, every host exits 0)."""
-    artifact = replica_artifacts["table"]
-    shared = SharedGroup(lambda: _Group(artifact, HOSTS, tmp_path_factory.mktemp("table"), *LOST_HOST_OPTIONS), 1)
+def _shared_group(artifact, folder):
+    """A replicated group the module's tests share (each start costs a torch import and a part load per host):
+    it serves the fp32 check, then is taken by the lost-host test that loses a host (or stopped at the
+    module's end: SIGTERM to host 1, every host exits 0, drained, no stack trace)."""
+    shared = SharedGroup(lambda: _Group(artifact, HOSTS, folder, *LOST_HOST_OPTIONS), 1)
     yield shared
     shared.close()
 
 
+@pytest.fixture(scope="module")
+def table_group(replica_artifacts, tmp_path_factory):
+    """The table-wise replicated group (``_shared_group``): lost-host [dies] takes it."""
+    yield from _shared_group(replica_artifacts["table"], tmp_path_factory.mktemp("table"))
+
+
+@pytest.fixture(scope="module")
+def row_group(replica_artifacts, tmp_path_factory):
+    """The row-wise replicated group (``_shared_group``): lost-host [hangs] takes it."""
+    yield from _shared_group(replica_artifacts["row"], tmp_path_factory.mktemp("row"))
+
+
 @pytest.mark.parametrize("kind", ["table", "row"])
-def test_replicated_plan_serves_the_fp32_reference_on_every_front_end(replica_artifacts, fp32_reference, quantized,
-                                                                      table_group, tmp_path, kind):  # fmt: skip
+def test_replicated_plan_serves_the_fp32_reference_on_every_front_end(fp32_reference, quantized, request, kind):
     """Every front end's Lookup equals fp32 ``embedding_bag``; SIGTERM to host 1 then stops every host with exit
-    0 (the table-wise group is the module's: that stop is ``table_group``'s, unless a lost-host test took it)."""
+    0 (the groups are the module's: that stop is ``_shared_group``'s, unless a lost-host test took the group)."""
     spec = quantized.spec
     batches = [random_batch(spec, batch_size=3 + 4 * i, weighted=i % 2 == 1, seed=600 + i) for i in range(3)]
-    group = table_group.use() if kind == "table" else _Group(replica_artifacts[kind], HOSTS, tmp_path)
-    try:
-        for port in group.ports:
-            with EmbserveClient(f"127.0.0.1:{port}") as client:
-                for batch in batches:
-                    got = client.lookup(batch)
-                    with torch.inference_mode():
-                        want = fp32_reference(batch)
-                    assert float(want.abs().max()) > 0, (kind, port)
-                    assert_matches(got, want)
-        if kind == "table":
-            table_group.use()  # every host still runs
-            return
-        group.processes[1].send_signal(signal.SIGTERM)
-        assert [p.wait(timeout=60) for p in group.processes] == [0, 0, 0], group.stderr(0)
-    finally:
-        if kind != "table":
-            group.kill()
+    shared = request.getfixturevalue(f"{kind}_group")
+    group = shared.use()
+    for port in group.ports:
+        with EmbserveClient(f"127.0.0.1:{port}") as client:
+            for batch in batches:
+                got = client.lookup(batch)
+                with torch.inference_mode():
+                    want = fp32_reference(batch)
+                assert float(want.abs().max()) > 0, (kind, port)
+                assert_matches(got, want)
+    shared.use()  # every host still runs
 
 
-@pytest.mark.parametrize("signum", [signal.SIGKILL, signal.SIGSTOP], ids=["dies", "hangs"])
-def test_a_lost_host_the_survivors_reform_and_serve_every_call(fp32_reference, quantized, table_group,
-                                                                   signum):  # fmt: skip
-    """SIGKILL (or SIGSTOP: a hang, noticed by the collective timeout) to host 2 (host 0 holds the store) while 6
-    clients call hosts 0 and 1: both survivors print that the group re-formed with members [0, 1], every call
-    before, during and after is answered OK and equals the reference (the failed step's callers are retried in
-    the new group, new calls wait for it), health stays SERVING, and SIGTERM then stops both survivors with
-    exit 0."""
+@pytest.mark.parametrize(
+    "signum, kind, stopped", [(signal.SIGKILL, "table", 0), (signal.SIGSTOP, "row", 1)], ids=["dies", "hangs"]
+)
+def test_a_lost_host_the_survivors_reform_and_serve_every_call(fp32_reference, quantized, request, signum, kind,
+                                                                   stopped):  # fmt: skip
+    """SIGKILL to host 2 of the table-wise group (or SIGSTOP: a hang, noticed by the collective timeout, of the
+    row-wise one; host 0 holds the store) while 6 clients call hosts 0 and 1: both survivors print that the group
+    re-formed with members [0, 1], every call before, during and after is answered OK and equals the reference
+    (the failed step's callers are retried in the new group, new calls wait for it), health stays SERVING, and
+    SIGTERM to host ``stopped`` then stops both survivors with exit 0."""
     spec = quantized.spec
     batches = [random_batch(spec, batch_size=6, weighted=i % 2 == 0, seed=700 + i) for i in range(3)]
     with torch.inference_mode():
         expected = [fp32_reference(b) for b in batches]
-    group = table_group.take()  # the module's group (it served the fp32 check first, when that ran), or a new one
+    # the module's group (it served the fp32 check first, when that ran), or a new one
+    group = request.getfixturevalue(f"{kind}_group").take()
     try:
         survivors = group.ports[:2]
         load = _Load(survivors, batches, expected, clients=6)
@@ -109,7 +115,7 @@ def test_a_lost_host_the_survivors_reform_and_serve_every_call(fp32_reference, q
                 assert_matches(client.lookup(batches[0]), expected[0])
         load.join(30)
         assert set(load.outcomes) == {"OK"} and load.wrong == 0, load.outcomes
-        group.processes[0].send_signal(signal.SIGTERM)
+        group.processes[stopped].send_signal(signal.SIGTERM)
         assert [group.processes[r].wait(timeout=60) for r in (0, 1)] == [0, 0], (group.stderr(0), group.stderr(1))
         for rank in (0, 1):
             assert "every rank drained" in group.stderr(rank) and "Traceback" not in group.stderr(rank)
