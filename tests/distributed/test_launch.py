@@ -174,8 +174,28 @@ def _serve_a_store(pipe: Any) -> None:
     pipe.recv()
 
 
-@pytest.mark.parametrize("stopped", [0, 1], ids=["host0", "host1"])
-def test_sigterm_to_either_launcher_exits_0_everywhere(host_artifacts, quantized, tmp_path, stopped):
+def _stop_under_load(launchers: list[subprocess.Popen[str]], ports: list[int], batches, expected, logs: list[Path],
+                     stopped: int) -> None:  # fmt: skip
+    """6 clients over both front ends send without pause through SIGTERM to launcher ``stopped``: every call
+    answered (OK and equal to the one-process model, or refused UNAVAILABLE), every launcher exits 0, no stack
+    trace (``Traceback``, ``DistNetworkError``) in a launcher's log, every rank drained."""
+    load = _Load(ports, batches, expected, clients=6)
+    load.wait_for_ok(20)  # traffic through both front ends before the stop
+    assert not load.outcomes.keys() - {"OK"}, load.outcomes
+    launchers[stopped].send_signal(signal.SIGTERM)
+    codes = [p.wait(timeout=120) for p in launchers]
+    load.join(30)
+    errors = [log.read_text() for log in logs]
+    assert codes == [0, 0], (codes, errors[0][-2000:], errors[1][-2000:])
+    assert load.wrong == 0 and set(load.outcomes) <= {"OK", "UNAVAILABLE"}, load.outcomes
+    for text in errors:
+        assert "Traceback" not in text and "DistNetworkError" not in text, text[-3000:]
+        assert "every rank drained" in text
+
+
+def test_sigterm_to_either_launcher_exits_0_everywhere(host_artifacts, quantized, tmp_path):
+    """``_stop_under_load`` with SIGTERM to host 0's launcher (static rendezvous); host 1's: the killed-worker
+    test [static] below, after its restart (each group start costs 4 torch imports)."""
     artifact = host_artifacts[(2, "column")]
     batches = [random_batch(quantized.spec, batch_size=5, weighted=i == 1, seed=600 + i) for i in range(2)]
     expected, _ = _expected(quantized, "column", 2, 1, batches)
@@ -186,18 +206,7 @@ def test_sigterm_to_either_launcher_exits_0_everywhere(host_artifacts, quantized
     try:
         readers = [LineReader(p.stdout) for p in launchers]
         ports = [int(r.wait_for(SERVING_LINE, timeout=180).rsplit(" ", 1)[1]) for r in readers]
-        load = _Load(ports, batches, expected, clients=6)
-        while load.outcomes["OK"] < 20:  # observe traffic through both front ends before the stop
-            time.sleep(0.05)
-        launchers[stopped].send_signal(signal.SIGTERM)
-        codes = [p.wait(timeout=120) for p in launchers]
-        load.join(30)
-        errors = [log.read_text() for log in logs]
-        assert codes == [0, 0], (codes, errors[0][-2000:], errors[1][-2000:])
-        assert load.wrong == 0 and set(load.outcomes) <= {"OK", "UNAVAILABLE"}, load.outcomes
-        for text in errors:
-            assert "Traceback" not in text and "DistNetworkError" not in text, text[-3000:]
-            assert "every rank drained" in text
+        _stop_under_load(launchers, ports, batches, expected, logs, stopped=0)
     finally:
         for process in launchers:
             if process.poll() is None:
@@ -216,13 +225,15 @@ def _nth_line(reader: LineReader, text: str, n: int, guard_s: float = 240.0) -> 
         time.sleep(0.05)
 
 
-@pytest.mark.parametrize("rendezvous", ["static", "c10d"])
-def test_a_killed_worker_is_restarted_and_the_group_serves_again(host_artifacts, quantized, tmp_path, rendezvous):
+@pytest.mark.parametrize("rendezvous, stopped", [("static", 1), ("c10d", 0)], ids=["static", "c10d"])
+def test_a_killed_worker_is_restarted_and_the_group_serves_again(host_artifacts, quantized, tmp_path, rendezvous,
+                                                                 stopped):  # fmt: skip
     """2 hosts under ``server.group.launch --max-restarts 1`` (static rendezvous: fixed node ranks; c10d): SIGKILL
     to host 1's worker makes host 0's worker go NOT_SERVING and exit 1; both launchers restart their workers, which
-    join a new group and serve again: a Lookup on each new front end equals the one-process model; SIGTERM then
-    stops both launchers with exit 0. (Before: the restarted workers read the dead ones' gloo addresses from
-    torchrun's agent store, kept across restarts, and failed with "Connection refused".)"""
+    join a new group and serve again: a Lookup on each new front end equals the one-process model; SIGTERM to
+    launcher ``stopped`` under load then stops both launchers with exit 0 (``_stop_under_load``). (Before: the
+    restarted workers read the dead ones' gloo addresses from torchrun's agent store, kept across restarts, and
+    failed with "Connection refused".)"""
     from server.client import EmbserveClient
     from server.group.launch import worker_pids
 
@@ -251,11 +262,8 @@ def test_a_killed_worker_is_restarted_and_the_group_serves_again(host_artifacts,
         for served in ports:
             with EmbserveClient(f"127.0.0.1:{served}") as client:
                 assert torch.equal(client.lookup(batch), expected[0])
-        launchers[0].send_signal(signal.SIGTERM)
-        codes = [p.wait(timeout=120) for p in launchers]
-        errors = [log.read_text() for log in logs]
-        assert codes == [0, 0], (codes, errors[0][-2000:], errors[1][-2000:])
-        assert "NOT_SERVING" in errors[0] or "NOT_SERVING" in errors[1]
+        _stop_under_load(launchers, ports, [batch], expected, logs, stopped)
+        assert "NOT_SERVING" in logs[0].read_text() or "NOT_SERVING" in logs[1].read_text()
     finally:
         for process in launchers:
             for pid in worker_pids(process.pid):
