@@ -25,6 +25,12 @@
 // package; the artifact must be exported with `embserve export --pt2`).
 // --unchecked answers through Model::lookup_unchecked / lookup_and_predict_unchecked, each request checked by
 // Model::validate first (the entries a serving front end calls after its own checks).
+// --load-each DIR... loads each folder in turn (a fresh Model each, with the same --library-dir/--verify/--backend
+// options) and prints one line per folder on stdout: "DIR: ok", or "DIR: KIND: MESSAGE", the words the one-folder
+// run prints after "embserve_run: " on stderr. With --requests FILE (no --out; every request must be readable) each
+// loaded model answers every request, and the first that fails is the folder's outcome: "DIR: request I: KIND:
+// MESSAGE". Exit status 1 when any folder failed, else 0. It saves a process start (loading libtorch) per folder
+// where only each folder's outcome matters (the tests' tampered copies).
 // File format: see infer/artifact/cpp_io.py (request files EMBSRQ01 and EMBSRQ02, response files EMBSRS02).
 #include <embserve/loader.h>
 
@@ -369,7 +375,9 @@ constexpr const char* kUsage =
     "usage: embserve_run ARTIFACT [--requests FILE --out FILE]... [--fail-fast] [--library-dir DIR]... [--threads N]\n"
     "                    [--kernel-threads N] [--backend torchscript|pt2] [--verify full|none] [--unchecked]\n"
     "       embserve_run ARTIFACT --requests FILE [--out FILE] --bench N [--library-dir DIR]... [--threads N]\n"
-    "                    [--kernel-threads N] [--backend torchscript|pt2] [--verify full|none] [--unchecked]\n";
+    "                    [--kernel-threads N] [--backend torchscript|pt2] [--verify full|none] [--unchecked]\n"
+    "       embserve_run --load-each ARTIFACT... [--requests FILE] [--library-dir DIR]... [--threads N]\n"
+    "                    [--kernel-threads N] [--backend torchscript|pt2] [--verify full|none]\n";
 
 constexpr const char* kHelp =
     "Every request of a file is answered in --out: a result, or a typed error record for a bad one (the run goes\n"
@@ -377,7 +385,10 @@ constexpr const char* kHelp =
     "answered and the file's closing record says where (infer.artifact.cpp_io.read_response_file).\n"
     "exit status: 0 every request succeeded\n"
     "             1 some request failed, a request file is broken after its header, or the artifact cannot be loaded\n"
-    "             2 usage error, a request file that cannot be read at all, or an --out that cannot be written\n";
+    "             2 usage error, a request file that cannot be read at all, or an --out that cannot be written\n"
+    "--load-each loads each ARTIFACT in turn (a fresh model each; with --requests it answers every request of FILE)\n"
+    "and prints \"ARTIFACT: ok\", \"ARTIFACT: KIND: MESSAGE\" or \"ARTIFACT: request I: KIND: MESSAGE\" per folder on\n"
+    "stdout; status 1 when any folder failed.\n";
 
 // The load's rate: the bytes of the files the manifest lists over Model::load's seconds, in GB/s.
 double load_rate(const embserve::Model& model) {
@@ -525,8 +536,36 @@ Status bench(const embserve::Model& model, const std::string& requests_path, lon
   return kAllOk;
 }
 
+// --load-each: every folder loaded in turn, each into a fresh Model released before the next; one stdout line each.
+// With requests (read from one --requests file) each loaded model answers them all; the first that fails is the
+// folder's outcome ("request I: KIND: MESSAGE").
+Status load_each(const std::vector<std::string>& artifacts, const embserve::LoadOptions& options,
+                 const std::vector<ReadRequest>& requests) {
+  Status status = kAllOk;
+  for (const auto& artifact : artifacts) {
+    std::string outcome = "ok";
+    try {
+      std::optional<embserve::Model> loaded(embserve::Model::load(artifact, options));
+      for (size_t i = 0; i < requests.size() && outcome == "ok"; ++i) {
+        try {
+          answer(*loaded, requests[i].request);
+        } catch (const std::exception& err) {
+          outcome = "request " + std::to_string(i) + ": " + error_kind(err) + ": " + one_line(err);
+        }
+      }
+    } catch (const std::exception& err) {
+      outcome = error_kind(err) + ": " + one_line(err);
+    }
+    if (outcome != "ok") status = kSomeFailed;
+    std::cout << artifact << ": " << outcome << std::endl;  // flushed: a crash still shows the folders before it
+  }
+  return status;
+}
+
 int run(int argc, char** argv) {
   std::string artifact;
+  std::vector<std::string> load_each_paths;
+  bool load_each_mode = false;
   std::vector<std::string> requests_paths, out_paths;
   long bench_calls = 0;
   bool fail_fast = false;
@@ -543,6 +582,7 @@ int run(int argc, char** argv) {
       else if (arg == "--out") out_paths.push_back(next());
       else if (arg == "--fail-fast") fail_fast = true;
       else if (arg == "--unchecked") unchecked_entries = true;
+      else if (arg == "--load-each") load_each_mode = true;
       else if (arg == "--bench") bench_calls = std::stol(next());
       else if (arg == "--library-dir") options.library_dirs.push_back(next());
       else if (arg == "--threads") options.intra_op_threads = std::stoi(next());
@@ -564,12 +604,33 @@ int run(int argc, char** argv) {
         return kAllOk;
       }
       else if (!arg.empty() && arg[0] == '-') return usage();
+      else if (load_each_mode) load_each_paths.push_back(arg);
       else if (artifact.empty()) artifact = arg;
       else return usage();
     } catch (const std::exception& err) {
       std::cerr << "embserve_run: " << arg << ": " << one_line(err) << "\n";
       return usage();
     }
+  }
+  if (load_each_mode) {
+    if (!artifact.empty()) load_each_paths.insert(load_each_paths.begin(), artifact);  // a folder before the flag
+    if (load_each_paths.empty() || requests_paths.size() > 1 || !out_paths.empty() || bench_calls > 0 || fail_fast ||
+        unchecked_entries)
+      return usage();
+    RequestFile file;
+    if (!requests_paths.empty()) {
+      file = read_request_file(requests_paths[0]);
+      std::string problem = file.problem;
+      for (size_t i = 0; problem.empty() && i < file.requests.size(); ++i)
+        if (!file.requests[i].refusal.empty())
+          problem = "request " + std::to_string(i) + ": " + file.requests[i].refusal;
+      if (!problem.empty()) {
+        std::cerr << "embserve_run: " << requests_paths[0]
+                  << ": --load-each needs a file whose every request can be read: " << bounded(problem) << "\n";
+        return kCannotRun;
+      }
+    }
+    return load_each(load_each_paths, options, file.requests);
   }
   // --requests/--out pairs run in order (one process, one load); --bench times the one --requests file.
   if (artifact.empty() || (bench_calls > 0 ? requests_paths.size() != 1 || out_paths.size() > 1

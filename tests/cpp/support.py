@@ -26,6 +26,33 @@ def assert_clean_failure(result: subprocess.CompletedProcess[str], *fragments: s
     return lines[0]
 
 
+def load_each(binary: Path, folders: list[Path], *options: object, timeout: float = 300) -> dict[Path, str]:
+    """``embserve_run --load-each FOLDER... OPTIONS``: every folder loaded in one process; each folder's outcome,
+    "ok" or the one-folder run's stderr line without its "embserve_run: " prefix (with ``--requests FILE``: or the
+    first failed request's, "request I: KIND: MESSAGE"). Asserts a clean run: status 0 or 1 (1 exactly when some
+    folder failed), nothing on stderr, no backtrace, one stdout line per folder in order."""
+    result = run(binary, "--load-each", *folders, *options, timeout=timeout)
+    lines = result.stdout.splitlines()
+    done = f"the last folder answered: {lines[-1]!r}" if lines else "no folder answered"
+    assert result.returncode in (0, 1), (result.returncode, done, result.stderr[-2000:])
+    assert result.stderr == "" and not any(m in result.stdout for m in BACKTRACE_MARKERS), result.stderr[-2000:]
+    assert len(lines) == len(folders), (len(lines), len(folders), result.stdout[-2000:])
+    outcomes = {}
+    for folder, line in zip(folders, lines, strict=True):
+        prefix = f"{folder}: "
+        assert line.startswith(prefix), (str(folder), line)
+        outcomes[folder] = line[len(prefix) :]
+    assert result.returncode == (0 if all(o == "ok" for o in outcomes.values()) else 1), result.stdout[-2000:]
+    return outcomes
+
+
+def assert_same_as_one_folder_run(binary: Path, folder: Path, outcome: str) -> None:
+    """The one-folder run of ``folder`` prints exactly ``outcome`` (from load_each) as its one stderr line."""
+    result = run(binary, folder)
+    assert_clean_failure(result)
+    assert result.stderr.splitlines() == [f"embserve_run: {outcome}"], (result.stderr, outcome)
+
+
 def tensor_record(code: int, shape: list[int], data: bytes = b"") -> bytes:
     """A raw cpp_io tensor record (no checks: tests write impossible ones on purpose)."""
     if code == 0:

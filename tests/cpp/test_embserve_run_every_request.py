@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import struct
 import subprocess
+from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
@@ -91,23 +92,85 @@ def assert_answered(responses: ResponseFile, index: int, expected: torch.Tensor)
     assert got.output is not None and torch.equal(got.output, expected), index
 
 
-@pytest.mark.parametrize("case", BAD_REQUESTS, ids=repr)
-def test_a_corpus_case_between_good_requests(case: BadRequest, embserve_run, corpus, tmp_path):
-    """[good, bad, good]: [result, RequestError with the corpus fragment, result], status 1, one stderr line."""
-    data = request_file(
-        request_bytes(*GOOD_BEFORE), request_bytes(case.values, case.lengths, case.weights), request_bytes(*GOOD_AFTER)
-    )
-    result, responses = run_file(embserve_run, corpus[1], data, tmp_path)
+@pytest.fixture(scope="module")
+def good(corpus):  # type: ignore[no-untyped-def]
+    """expected_lookup of GOOD_BEFORE and GOOD_AFTER, computed once for the module."""
+    return {"before": expected_lookup(corpus, GOOD_BEFORE), "after": expected_lookup(corpus, GOOD_AFTER)}
+
+
+@dataclass(frozen=True)
+class Answered:
+    """One request file of the module's shared run: its path, its stderr lines, its response file."""
+
+    path: Path
+    stderr: list[str]
+    responses: ResponseFile
+
+
+def bad_between_good(bad: bytes) -> bytes:
+    return request_file(request_bytes(*GOOD_BEFORE), bad, request_bytes(*GOOD_AFTER))
+
+
+def shared_run_files() -> dict[str, bytes]:
+    """Every [good, bad, good] file of the corpus, FRAMED and UNFRAMED cases, by "group/case"."""
+    files = {f"corpus/{c.name}": bad_between_good(request_bytes(c.values, c.lengths, c.weights)) for c in BAD_REQUESTS}
+    files |= {f"framed/{name}": bad_between_good(bad) for name, (bad, _) in FRAMED.items()}
+    files |= {f"unframed/{name}": bad_between_good(bad) for name, (bad, _) in UNFRAMED.items()}
+    return files
+
+
+@pytest.fixture(scope="module")
+def shared_run(embserve_run, corpus, tmp_path_factory) -> dict[str, Answered]:  # type: ignore[no-untyped-def]
+    """shared_run_files() answered by one embserve_run (one --requests/--out pair each; a start per file is ~0.3
+    CPU-s of libtorch): each file's stderr lines (by their path prefix) and response file. The model answers them
+    all, so a bad request that changed its state would show in the good ones after it.
+    test_one_file_alone_is_answered_as_in_the_shared_run checks a file run alone gives the same."""
+    root = tmp_path_factory.mktemp("shared_run")
+    paths, args = {}, []
+    for index, (key, data) in enumerate(shared_run_files().items()):
+        paths[key] = root / f"{index}.bin"
+        paths[key].write_bytes(data)
+        args += ["--requests", paths[key], "--out", root / f"{index}.out"]
+    result = run(embserve_run, corpus[1], *args)
+    assert result.returncode == 1, result.stderr[-2000:]
+    assert not any(marker in result.stderr for marker in BACKTRACE_MARKERS), result.stderr[-2000:]
+    lines = result.stderr.splitlines()
+    answered = {}
+    for key, path in paths.items():
+        mine = [line for line in lines if line.startswith(f"embserve_run: {path}: ")]
+        answered[key] = Answered(path, mine, read_response_file(path.with_suffix(".out")))
+    assert sum(len(a.stderr) for a in answered.values()) == len(lines), result.stderr[-2000:]
+    return answered
+
+
+@pytest.mark.parametrize("key", ["corpus/" + BAD_REQUESTS[0].name, "framed/values absent", "unframed/negative size"])
+def test_one_file_alone_is_answered_as_in_the_shared_run(key, embserve_run, corpus, shared_run, tmp_path):
+    """One file of each group run alone: status 1, the same stderr lines (its path in them) and the same records."""
+    result, responses = run_file(embserve_run, corpus[1], shared_run_files()[key], tmp_path)
     assert result.returncode == 1, result.stderr
+    shared = shared_run[key]
+    alone_lines = [line.replace(str(shared.path), str(tmp_path / "r.bin")) for line in shared.stderr]
+    assert result.stderr.splitlines() == alone_lines
+    assert (responses.requests, responses.file_error) == (shared.responses.requests, shared.responses.file_error)
+    assert len(responses.records) == len(shared.responses.records)
+    for alone, together in zip(responses.records, shared.responses.records, strict=True):
+        assert (alone.error_type, alone.message) == (together.error_type, together.message)
+        assert (alone.output is None) == (together.output is None)
+        assert alone.output is None or torch.equal(alone.output, together.output)
+
+
+@pytest.mark.parametrize("case", BAD_REQUESTS, ids=repr)
+def test_a_corpus_case_between_good_requests(case: BadRequest, shared_run, good):
+    """[good, bad, good]: [result, RequestError with the corpus fragment, result], one stderr line."""
+    answered = shared_run[f"corpus/{case.name}"]
+    responses = answered.responses
     assert responses.requests == 3 and len(responses.records) == 3 and responses.file_error is None
-    assert_answered(responses, 0, expected_lookup(corpus, GOOD_BEFORE))
-    assert_answered(responses, 2, expected_lookup(corpus, GOOD_AFTER))
+    assert_answered(responses, 0, good["before"])
+    assert_answered(responses, 2, good["after"])
     refused = responses.records[1]
     assert refused.error_type == "RequestError" and isinstance(refused.error, RequestError)
     assert case.fragment in (refused.message or ""), refused.message
-    assert result.stderr.splitlines() == [
-        f"embserve_run: {tmp_path / 'r.bin'}: request 1: RequestError: {refused.message}"
-    ]
+    assert answered.stderr == [f"embserve_run: {answered.path}: request 1: RequestError: {refused.message}"]
 
 
 LENGTHS = record(GOOD_BEFORE[1])
@@ -135,18 +198,17 @@ FRAMED = {
 
 
 @pytest.mark.parametrize("case", sorted(FRAMED))
-def test_a_framed_but_unusable_request_is_skipped(case, embserve_run, corpus, tmp_path):
-    bad, message = FRAMED[case]
-    data = request_file(request_bytes(*GOOD_BEFORE), bad, request_bytes(*GOOD_AFTER))
-    result, responses = run_file(embserve_run, corpus[1], data, tmp_path)
-    assert result.returncode == 1, result.stderr
+def test_a_framed_but_unusable_request_is_skipped(case, shared_run, good):
+    message = FRAMED[case][1]
+    answered = shared_run[f"framed/{case}"]
+    responses = answered.responses
     assert len(responses.records) == 3 and responses.file_error is None
-    assert_answered(responses, 0, expected_lookup(corpus, GOOD_BEFORE))
-    assert_answered(responses, 2, expected_lookup(corpus, GOOD_AFTER))
+    assert_answered(responses, 0, good["before"])
+    assert_answered(responses, 2, good["after"])
     refused = responses.records[1]
     assert (refused.error_type, refused.message) == ("FileFormatError", message)
     assert isinstance(refused.error, FileFormatError)
-    assert result.stderr.splitlines() == [f"embserve_run: {tmp_path / 'r.bin'}: request 1: FileFormatError: {message}"]
+    assert answered.stderr == [f"embserve_run: {answered.path}: request 1: FileFormatError: {message}"]
 
 
 # Records whose frame cannot be found: nothing after them can be located. Each is request 1 of 3.
@@ -164,23 +226,25 @@ UNFRAMED = {
 
 
 @pytest.mark.parametrize("case", sorted(UNFRAMED))
-def test_a_lost_frame_answers_the_requests_before_it(case, embserve_run, corpus, tmp_path):
+def test_a_lost_frame_answers_the_requests_before_it(case, shared_run, good):
     """[good, unframed, good]: the first is answered; the closing record names request 1, its byte and why; the
-    requests from there on are not answered (read_responses gives them the closing error); status 1."""
-    bad, fragment = UNFRAMED[case]
-    good = request_bytes(*GOOD_BEFORE)
-    data = request_file(good, bad, request_bytes(*GOOD_AFTER))
-    result, responses = run_file(embserve_run, corpus[1], data, tmp_path)
-    assert result.returncode == 1, result.stderr
+    requests from there on are not answered (read_responses gives them the closing error)."""
+    fragment = UNFRAMED[case][1]
+    answered = shared_run[f"unframed/{case}"]
+    responses = answered.responses
     assert responses.requests == 3 and len(responses.records) == 1
-    assert_answered(responses, 0, expected_lookup(corpus, GOOD_BEFORE))
+    assert_answered(responses, 0, good["before"])
     closing = responses.file_error
     assert closing is not None and closing.error_type == "FileFormatError"
-    start = 8 + 4 + len(good)  # magic, count, request 0
+    start = 8 + 4 + len(request_bytes(*GOOD_BEFORE))  # magic, count, request 0
     assert (closing.message or "").startswith(f"request 1 (from byte {start}) cannot be read: {fragment}")
     assert "requests 1-2 of 3 are not answered" in (closing.message or "")
-    assert [r.error_type for r in read_responses(tmp_path / "o.bin")] == [None, "FileFormatError", "FileFormatError"]
-    assert result.stderr.splitlines() == [f"embserve_run: {tmp_path / 'r.bin'}: FileFormatError: {closing.message}"]
+    assert [r.error_type for r in read_responses(answered.path.with_suffix(".out"))] == [
+        None,
+        "FileFormatError",
+        "FileFormatError",
+    ]
+    assert answered.stderr == [f"embserve_run: {answered.path}: FileFormatError: {closing.message}"]
 
 
 def test_a_truncated_file_answers_the_requests_before_the_cut(embserve_run, corpus, tmp_path):

@@ -17,7 +17,7 @@ from infer.artifact.cpp_io import read_responses, write_requests
 from infer.artifact.load import load
 from infer.features import SparseFeatures
 from tests.conftest import mixed_spec, random_batch
-from tests.cpp.support import assert_clean_failure, request_file, run, tensor_record
+from tests.cpp.support import BACKTRACE_MARKERS, assert_clean_failure, request_file, run, tensor_record
 
 NUM_FEATURES = len(mixed_spec().features)  # 6; the first feature is f_int8
 
@@ -83,13 +83,45 @@ IMPOSSIBLE = {
 UNREADABLE = {"bad magic", "empty file", "count larger than the file"}  # status 2: nothing in them can be read
 
 
+@pytest.fixture(scope="module")
+def malformed(embserve_run, unsharded_artifact, tmp_path_factory) -> dict[str, tuple[Path, list[str]]]:  # type: ignore[no-untyped-def]
+    """Every IMPOSSIBLE file run by one embserve_run (one --requests/--out pair each; a start per file is ~0.3 CPU-s
+    of libtorch): each file's path and stderr lines. test_a_malformed_file_alone_is_one_line checks the status and
+    the line of a file run alone."""
+    root = tmp_path_factory.mktemp("malformed")
+    paths, args = {}, []
+    for index, (case, (data, _)) in enumerate(sorted(IMPOSSIBLE.items())):
+        paths[case] = root / f"{index}.bin"
+        paths[case].write_bytes(data)
+        args += ["--requests", paths[case], "--out", root / f"{index}.out"]
+    result = run(embserve_run, unsharded_artifact, *args)
+    assert result.returncode == 2, result.stderr[-2000:]  # the worst: some files cannot be read at all
+    assert not any(marker in result.stderr for marker in BACKTRACE_MARKERS), result.stderr[-2000:]
+    lines = result.stderr.splitlines()
+    found = {
+        case: (path, [line for line in lines if line.startswith(f"embserve_run: {path}: ")])
+        for case, path in paths.items()
+    }
+    assert sum(len(mine) for _, mine in found.values()) == len(lines), result.stderr[-2000:]
+    return found
+
+
 @pytest.mark.parametrize("case", sorted(IMPOSSIBLE))
-def test_malformed_request_file_is_one_line(case, embserve_run, unsharded_artifact, tmp_path):
+def test_malformed_request_file_is_one_line(case, malformed):
+    path, lines = malformed[case]
+    assert len(lines) == 1, lines
+    assert IMPOSSIBLE[case][1] in lines[0], (IMPOSSIBLE[case][1], lines[0])
+
+
+@pytest.mark.parametrize("case", ["bad magic", "unknown dtype"])  # status 2, status 1
+def test_a_malformed_file_alone_is_one_line(case, embserve_run, unsharded_artifact, malformed, tmp_path):
     data, fragment = IMPOSSIBLE[case]
     path = tmp_path / "r.bin"
     path.write_bytes(data)
     result = run(embserve_run, unsharded_artifact, "--requests", path, "--out", tmp_path / "o.bin")
-    assert_clean_failure(result, f"embserve_run: {path}: ", fragment, status=2 if case in UNREADABLE else 1)
+    line = assert_clean_failure(result, f"embserve_run: {path}: ", fragment, status=2 if case in UNREADABLE else 1)
+    shared_path, shared_lines = malformed[case]
+    assert [line] == [text.replace(str(shared_path), str(path)) for text in shared_lines]
 
 
 def test_kernel_errors_reach_the_user_as_one_line(embserve_run, unsharded_artifact, tmp_path):
