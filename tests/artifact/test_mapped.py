@@ -3,6 +3,7 @@ artifact, mapped read-only at load and handed to the kernels; its checksums, siz
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import json
 import os
@@ -65,10 +66,21 @@ def _export_both(spec, model, plan_layout, folder: Path) -> tuple[Path, Path, to
     return embedded, mapped, exported
 
 
-@pytest.fixture(scope="module", params=list(PLANS))
-def artifacts(request, quantized, tmp_path_factory):
+@pytest.fixture(scope="module")
+def export_plan(quantized, tmp_path_factory):
+    """Each plan's two exports, made once when first asked for (by `artifacts` or by a test over every plan)."""
     spec, model = quantized
-    embedded, mapped, exported = _export_both(spec, model, PLANS[request.param], tmp_path_factory.mktemp("mapped"))
+
+    @functools.cache
+    def exported(plan_kind: str) -> tuple[Path, Path, torch.nn.Module]:
+        return _export_both(spec, model, PLANS[plan_kind], tmp_path_factory.mktemp(f"mapped_{plan_kind}"))
+
+    return exported
+
+
+@pytest.fixture(scope="module", params=list(PLANS))
+def artifacts(request, export_plan):
+    embedded, mapped, exported = export_plan(request.param)
     return request.param, embedded, mapped, exported
 
 
@@ -322,11 +334,10 @@ def test_cli_exports_mapped_and_prints_load_and_verify_rates(unsharded, tmp_path
     assert hashlib.sha256((out / "weights-0.bin").read_bytes()).hexdigest() == data["files"]["weights-0.bin"]["sha256"]
 
 
-def test_a_bare_torchscript_load_of_a_mapped_model_refuses_to_run(artifacts, tmp_path):
+def test_a_bare_torchscript_load_of_a_mapped_model_refuses_to_run(export_plan):
     """A mapped model.pt loaded without embserve's loader has empty weight buffers: a call raises an error
     that says how to load it (a fresh process, so a crash would show as a signal, not take pytest down)."""
-    _, embedded, mapped, _ = artifacts
-    # one interpreter for both files (each start imports torch, ~3 s): each file's outcome is one line
+    # one interpreter for every plan's two files (each start imports torch and fbgemm, 3-7 s): one line per file
     script = (
         "import sys, torch, fbgemm_gpu\n"
         "values, lengths = torch.zeros(0, dtype=torch.int64), torch.zeros(0, dtype=torch.int32)\n"
@@ -335,21 +346,25 @@ def test_a_bare_torchscript_load_of_a_mapped_model_refuses_to_run(artifacts, tmp
         "    try:\n"
         "        model(values, lengths, None)\n"
         "    except Exception as err:  # torch.jit.Error\n"
-        "        print('refused:', ' '.join(str(err).split()))\n"
+        "        print('refused:', ' '.join(str(err).split()), flush=True)\n"
         "        continue\n"
-        "    print('ran')\n"
+        "    print('ran', flush=True)\n"
     )
     import subprocess
     import sys
 
     batch_of = len(mixed_spec().features)  # an empty batch of one example per feature
     script = script.replace("torch.zeros(0, dtype=torch.int32)", f"torch.zeros({batch_of}, dtype=torch.int32)")
-    both = [str(mapped / "model.pt"), str(embedded / "model.pt")]
-    done = subprocess.run([sys.executable, "-c", script, *both], capture_output=True, text=True)
-    assert done.returncode == 0, done.stderr[-2000:]
-    refused, ran = done.stdout.splitlines()
-    assert refused.startswith("refused:"), done.stderr[-2000:]
-    assert "weight files beside it" in refused and "infer.load" in refused
-    assert ran == "ran", done.stderr[-2000:]
-    # embserve's loader attaches the weights and the same file runs
-    assert load(mapped).lookup({f.name: [[]] for f in mixed_spec().features}).shape[0] == 1
+    kinds = list(PLANS)
+    files = [str(export_plan(kind)[index] / "model.pt") for kind in kinds for index in (1, 0)]  # mapped, embedded
+    done = subprocess.run([sys.executable, "-c", script, *files], capture_output=True, text=True)
+    assert done.returncode == 0, (done.stdout, done.stderr[-2000:])
+    lines = done.stdout.splitlines()
+    assert len(lines) == len(files), (done.stdout, done.stderr[-2000:])
+    for kind, refused, ran in zip(kinds, lines[::2], lines[1::2], strict=True):
+        assert refused.startswith("refused:"), (kind, refused, done.stderr[-2000:])
+        assert "weight files beside it" in refused and "infer.load" in refused, (kind, refused)
+        assert ran == "ran", (kind, ran, done.stderr[-2000:])
+        # embserve's loader attaches the weights and the same file runs
+        mapped = export_plan(kind)[1]
+        assert load(mapped).lookup({f.name: [[]] for f in mixed_spec().features}).shape[0] == 1, kind

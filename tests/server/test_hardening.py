@@ -282,25 +282,67 @@ def test_a_stop_during_warm_up_ends_start_up_and_frees_the_port(loop_thread, gat
         probe.listen(1)
 
 
-@pytest.mark.parametrize(
-    "edit",
-    [
-        lambda m: m["sharding"].update(world_size=0),
-        lambda m: m["dense"].update(num_dense_features=2**31),
-        lambda m: m["dense"].update(present=True, num_dense_features=0),
-        lambda m: m["sharding"].update(world_size=2**31),
-    ],
-    ids=["world_size_0", "dense_2e31", "dense_present_0", "world_size_2e31"],
-)
-def test_serve_refuses_a_bad_manifest_before_binding(sparse_artifact, tmp_path, edit):
-    artifact = copy_artifact(sparse_artifact, tmp_path)
-    edit_manifest(artifact, edit)
-    process, _ = _serve(artifact, tmp_path)
+BAD_MANIFESTS = {
+    "world_size_0": lambda m: m["sharding"].update(world_size=0),
+    "dense_2e31": lambda m: m["dense"].update(num_dense_features=2**31),
+    "dense_present_0": lambda m: m["dense"].update(present=True, num_dense_features=0),
+    "world_size_2e31": lambda m: m["sharding"].update(world_size=2**31),
+}
+# One interpreter serves every bad artifact in turn (each start imports torch, ~3 CPU-s): `embserve serve` as
+# `python -m infer.cli` runs it (sys.exit(main())), its stderr (fd 2) in a file of its own per artifact; a line
+# "exit code <n>" per artifact on stdout. A server that binds instead of refusing blocks here: the timeout fails it.
+SERVE_EACH = r"""
+import os, sys, traceback
+from infer.cli import main
+for artifact, stderr in zip(sys.argv[1::2], sys.argv[2::2]):
+    sys.stderr.flush()
+    fd = os.open(stderr, os.O_WRONLY | os.O_CREAT | os.O_TRUNC)
+    os.dup2(fd, 2)
+    os.close(fd)
     try:
-        assert process.wait(timeout=60) == 2
-        stderr = (tmp_path / "stderr.txt").read_text()
-        assert "Traceback" not in stderr and "manifest.json" in stderr, stderr
-        assert len(stderr.strip().splitlines()) == 1, stderr
-    finally:
-        _kill(process)
+        code = main(["serve", artifact, "--host", "127.0.0.1", "--port", "0"])
+    except SystemExit as exit:
+        code = exit.code
+    except BaseException:
+        traceback.print_exc()
+        code = 1
+    sys.stderr.flush()
+    print("exit code", code, flush=True)
+"""
+
+
+@pytest.fixture(scope="module")
+def bad_manifest_outcomes(sparse_artifact, tmp_path_factory) -> dict[str, tuple[Path, int, str]]:
+    """Each bad artifact, the exit code `embserve serve` gave it and its stderr."""
+    folder = tmp_path_factory.mktemp("bad-manifests")
+    arguments, artifacts = [], {}
+    for name, edit in BAD_MANIFESTS.items():
+        artifact = copy_artifact(sparse_artifact, folder / name)
+        edit_manifest(artifact, edit)
+        artifacts[name] = artifact
+        arguments += [str(artifact), str(folder / f"{name}.stderr")]
+    try:
+        done = subprocess.run(
+            [sys.executable, "-c", SERVE_EACH, *arguments], cwd=REPO, capture_output=True, text=True, timeout=90
+        )
+        printed = done.stdout
+        assert done.returncode == 0, done.stderr[-2000:]
+    except subprocess.TimeoutExpired as err:  # one served: the codes printed before it, then none
+        out = err.stdout or ""
+        printed = out.decode() if isinstance(out, bytes) else out
+    codes = [line.split()[-1] for line in printed.splitlines() if line.startswith("exit code ")]
+    outcomes = {}
+    for index, name in enumerate(BAD_MANIFESTS):
+        stderr = folder / f"{name}.stderr"
+        code = int(codes[index]) if index < len(codes) else None  # None: still serving, or never reached
+        outcomes[name] = (artifacts[name], code, stderr.read_text() if stderr.exists() else "")
+    return outcomes
+
+
+@pytest.mark.parametrize("edit", list(BAD_MANIFESTS))
+def test_serve_refuses_a_bad_manifest_before_binding(bad_manifest_outcomes, edit):
+    artifact, code, stderr = bad_manifest_outcomes[edit]
+    assert code == 2, (code, stderr)  # None: served (or an earlier artifact did) instead of exiting
+    assert "Traceback" not in stderr and "manifest.json" in stderr, stderr
+    assert len(stderr.strip().splitlines()) == 1, stderr
     json.loads((artifact / "manifest.json").read_text())  # the test edited a valid JSON document
