@@ -1532,6 +1532,7 @@ Model Model::load(const std::string& artifact_dir, const LoadOptions& options) {
 }
 
 struct Model::DirectPlan {
+  explicit DirectPlan(c10::OperatorHandle handle) : op(std::move(handle)) {}
   c10::OperatorHandle op;
   std::vector<c10::IValue> head;  // the op's arguments before indices (dev_weights .. max_float32_D)
   int64_t pooling_mode = 0, output_dtype = 1;
@@ -1562,9 +1563,8 @@ void Model::build_direct_plan() {
     if (!embeddings.hasattr("direct_kernel") || !embeddings.attr("direct_kernel").toBool()) return;
     if (embeddings.attr("kernel_device").toStringRef() != "cpu") return;
     const torch::jit::Module tbe = embeddings.attr("tbe").toModule();
-    auto plan = std::make_shared<DirectPlan>(DirectPlan{
-        c10::Dispatcher::singleton().findSchemaOrThrow("fbgemm::int_nbit_split_embedding_codegen_lookup_function", ""),
-        {}});
+    auto plan = std::make_shared<DirectPlan>(
+        c10::Dispatcher::singleton().findSchemaOrThrow("fbgemm::int_nbit_split_embedding_codegen_lookup_function", ""));
     plan->head = {int_attr(tbe, "host_size") > 0 ? tbe.attr("weights_host") : tbe.attr("weights_dev"),
                   tbe.attr("weights_uvm"),
                   tbe.attr("weights_placements"),
