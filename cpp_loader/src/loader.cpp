@@ -1538,8 +1538,16 @@ struct Model::DirectPlan {
   int64_t pooling_mode = 0, output_dtype = 1;
   c10::IValue lxu_cache_weights, row_alignment, max_float8_D, fp8_exponent_bits, fp8_exponent_bias;
   at::Tensor no_cache_locations;
-  int64_t num_features = 0, threads = 1;
+  int64_t num_features = 0, threads = 1, min_ids_per_chunk = 1;
   std::vector<std::array<int64_t, 3>> means;  // (feature, first column, end column) of each MEAN feature
+
+  // KernelRunner.chunks_for: a batch the script would split over its kernel threads keeps the script's parallel
+  // path; one range is answered here
+  bool answers(const at::Tensor& values, const at::Tensor& lengths) const {
+    if (num_features <= 0) return false;
+    const int64_t batch = lengths.numel() / num_features;
+    return threads <= 1 || std::min({threads, batch, values.numel() / min_ids_per_chunk}) <= 1;
+  }
 };
 
 namespace {
@@ -1587,6 +1595,7 @@ void Model::build_direct_plan() {
     plan->no_cache_locations = at::empty({0}, at::TensorOptions().dtype(at::kInt));
     plan->num_features = embeddings.attr("num_features").toInt();
     plan->threads = embeddings.attr("threads").toInt();
+    plan->min_ids_per_chunk = std::max<int64_t>(1, embeddings.attr("min_ids_per_chunk").toInt());
     if (embeddings.attr("range_features").toInt() != plan->num_features) return;
     const auto starts = embeddings.attr("column_starts").toIntVector();
     const auto dims = embeddings.attr("feature_dims").toIntVector();
@@ -1814,12 +1823,7 @@ at::Tensor Model::lookup(const at::Tensor& values, const at::Tensor& lengths,
                          const std::optional<at::Tensor>& weights) const {
   validate(values, lengths, weights);
   if (backend_ == Backend::Pt2) return lookup_pt2(values, lengths, weights);
-  if (direct_ && direct_->num_features > 0) {
-    // KernelRunner.chunks_for: a batch the script would split over threads keeps the script's parallel path
-    const int64_t batch = lengths.numel() / direct_->num_features;
-    if (direct_->threads <= 1 || std::min({direct_->threads, batch, values.numel() / 4096}) <= 1)
-      return lookup_direct(*direct_, values, lengths, weights);
-  }
+  if (direct_ && direct_->answers(values, lengths)) return lookup_direct(*direct_, values, lengths, weights);
   ScriptCall call(plain_execution_);
   try {
     return module_->forward(script_inputs({values, lengths}, weights)).toTensor();
@@ -2007,12 +2011,7 @@ at::Tensor Model::score_pt2(const at::Tensor& dense_features, const at::Tensor& 
 at::Tensor Model::lookup_unchecked(const at::Tensor& values, const at::Tensor& lengths,
                                    const std::optional<at::Tensor>& weights) const {
   if (backend_ == Backend::Pt2) return lookup_pt2(values, lengths, weights);
-  if (direct_ && direct_->num_features > 0) {
-    // KernelRunner.chunks_for: a batch the script would split over threads keeps the script's parallel path
-    const int64_t batch = lengths.numel() / direct_->num_features;
-    if (direct_->threads <= 1 || std::min({direct_->threads, batch, values.numel() / 4096}) <= 1)
-      return lookup_direct(*direct_, values, lengths, weights);
-  }
+  if (direct_ && direct_->answers(values, lengths)) return lookup_direct(*direct_, values, lengths, weights);
   ScriptCall call(plain_execution_);
   try {
     auto inputs = script_inputs({values, lengths}, weights);

@@ -545,10 +545,10 @@ Status load_each(const std::vector<std::string>& artifacts, const embserve::Load
   for (const auto& artifact : artifacts) {
     std::string outcome = "ok";
     try {
-      std::optional<embserve::Model> loaded(embserve::Model::load(artifact, options));
+      const embserve::Model loaded = embserve::Model::load(artifact, options);  // released before the next folder
       for (size_t i = 0; i < requests.size() && outcome == "ok"; ++i) {
         try {
-          answer(*loaded, requests[i].request);
+          answer(loaded, requests[i].request);
         } catch (const std::exception& err) {
           outcome = "request " + std::to_string(i) + ": " + error_kind(err) + ": " + one_line(err);
         }
