@@ -6,7 +6,7 @@
 # Here, once:   bash ../shared/gpu/make-kit.sh            # .gpukit/: fbgemm-gpu 1.6 for the machine's torch 2.11
 #               bash bench/gpu_session.sh --extras        # .gpuextra/: nlohmann_json and OpenSSL for the C++ build
 # The device:   run(command="bash bench/gpu_session.sh", carry=[".gpukit", ".gpuextra"], timeout_s=560)
-# Steps to run: GPU_STEPS="tests cpp bench suite" (the default; any subset, in that order).
+# Steps to run: GPU_STEPS="kernels tests cpp bench suite" (the default; any subset, in that order).
 set -u
 if [ "${1:-}" = "--extras" ]; then
   # what the GPU machine's image lacks to build the C++ loader: nlohmann_json's headers and CMake package,
@@ -24,7 +24,7 @@ fi
 
 OUT=${OUT:-/tmp/gpu-session}
 mkdir -p "$OUT"
-STEPS=${GPU_STEPS:-tests cpp bench suite}
+STEPS=${GPU_STEPS:-kernels tests cpp bench suite}
 export PYTHONUNBUFFERED=1 PYTHONDONTWRITEBYTECODE=1
 LOG="$OUT/session.log"
 
@@ -64,6 +64,9 @@ fi
 PYTEST="$PY -m pytest -q -p no:cacheprovider -W ignore::UserWarning"
 TIMEOUT=$($PY -c "import pytest_timeout" 2> /dev/null && echo "--timeout 100")
 
+if wants kernels; then  # which TBE configurations give wrong or irreproducible rows on this GPU
+  step kernels 100 sh -c "$PY bench/cuda_kernel_check.py > $OUT/kernels.jsonl"
+fi
 if wants tests; then  # every gpu-marked test that needs no C++ build
   step gpu-tests 90 $PYTEST -m gpu -rs tests/quant tests/shard tests/server/test_serve_cuda.py
 fi

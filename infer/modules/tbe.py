@@ -75,7 +75,7 @@ def make_tbe(
     return tbe
 
 
-def plain_cpu_kernel(tbe: nn.Module) -> bool:
+def plain_kernel(tbe: nn.Module) -> bool:
     """A built fbgemm TBE with no pruning (index remapping) and no cache: its forward is the lookup op alone."""
     try:
         return (
@@ -120,18 +120,19 @@ class KernelRunner:
         self.range_features = range_features if range_features > 0 else kernel_features
         self.kernel_device = device
         self.min_ids_per_chunk = MIN_IDS_PER_CHUNK
-        self.direct_kernel = torch.device(device).type == "cpu" and plain_cpu_kernel(self.tbe)
+        self.direct_kernel = plain_kernel(self.tbe)
 
     def kernel(self, values: Tensor, offsets: Tensor, weights: Optional[Tensor]) -> Tensor:
         """The TBE's pooled rows of one kernel input.
 
-        On a CPU kernel without pruning or a cache (every kernel embserve builds for CPU), fbgemm's lookup op is
-        called on the TBE's own buffers as its forward calls it, less the forward's steps that do nothing there
-        (moves to the device, the pruning and cache checks, the cache's bookkeeping) and its bounds check, which
-        every entry has done already (``lookup`` validates, ``lookup_unchecked`` is for validated requests): the
-        TorchScript interpreter, which costs more than the kernel at batch 1, walks a dozen nodes instead of
-        fbgemm's forward (bench/server.py's batch-1 cases). The output is the forward's, bit for bit (the same op
-        on the same arguments). Other kernels go through the forward.
+        On a kernel without pruning or a cache (every kernel embserve builds), fbgemm's lookup op is called on the
+        TBE's own buffers as its forward calls it, less the forward's steps that do nothing there (moves to the
+        device, the pruning and cache checks, the cache's bookkeeping) and its bounds check, which every entry has
+        done already (``lookup`` validates, ``lookup_unchecked`` is for validated requests). On CPU the TorchScript
+        interpreter, which costs more than the kernel at batch 1, walks a dozen nodes instead of fbgemm's forward
+        (bench/server.py's batch-1 cases); on a GPU the bounds check was a kernel of its own (9 % of the device's
+        time in bench/lookup_cuda.py's profile). The output is the forward's, bit for bit (the same op on the same
+        arguments). Other kernels go through the forward.
         """
         if not self.direct_kernel:
             return self.tbe(values, offsets, weights)
@@ -155,7 +156,7 @@ class KernelRunner:
             indice_weights=weights,
             output_dtype=tbe.output_dtype,
             lxu_cache_weights=tbe.lxu_cache_weights,
-            lxu_cache_locations=torch.empty(0, dtype=torch.int32),
+            lxu_cache_locations=torch.empty(0, dtype=torch.int32, device=values.device),
             row_alignment=tbe.row_alignment,
             max_float8_D=tbe.max_float8_D,
             fp8_exponent_bits=tbe.fp8_exponent_bits,

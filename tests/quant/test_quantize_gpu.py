@@ -57,3 +57,48 @@ def test_cuda_lookups_repeat_exactly(data_type):
         narrow = model(batch.values.to(torch.int32).cuda(), batch.lengths.cuda(), None).cpu()
     assert torch.isfinite(first).all()
     assert torch.equal(first, again) and torch.equal(first, narrow), float((first - narrow).abs().max())
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize(
+    "case", ["negative_length", "length_past_ids", "lengths_sum", "id_negative", "id_past_table", "id_past_small_table"]
+)
+def test_cuda_model_refuses_as_the_cpu_model(case):
+    """A request on the GPU is checked from one summary read back to the host; a bad one then goes through the
+    checks one by one, so the refusal names the same feature and value as on the CPU."""
+    spec = small_spec()
+    weights = random_weights(spec, seed=2)
+    cpu = quantize(spec, weights)
+    gpu = quantize(spec, weights, device="cuda:0")
+    batch = random_batch(spec, 8, max_len=3)
+    values, lengths = batch.values.clone(), batch.lengths.clone()
+    if case == "negative_length":
+        lengths[3] = -1
+    elif case == "length_past_ids":
+        lengths[2] = values.numel() + 5
+    elif case == "lengths_sum":
+        lengths[1] += 1
+    elif case == "id_negative":
+        values[-1] = -3
+    elif case == "id_past_table":
+        values[0] = 997
+    else:  # feature c's table has 301 rows, the shared table 997: 500 passes a and b but not c
+        values[-1] = 500
+    with pytest.raises(ValueError) as on_cpu:
+        cpu(values, lengths, None)
+    with pytest.raises(ValueError) as on_gpu:
+        gpu(values.cuda(), lengths.cuda(), None)
+    assert str(on_gpu.value) == str(on_cpu.value)
+
+
+@pytest.mark.gpu
+def test_cuda_model_takes_its_one_read_path_for_a_good_request():
+    """A good request on the GPU is answered as on the CPU (within CUDA's rounding), through the summary read."""
+    spec = small_spec()
+    weights = random_weights(spec, seed=2)
+    gpu = quantize(spec, weights, device="cuda:0")
+    batch = random_batch(spec, 16)
+    assert gpu.embeddings.passes_on_device(batch.values.cuda(), batch.lengths.cuda())
+    expected = quantize(spec, weights)(batch.values, batch.lengths, None)
+    got = gpu(batch.values.cuda(), batch.lengths.cuda(), None).cpu()
+    assert torch.allclose(got, expected, rtol=CUDA_TOLERANCE, atol=CUDA_TOLERANCE)
