@@ -59,6 +59,15 @@ def mixed_spec() -> ModelSpec:
     )
 
 
+def cuda_mixed_spec(device: str = "cuda:0") -> ModelSpec:
+    """``mixed_spec`` less the tables whose type fbgemm's CUDA kernel gets wrong on this GPU
+    (``infer.modules.cuda_probe`` refuses them; tests/quant/test_quantize_gpu.py checks the refusal)."""
+    from infer.modules.cuda_probe import kernel_type_error
+
+    spec = mixed_spec()
+    return ModelSpec(tuple(t for t in spec.tables if kernel_type_error(t.data_type, device) is None))
+
+
 def random_batch(
     spec: ModelSpec,
     batch_size: int = 16,

@@ -10,6 +10,7 @@ that with the manifest's ``kernels``, then compares each loaded TBE's tensors wi
 from __future__ import annotations
 
 import dataclasses
+from collections.abc import Mapping, Sequence
 from typing import Any
 
 import torch
@@ -205,3 +206,21 @@ def check_kernel(holder: Any, kernel: Kernel, index: int) -> None:
     check_attributes(holder.tbe, listed.tbe, kernel, f"the model's kernel {index}")
     if hasattr(holder, listed.holder_present_if):  # absent: exported before batch-parallel kernels (one call)
         check_attributes(holder, listed.holder, kernel, f"the model's kernel {index} (its runner)")
+
+
+def check_device_kernels(kernels: Sequence[Kernel], mapping: Mapping[str, str], folder: object) -> None:
+    """Refuse an artifact that would put tables on a GPU whose fbgemm kernel gets their data type wrong
+    (``infer.modules.cuda_probe``), before any of it is read."""
+    from infer.modules.cuda_probe import kernel_type_error
+
+    for kernel in kernels:
+        device = mapping.get(kernel.device, kernel.device)
+        for data_type in sorted({t.data_type for t in kernel.tables}, key=lambda d: d.value):
+            error = kernel_type_error(data_type, device)
+            if error is not None:
+                raise ArtifactError(
+                    f"{folder}: the artifact places {data_type.value} tables on {device}, but {error}; re-export "
+                    + "those tables as another type (e.g. int4), or load the model on the CPU "
+                    + f"(device_map={{'{device}': 'cpu'}}; `embserve run --device-map {device}=cpu`)",
+                    kind=ArtifactErrorKind.MODEL,
+                )

@@ -13,7 +13,7 @@ import torch
 from infer.artifact.backends import BACKENDS
 from infer.artifact.fbgemm_libs import load_fbgemm, load_operators
 from infer.artifact.formats import torchscript
-from infer.artifact.kernels import check_routing, expected_kernels
+from infer.artifact.kernels import check_device_kernels, check_routing, expected_kernels
 from infer.artifact.manifest import MANIFEST_FILE, Manifest
 from infer.artifact.paged import check_prefetch_mode, page_model, prefetch_wanted
 from infer.artifact.runtime import PhaseClock, Runtime
@@ -110,6 +110,7 @@ def load(
             raise ConfigError("device_map applies to the torchscript backend; model.pt2 runs where it was compiled for")
         from infer.artifact.formats.pt2_runtime import load_pt2
 
+        check_device_kernels(manifest.kernels, {}, folder)
         try:
             runtime = load_pt2(folder, manifest, verification.wait)  # waits before handing over the mapped weights
         finally:
@@ -126,6 +127,7 @@ def load(
             path=str(folder / MANIFEST_FILE),
             kind=MODEL,
         )
+    check_device_kernels(manifest.kernels, mapping, folder)
     model_path = folder / manifest.model_file
     cache = structures if structures is not None and _structure_only(manifest) else None
     module = torchscript.read_model(model_path, manifest.devices, mapping, verification.wait, cache)

@@ -19,7 +19,7 @@ from infer.quant.quantize import quantize
 from infer.shard.builder import shard_model
 from infer.shard.plans import make_plan
 from infer.weights import random_weights
-from tests.conftest import mixed_spec
+from tests.conftest import cuda_mixed_spec
 from tests.cpp.conftest import build_cpp_loader
 from tests.cpp.support import run
 from tests.cpp.test_cpp_loader import parity_requests
@@ -33,7 +33,7 @@ def embserve_run_binary() -> Path:
 @pytest.mark.gpu
 @pytest.mark.parametrize("kind", ["unsharded_mapped", "unsharded_embedded", "table_wise"])
 def test_embserve_run_on_a_cuda_artifact_equals_python(tmp_path, kind):
-    spec = mixed_spec()
+    spec = cuda_mixed_spec()
     model = quantize(spec, random_weights(spec, seed=3), device="cuda:0")
     if kind == "table_wise":
         plan = make_plan(spec, 1, {t.name: (ShardingType.TABLE_WISE, (0,)) for t in spec.tables}, ComputeDevice.CUDA)

@@ -11,7 +11,7 @@ from infer.quant.quantize import quantize
 from infer.weights import random_weights
 from server.adapters.v1 import codec
 from server.client import EmbserveClient
-from tests.conftest import TinyOverArch, mixed_spec, random_batch
+from tests.conftest import TinyOverArch, cuda_mixed_spec, random_batch
 from tests.server.support import CALL_TIMEOUT, NUM_DENSE, lookup_request
 
 
@@ -19,7 +19,7 @@ from tests.server.support import CALL_TIMEOUT, NUM_DENSE, lookup_request
 @pytest.mark.parametrize("weights", ["mapped", "embedded"])
 def test_a_cuda_artifact_serves_what_the_runtime_computes(start_server, tmp_path, weights):
     torch.manual_seed(0)
-    spec = mixed_spec()
+    spec = cuda_mixed_spec()
     dense_spec = spec.with_dense_arch(TinyOverArch(NUM_DENSE, spec.output_dim), NUM_DENSE)
     model = quantize(dense_spec, random_weights(dense_spec, seed=5), device="cuda:0")
     artifact = export(model, tmp_path / "cuda", weights=weights)
