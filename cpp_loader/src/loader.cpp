@@ -22,6 +22,7 @@
 #include <thread>
 
 #include <ATen/Parallel.h>
+#include <ATen/ops/empty.h>  // torch 2.11's headers reach at::empty through no other include here
 #include <ATen/core/dispatch/Dispatcher.h>
 #include <c10/core/InferenceMode.h>
 #include <nlohmann/json.hpp>

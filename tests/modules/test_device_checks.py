@@ -1,16 +1,15 @@
-"""The GPU's request check (``lookup_on_device``: one flag on the device, read after the kernel is queued), run here
-on CPU tensors so every machine checks it: the same rows as the checked path for good requests, the same refusal
-for bad ones."""
+"""The GPU's request check (``passes_on_device``: three reductions read back at once, then the checks one by one only
+when the summary fails), run here on CPU tensors so every machine checks its logic: true for good requests, false
+for every bad one (which ``validate`` then refuses in its own words)."""
 
 from __future__ import annotations
 
 import pytest
 import torch
 
-from infer.config import DataType, PoolingType
 from infer.quant.quantize import quantize
 from infer.weights import random_weights
-from tests.conftest import mixed_spec, random_batch, small_spec
+from tests.conftest import mixed_spec, random_batch
 
 
 @pytest.fixture(scope="module")
@@ -19,27 +18,25 @@ def model():
     return spec, quantize(spec, random_weights(spec, seed=4))
 
 
-@pytest.mark.parametrize("weighted", [False, True])
 @pytest.mark.parametrize("id_dtype", [torch.int64, torch.int32])
-def test_good_requests_answer_as_the_checked_path(model, weighted, id_dtype):
+def test_good_requests_pass_the_summary(model, id_dtype):
     spec, quantized = model
     for seed, size in ((0, 1), (1, 7), (2, 33)):
-        batch = random_batch(spec, size, weighted=weighted, seed=seed, id_dtype=id_dtype)
-        with torch.no_grad():
-            expected = quantized(batch.values, batch.lengths, batch.weights)
-            got = quantized.embeddings.lookup_on_device(batch.values, batch.lengths, batch.weights)
-        assert torch.equal(got, expected)
+        batch = random_batch(spec, size, seed=seed, id_dtype=id_dtype)
+        values = batch.values % quantized.embeddings.min_rows  # within every table: the summary's one bound
+        quantized.embeddings.validate(values, batch.lengths, None)
+        assert values.numel() == 0 or quantized.embeddings.passes_on_device(values, batch.lengths)
 
 
-def test_empty_and_all_empty_bags(model):
+def test_an_id_past_the_smallest_table_goes_through_the_checks_one_by_one(model):
+    """An id valid for its own table but past the smallest one fails the summary (which knows one bound) and then
+    passes ``validate``'s checks feature by feature."""
     spec, quantized = model
-    f = len(spec.features)
-    for values, lengths in (
-        (torch.zeros(0, dtype=torch.int64), torch.zeros(0, dtype=torch.int32)),
-        (torch.zeros(0, dtype=torch.int64), torch.zeros(3 * f, dtype=torch.int32)),
-    ):
-        got = quantized.embeddings(values, lengths, None)
-        assert got.shape == (lengths.numel() // f, spec.output_dim) and not got.any()
+    batch = random_batch(spec, 8, max_len=3)
+    values = batch.values.clone()
+    values[0] = 999  # the first feature's table has 1000 rows, the smallest 200
+    assert not quantized.embeddings.passes_on_device(values, batch.lengths)
+    quantized.embeddings.validate(values, batch.lengths, None)
 
 
 BAD = {
@@ -56,44 +53,18 @@ BAD = {
 
 
 @pytest.mark.parametrize("case", sorted(BAD))
-def test_bad_requests_are_refused_in_the_checked_paths_words(model, case):
+def test_bad_requests_fail_the_summary(model, case):
     spec, quantized = model
     batch = random_batch(spec, 8, max_len=3)
     values, lengths = batch.values.clone(), batch.lengths.clone()
     BAD[case](values, lengths)
-    with pytest.raises(ValueError) as checked:
+    with pytest.raises(ValueError):
         quantized.embeddings.validate(values, lengths, None)
-    with pytest.raises(ValueError) as on_device:
-        quantized.embeddings.lookup_on_device(values.clone(), lengths.clone(), None)
-    assert str(on_device.value) == str(checked.value)
+    assert not quantized.embeddings.passes_on_device(values, lengths)
 
 
-def test_weights_count_and_uneven_batch_are_refused_before_the_device(model):
+def test_empty_requests_take_the_checks_one_by_one(model):
     spec, quantized = model
-    batch = random_batch(spec, 4, weighted=True)
-    with pytest.raises(ValueError, match="weights"):
-        quantized.embeddings.lookup_on_device(batch.values, batch.lengths, batch.weights[:-1])
-    with pytest.raises(ValueError, match="features"):
-        quantized.embeddings.lookup_on_device(batch.values, batch.lengths[:-1], None)
-
-
-def test_block_models_keep_the_checked_path():
-    """A precision-block table gathers its id remap by id before the kernel: it never defers its checks."""
-    from infer.config import ModelSpec, RowBlock, TableConfig
-
-    spec = ModelSpec(
-        (
-            TableConfig(
-                "t",
-                100,
-                16,
-                ("f",),
-                PoolingType.SUM,
-                DataType.INT4,
-                blocks=(RowBlock(10, DataType.INT8), RowBlock(90, DataType.INT4)),
-            ),
-        )
-    )
-    quantized = quantize(spec, random_weights(spec), block_orders={"t": torch.randperm(100)})
-    assert not quantized.embeddings.defers_device_checks
-    assert quantize(small_spec(), random_weights(small_spec())).embeddings.defers_device_checks
+    f = len(spec.features)
+    assert not quantized.embeddings.passes_on_device(torch.zeros(0, dtype=torch.int64), torch.zeros(3 * f))
+    assert not quantized.embeddings.passes_on_device(torch.zeros(0, dtype=torch.int64), torch.zeros(0))
