@@ -22,7 +22,12 @@
 #include <thread>
 
 #include <ATen/Parallel.h>
-#include <ATen/ops/empty.h>  // torch 2.11's headers reach at::empty through no other include here
+// torch 2.11's headers reach these ops through no other include here (2.13's do)
+#include <ATen/ops/cat.h>
+#include <ATen/ops/cumsum.h>
+#include <ATen/ops/empty.h>
+#include <ATen/ops/ones.h>
+#include <ATen/ops/zeros.h>
 #include <ATen/core/dispatch/Dispatcher.h>
 #include <c10/core/InferenceMode.h>
 #include <nlohmann/json.hpp>
