@@ -76,7 +76,7 @@ fi
 if wants cpp; then  # the C++ loader built against this machine's (CUDA) torch, embserve_run on CUDA artifacts
   step cpp-build 130 sh -c "cmake -S cpp_loader -B /tmp/cpp-gpu -DCMAKE_BUILD_TYPE=Release -DEMBSERVE_PYTHON=$PY \
     -DTorch_DIR=\$($PY -c 'import torch; print(torch.utils.cmake_prefix_path)')/Torch -DCMAKE_PREFIX_PATH=$PWD/.gpuextra/usr -DOPENSSL_ROOT_DIR=$PWD/.gpuextra/usr > /tmp/cmake.log 2>&1 \
-    || { tail -40 /tmp/cmake.log; exit 1; }; cmake --build /tmp/cpp-gpu -j16 --target embserve_run 2>&1 | tail -30"
+    || { tail -40 /tmp/cmake.log; exit 1; }; cmake --build /tmp/cpp-gpu -j16 --target embserve_run > /tmp/build.log 2>&1; rc=\$?; grep -E \"error|Built target\" /tmp/build.log | head -40; exit \$rc"
   LD_LIBRARY_PATH=$PWD/.gpuextra/usr/lib EMBSERVE_RUN_BIN=/tmp/cpp-gpu/embserve_run \
     step cpp-tests 50 $PYTEST -m gpu -rs tests/cpp/test_cpp_cuda.py
 fi

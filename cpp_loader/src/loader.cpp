@@ -26,6 +26,7 @@
 #include <ATen/ops/cat.h>
 #include <ATen/ops/cumsum.h>
 #include <ATen/ops/empty.h>
+#include <ATen/ops/from_blob.h>
 #include <ATen/ops/ones.h>
 #include <ATen/ops/zeros.h>
 #include <ATen/core/dispatch/Dispatcher.h>
