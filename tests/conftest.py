@@ -60,12 +60,19 @@ def mixed_spec() -> ModelSpec:
 
 
 def cuda_mixed_spec(device: str = "cuda:0") -> ModelSpec:
-    """``mixed_spec`` less the tables whose type fbgemm's CUDA kernel gets wrong on this GPU
-    (``infer.modules.cuda_probe`` refuses them; tests/quant/test_quantize_gpu.py checks the refusal)."""
+    """``mixed_spec`` with the tables whose type fbgemm's CUDA kernel gets wrong on this GPU stored as INT4 instead
+    (``infer.modules.cuda_probe`` refuses them; tests/quant/test_quantize_gpu.py checks the refusal): the same
+    features, rows and dims, so requests written for ``mixed_spec`` (tests/cpp's parity requests) still fit."""
+    import dataclasses
+
     from infer.modules.cuda_probe import kernel_type_error
 
-    spec = mixed_spec()
-    return ModelSpec(tuple(t for t in spec.tables if kernel_type_error(t.data_type, device) is None))
+    return ModelSpec(
+        tuple(
+            t if kernel_type_error(t.data_type, device) is None else dataclasses.replace(t, data_type=DataType.INT4)
+            for t in mixed_spec().tables
+        )
+    )
 
 
 def random_batch(
