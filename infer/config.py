@@ -82,6 +82,12 @@ class RowBlock:
         return {"rows": self.rows, "data_type": self.data_type.value}
 
 
+def stores_dim(data_type: DataType, dim: int) -> bool:
+    """fbgemm stores rows of ``dim`` values in ``data_type`` (every dim is a multiple of 4): INT2 rows also need an
+    even number of bytes (fbgemm's quantizer refuses others: "ncols needs to be multiple of 2 Bytes")."""
+    return data_type != DataType.INT2 or dim % 8 == 0
+
+
 def _parse_blocks(value: Any, table: str, num_embeddings: int) -> tuple[RowBlock, ...]:
     """``blocks`` as RowBlocks (accepting ``RowBlock``, ``(rows, dtype)`` pairs or ``{"rows", "data_type"}``
     objects); ``ConfigError`` naming the table unless every block has rows and together they cover the table."""
@@ -186,6 +192,13 @@ class TableConfig:
         except ConfigError as err:
             raise ConfigError(f"table {self.name!r}: {err}") from None
         object.__setattr__(self, "blocks", _parse_blocks(self.blocks, self.name, self.num_embeddings))
+        for block in self.stored_blocks:
+            if not stores_dim(block.data_type, self.embedding_dim):
+                raise ConfigError(
+                    f"table {self.name!r}: embedding_dim={self.embedding_dim} cannot be stored as "
+                    + f"{block.data_type.value} (fbgemm packs four int2 values a byte and needs an even number of "
+                    + "bytes a row: a multiple of 8); store it as int4, or pad the table to a multiple of 8"
+                )
 
     def with_data_type(self, data_type: DataType | str) -> TableConfig:
         return dataclasses.replace(self, data_type=DataType.parse(data_type))

@@ -43,6 +43,25 @@ def test_bad_embedding_dim_names_table(dim):
     assert "embedding_dim" in str(info.value)
 
 
+@pytest.mark.parametrize("dim", [4, 12, 20])
+def test_int2_needs_a_dim_of_eight(dim):
+    """fbgemm's quantizer refuses INT2 rows of an odd number of bytes ("ncols needs to be multiple of 2 Bytes", which
+    named no table): refused here naming the table, as a whole-table type and as a block's."""
+    with pytest.raises(ConfigError, match="'my_table'.*int2.*multiple of 8"):
+        TableConfig("my_table", 10, dim, ("f",), data_type="int2")
+    with pytest.raises(ConfigError, match="'my_table'.*int2.*multiple of 8"):
+        TableConfig("my_table", 10, dim, ("f",), blocks=((2, "int8"), (8, "int2")))
+    assert TableConfig("my_table", 10, dim, ("f",), data_type="int4").embedding_dim == dim
+
+
+def test_an_int2_table_of_dim_eight_quantizes():
+    from infer.quant.quantize import quantize
+    from infer.weights import random_weights
+
+    spec = ModelSpec((TableConfig("t", 10, 8, ("f",), data_type="int2"),))
+    assert quantize(spec, random_weights(spec)).embeddings is not None
+
+
 @pytest.mark.parametrize("dim", [1, 2, 3, 5, 6, 10, 126])
 def test_dim_not_multiple_of_four(dim):
     with pytest.raises(ConfigError, match="my_table") as info:
@@ -342,7 +361,7 @@ def test_json_round_trip():
     spec = ModelSpec(
         (
             TableConfig("a", 100, 8, ("a1", "a2"), pooling="mean", data_type="fp16"),
-            TableConfig("b.x", 7, 4, ("b1",), data_type="int2"),
+            TableConfig("b.x", 7, 8, ("b1",), data_type="int2"),
         ),
         num_dense_features=13,
     )

@@ -23,7 +23,7 @@ from typing import Any
 
 import numpy as np
 
-from infer.config import DataType, ModelSpec, RowBlock, TableConfig
+from infer.config import DataType, ModelSpec, RowBlock, TableConfig, stores_dim
 from infer.errors import PlanError, PlanErrorKind
 from infer.planner.access import AccessSample
 from infer.planner.memory_tiers import UNIFORM_ACCESS, block_reads
@@ -136,9 +136,15 @@ def precision_problem(
 
         floor = table_constraints.min_data_type
         if table_constraints.data_type is not None:
+            # the spec refuses a type its dim cannot take, naming the table and the fixes
+            table.with_data_type(table_constraints.data_type)
             allowed = [table_constraints.data_type]
         else:
-            allowed = [d for d in MEASURED_DATA_TYPES if floor is None or d.bits >= floor.bits]
+            allowed = [
+                d
+                for d in MEASURED_DATA_TYPES
+                if (floor is None or d.bits >= floor.bits) and stores_dim(d, table.embedding_dim)
+            ]
         priced = (_option(table, d, measured_error, row_alignment) for d in allowed)
         options = tuple(sorted(priced, key=lambda o: (o.bytes, o.error)))
         weight = table_reads / total_reads if total_reads > 0 else 1.0 / len(spec.tables)

@@ -18,7 +18,7 @@ from typing import TYPE_CHECKING
 import numpy as np
 import torch
 
-from infer.config import DataType, ModelSpec, PoolingType, TableConfig
+from infer.config import DataType, ModelSpec, PoolingType, TableConfig, stores_dim
 from infer.errors import WeightsError
 from infer.quant.rowwise import dequantize_rows, quantize_rows
 
@@ -135,6 +135,8 @@ def measure_table_error(
     norm = float(torch.linalg.vector_norm(expected))
     errors = []
     for data_type in data_types:
+        if not stores_dim(data_type, table.embedding_dim):
+            continue  # not a type this table can take (the planner offers only the types measured)
         data, scale_bias = quantize_rows(rows, data_type)
         restored = dequantize_rows(data, scale_bias, data_type, table.embedding_dim)
         got = _pool(restored, gather, bags, ids_per_bag, table.pooling)

@@ -209,7 +209,7 @@ def test_rank_rows_orders_by_count_then_id():
 
 
 def test_block_config_is_checked_and_round_trips():
-    table = TableConfig("t", 10, 4, ("f",), blocks=[(3, "int8"), {"rows": 7, "data_type": "int2"}])
+    table = TableConfig("t", 10, 8, ("f",), blocks=[(3, "int8"), {"rows": 7, "data_type": "int2"}])
     assert table.blocks == (RowBlock(3, DataType.INT8), RowBlock(7, DataType.INT2))
     assert TableConfig.from_dict(table.to_dict()) == table
     assert "blocks" not in TableConfig("u", 10, 4, ("g",)).to_dict()

@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from infer.config import DataType, ModelSpec, TableConfig
-from infer.errors import PlanError, PlanErrorKind
+from infer.errors import ConfigError, PlanError, PlanErrorKind
 from infer.planner import constants as C
 from infer.planner.planner import EmbeddingPlanner
 from infer.planner.precision import (
@@ -40,7 +40,7 @@ def random_instance(rng: np.random.Generator, num_tables: int) -> tuple[ModelSpe
     tables, measured = [], []
     for i in range(num_tables):
         rows = int(rng.integers(10, 200_000))
-        dim = int(rng.choice([8, 16, 36, 64, 128]))
+        dim = int(rng.choice([8, 16, 40, 64, 128]))
         tables.append(TableConfig(f"t{i}", rows, dim, (f"f{i}",)))
         # errors fall with precision, like measured ones, with a random scale per table
         scale = float(rng.uniform(0.2, 3.0))
@@ -150,6 +150,22 @@ def test_uniform_choices_and_the_frontier():
     assert all(b[1] < a[1] for a, b in zip(points, points[1:]))  # more bytes buy less error
     # the exact choice at uniform INT4's bytes is no worse than uniform INT4
     assert choose_exact(problem, int4.total_bytes).error <= int4.error
+
+
+def test_int2_is_never_offered_to_a_dim_it_cannot_store():
+    """fbgemm stores INT2 rows only in an even number of bytes (dim a multiple of 8): a dim-12 table is measured and
+    offered every other type, so even a budget that only INT2 everywhere would meet keeps it at INT4."""
+    spec = ModelSpec((TableConfig("odd", 4_000, 12, ("fo",)), TableConfig("even", 4_000, 16, ("fe",))))
+    measured = measure_errors(spec, rows_from_weights(make_weights(spec)), bags=32)
+    assert [d for d, _ in measured[0].errors] == [DataType.FP32, DataType.FP16, DataType.INT8, DataType.INT4]
+    assert DataType.INT2 in [d for d, _ in measured[1].errors]
+    problem = precision_problem(spec, measured)
+    assert DataType.INT2 not in [o.data_type for o in problem[0].options]
+    smallest = hand_bytes(4_000, 12, DataType.INT4) + hand_bytes(4_000, 16, DataType.INT2)
+    choice = choose_exact(problem, smallest)
+    assert choice.data_types == (DataType.INT4, DataType.INT2)
+    with pytest.raises(ConfigError, match="'odd'.*int2.*multiple of 8"):
+        precision_problem(spec, measured, {"odd": ParameterConstraints(data_type="int2")})
 
 
 def make_weights(spec: ModelSpec, seed: int = 0) -> dict[str, torch.Tensor]:
