@@ -12,7 +12,7 @@ from infer.commands.common import _with_dense_part
 from infer.errors import ConfigError
 
 if TYPE_CHECKING:
-    from infer.config import ModelSpec
+    from infer.config import DataType, ModelSpec
     from infer.planner.access import AccessSample
     from infer.planner.planner import EmbeddingPlanner
     from infer.planner.precision import PrecisionPlan
@@ -110,9 +110,10 @@ def _precision_plan(
         spec.require_stated_pooling(f'set "pooling" to "sum" or "mean" for each in {args.spec!r}, as the model says')
 
         model_spec = _with_dense_part(spec, getattr(args, "dense_arch", None))
-        measured = measure_eval_errors(model_spec, source, load_eval_sample(args.eval, model_spec), measure)
+        sampled = load_eval_sample(args.eval, model_spec)
+        measured = measure_eval_errors(model_spec, source, sampled, measure, device_data_types(planner.topology))
     else:
-        measured = measure_errors(spec, source, sample)
+        measured = measure_errors(spec, source, sample, device_data_types(planner.topology))
     print(f"error measure: {measure}" + (" (each table alone quantized, on the eval sample)" if args.eval else ""))
     print(format_errors(measured))
     budget = parse_bytes(args.memory_budget) if args.memory_budget is not None else None
@@ -127,6 +128,23 @@ def _precision_plan(
     if args.frontier:
         print(f"wrote {plot_frontier(precision.to_dict(), args.frontier)}")
     return precision
+
+
+def device_data_types(topology: Topology) -> tuple[DataType, ...]:
+    """The types the planner may choose: every measured type, less those fbgemm's kernel gets wrong on the
+    topology's GPUs when this host has them (``infer.modules.cuda_probe``; each one left out is printed)."""
+    from infer.modules.cuda_probe import kernel_type_error
+    from infer.quant.measured_error import MEASURED_DATA_TYPES
+
+    devices = sorted({topology.device_name(rank) for rank in range(topology.world_size)}) if topology.is_cuda else []
+    kept = []
+    for data_type in MEASURED_DATA_TYPES:
+        errors = [e for e in (kernel_type_error(data_type, d) for d in devices) if e is not None]
+        if errors:
+            print(f"{data_type.value}: not offered: {errors[0]}")
+        else:
+            kept.append(data_type)
+    return tuple(kept)
 
 
 def _blocks_allowed(args: argparse.Namespace, topology: Topology) -> bool:

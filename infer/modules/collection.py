@@ -13,6 +13,7 @@ from torch import Tensor, nn
 
 from infer import request_rules as rules
 from infer.config import DataType, ModelSpec, PoolingType
+from infer.modules.cuda_probe import check_kernel_types
 from infer.modules.tbe import KernelRunner, bag_offsets, first_id_error, make_tbe
 
 
@@ -265,6 +266,7 @@ class QuantizedEmbeddingBagCollection(ValidatingCollection, KernelRunner):
             for j, b in enumerate(t.stored_blocks)
         ]
         features = kernel_features(spec)
+        check_kernel_types([(name, dtype) for name, _, _, dtype in specs], str(torch.device(device)))
         self.tbe = make_tbe(
             specs,
             [kernel_tables[table_index[spec.features[f].table]][j] for f, j in features],

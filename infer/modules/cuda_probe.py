@@ -65,7 +65,7 @@ def _probe(data_type: DataType, device: str) -> str | None:
     ids = torch.randint(0, PROBE_ROWS, (int(lengths.sum()),), generator=generator)
     outputs = []
     for where in ("cpu", device, device):
-        tbe = make_tbe([("probe", PROBE_ROWS, PROBE_DIM, data_type)], [0], torch.device(where), 16, probe=False)
+        tbe = make_tbe([("probe", PROBE_ROWS, PROBE_DIM, data_type)], [0], torch.device(where), 16)
         target_data, target_scales = tbe.split_embedding_weights()[0]  # type: ignore[operator]
         target_data.copy_(data)
         if scales is not None and target_scales is not None:

@@ -51,18 +51,12 @@ def make_tbe(
     device: torch.device,
     row_alignment: Optional[int] = None,
     allocate: bool = True,
-    probe: bool = True,
 ) -> nn.Module:
     """One inference TBE over ``tables`` (name, rows, dim, data type): SUM pooling, fp32 output,
     FATAL bounds checks (WARNING/IGNORE would rewrite the caller's ids in place). Weights allocated, unless
     ``allocate=False``: then every size and offset is set as allocating sets it, but the weight buffer stays
-    empty (a streaming export writes the rows to files and scripts this structure only). On a GPU, a data type
-    fbgemm's CUDA kernel gets wrong there is refused first (``infer.modules.cuda_probe``; ``probe=False`` is the
-    probe's own build)."""
-    if probe and device.type == "cuda":
-        from infer.modules.cuda_probe import check_kernel_types
-
-        check_kernel_types([(name, dtype) for name, _, _, dtype in tables], str(device))
+    empty (a streaming export writes the rows to files and scripts this structure only). Its callers that build
+    for a GPU refuse first a type fbgemm's CUDA kernel gets wrong there (``infer.modules.cuda_probe``)."""
     TBE, SparseType, EmbeddingLocation, PoolingMode, BoundsCheckMode = _tbe_classes()
     location = EmbeddingLocation.HOST if device.type == "cpu" else EmbeddingLocation.DEVICE
     tbe = TBE(

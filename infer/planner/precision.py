@@ -23,13 +23,13 @@ from typing import Any
 
 import numpy as np
 
-from infer.config import DataType, ModelSpec, RowBlock, TableConfig, stores_dim
-from infer.errors import PlanError, PlanErrorKind
+from infer.config import DataType, ModelSpec, RowBlock, TableConfig
+from infer.errors import ConfigError, PlanError, PlanErrorKind
 from infer.planner.access import AccessSample
 from infer.planner.memory_tiers import UNIFORM_ACCESS, block_reads
 from infer.planner.types import ParameterConstraints
 from infer.planner.utils import format_gb
-from infer.quant.measured_error import MEASURED_DATA_TYPES, TableError
+from infer.quant.measured_error import TableError
 from infer.quant.rowwise import CPU_ROW_ALIGNMENT, table_bytes
 
 logger = logging.getLogger(__name__)
@@ -140,16 +140,20 @@ def precision_problem(
             table.with_data_type(table_constraints.data_type)
             allowed = [table_constraints.data_type]
         else:
-            allowed = [
-                d
-                for d in MEASURED_DATA_TYPES
-                if (floor is None or d.bits >= floor.bits) and stores_dim(d, table.embedding_dim)
-            ]
+            # the types measured for it: every type its dim can be stored in, less any the target device refuses
+            allowed = [d for d, _ in measured_error.errors if floor is None or d.bits >= floor.bits]
         priced = (_option(table, d, measured_error, row_alignment) for d in allowed)
         options = tuple(sorted(priced, key=lambda o: (o.bytes, o.error)))
         weight = table_reads / total_reads if total_reads > 0 else 1.0 / len(spec.tables)
         if model_level:
             weight = 1.0
+        measured_types = [d for d, _ in measured_error.errors]
+        if table.data_type not in measured_types:
+            raise ConfigError(
+                f"table {table.name!r} is {table.data_type.value} in the spec, a type not measured for it (the target "
+                + "device's kernel refuses it, as printed above); set its data_type to one of "
+                + f"{[d.value for d in measured_types]}"
+            )
         declared = _option(table, table.data_type, measured_error, row_alignment)
         problem.append(TableChoices(table.name, weight, declared, options))
     return tuple(problem)

@@ -21,7 +21,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from infer.config import DataType, ModelSpec, PoolingType, TableConfig
+from infer.config import DataType, ModelSpec, PoolingType, TableConfig, stores_dim
 from infer.errors import ConfigError, FileFormatError
 from infer.quant.measured_error import MEASURED_DATA_TYPES, RowSource, TableError
 from infer.quant.rowwise import dequantize_rows, quantize_rows
@@ -171,6 +171,8 @@ def measure_eval_errors(
     for table in spec.tables:
         errors = []
         for data_type in data_types:
+            if not stores_dim(data_type, table.embedding_dim):
+                continue  # not a type this table can take (the planner offers only the types measured)
             data, scale_bias = quantize_rows(exact[table.name], data_type)
             restored = dequantize_rows(data, scale_bias, data_type, table.embedding_dim)
             scores = model_scores(spec, sample, {**exact, table.name: restored}, ids)

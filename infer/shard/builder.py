@@ -18,6 +18,7 @@ import torch
 from infer.config import DataType, ModelSpec, TableConfig
 from infer.errors import ConfigError, PlanError, PlanErrorKind
 from infer.modules.collection import EmbserveModel, QuantizedEmbeddingBagCollection, placed_dense_arch
+from infer.modules.cuda_probe import check_kernel_types
 from infer.modules.sharded import (
     READ_ALL,
     READ_BATCH_SLICE,
@@ -259,6 +260,7 @@ def build_device_shards(
 ) -> DeviceShards:
     """One device's TBE filled with its shards' rows, copied from the unsharded model's kernel bytes; with no
     ``source_weights``, the structure only (its weight buffer unallocated: ``make_tbe(allocate=False)``)."""
+    check_kernel_types([(name, dtype) for name, _, _, dtype in layout.tables], device)
     tbe = make_tbe(
         list(layout.tables), list(layout.feature_table_map), torch.device(device), allocate=source_weights is not None
     )

@@ -475,3 +475,22 @@ def test_cli_plan_on_several_devices_chooses_types_and_devices_within_each_devic
     assert all(b <= budget for b in per_device) and max(per_device) > budget // 2
     assert all(u <= budget for u in chosen["device_bytes"])
     assert "devices chosen with the types" in capsys.readouterr().out
+
+
+def test_the_planner_offers_every_type_on_the_cpu():
+    from infer.commands.planning import device_data_types
+    from infer.quant.measured_error import MEASURED_DATA_TYPES
+
+    assert device_data_types(Topology(2, ComputeDevice.CPU, (C.GB, C.GB))) == MEASURED_DATA_TYPES
+
+
+@pytest.mark.gpu
+def test_the_planner_leaves_out_a_type_the_gpu_gets_wrong(capsys):
+    from infer.commands.planning import device_data_types
+    from infer.modules.cuda_probe import kernel_type_error
+
+    offered = device_data_types(Topology(1, ComputeDevice.CUDA, (C.GB,)))
+    printed = capsys.readouterr().out
+    for data_type in DataType:
+        assert (data_type in offered) == (kernel_type_error(data_type, "cuda:0") is None)
+        assert (f"{data_type.value}: not offered" in printed) == (data_type not in offered)
