@@ -4,7 +4,8 @@ Every table may take any data type the TBE serves, no less precise than its floo
 (``ParameterConstraints.min_data_type``; ``data_type`` fixes it). A choice costs the table's bytes as the
 kernel lays them out (``rowwise.table_bytes``) and adds the table's measured error (``quant.measured_error``)
 weighted by the table's share of reads (a sample of request ids, else its ids per example). The exact choice
-minimises the total weighted error subject to the budget as a mixed-integer program (``scipy.optimize.milp``,
+minimises the total weighted error subject to the budget: under a memory budget alone by bounded dynamic
+programming (``infer.planner.mckp``: exact, gap 0), otherwise as a mixed-integer program (``scipy.optimize.milp``,
 HiGHS, as the partitioner), with the optimality gap reported; with an error budget it finds the fewest bytes
 within it instead. Greedy (largest error reduction per byte) and uniform choices are computed beside it.
 
@@ -25,6 +26,7 @@ import numpy as np
 
 from infer.config import DataType, ModelSpec, RowBlock, TableConfig
 from infer.errors import PlanError, PlanErrorKind
+from infer.planner import mckp
 from infer.planner.access import AccessSample
 from infer.planner.memory_tiers import UNIFORM_ACCESS, block_reads
 from infer.planner.types import ParameterConstraints
@@ -251,6 +253,13 @@ def choose_exact(
         raise PlanError("give a memory budget or an error budget", PlanErrorKind.INVALID_CONSTRAINT)
     if device_budgets is not None:
         return _choose_placed(problem, memory_budget, error_budget, time_limit_s, device_budgets, started)
+    if error_budget is None and memory_budget is not None:
+        # one byte budget: the multiple-choice knapsack solved exactly by bounded dynamic programming (milliseconds
+        # where HiGHS took seconds); the MILP below only if its states outgrow their cap
+        picks = mckp.solve([([o.bytes for o in t.options], [t.weight * o.error for o in t.options]) for t in problem],
+                           memory_budget)  # fmt: skip
+        if picks is not None:
+            return _choice("exact", problem, picks, time.monotonic() - started, 0.0)
     # HiGHS also stops at an absolute gap of 1e-6: scale the objective so that the optimum is O(1), by the greedy
     # choice's value (feasible, so an upper bound, and close to the optimum)
     greedy = choose_greedy(problem, memory_budget, error_budget)
