@@ -23,8 +23,9 @@ import numpy as np
 
 logger = logging.getLogger(__name__)
 
-# states kept per step at most: past this the problem goes back to the MILP (never seen on the planner's problems)
-MAX_STATES = 2_000_000
+# candidate states (kept states x a table's options) per step at most, ~100 MB: past this the problem goes back to
+# the MILP (the planner's problems stay far below: 500 tables with blocks, 171,430 at most)
+MAX_CANDIDATES = 5_000_000
 # bound pruning keeps states whose bound is within this share of the largest total cost of the incumbent
 BOUND_SLACK = 1e-12
 
@@ -65,80 +66,108 @@ def hull_segments(extra: np.ndarray, cost: np.ndarray) -> tuple[np.ndarray, np.n
     return np.diff(extra[points]).astype(np.float64), -np.diff(cost[points])
 
 
-class _Relaxation:
-    """The linear relaxation of the tables from some position on: their hull segments by saving per byte."""
+class Prepared:
+    """A problem's groups made ready once for any number of budgets (``frontier`` solves one per point): Pareto
+    options, tables in solving order, and every hull segment of every table by saving per byte."""
 
-    def __init__(self, seg_bytes: np.ndarray, seg_gain: np.ndarray, base_cost: float) -> None:
-        order = np.argsort(-(seg_gain / seg_bytes), kind="stable")
-        self.bytes = np.cumsum(seg_bytes[order])
-        self.gain = np.cumsum(seg_gain[order])
-        self.slope = (seg_gain / seg_bytes)[order]
-        self.base = base_cost
+    def __init__(self, groups: Sequence[tuple[Sequence[int], Sequence[float]]]) -> None:
+        self.parsed = [pareto_group(b, c) for b, c in groups]
+        self.low = sum(int(g.nbytes[g.kept[0]]) for g in self.parsed)
+        self.extras = [g.nbytes[g.kept] - g.nbytes[g.kept[0]] for g in self.parsed]
+        self.costs = [g.cost[g.kept] for g in self.parsed]
+        # tables with the widest byte range first: what is left is fine-grained, where the relaxation is tight
+        self.order = sorted(range(len(self.parsed)), key=lambda t: -int(self.extras[t][-1]))
+        segments = [hull_segments(self.extras[t], self.costs[t]) for t in self.order]
+        seg_bytes = np.concatenate([s[0] for s in segments] + [np.zeros(0)])
+        seg_gain = np.concatenate([s[1] for s in segments] + [np.zeros(0)])
+        position = np.repeat(np.arange(len(segments)), [s[0].size for s in segments])
+        step = np.concatenate([np.arange(s[0].size) for s in segments] + [np.zeros(0, dtype=np.int64)])
+        by_slope = np.argsort(-(seg_gain / np.where(seg_bytes > 0, seg_bytes, 1)), kind="stable")
+        self.seg_bytes, self.seg_gain, self.position = seg_bytes[by_slope], seg_gain[by_slope], position[by_slope]
+        self.step = step[by_slope]  # each segment's place in its table's hull
+        # the cost of every table from position i on at its fewest bytes
+        firsts = np.array([self.costs[t][0] for t in self.order] + [0.0])
+        self.base = np.cumsum(firsts[::-1])[::-1]
 
-    def bounds(self, room: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-        """For each spare byte count: (least cost of the relaxation, cost of the whole segments that fit)."""
-        if self.bytes.size == 0:
-            full = np.full(room.shape, self.base)
+    def bounds(self, i: int, room: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+        """For the tables from position ``i`` on and each spare byte count: (least cost of the linear relaxation,
+        cost of the relaxation's whole segments that fit: a whole choice)."""
+        take = self.position >= i
+        seg_bytes, seg_gain = self.seg_bytes[take], self.seg_gain[take]
+        base = float(self.base[i])
+        if seg_bytes.size == 0:
+            full = np.full(room.shape, base)
             return full, full
-        whole = np.searchsorted(self.bytes, room, side="right")
-        gained = np.where(whole > 0, self.gain[np.maximum(whole - 1, 0)], 0.0)
-        used = np.where(whole > 0, self.bytes[np.maximum(whole - 1, 0)], 0.0)
-        partial = np.where(whole < self.bytes.size, (room - used) * self.slope[np.minimum(whole, self.bytes.size - 1)], 0)
-        return self.base - gained - partial, self.base - gained
+        cum_bytes, cum_gain = np.cumsum(seg_bytes), np.cumsum(seg_gain)
+        whole = np.searchsorted(cum_bytes, room, side="right")
+        last = np.maximum(whole - 1, 0)
+        gained = np.where(whole > 0, cum_gain[last], 0.0)
+        used = np.where(whole > 0, cum_bytes[last], 0.0)
+        following = np.minimum(whole, seg_bytes.size - 1)
+        slope = seg_gain[following] / seg_bytes[following]
+        partial = np.where(whole < seg_bytes.size, (room - used) * slope, 0.0)
+        return base - gained - partial, base - gained
+
+    def filled(self, room: int) -> float:
+        """The cost of a whole choice: the hull segments taken by saving per byte, each when it fits and its
+        table took the segments before it (the relaxation's whole segments, then what else fits)."""
+        taken = [0] * len(self.order)
+        left, cost = float(room), float(self.base[0])
+        for size, gain, table, step in zip(self.seg_bytes.tolist(), self.seg_gain.tolist(), self.position.tolist(),
+                                           self.step.tolist()):  # fmt: skip
+            if taken[table] == step and size <= left:
+                taken[table] += 1
+                left -= size
+                cost -= gain
+        return cost
+
+    def solve(self, budget: int) -> list[int] | None:
+        """The option of each group (its index there) with the least total cost whose bytes sum within
+        ``budget``; None when nothing fits or the states outgrow ``MAX_CANDIDATES`` (the caller then uses the MILP)."""
+        room = budget - self.low
+        if room < 0:
+            return None
+        state_bytes = np.zeros(1, dtype=np.int64)
+        state_cost = np.zeros(1, dtype=np.float64)
+        incumbent = self.filled(room)
+        # float sums in two orders: a state whose bound equals the incumbent's must not be dropped by rounding
+        slack = BOUND_SLACK * max(float(self.base[0]), 1e-300)
+        parents: list[np.ndarray] = []
+        picks: list[np.ndarray] = []
+        for i, t in enumerate(self.order):
+            extra, cost = self.extras[t], self.costs[t]
+            if state_bytes.size * extra.size > MAX_CANDIDATES:
+                logger.debug("exact choice: %d states at table %d of %d, back to the MILP", state_bytes.size, i,
+                             len(self.order))  # fmt: skip
+                return None
+            cand_bytes = (state_bytes[:, None] + extra[None, :]).ravel()
+            cand_cost = (state_cost[:, None] + cost[None, :]).ravel()
+            fits = np.flatnonzero(cand_bytes <= room)
+            cand_bytes, cand_cost = cand_bytes[fits], cand_cost[fits]
+            # Pareto: fewest bytes first, each kept state cheaper than every state with fewer or equal bytes
+            by = np.lexsort((cand_cost, cand_bytes))
+            running = np.minimum.accumulate(cand_cost[by])
+            front = by[np.concatenate([[True], cand_cost[by][1:] < running[:-1]])]
+            cand_bytes, cand_cost, fits = cand_bytes[front], cand_cost[front], fits[front]
+            lower, whole = self.bounds(i + 1, (room - cand_bytes).astype(np.float64))
+            lower = lower + cand_cost
+            incumbent = min(incumbent, float((whole + cand_cost).min()))
+            keep = np.flatnonzero(lower <= incumbent + slack)
+            if keep.size == 0:  # rounding beyond the slack: the MILP decides
+                return None
+            fits = fits[keep]
+            parents.append(fits // extra.size)
+            picks.append(fits % extra.size)
+            state_bytes, state_cost = cand_bytes[keep], cand_cost[keep]
+        best = int(np.argmin(state_cost))
+        chosen = [0] * len(self.parsed)
+        for i in range(len(self.order) - 1, -1, -1):
+            t = self.order[i]
+            chosen[t] = int(self.parsed[t].kept[picks[i][best]])
+            best = int(parents[i][best])
+        return chosen
 
 
 def solve(groups: Sequence[tuple[Sequence[int], Sequence[float]]], budget: int) -> list[int] | None:
-    """The option of each group (its index there) with the least total cost whose bytes sum within ``budget``;
-    None when nothing fits or the states outgrow ``MAX_STATES`` (the caller then uses the MILP)."""
-    parsed = [pareto_group(b, c) for b, c in groups]
-    low = [int(g.nbytes[g.kept[0]]) for g in parsed]
-    room = budget - sum(low)
-    if room < 0:
-        return None
-    extras = [g.nbytes[g.kept] - g.nbytes[g.kept[0]] for g in parsed]
-    costs = [g.cost[g.kept] for g in parsed]
-    # tables with the widest byte range first: what is left is fine-grained, where the relaxation is tight
-    order = sorted(range(len(parsed)), key=lambda t: -int(extras[t][-1]))
-    segments = [hull_segments(extras[t], costs[t]) for t in order]
-    relaxations = []
-    for i in range(len(order) + 1):
-        rest = segments[i:]
-        seg_bytes = np.concatenate([s[0] for s in rest]) if rest else np.zeros(0)
-        seg_gain = np.concatenate([s[1] for s in rest]) if rest else np.zeros(0)
-        relaxations.append(_Relaxation(seg_bytes, seg_gain, float(sum(costs[t][0] for t in order[i:]))))
-    state_bytes = np.zeros(1, dtype=np.int64)
-    state_cost = np.zeros(1, dtype=np.float64)
-    incumbent = float(relaxations[0].bounds(np.array([float(room)]))[1][0])
-    # float sums in two orders: a state whose bound equals the incumbent's must not be dropped by rounding
-    slack = BOUND_SLACK * max(relaxations[0].base, 1e-300)
-    parents: list[np.ndarray] = []
-    picks: list[np.ndarray] = []
-    for i, t in enumerate(order):
-        extra, cost = extras[t], costs[t]
-        cand_bytes = (state_bytes[:, None] + extra[None, :]).ravel()
-        cand_cost = (state_cost[:, None] + cost[None, :]).ravel()
-        fits = np.flatnonzero(cand_bytes <= room)
-        cand_bytes, cand_cost = cand_bytes[fits], cand_cost[fits]
-        # Pareto: fewest bytes first, each kept state cheaper than every state with fewer or equal bytes
-        by = np.lexsort((cand_cost, cand_bytes))
-        running = np.minimum.accumulate(cand_cost[by])
-        front = by[np.concatenate([[True], cand_cost[by][1:] < running[:-1]])]
-        cand_bytes, cand_cost, fits = cand_bytes[front], cand_cost[front], fits[front]
-        lower, whole = relaxations[i + 1].bounds((room - cand_bytes).astype(np.float64))
-        lower = lower + cand_cost
-        incumbent = min(incumbent, float((whole + cand_cost).min()))
-        keep = np.flatnonzero(lower <= incumbent + slack)
-        if keep.size == 0 or keep.size > MAX_STATES:
-            logger.debug("exact choice: %d states at table %d of %d, back to the MILP", keep.size, i, len(order))
-            return None
-        fits = fits[keep]
-        parents.append(fits // extra.size)
-        picks.append(fits % extra.size)
-        state_bytes, state_cost = cand_bytes[keep], cand_cost[keep]
-    best = int(np.argmin(state_cost))
-    chosen = [0] * len(parsed)
-    for i in range(len(order) - 1, -1, -1):
-        t = order[i]
-        chosen[t] = int(parsed[t].kept[picks[i][best]])
-        best = int(parents[i][best])
-    return chosen
+    """``Prepared(groups).solve(budget)``: one budget."""
+    return Prepared(groups).solve(budget)

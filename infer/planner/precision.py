@@ -256,8 +256,7 @@ def choose_exact(
     if error_budget is None and memory_budget is not None:
         # one byte budget: the multiple-choice knapsack solved exactly by bounded dynamic programming (milliseconds
         # where HiGHS took seconds); the MILP below only if its states outgrow their cap
-        picks = mckp.solve([([o.bytes for o in t.options], [t.weight * o.error for o in t.options]) for t in problem],
-                           memory_budget)  # fmt: skip
+        picks = _prepared(problem).solve(memory_budget)
         if picks is not None:
             return _choice("exact", problem, picks, time.monotonic() - started, 0.0)
     # HiGHS also stops at an absolute gap of 1e-6: scale the objective so that the optimum is O(1), by the greedy
@@ -284,6 +283,20 @@ def choose_exact(
             PlanErrorKind.INSUFFICIENT_MEMORY,
         )
     raise PlanError("the precision MILP found no solution within its time limit", PlanErrorKind.INVALID_PLAN)
+
+
+# the last problem made ready for the exact choice: ``frontier`` solves one problem at many budgets
+_PREPARED: list[tuple[Sequence[TableChoices], mckp.Prepared]] = []
+
+
+def _prepared(problem: Sequence[TableChoices]) -> mckp.Prepared:
+    """``problem``'s options made ready for ``mckp`` once (an immutable tuple is reused at the next budget)."""
+    if _PREPARED and _PREPARED[0][0] is problem:
+        return _PREPARED[0][1]
+    prepared = mckp.Prepared([([o.bytes for o in t.options], [t.weight * o.error for o in t.options])
+                              for t in problem])  # fmt: skip
+    _PREPARED[:] = [(problem, prepared)] if isinstance(problem, tuple) else []
+    return prepared
 
 
 def _choose_placed(
