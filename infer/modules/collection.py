@@ -353,12 +353,13 @@ class QuantizedEmbeddingBagCollection(ValidatingCollection, KernelRunner):
         return split[1], split[0], split[2]
 
     def add_blocks(self, pooled: Tensor) -> Tensor:
-        """``[batch, output_dim]``: the levels' pooled columns added (a feature past its table's precise blocks
-        has empty bags there: zeros)."""
+        """``[batch, output_dim]``: the levels' pooled columns added into level 0's, in place (a view of
+        ``pooled``, rows ``block_levels * output_dim`` apart: ``run_kernel`` hands back a contiguous tensor); a
+        feature past its table's precise blocks has empty bags there: zeros."""
         width = self.output_dim
-        out = pooled[:, :width] + pooled[:, width : 2 * width]
-        for k in range(2, self.block_levels):
-            out += pooled[:, k * width : (k + 1) * width]
+        out = pooled[:, :width]
+        for k in range(1, self.block_levels):
+            out.add_(pooled[:, k * width : (k + 1) * width])
         return out
 
 
