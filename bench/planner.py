@@ -154,7 +154,8 @@ def true_error(problem: Sequence[Any], spec: ModelSpec, measured: Sequence[Any],
             bounds = [sum(b.rows for b in table_blocks[:j]) for j in range(len(table_blocks) + 1)]
             shares = true_block_shares(table.num_embeddings, alpha, sample.table_ids(table), bounds)
             shares[-1] = max(0.0, 1.0 - sum(shares[:-1]))  # the coldest block: the rest of the traffic
-            error = math.sqrt(sum(h * by_name[table.name].error(b.data_type) ** 2 for h, b in zip(shares, table_blocks)))
+            measured_table = by_name[table.name]
+            error = math.sqrt(sum(h * measured_table.error(b.data_type) ** 2 for h, b in zip(shares, table_blocks)))
         total += choices.weight * error
     return total
 

@@ -13,7 +13,6 @@ blocks never pay.
 
 from __future__ import annotations
 
-import math
 from collections.abc import Mapping, Sequence
 
 import numpy as np
