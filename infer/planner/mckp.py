@@ -6,8 +6,10 @@ A state that another beats on both (fewer or equal bytes, less or equal error) i
 tables take, the other does at least as well. A state is also dropped when even the linear relaxation of the
 remaining tables (each table's options on their lower convex hull, taken in order of error saved per byte, the
 last one fractional) cannot bring it below the best whole choice found so far; every state offers such a whole
-choice (the relaxation's segments that fit whole). What is left at the end holds the optimum, found exactly in
-integer bytes: no tolerance, no time limit. The states are numpy arrays, one step per table.
+choice (the relaxation's segments that fit whole). Before the steps, an option whose Lagrangian reduced cost (at
+the relaxation's critical saving per byte) exceeds the distance between the best whole choice and the bound is
+dropped: every choice holding it costs more. What is left at the end holds the optimum, found exactly in integer
+bytes: no tolerance, no time limit. The states are numpy arrays, one step per table.
 
 Measured against HiGHS on the same problems (bench/planner.py --blocks): DLRM-v2's 26 tables with block options
 (1,292 options) and 500 tables (29,430 options), the same error in a fraction of the time.
@@ -132,10 +134,17 @@ class Prepared:
         incumbent = self.filled(room)
         # float sums in two orders: a state whose bound equals the incumbent's must not be dropped by rounding
         slack = BOUND_SLACK * max(float(self.base[0]), 1e-300)
+        # Lagrangian reduced costs at the relaxation's critical saving per byte (its bound is the relaxation's):
+        # a choice holding an option whose reduced cost exceeds incumbent - bound costs more than the incumbent
+        crossed = int(np.searchsorted(np.cumsum(self.seg_bytes), room, side="right"))
+        price = float(self.seg_gain[crossed] / self.seg_bytes[crossed]) if crossed < self.seg_bytes.size else 0.0
+        priced = [self.costs[t] + price * self.extras[t] for t in range(len(self.parsed))]
+        bound = sum(float(p.min()) for p in priced) - price * room
+        allowed = [np.flatnonzero(p - p.min() <= incumbent - bound + slack) for p in priced]
         parents: list[np.ndarray] = []
         picks: list[np.ndarray] = []
         for i, t in enumerate(self.order):
-            extra, cost = self.extras[t], self.costs[t]
+            extra, cost = self.extras[t][allowed[t]], self.costs[t][allowed[t]]
             if state_bytes.size * extra.size > MAX_CANDIDATES:
                 logger.debug("exact choice: %d states at table %d of %d, back to the MILP", state_bytes.size, i,
                              len(self.order))  # fmt: skip
@@ -163,7 +172,7 @@ class Prepared:
         chosen = [0] * len(self.parsed)
         for i in range(len(self.order) - 1, -1, -1):
             t = self.order[i]
-            chosen[t] = int(self.parsed[t].kept[picks[i][best]])
+            chosen[t] = int(self.parsed[t].kept[allowed[t][picks[i][best]]])
             best = int(parents[i][best])
         return chosen
 
