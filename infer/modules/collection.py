@@ -205,10 +205,12 @@ class QuantizedEmbeddingBagCollection(ValidatingCollection, KernelRunner):
     (fbgemm takes a type per table): the precise blocks hold the rows ranked hottest, the last (cold) block every
     other row, in id order. Its id remap (``encode_remap``) is held once per feature of the table, back to back in
     ``block_lookup`` (a feature without blocks: no range), so that one ``fbgemm::pruned_array_lookup`` call maps a
-    whole request. The kernel input is the request split by level (``kernel_features``): level 0 every feature's
-    ids that fall in its cold block (a feature without blocks: all of them), level ``k`` those in the ``k - 1``-th
-    precise block, every bag at every level (a bag's count there may be 0); the levels' pooled columns are added
-    (MEAN: then divided by the full bag length). Each example range of a batch-parallel call splits its own ids.
+    whole request to positions in the blocks. The kernel input is the request split by level (``kernel_features``)
+    by one ``fbgemm::block_bucketize_sparse_features`` call at each feature's ``block_bounds``: level 0 every
+    feature's ids that fall in its cold block (a feature without blocks: all of them), level ``k`` those in the
+    ``k - 1``-th precise block, every bag at every level (a bag's count there may be 0); the levels' pooled columns
+    are added (MEAN: then divided by the full bag length). Each example range of a batch-parallel call splits its
+    own ids.
     """
 
     has_blocks: bool
