@@ -219,6 +219,7 @@ class QuantizedEmbeddingBagCollection(ValidatingCollection, KernelRunner):
     block_lookup_offsets: Tensor
     block_bounds: List[Tensor]
     block_sizes: Tensor
+    block_fixed_sizes: bool
     block_rank_starts: List[List[int]]
     feature_remap: List[int]
     feature_blocks: List[int]
@@ -270,8 +271,7 @@ class QuantizedEmbeddingBagCollection(ValidatingCollection, KernelRunner):
                 if slot >= 0
             ]
         )
-        # per feature its blocks' bounds (int32, as the remapped ids) for the split; block_sizes is required by the
-        # op beside them and unused
+        # per feature its blocks' bounds (int32, as the remapped ids) for the split
         self.block_bounds = [
             torch.tensor(
                 block_bounds(
@@ -283,7 +283,14 @@ class QuantizedEmbeddingBagCollection(ValidatingCollection, KernelRunner):
             )
             for f, slot in zip(spec.features, self.feature_remap)
         ]
-        self.block_sizes = torch.tensor([spec.table(f.table).num_embeddings for f in spec.features], dtype=torch.int32)
+        # two levels, every precise block no larger than its cold block: the op's fixed-size buckets split the same
+        # way (bucket = position // the cold block's rows, row = position % it) without a search per id; block_sizes
+        # is then each feature's cold rows, otherwise the op requires it beside the bounds and reads only these
+        cold = [b[1] for b in self.block_bounds]
+        rows = [b[-1] for b in self.block_bounds]
+        self.block_fixed_sizes = self.block_levels == 2 and all(2 * int(c) >= int(r) for c, r in zip(cold, rows))
+        self.block_sizes = torch.tensor([int(c) if self.block_fixed_sizes else int(r) for c, r in zip(cold, rows)],
+                                        dtype=torch.int32)  # fmt: skip
         self.init_kernel_runner(len(features), str(torch.device(device)), len(spec.features))
 
     @torch.jit.unused
@@ -349,8 +356,9 @@ class QuantizedEmbeddingBagCollection(ValidatingCollection, KernelRunner):
         held = torch.ops.fbgemm.pruned_array_lookup(
             ids, bag_offsets(lengths, ids), self.block_lookup, self.block_lookup_offsets
         )
+        bounds: Optional[List[Tensor]] = None if self.block_fixed_sizes else self.block_bounds
         split = torch.ops.fbgemm.block_bucketize_sparse_features(
-            lengths, held, False, False, self.block_sizes, self.block_levels, weights, None, -1, self.block_bounds
+            lengths, held, False, False, self.block_sizes, self.block_levels, weights, None, -1, bounds
         )
         return split[1], split[0], split[2]
 

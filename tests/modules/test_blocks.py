@@ -251,3 +251,29 @@ def test_int32_ids_equal_int64_ids(blocked):  # type: ignore[no-untyped-def]
     spec, model, _, _ = blocked
     values, lengths, weights = random_request(spec, 9, any_ids, 3, True)
     assert torch.equal(model(values.to(torch.int32), lengths.to(torch.int32), weights), model(values, lengths, weights))
+
+
+@pytest.mark.parametrize("hot", [20, 50], ids=["hot_smaller_than_cold", "hot_larger_than_cold"])
+def test_two_levels_equal_fp32_embedding_bag(hot):  # type: ignore[no-untyped-def]
+    """Two blocks per table (one level past the cold one): the split takes the op's fixed-size buckets when every
+    precise block fits in its cold block's rows, its searched bounds otherwise; both equal the reference."""
+    spec = ModelSpec(
+        (
+            TableConfig("a", 64, 8, ("x", "y"), pooling=PoolingType.SUM, blocks=((hot, "int8"), (64 - hot, "int4"))),
+            TableConfig("b", 30, 8, ("z",), pooling=PoolingType.MEAN, blocks=((10, "fp16"), (20, "int2"))),
+            TableConfig("plain", 40, 8, ("w",), pooling=PoolingType.SUM, data_type="int8"),
+        )
+    )
+    weights = random_weights(spec, seed=11)
+    generator = torch.Generator().manual_seed(5)
+    orders = {t.name: torch.randperm(t.num_embeddings, generator=generator) for t in spec.tables if t.blocks}
+    model = quantize(spec, weights, block_orders=orders)
+    orders = {t.name: model.embeddings.block_ranks(t.name).argsort() for t in spec.tables if t.blocks}
+    assert model.embeddings.block_fixed_sizes == (hot <= 64 - hot)
+    tables = reference_tables(spec, weights, orders)
+    for weighted in (False, True):
+        values, lengths, weights_in = random_request(spec, 7, any_ids, 9, weighted)
+        expected = reference(spec, tables, values, lengths, weights_in)
+        torch.testing.assert_close(model(values, lengths, weights_in), expected, rtol=1e-6, atol=1e-5)
+        scripted = torch.jit.script(model)
+        torch.testing.assert_close(scripted(values, lengths, weights_in), expected, rtol=1e-6, atol=1e-5)
