@@ -542,7 +542,7 @@ def main() -> int:
     parser.add_argument("--blocks", action="store_true", help="the precision planner with blocks (issue 43)")
     parser.add_argument("--examples", type=int, default=20000, help="--blocks: examples of sampled ids")
     parser.add_argument("--three-blocks", action="store_true", help="--blocks: also price three-block options")
-    parser.add_argument("--blocks-speed", action="store_true", help="--blocks: also 500 tables (minutes, see README)")
+    parser.add_argument("--blocks-speed", action="store_true", help="--blocks: also 500 tables")
     parser.add_argument("--steps", type=int, default=1500, help="--eval: training steps")
     args = parser.parse_args()
     if args.eval:

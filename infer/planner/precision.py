@@ -240,8 +240,9 @@ def choose_exact(
     time_limit_s: float = DEFAULT_TIME_LIMIT_S,
     device_budgets: DeviceBudgets | None = None,
 ) -> PrecisionChoice:
-    """The optimal choice by MILP: least weighted error within ``memory_budget`` bytes, or, with
-    ``error_budget``, fewest bytes with weighted error within it (and within ``memory_budget`` when given).
+    """The optimal choice (one byte budget: ``mckp``'s dynamic programming; otherwise a MILP): least weighted
+    error within ``memory_budget`` bytes, or, with ``error_budget``, fewest bytes with weighted error within it
+    (and within ``memory_budget`` when given).
     With ``device_budgets`` each table's device is chosen too, every device within its budget.
 
     The budgets hold exactly: the solution is checked in integer bytes, and re-solved with a budget
