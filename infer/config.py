@@ -119,7 +119,7 @@ def _parse_blocks(value: Any, table: str, num_embeddings: int) -> tuple[RowBlock
             f"table {table!r}: one block is the whole table in one type; set data_type={blocks[0].data_type.value!r} "
             "instead, or state two blocks or more"
         )
-    # the id remap holds a precise block's index and row in one int32 (``infer.modules.collection.encode_remap``)
+    # blocks are the kernel's levels (``infer.modules.collection.kernel_features``): a few, each in int32 rows
     if len(blocks) > 7 or any(b.rows >= 1 << 28 for b in blocks[:-1]):
         raise ConfigError(
             f"table {table!r}: {len(blocks)} blocks; a table holds at most 7 blocks, each but the last (cold) one "

@@ -215,7 +215,7 @@ class Pt2Entry:
 
 @dataclass(frozen=True)
 class RemapEntry:
-    """A block table's id remap (id -> block row, int32, ``rows`` of them: ``infer.modules.collection.encode_remap``)
+    """A block table's id remap (id -> position in its blocks, int32, ``rows`` of them: ``collection.encode_remap``)
     as the model file holds it: the sha256 of
     its bytes, which the loader compares with the loaded model's before the first lookup."""
 

@@ -193,35 +193,35 @@ def kernel_features(spec: ModelSpec) -> List[Tuple[int, int]]:
     ]
 
 
-# a precise id's stored value holds its block in the bits from here up, its row in the block below
-PRECISE_BLOCK_SHIFT = 28
-PRECISE_ROW_MASK = (1 << PRECISE_BLOCK_SHIFT) - 1
-# precise blocks of a table at most (their encoded values stay within int32)
-MAX_PRECISE_BLOCKS = 6
-
-
 def encode_remap(ranks: Tensor, starts: List[int]) -> Tensor:
-    """The stored id remap (int32) of an id -> rank permutation whose blocks start at ranks ``starts``: a cold id
-    (in the last block) -> its row there (>= 0); an id at row ``r`` of precise block ``j`` -> ``-2 - (j << 28 | r)``
-    (<= -2). One gather and a clamp give the cold kernel feature's ids (-1, fbgemm's skipped row, for precise ids);
-    ``-2 - value`` gives the precise blocks' (negative for cold ids)."""
+    """The stored id remap (int32) of an id -> rank permutation whose blocks start at ranks ``starts``: each id's
+    position in the blocks laid end to end in kernel level order, the cold (last) block first: a cold id -> its row
+    there, an id at row ``r`` of precise block ``j`` -> the cold block's rows + ``starts[j] + r``. A permutation of
+    the table's rows, so ``fbgemm::block_bucketize_sparse_features`` at the blocks' bounds (``block_bounds``)
+    splits a request by block in one pass, each id's row in its block being its position less its block's start."""
     held = ranks.to(torch.int64)
-    bounds = torch.tensor(starts, dtype=torch.int64)
-    block = torch.bucketize(held, bounds, right=True) - 1
-    row = held - bounds[block]
-    cold = block == len(starts) - 1
-    return torch.where(cold, row, -2 - ((block << PRECISE_BLOCK_SHIFT) | row)).to(torch.int32)
+    cold_start = starts[-1]
+    cold_rows = held.numel() - cold_start
+    return torch.where(held >= cold_start, held - cold_start, held + cold_rows).to(torch.int32)
 
 
 def decode_remap(remap: Tensor, starts: List[int]) -> Optional[Tensor]:
-    """``encode_remap`` undone: id -> rank (int64), or None when a value names no block row."""
+    """``encode_remap`` undone: id -> rank (int64), or None when a value is no position in the table's rows."""
     held = remap.to(torch.int64)
-    precise = -2 - held
-    block = torch.where(held >= 0, len(starts) - 1, precise >> PRECISE_BLOCK_SHIFT)
-    row = torch.where(held >= 0, held, precise & PRECISE_ROW_MASK)
-    if remap.numel() > 0 and (int(block.min()) < 0 or int(block.max()) >= len(starts)):
+    rows = held.numel()
+    if rows > 0 and (int(held.min()) < 0 or int(held.max()) >= rows):
         return None
-    return torch.tensor(starts, dtype=torch.int64)[block] + row
+    cold_rows = rows - starts[-1]
+    return torch.where(held < cold_rows, held + starts[-1], held - cold_rows)
+
+
+def block_bounds(rows: int, starts: List[int], levels: int) -> List[int]:
+    """A feature's block bounds in ``encode_remap``'s positions, one block per kernel level (``kernel_features``):
+    the cold block, then each precise block, then empty blocks up to ``levels`` (a table without blocks: ``starts``
+    = [0], its whole table the cold block)."""
+    cold_rows = rows - starts[-1]
+    bounds = [0, cold_rows] + [cold_rows + s for s in starts[1:]]
+    return bounds + [rows] * (levels + 1 - len(bounds))
 
 
 class QuantizedEmbeddingBagCollection(ValidatingCollection, KernelRunner):
@@ -234,18 +234,21 @@ class QuantizedEmbeddingBagCollection(ValidatingCollection, KernelRunner):
     (fbgemm takes a type per table): the precise blocks hold the rows ranked hottest, the last (cold) block every
     other row, in id order. Its id remap (``encode_remap``) is held once per feature of the table, back to back in
     ``block_lookup`` (a feature without blocks: no range), so that one ``fbgemm::pruned_array_lookup`` call maps a
-    whole request. The kernel input is the request split by level (``kernel_features``): level 0 every feature's
-    ids that fall in its cold block (a feature without blocks: all of them), level ``k`` those in the ``k - 1``-th
-    precise block, every bag at every level (a bag's count there may be 0); the levels' pooled columns are added
-    (MEAN: then divided by the full bag length). Each example range of a batch-parallel call splits its own ids.
+    whole request to positions in the blocks. The kernel input is the request split by level (``kernel_features``)
+    by one ``fbgemm::block_bucketize_sparse_features`` call at each feature's ``block_bounds``: level 0 every
+    feature's ids that fall in its cold block (a feature without blocks: all of them), level ``k`` those in the
+    ``k - 1``-th precise block, every bag at every level (a bag's count there may be 0); the levels' pooled columns
+    are added (MEAN: then divided by the full bag length). Each example range of a batch-parallel call splits its
+    own ids.
     """
 
     has_blocks: bool
-    precise_block_shift: Final[int] = PRECISE_BLOCK_SHIFT
-    precise_row_mask: Final[int] = PRECISE_ROW_MASK
     block_levels: int
     block_lookup: Tensor
     block_lookup_offsets: Tensor
+    block_bounds: List[Tensor]
+    block_sizes: Tensor
+    block_fixed_sizes: bool
     block_rank_starts: List[List[int]]
     feature_remap: List[int]
     feature_blocks: List[int]
@@ -298,6 +301,26 @@ class QuantizedEmbeddingBagCollection(ValidatingCollection, KernelRunner):
                 if slot >= 0
             ]
         )
+        # per feature its blocks' bounds (int32, as the remapped ids) for the split
+        self.block_bounds = [
+            torch.tensor(
+                block_bounds(
+                    spec.table(f.table).num_embeddings,
+                    self.block_rank_starts[slot] if slot >= 0 else [0],
+                    self.block_levels,
+                ),
+                dtype=torch.int32,
+            )
+            for f, slot in zip(spec.features, self.feature_remap)
+        ]
+        # two levels, every precise block no larger than its cold block: the op's fixed-size buckets split the same
+        # way (bucket = position // the cold block's rows, row = position % it) without a search per id; block_sizes
+        # is then each feature's cold rows, otherwise the op requires it beside the bounds and reads only these
+        cold = [b[1] for b in self.block_bounds]
+        rows = [b[-1] for b in self.block_bounds]
+        self.block_fixed_sizes = self.block_levels == 2 and all(2 * int(c) >= int(r) for c, r in zip(cold, rows))
+        self.block_sizes = torch.tensor([int(c) if self.block_fixed_sizes else int(r) for c, r in zip(cold, rows)],
+                                        dtype=torch.int32)  # fmt: skip
         self.init_kernel_runner(len(features), str(torch.device(device)), len(spec.features))
 
     @torch.jit.unused
@@ -352,61 +375,31 @@ class QuantizedEmbeddingBagCollection(ValidatingCollection, KernelRunner):
     def split_blocks(
         self, values: Tensor, lengths: Tensor, weights: Optional[Tensor]
     ) -> Tuple[Tensor, Tensor, Optional[Tensor]]:
-        """The kernel input of a validated request (``kernel_features`` order): the ids remapped by one
-        ``pruned_array_lookup``, then split by level (cold block first, then each precise block), each level every
-        feature's bags in order with the ids that fall in its block; a bag's count per level from a running count.
-        A handful of whole-batch operations, whatever the number of features (fbgemm's kernel spends nearly a
-        lookup's time on a skipped -1 id, so ids are moved rather than masked)."""
+        """The kernel input of a validated request (``kernel_features`` order): the ids remapped to their
+        positions by one ``pruned_array_lookup``, then split by level (cold block first, then each precise block)
+        by one ``block_bucketize_sparse_features`` at the blocks' bounds: each level every feature's bags in order
+        with the ids that fall in its block, as rows of that block (a bag's count there may be 0). Two passes over
+        the ids whatever the number of features and blocks (fbgemm's kernel spends nearly a lookup's time on a
+        skipped -1 id, so ids are moved rather than masked)."""
         # int32 ids: the remap is int32, and fbgemm widens it on every call for int64 ids
         ids = values.to(torch.int32)
-        offsets = bag_offsets(lengths, ids)
-        held = torch.ops.fbgemm.pruned_array_lookup(ids, offsets, self.block_lookup, self.block_lookup_offsets)
-        offsets = offsets.to(torch.int64)
-        cold = held >= 0
-        level_values: List[Tensor] = [held[cold]]
-        level_lengths: List[Tensor] = [self.bag_counts(cold, offsets).to(lengths.dtype)]
-        level_weights: List[Tensor] = []
-        if weights is not None:
-            level_weights.append(weights[cold])
-        precise_ids = ~cold
-        # a precise id's block (high bits) and row in it (low bits)
-        precise = -2 - held[precise_ids]
-        precise_weights: Optional[Tensor] = None
-        if weights is not None:
-            precise_weights = weights[precise_ids]
-        if self.block_levels == 2:
-            level_values.append(precise)
-            level_lengths.append(lengths - level_lengths[0])
-            if precise_weights is not None:
-                level_weights.append(precise_weights)
-        else:
-            block = torch.full_like(held, -1)
-            block[precise_ids] = precise >> self.precise_block_shift
-            rows = precise & self.precise_row_mask
-            for k in range(1, self.block_levels):
-                inside = block == k - 1
-                level_values.append(rows[inside[precise_ids]])
-                level_lengths.append(self.bag_counts(inside, offsets).to(lengths.dtype))
-                if precise_weights is not None:
-                    level_weights.append(precise_weights[inside[precise_ids]])
-        block_weights: Optional[Tensor] = None
-        if weights is not None:
-            block_weights = torch.cat(level_weights)
-        return torch.cat(level_values), torch.cat(level_lengths), block_weights
-
-    def bag_counts(self, mask: Tensor, offsets: Tensor) -> Tensor:
-        """Per bag (``offsets``: its ids' range), how many of its ids ``mask`` holds."""
-        running = torch.zeros(mask.numel() + 1, dtype=torch.int32, device=mask.device)
-        torch.cumsum(mask, 0, out=running[1:])
-        return running[offsets[1:]] - running[offsets[:-1]]
+        held = torch.ops.fbgemm.pruned_array_lookup(
+            ids, bag_offsets(lengths, ids), self.block_lookup, self.block_lookup_offsets
+        )
+        bounds: Optional[List[Tensor]] = None if self.block_fixed_sizes else self.block_bounds
+        split = torch.ops.fbgemm.block_bucketize_sparse_features(
+            lengths, held, False, False, self.block_sizes, self.block_levels, weights, None, -1, bounds
+        )
+        return split[1], split[0], split[2]
 
     def add_blocks(self, pooled: Tensor) -> Tensor:
-        """``[batch, output_dim]``: the levels' pooled columns added (a feature past its table's precise blocks
-        has empty bags there: zeros)."""
+        """``[batch, output_dim]``: the levels' pooled columns added into level 0's, in place (a view of
+        ``pooled``, rows ``block_levels * output_dim`` apart: ``run_kernel`` hands back a contiguous tensor); a
+        feature past its table's precise blocks has empty bags there: zeros."""
         width = self.output_dim
-        out = pooled[:, :width] + pooled[:, width : 2 * width]
-        for k in range(2, self.block_levels):
-            out += pooled[:, k * width : (k + 1) * width]
+        out = pooled[:, :width]
+        for k in range(1, self.block_levels):
+            out.add_(pooled[:, k * width : (k + 1) * width])
         return out
 
 
@@ -445,18 +438,8 @@ def remap_error(remap: Tensor, rows: int, starts: List[int]) -> Optional[str]:
         return f"is {remap.dtype} of shape {list(remap.shape)}, not {rows} integer block rows"
     ranks = decode_remap(remap, starts)
     if ranks is None:
-        return "names a block the table does not have"
-    precise_rows = torch.tensor(starts[1:] + [rows], dtype=torch.int64) - torch.tensor(starts, dtype=torch.int64)
-    error = rank_error(ranks, rows)
-    if error is None and remap.numel() > 0:
-        # a row past its block would decode to another block's rank
-        held = remap.to(torch.int64)
-        precise = -2 - held[held < 0]
-        if precise.numel() > 0 and bool(
-            ((precise & PRECISE_ROW_MASK) >= precise_rows[precise >> PRECISE_BLOCK_SHIFT]).any()
-        ):
-            return "sends an id past the end of its block"
-    return error
+        return "names a row outside the table's blocks"
+    return rank_error(ranks, rows)
 
 
 class _NoDenseArch(nn.Module):

@@ -182,7 +182,8 @@ class KernelRunner:
             local_weights: Optional[Tensor] = None
             if weights is not None:
                 local_weights = weights.to(self.kernel_device)
-            return self.pool(values.to(self.kernel_device), lengths.to(self.kernel_device), local_weights)
+            # contiguous: a module's pool may answer a view (precision blocks add in place)
+            return self.pool(values.to(self.kernel_device), lengths.to(self.kernel_device), local_weights).contiguous()
         offsets = bag_offsets(lengths, values)
         futures: List[torch.jit.Future[Tensor]] = []
         for k in range(chunks - 1):

@@ -13,7 +13,6 @@ blocks never pay.
 
 from __future__ import annotations
 
-import math
 from collections.abc import Mapping, Sequence
 
 import numpy as np
@@ -26,7 +25,7 @@ from infer.planner.precision import DtypeOption, PrecisionChoice, TableChoices, 
 from infer.planner.types import ParameterConstraints
 from infer.quant.blocks import rank_rows
 from infer.quant.measured_error import TableError
-from infer.quant.rowwise import CPU_ROW_ALIGNMENT, table_bytes
+from infer.quant.rowwise import CPU_ROW_ALIGNMENT, TABLE_ALIGNMENT, row_bytes, table_bytes
 
 # the id remap: one int32 rank per row
 REMAP_BYTES_PER_ROW = 4
@@ -46,16 +45,20 @@ def hot_shares(ids: np.ndarray, rows: int, hot_sizes: Sequence[int]) -> np.ndarr
     if ids.size < 2:
         return np.zeros(len(hot_sizes))
     sizes = np.asarray(hot_sizes, dtype=np.int64)
+    # one sort of the ids with their half in the low bit: each distinct id's reads in either half, distinct ids in
+    # id order (no table-sized arrays)
+    keys = np.sort((ids.astype(np.int64) << 1) | (np.arange(ids.size, dtype=np.int64) & 1))
+    odd = (keys & 1).astype(np.int64)
+    starts = np.flatnonzero(np.concatenate([[True], (keys[1:] >> 1) != (keys[:-1] >> 1)]))
+    in_odd = np.add.reduceat(odd, starts)
+    halves = [np.diff(np.append(starts, keys.size)) - in_odd, in_odd]
     shares = np.zeros(len(sizes))
-    for ranked, held_out in ((ids[0::2], ids[1::2]), (ids[1::2], ids[0::2])):
-        seen, counts = np.unique(ranked, return_counts=True)  # sorted ids; no table-sized arrays
-        rank_of_seen = np.empty(seen.size, dtype=np.int64)
-        rank_of_seen[np.argsort(-counts, kind="stable")] = np.arange(seen.size)
-        where = np.minimum(np.searchsorted(seen, held_out), max(seen.size - 1, 0))
-        # a row the ranking never saw has no evidence: it ranks after every seen row
-        rank = np.where(seen[where] == held_out, rank_of_seen[where], rows)
-        hits = np.sort(rank)
-        shares += np.searchsorted(hits, sizes, "left") / held_out.size
+    for ranked, held_out in ((halves[0], halves[1]), (halves[1], halves[0])):
+        # the ranking: most read first, ties in id order; a row the ranking never saw has no evidence and ranks
+        # after every seen row, so it is never in a hot block
+        order = np.argsort(-ranked, kind="stable")[: int(np.count_nonzero(ranked))]
+        hits = np.concatenate([[0], np.cumsum(held_out[order])])
+        shares += hits[np.minimum(sizes, order.size)] / held_out.sum()
     return shares / 2
 
 
@@ -70,14 +73,36 @@ def remap_bytes(table: TableConfig) -> int:
     return REMAP_BYTES_PER_ROW * table.num_embeddings * len(table.feature_names)
 
 
-def block_option(table: TableConfig, hot: int, precise: DataType, small: DataType, share: float,
-                 measured: TableError, row_alignment: int) -> DtypeOption:  # fmt: skip
-    """``hot`` rows at ``precise``, the rest at ``small``: bytes and mixed error (see the module docstring)."""
-    dim, rows = table.embedding_dim, table.num_embeddings
-    size = table_bytes(hot, dim, precise, row_alignment) + table_bytes(rows - hot, dim, small, row_alignment)
-    size += remap_bytes(table)
-    error = math.sqrt(share * measured.error(precise) ** 2 + (1 - share) * measured.error(small) ** 2)
-    return DtypeOption(small, size, error, (RowBlock(hot, precise), RowBlock(rows - hot, small)))
+def two_block_options(table: TableConfig, sizes: Sequence[int], shares: np.ndarray, types: Sequence[DataType],
+                      measured: TableError, row_alignment: int, prune: bool = True) -> list[DtypeOption]:  # fmt: skip
+    """Two blocks, for every hot size ``k`` with a share ``h`` of reads and every pair of ``types`` A > B: ``k``
+    rows at A, the rest at B, both blocks' bytes plus the remap, error ``sqrt(h eA^2 + (1 - h) eB^2)`` (the module
+    docstring), priced as arrays; with ``prune`` only the table's own Pareto front among them becomes options."""
+    rows, dim = table.num_embeddings, table.embedding_dim
+    pairs = [(a, b) for a in types for b in types if a.bits > b.bits]
+    seen = np.asarray(shares, dtype=np.float64) > 0
+    hot = np.asarray(sizes, dtype=np.int64)[seen][:, None]
+    share = np.asarray(shares, dtype=np.float64)[seen][:, None]
+    if not pairs or hot.size == 0:
+        return []
+    row_a = np.array([row_bytes(dim, a, row_alignment) for a, _ in pairs], dtype=np.int64)[None, :]
+    row_b = np.array([row_bytes(dim, b, row_alignment) for _, b in pairs], dtype=np.int64)[None, :]
+    err_a = np.array([measured.error(a) for a, _ in pairs])[None, :]
+    err_b = np.array([measured.error(b) for _, b in pairs])[None, :]
+    # table_bytes of each block (128-byte aligned), hot size outer, pair inner
+    nbytes = (-(-hot * row_a // TABLE_ALIGNMENT) - (-(rows - hot) * row_b // TABLE_ALIGNMENT)) * TABLE_ALIGNMENT
+    nbytes = (nbytes + remap_bytes(table)).ravel()
+    errors = np.sqrt(share * err_a**2 + (1 - share) * err_b**2).ravel()
+    picks = np.arange(nbytes.size)
+    if prune:  # a dominated option never wins the MILP (``pareto``)
+        order = np.lexsort((errors, nbytes))
+        running = np.minimum.accumulate(errors[order])
+        picks = np.sort(order[np.concatenate([[True], errors[order][1:] < running[:-1]])])
+    out = []
+    for i in picks.tolist():
+        k, (a, b) = int(hot[i // len(pairs), 0]), pairs[i % len(pairs)]
+        out.append(DtypeOption(b, int(nbytes[i]), float(errors[i]), (RowBlock(k, a), RowBlock(rows - k, b))))
+    return out
 
 
 def three_block_options(table: TableConfig, sizes: Sequence[int], shares: np.ndarray, types: Sequence[DataType],
@@ -166,14 +191,7 @@ def block_problem(
             sizes = hot_sizes_of(table.num_embeddings)
             shares = hot_shares(ids, table.num_embeddings, sizes)
             types = [o.data_type for o in choices.options]
-            for hot, share in zip(sizes, shares):
-                if share <= 0:
-                    continue
-                for precise in types:
-                    for small in types:
-                        if precise.bits > small.bits:
-                            options.append(block_option(table, hot, precise, small, float(share),
-                                                        by_name[table.name], row_alignment))  # fmt: skip
+            options += two_block_options(table, sizes, shares, types, by_name[table.name], row_alignment, prune)
             if three_blocks:
                 options += three_block_options(table, sizes, shares, types, by_name[table.name], row_alignment)
         kept = pareto(options) if prune else tuple(sorted(options, key=lambda o: (o.bytes, o.error)))

@@ -4,7 +4,8 @@ Every table may take any data type the TBE serves, no less precise than its floo
 (``ParameterConstraints.min_data_type``; ``data_type`` fixes it). A choice costs the table's bytes as the
 kernel lays them out (``rowwise.table_bytes``) and adds the table's measured error (``quant.measured_error``)
 weighted by the table's share of reads (a sample of request ids, else its ids per example). The exact choice
-minimises the total weighted error subject to the budget as a mixed-integer program (``scipy.optimize.milp``,
+minimises the total weighted error subject to the budget: under a memory budget alone by bounded dynamic
+programming (``infer.planner.mckp``: exact, gap 0), otherwise as a mixed-integer program (``scipy.optimize.milp``,
 HiGHS, as the partitioner), with the optimality gap reported; with an error budget it finds the fewest bytes
 within it instead. Greedy (largest error reduction per byte) and uniform choices are computed beside it.
 
@@ -25,6 +26,7 @@ import numpy as np
 
 from infer.config import DataType, ModelSpec, RowBlock, TableConfig
 from infer.errors import ConfigError, PlanError, PlanErrorKind
+from infer.planner import mckp
 from infer.planner.access import AccessSample
 from infer.planner.memory_tiers import UNIFORM_ACCESS, block_reads
 from infer.planner.types import ParameterConstraints
@@ -248,8 +250,9 @@ def choose_exact(
     time_limit_s: float = DEFAULT_TIME_LIMIT_S,
     device_budgets: DeviceBudgets | None = None,
 ) -> PrecisionChoice:
-    """The optimal choice by MILP: least weighted error within ``memory_budget`` bytes, or, with
-    ``error_budget``, fewest bytes with weighted error within it (and within ``memory_budget`` when given).
+    """The optimal choice (one byte budget: ``mckp``'s dynamic programming; otherwise a MILP): least weighted
+    error within ``memory_budget`` bytes, or, with ``error_budget``, fewest bytes with weighted error within it
+    (and within ``memory_budget`` when given).
     With ``device_budgets`` each table's device is chosen too, every device within its budget.
 
     The budgets hold exactly: the solution is checked in integer bytes, and re-solved with a budget
@@ -261,6 +264,12 @@ def choose_exact(
         raise PlanError("give a memory budget or an error budget", PlanErrorKind.INVALID_CONSTRAINT)
     if device_budgets is not None:
         return _choose_placed(problem, memory_budget, error_budget, time_limit_s, device_budgets, started)
+    if error_budget is None and memory_budget is not None:
+        # one byte budget: the multiple-choice knapsack solved exactly by bounded dynamic programming (milliseconds
+        # where HiGHS took seconds); the MILP below only if its states outgrow their cap
+        picks = _prepared(problem).solve(memory_budget)
+        if picks is not None:
+            return _choice("exact", problem, picks, time.monotonic() - started, 0.0)
     # HiGHS also stops at an absolute gap of 1e-6: scale the objective so that the optimum is O(1), by the greedy
     # choice's value (feasible, so an upper bound, and close to the optimum)
     greedy = choose_greedy(problem, memory_budget, error_budget)
@@ -285,6 +294,20 @@ def choose_exact(
             PlanErrorKind.INSUFFICIENT_MEMORY,
         )
     raise PlanError("the precision MILP found no solution within its time limit", PlanErrorKind.INVALID_PLAN)
+
+
+# the last problem made ready for the exact choice: ``frontier`` solves one problem at many budgets
+_PREPARED: list[tuple[Sequence[TableChoices], mckp.Prepared]] = []
+
+
+def _prepared(problem: Sequence[TableChoices]) -> mckp.Prepared:
+    """``problem``'s options made ready for ``mckp`` once (an immutable tuple is reused at the next budget)."""
+    if _PREPARED and _PREPARED[0][0] is problem:
+        return _PREPARED[0][1]
+    prepared = mckp.Prepared([([o.bytes for o in t.options], [t.weight * o.error for o in t.options])
+                              for t in problem])  # fmt: skip
+    _PREPARED[:] = [(problem, prepared)] if isinstance(problem, tuple) else []
+    return prepared
 
 
 def _choose_placed(

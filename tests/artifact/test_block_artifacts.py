@@ -144,3 +144,16 @@ def test_sharding_refuses_block_tables(blocked):
     plan = make_plan(spec, 2, {})  # every table table-wise on device 0
     with pytest.raises(ConfigError, match="'blocked'.*sharding"):
         shard_model(model, plan)
+
+
+def test_a_model_with_the_earlier_remap_form_is_refused():
+    """A block model exported before the remap held positions has no ``block_bounds``: refused before its remap is
+    read in the wrong form, naming the tables and the fix."""
+    from types import SimpleNamespace
+
+    from infer.artifact.formats.torchscript import check_block_remaps
+
+    earlier = SimpleNamespace(embeddings=SimpleNamespace(block_table_names=["blocked"]))
+    with pytest.raises(ArtifactError, match=r"tables \['blocked'\].*earlier embserve.*re-export") as caught:
+        check_block_remaps(earlier, [], Path("model.pt"))  # type: ignore[arg-type]
+    assert caught.value.kind == ArtifactErrorKind.MODEL

@@ -224,25 +224,56 @@ def test_block_config_is_checked_and_round_trips():
 
 
 def test_stored_remap_round_trips_and_malformed_ones_are_named():
-    from infer.modules.collection import PRECISE_BLOCK_SHIFT, decode_remap, encode_remap, remap_error
+    from infer.modules.collection import block_bounds, decode_remap, encode_remap, remap_error
 
     starts = [0, 3, 7]  # blocks of 3, 4 and 5 rows
     ranks = torch.randperm(12, generator=torch.Generator().manual_seed(0))
     stored = encode_remap(ranks, starts)
     assert stored.dtype == torch.int32
     assert torch.equal(decode_remap(stored, starts), ranks)
-    # cold ids hold their row in the cold block (>= 0), precise ids -2 - (block << shift | row)
-    assert torch.equal(stored >= 0, ranks >= 7)
+    # positions, cold block first: cold ids (ranks 7..11) at 0..4 in rank order, then block 0's ranks, block 1's
+    assert torch.equal(stored.to(torch.int64), torch.tensor([(r - 7) % 12 for r in ranks.tolist()]))
+    assert block_bounds(12, starts, 3) == [0, 5, 8, 12]
+    assert block_bounds(12, starts, 4) == [0, 5, 8, 12, 12]  # an empty level past the table's blocks
+    assert block_bounds(12, [0], 3) == [0, 12, 12, 12]  # a table without blocks: all cold
     assert remap_error(stored, 12, starts) is None
-    past = stored.clone()
-    past[ranks == 0] = -2 - 3  # row 3 of the 3-row block 0
-    assert remap_error(past, 12, starts) is not None
-    unknown = stored.clone()
-    unknown[0] = -2 - (5 << PRECISE_BLOCK_SHIFT)
-    assert remap_error(unknown, 12, starts) == "names a block the table does not have"
+    twice = stored.clone()
+    twice[0] = stored[1]
+    assert remap_error(twice, 12, starts) == "gives two ids the same rank"
+    outside = stored.clone()
+    outside[0] = 12
+    assert remap_error(outside, 12, starts) == "names a row outside the table's blocks"
+    outside[0] = -2  # the form before positions (a precise id's value was negative)
+    assert remap_error(outside, 12, starts) == "names a row outside the table's blocks"
 
 
 def test_int32_ids_equal_int64_ids(blocked):  # type: ignore[no-untyped-def]
     spec, model, _, _ = blocked
     values, lengths, weights = random_request(spec, 9, any_ids, 3, True)
     assert torch.equal(model(values.to(torch.int32), lengths.to(torch.int32), weights), model(values, lengths, weights))
+
+
+@pytest.mark.parametrize("hot", [20, 50], ids=["hot_smaller_than_cold", "hot_larger_than_cold"])
+def test_two_levels_equal_fp32_embedding_bag(hot):  # type: ignore[no-untyped-def]
+    """Two blocks per table (one level past the cold one): the split takes the op's fixed-size buckets when every
+    precise block fits in its cold block's rows, its searched bounds otherwise; both equal the reference."""
+    spec = ModelSpec(
+        (
+            TableConfig("a", 64, 8, ("x", "y"), pooling=PoolingType.SUM, blocks=((hot, "int8"), (64 - hot, "int4"))),
+            TableConfig("b", 30, 8, ("z",), pooling=PoolingType.MEAN, blocks=((10, "fp16"), (20, "int2"))),
+            TableConfig("plain", 40, 8, ("w",), pooling=PoolingType.SUM, data_type="int8"),
+        )
+    )
+    weights = random_weights(spec, seed=11)
+    generator = torch.Generator().manual_seed(5)
+    orders = {t.name: torch.randperm(t.num_embeddings, generator=generator) for t in spec.tables if t.blocks}
+    model = quantize(spec, weights, block_orders=orders)
+    orders = {t.name: model.embeddings.block_ranks(t.name).argsort() for t in spec.tables if t.blocks}
+    assert model.embeddings.block_fixed_sizes == (hot <= 64 - hot)
+    tables = reference_tables(spec, weights, orders)
+    for weighted in (False, True):
+        values, lengths, weights_in = random_request(spec, 7, any_ids, 9, weighted)
+        expected = reference(spec, tables, values, lengths, weights_in)
+        torch.testing.assert_close(model(values, lengths, weights_in), expected, rtol=1e-6, atol=1e-5)
+        scripted = torch.jit.script(model)
+        torch.testing.assert_close(scripted(values, lengths, weights_in), expected, rtol=1e-6, atol=1e-5)

@@ -73,6 +73,24 @@ def test_hot_shares_are_estimated_on_reads_the_ranking_did_not_see():
     assert hot_shares(ids, 10, [1, 2, 3])[0] == pytest.approx(0.5)
 
 
+@pytest.mark.parametrize("seed", range(3))
+def test_hot_shares_equal_counting_by_hand(seed):
+    rng = np.random.default_rng(seed)
+    rows = 500
+    ids = np.minimum(rng.zipf(1.2, 3000) - 1, rows - 1)
+    sizes = [1, 3, 10, 40, 200, 499]
+    expected = np.zeros(len(sizes))
+    for ranked, held_out in ((ids[0::2], ids[1::2]), (ids[1::2], ids[0::2])):
+        counts: dict[int, int] = {}
+        for i in ranked.tolist():
+            counts[i] = counts.get(i, 0) + 1
+        ranking = sorted(counts, key=lambda i: (-counts[i], i))  # most read first, ties in id order
+        for j, k in enumerate(sizes):
+            hot = set(ranking[:k])
+            expected[j] += sum(1 for i in held_out.tolist() if i in hot) / held_out.size / 2
+    assert hot_shares(ids, rows, sizes) == pytest.approx(expected, rel=1e-12)
+
+
 @pytest.mark.parametrize("seed", range(4))
 def test_exact_choice_equals_exhaustive_search(seed):
     spec = small_spec((300 + 100 * seed, 1024, 64))

@@ -126,6 +126,14 @@ def check_block_remaps(
 
     embeddings = module.embeddings
     names = list(getattr(embeddings, "block_table_names", []))
+    if names and not hasattr(embeddings, "block_bounds"):
+        # exported before the remap held positions (2026-11-27): its remap is in the earlier encoding
+        raise ArtifactError(
+            f"{source} holds precision blocks of tables {names} in the id remap form of an earlier embserve (no "
+            "block_bounds); re-export the model with this version",
+            path=str(source),
+            kind=ArtifactErrorKind.MODEL,
+        )
     held = stored_remaps(embeddings) if names else []
     if names != [r.table for r in remaps] or len(held) != len(names):
         raise ArtifactError(
