@@ -43,6 +43,10 @@ instance's and every worker's (each client is its own connection, so the kernel 
 ``make server`` builds it) and prints a ``server_native`` line per case: throughput, server CPU per request and
 latency against the Python server of the same run, each side's ratio to in-process and, at batch 1 with one
 client, the native CPU and p50 over an empty call to the same binary.
+
+``--native-baseline BIN`` (with ``--native``) serves and measures everything once more with another build of
+embserve-server (e.g. main's, to measure a change to the binary) and prints a ``server_native_change`` line per
+case: the binary's throughput, CPU per request and p50 over BIN's, same run.
 """
 
 from __future__ import annotations
@@ -128,7 +132,13 @@ class ServerProcess:
     """``embserve serve`` on a free loopback port; ``stop`` sends SIGTERM and returns the exit code."""
 
     def __init__(
-        self, artifact: Path, args: argparse.Namespace, log_path: Path, workers: int = 1, kind: str = "python"
+        self,
+        artifact: Path,
+        args: argparse.Namespace,
+        log_path: Path,
+        workers: int = 1,
+        kind: str = "python",
+        binary: str | None = None,
     ) -> None:
         command = [
             sys.executable, "-m", "infer.cli", "serve", str(artifact), "--host", HOST, "--port", "0",
@@ -144,6 +154,8 @@ class ServerProcess:
         self.log_path = log_path
         self._log = log_path.open("wb")
         env = dict(os.environ)
+        if binary is not None:
+            env["EMBSERVE_SERVER_BIN"] = binary  # server.native.find_binary: this build of embserve-server
         if args.server_threads:
             env["OMP_NUM_THREADS"] = str(args.server_threads)  # torch's default intra-op threads in the server
         self.process = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=self._log, text=True, env=env)
@@ -879,13 +891,14 @@ def serve_and_measure(
     client_counts: Sequence[int],
     workers: int = 1,
     kind: str = "python",
+    binary: str | None = None,
 ) -> tuple[list[Case], int | None]:
-    """Start a server of ``artifact`` (``workers`` processes; ``kind`` native: embserve-server), run every batch
-    size of ``method``, stop it."""
+    """Start a server of ``artifact`` (``workers`` processes; ``kind`` native: embserve-server, ``binary`` or the
+    one server.native finds), run every batch size of ``method``, stop it."""
     # One thread, as the issue asks; more buys the TBE nothing on an idle host, and on a busy one its
     # OpenMP regions (output fill, id range check) stall waiting for a descheduled thread.
     runtime = load(artifact, intra_op_threads=args.inprocess_threads)
-    server = ServerProcess(artifact, args, log_path, workers, kind)
+    server = ServerProcess(artifact, args, log_path, workers, kind, binary)
     cases: list[Case] = []
     try:
         server.wait_ready(timeout_s=180)
@@ -939,6 +952,13 @@ def main() -> int:
         help="also serve every case with embserve-server (embserve serve --native) and print its ratios to the "
         "Python server and to in-process, same run",
     )
+    parser.add_argument(
+        "--native-baseline",
+        default=None,
+        metavar="BIN",
+        help="with --native: also serve every case with this embserve-server build and print the native binary's "
+        "ratios to it, same run",
+    )
     parser.add_argument("--full-client", action="store_true", help="send via EmbserveClient.lookup (encode/decode)")
     parser.add_argument("--fp16", action="store_true", help="ask for fp16 output (half the response bytes)")
     parser.add_argument(
@@ -962,6 +982,10 @@ def main() -> int:
         parser.error("--protocol oip compares Lookup on both protocols; use --methods lookup")
     if args.protocol == "oip" and args.full_client:
         parser.error("--protocol oip sends pre-encoded requests; drop --full-client")
+    if args.native_baseline and not args.native:
+        parser.error("--native-baseline compares against --native; add --native")
+    if args.native_baseline and not os.access(args.native_baseline, os.X_OK):
+        parser.error(f"--native-baseline {args.native_baseline} is not an executable file")
     client_counts = sorted({1, 16, *args.clients})
     if min(client_counts) < 1 or min(args.batch_sizes) < 1 or max(args.batch_sizes) > args.max_batch_size:
         parser.error("client counts and batch sizes must be >= 1, batch sizes <= --max-batch-size")
@@ -972,6 +996,8 @@ def main() -> int:
     exit_codes: dict[int, list[int | None]] = {n: [] for n in args.workers}
     native_cases: list[Case] = []
     native_exit_codes: list[int | None] = []
+    baseline_cases: list[Case] = []
+    baseline_exit_codes: list[int | None] = []
     with tempfile.TemporaryDirectory(prefix="embserve-bench-") as tmp:
         for method in args.methods:
             if method == "predict":
@@ -988,6 +1014,13 @@ def main() -> int:
                 found, exit_code = serve_and_measure(args, method, artifact, log, client_counts, 1, "native")
                 native_cases += found
                 native_exit_codes.append(exit_code)
+            if args.native_baseline:
+                log = Path(tmp) / f"{method}-native-baseline.log"
+                found, exit_code = serve_and_measure(
+                    args, method, artifact, log, client_counts, 1, "native", args.native_baseline
+                )
+                baseline_cases += found
+                baseline_exit_codes.append(exit_code)
     failed = False
     for workers in args.workers:
         summary = summary_row(cases[workers], exit_codes[workers]) | {"workers": workers, "server": "python"}
@@ -998,6 +1031,15 @@ def main() -> int:
         print(json.dumps(summary), flush=True)
         failed |= not all(code == 0 for code in native_exit_codes) or summary["total_errors"] != 0
         for row in compare_native(native_cases, cases[args.workers[0]]):
+            print(json.dumps(row), flush=True)
+    if args.native_baseline:
+        summary = summary_row(baseline_cases, baseline_exit_codes) | {
+            "server": "native-baseline",
+            "binary": args.native_baseline,
+        }
+        print(json.dumps(summary), flush=True)
+        failed |= not all(code == 0 for code in baseline_exit_codes) or summary["total_errors"] != 0
+        for row in compare_native_change(native_cases, baseline_cases):
             print(json.dumps(row), flush=True)
     for row in compare_workers(cases, args.workers):
         print(json.dumps(row), flush=True)
@@ -1054,6 +1096,60 @@ def compare_native(native: Sequence[Case], python: Sequence[Case]) -> list[dict[
                 "accept_cpu_vs_python_ok": (row["cpu_ratio"] or 99) <= 0.2,
                 "accept_cpu_vs_empty_ok": (cpu_over_empty or 99) <= 1.5,
                 "accept_p50_vs_empty_ok": float(str(case.row["p50_over_empty_call"])) <= 1.3,
+            }
+        rows.append(row)
+    return rows
+
+
+def compare_native_change(native: Sequence[Case], baseline: Sequence[Case]) -> list[dict[str, object]]:
+    """Per case, the native binary against another build of it (--native-baseline), same run: throughput, CPU per
+    request and p50 ratios; batch 1, one client: each side's CPU and p50 over its own empty call."""
+
+    def key(case: Case) -> tuple[object, ...]:
+        return (case.method, case.batch_size, case.clients, case.row["protocol"])
+
+    def ratio(a: object, b: object) -> float | None:
+        x, y = float(str(a)) if a is not None else float("nan"), float(str(b)) if b is not None else float("nan")
+        return round(x / y, 3) if y > 0 else None
+
+    base = {key(c): c for c in baseline}
+    rows: list[dict[str, object]] = []
+    for case in native:
+        other = base.get(key(case))
+        if other is None:
+            continue
+        row: dict[str, object] = {
+            "bench": "server_native_change",
+            "method": case.method,
+            "protocol": case.row["protocol"],
+            "batch_size": case.batch_size,
+            "clients": case.clients,
+            "qps": case.row["qps"],
+            "baseline_qps": other.row["qps"],
+            "qps_ratio": ratio(case.row["qps"], other.row["qps"]),
+            "cpu_ms_per_request": case.row["server_cpu_ms_per_request"],
+            "baseline_cpu_ms_per_request": other.row["server_cpu_ms_per_request"],
+            "cpu_ratio": ratio(case.row["server_cpu_ms_per_request"], other.row["server_cpu_ms_per_request"]),
+            "p50_ms": case.row["p50_ms"],
+            "baseline_p50_ms": other.row["p50_ms"],
+            "p50_ratio": ratio(case.row["p50_ms"], other.row["p50_ms"]),
+            "ratio_to_inprocess": case.row["ratio_to_inprocess"],
+            "baseline_ratio_to_inprocess": other.row["ratio_to_inprocess"],
+            "outputs_equal_inprocess": case.outputs_equal and other.outputs_equal,
+            "load_avg_1m": os.getloadavg()[0],
+        }
+        if "empty_call_server_cpu_ms" in case.row and "empty_call_server_cpu_ms" in other.row:
+            row |= {
+                "empty_call_cpu_ms": case.row["empty_call_server_cpu_ms"],
+                "baseline_empty_call_cpu_ms": other.row["empty_call_server_cpu_ms"],
+                "cpu_over_empty_call": ratio(
+                    case.row["server_cpu_ms_per_request"], case.row["empty_call_server_cpu_ms"]
+                ),
+                "baseline_cpu_over_empty_call": ratio(
+                    other.row["server_cpu_ms_per_request"], other.row["empty_call_server_cpu_ms"]
+                ),
+                "p50_over_empty_call": case.row["p50_over_empty_call"],
+                "baseline_p50_over_empty_call": other.row["p50_over_empty_call"],
             }
         rows.append(row)
     return rows

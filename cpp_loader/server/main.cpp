@@ -8,7 +8,6 @@
 #include <arpa/inet.h>
 #include <grpcpp/ext/proto_server_reflection_plugin.h>
 #include <grpcpp/grpcpp.h>
-#include <grpcpp/health_check_service_interface.h>
 #include <netdb.h>
 #include <signal.h>
 #include <sys/socket.h>
@@ -324,7 +323,8 @@ int serve(const Flags& flags, const sigset_t& signals) {
   service.set_models(models.get());
   service.completion_queues = flags.grpc_threads > 0 ? flags.grpc_threads : std::max(1, cores / 2);
 
-  grpc::EnableDefaultHealthCheckService(true);
+  // grpc.health.v1 is the service's own (health.h): grpc's default one would add its callback threads
+  grpc::EnableDefaultHealthCheckService(false);
   grpc::reflection::InitProtoReflectionServerBuilderPlugin();
   grpc::ServerBuilder builder;
   const int64_t cap = flags.max_message_bytes > 0 ? flags.max_message_bytes : flags.max_message_mb * 1024 * 1024;
@@ -349,9 +349,9 @@ int serve(const Flags& flags, const sigset_t& signals) {
     throw ConfigError("cannot bind the gRPC port " + flags.host + ":" + std::to_string(flags.port) +
                       ": grpc could not bind it (GRPC_VERBOSITY=debug says why); check --port");
   }
-  auto* health = server->GetHealthCheckService();
-  health->SetServingStatus("", false);
-  health->SetServingStatus(kServiceName, false);
+  es::Health* health = &service.health();
+  health->set_serving("", false);
+  health->set_serving(kServiceName, false);
   service.start(server.get());
   int metrics_port = 0;
   if (metrics_port_flag >= 0) {
@@ -393,8 +393,8 @@ int serve(const Flags& flags, const sigset_t& signals) {
   if (!repository) es::warm_up(*models->served()[0], flags.warmup_batches, flags.max_batch_size);
   models->start_polling(flags.poll_s);
   service.set_ready(true);
-  health->SetServingStatus("", true);
-  health->SetServingStatus(kServiceName, true);
+  health->set_serving("", true);
+  health->set_serving(kServiceName, true);
   std::cerr << "INFO embserve-server: serving " << flags.artifact << " on port " << port << " (" << served_version
             << ", " << flags.backend << ", max batch " << flags.max_batch_size
             << ", delay " << flags.max_delay_us << " us, " << workers << " forward threads, "
@@ -409,7 +409,7 @@ int serve(const Flags& flags, const sigset_t& signals) {
   // arrived for drain_quiet_s and none is in flight; then refuse new calls, answer every accepted one, leave
   std::cerr << "INFO embserve-server: draining (grace up to " << flags.drain_grace_s << " s, then up to "
             << flags.drain_seconds << " s for accepted calls)" << std::endl;
-  health->Shutdown();
+  health->shutdown();
   service.stop_serving();
   const auto drain_started = std::chrono::steady_clock::now();
   while (since(drain_started) < flags.drain_grace_s &&

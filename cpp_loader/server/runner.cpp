@@ -51,16 +51,26 @@ class ModelRunner : public Runner {
         std::tie(pooled, scores) = model_.lookup_and_predict_unchecked(dense, values, lengths, weights);
       }
       // a CUDA model answers on its device: the destinations are host memory
-      pooled = pooled.to(at::kCPU);
-      if (scores.defined()) scores = scores.to(at::kCPU);
+      if (!pooled.is_cpu()) pooled = pooled.to(at::kCPU);
+      if (scores.defined() && !scores.is_cpu()) scores = scores.to(at::kCPU);
+      // a contiguous float32 answer is copied row range by row range from its memory (no tensor op per call)
+      const bool flat = pooled.is_contiguous() && pooled.scalar_type() == at::kFloat && pooled.dim() == 2 &&
+                        pooled.size(1) == shape_.output_dim;
       for (const auto& d : destinations) {
-        if (d.embeddings != nullptr) {
+        if (d.embeddings != nullptr && flat && !d.embeddings_fp16 && d.row_start + d.rows <= pooled.size(0)) {
+          const size_t width = static_cast<size_t>(shape_.output_dim);
+          std::memcpy(d.embeddings, pooled.data_ptr<float>() + static_cast<size_t>(d.row_start) * width,
+                      static_cast<size_t>(d.rows) * width * sizeof(float));
+        } else if (d.embeddings != nullptr) {
           at::Tensor rows = pooled.narrow(0, d.row_start, d.rows);
           if (d.embeddings_fp16) rows = rows.to(at::kHalf);
           rows = rows.contiguous();
           std::memcpy(d.embeddings, rows.data_ptr(), static_cast<size_t>(rows.numel() * rows.element_size()));
         }
-        if (d.scores != nullptr) {
+        if (d.scores != nullptr && scores.is_contiguous() && scores.scalar_type() == at::kFloat && scores.dim() >= 1 &&
+                   scores.numel() == scores.size(0) && d.row_start + d.rows <= scores.size(0)) {
+          std::memcpy(d.scores, scores.data_ptr<float>() + d.row_start, static_cast<size_t>(d.rows) * sizeof(float));
+        } else if (d.scores != nullptr) {
           at::Tensor rows = scores.narrow(0, d.row_start, d.rows).contiguous();
           std::memcpy(d.scores, rows.data_ptr<float>(), static_cast<size_t>(rows.numel()) * sizeof(float));
         }

@@ -164,7 +164,7 @@ class ListedService : public grpc::Service {
 };
 
 // ============================================================================================ one call
-class Service::Call {
+class Service::Call : public Tagged {
  public:
   Call(Service& service, grpc::ServerCompletionQueue* queue) : service_(service), queue_(queue), stream_(&context_) {}
 
@@ -173,7 +173,7 @@ class Service::Call {
     service_.generic_.RequestCall(&context_, &stream_, queue_, queue_, this);
   }
 
-  void proceed(bool ok) {
+  void proceed(bool ok) override {
     switch (state_) {
       case State::Requested:
         if (!ok) {  // the server is shutting down
@@ -926,6 +926,7 @@ Service::~Service() { stop(); }
 
 void Service::register_with(grpc::ServerBuilder& builder) {
   builder.RegisterAsyncGenericService(&generic_);
+  builder.RegisterService(&health_);
   for (const char* name : {"embserve.v1.InferenceService", "inference.GRPCInferenceService"}) {
     listed_.push_back(std::make_unique<ListedService>(name));
     builder.RegisterService(listed_.back().get());
@@ -936,7 +937,7 @@ void Service::register_with(grpc::ServerBuilder& builder) {
 void Service::poll(grpc::ServerCompletionQueue* queue) {
   void* tag;
   bool ok;
-  while (queue->Next(&tag, &ok)) static_cast<Call*>(tag)->proceed(ok);
+  while (queue->Next(&tag, &ok)) static_cast<Tagged*>(tag)->proceed(ok);
 }
 
 void Service::start(grpc::Server* server) {
@@ -944,6 +945,7 @@ void Service::start(grpc::Server* server) {
   for (auto& queue : queues_) {
     // a few slots per queue: calls arriving together each find one armed
     for (int i = 0; i < 4; ++i) (new Call(*this, queue.get()))->arm();
+    health_.arm(queue.get());
     threads_.emplace_back([this, q = queue.get()] { poll(q); });
   }
 }
@@ -956,7 +958,7 @@ void Service::stop() {
   for (auto& queue : queues_) {
     void* tag;
     bool ok;
-    while (queue->Next(&tag, &ok)) static_cast<Call*>(tag)->proceed(ok);
+    while (queue->Next(&tag, &ok)) static_cast<Tagged*>(tag)->proceed(ok);
   }
   queues_.clear();
 }

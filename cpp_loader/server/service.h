@@ -15,6 +15,7 @@
 #include <vector>
 
 #include "batcher.h"
+#include "health.h"
 #include "metrics.h"
 #include "model_set.h"
 #include "runner.h"
@@ -55,6 +56,8 @@ class Service {
   // After server->Shutdown: stop the queues and join their threads.
   void stop();
   double queue_depth() const;
+  // grpc.health.v1, served on the completion queues (health.h)
+  Health& health() { return health_; }
   int completion_queues = 1;  // set before register_with
 
   class Call;  // one call's state (service.cpp)
@@ -66,6 +69,7 @@ class Service {
   ServiceOptions options_;
   Metrics* metrics_;
   grpc::AsyncGenericService generic_;
+  Health health_;
   std::vector<std::unique_ptr<grpc::Service>> listed_;  // the services' names, for reflection
   std::vector<std::unique_ptr<grpc::ServerCompletionQueue>> queues_;
   std::vector<std::thread> threads_;

@@ -1538,9 +1538,24 @@ Model Model::load(const std::string& artifact_dir, const LoadOptions& options) {
   return model;
 }
 
+// fbgemm's CPU kernel of int_nbit_split_embedding_codegen_lookup_function as it registers it (by value): the typed
+// handle calls it unboxed, without packing 23 arguments into IValues and out again
+using TbeLookupSignature = at::Tensor(at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor, int64_t,
+                                      int64_t, int64_t, int64_t, int64_t, int64_t, at::Tensor, at::Tensor, int64_t,
+                                      std::optional<at::Tensor>, int64_t, std::optional<at::Tensor>,
+                                      std::optional<at::Tensor>, std::optional<int64_t>, std::optional<int64_t>,
+                                      std::optional<int64_t>, std::optional<int64_t>);
+
 struct Model::DirectPlan {
   explicit DirectPlan(c10::OperatorHandle handle) : op(std::move(handle)) {}
   c10::OperatorHandle op;
+  // the same op, typed (looked up once): set when the registered kernel has TbeLookupSignature, else the boxed call
+  std::optional<c10::TypedOperatorHandle<TbeLookupSignature>> typed;
+  // the head's arguments unpacked for the typed call
+  std::array<at::Tensor, 6> tensors;
+  std::array<int64_t, 6> dims{};
+  std::optional<at::Tensor> cache_weights;
+  std::optional<int64_t> alignment, float8_D, exponent_bits, exponent_bias;
   std::vector<c10::IValue> head;  // the op's arguments before indices (dev_weights .. max_float32_D)
   int64_t pooling_mode = 0, output_dtype = 1;
   c10::IValue lxu_cache_weights, row_alignment, max_float8_D, fp8_exponent_bits, fp8_exponent_bias;
@@ -1604,6 +1619,22 @@ void Model::build_direct_plan() {
     plan->threads = embeddings.attr("threads").toInt();
     plan->min_ids_per_chunk = std::max<int64_t>(1, embeddings.attr("min_ids_per_chunk").toInt());
     if (embeddings.attr("range_features").toInt() != plan->num_features) return;
+    try {
+      plan->typed = plan->op.typed<TbeLookupSignature>();
+      for (size_t i = 0; i < plan->tensors.size(); ++i) plan->tensors[i] = plan->head[i].toTensor();
+      for (size_t i = 0; i < plan->dims.size(); ++i) plan->dims[i] = plan->head[6 + i].toInt();
+      auto optional_int = [](const c10::IValue& v) {
+        return v.isNone() ? std::nullopt : std::optional<int64_t>(v.toInt());
+      };
+      plan->cache_weights = plan->lxu_cache_weights.isNone() ? std::nullopt
+                                                             : std::optional<at::Tensor>(plan->lxu_cache_weights.toTensor());
+      plan->alignment = optional_int(plan->row_alignment);
+      plan->float8_D = optional_int(plan->max_float8_D);
+      plan->exponent_bits = optional_int(plan->fp8_exponent_bits);
+      plan->exponent_bias = optional_int(plan->fp8_exponent_bias);
+    } catch (const std::exception&) {
+      plan->typed.reset();  // another fbgemm registers another signature: the boxed call
+    }
     const auto starts = embeddings.attr("column_starts").toIntVector();
     const auto dims = embeddings.attr("feature_dims").toIntVector();
     for (const int64_t f : embeddings.attr("mean_features").toIntVector())
@@ -1614,27 +1645,74 @@ void Model::build_direct_plan() {
   }
 }
 
+namespace {
+// bag offsets (0, then the running sum of lengths) in the ids' dtype, written into `out`
+template <typename Offset, typename Length>
+void running_sum(Offset* out, const Length* lengths, int64_t n) {
+  int64_t sum = 0;
+  out[0] = 0;
+  for (int64_t i = 0; i < n; ++i) {
+    sum += static_cast<int64_t>(lengths[i]);
+    out[i + 1] = static_cast<Offset>(sum);
+  }
+}
+
+// The bag offsets of one call in this thread's buffer of `type` (reused from call to call: no allocation and no
+// dispatcher op per call); the tensor is this thread's until its next call.
+const at::Tensor& offsets_of(const at::Tensor& lengths, at::ScalarType type) {
+  thread_local at::Tensor buffers[2];  // int32, int64
+  at::Tensor& buffer = buffers[type == at::kLong ? 1 : 0];
+  const int64_t n = lengths.numel() + 1;
+  if (!buffer.defined() || buffer.storage().nbytes() < static_cast<size_t>(n) * buffer.element_size())
+    buffer = at::empty({std::max<int64_t>(n, 4096)}, at::TensorOptions().dtype(type));
+  buffer.unsafeGetTensorImpl()->set_sizes_contiguous({n});
+  const bool wide_lengths = lengths.scalar_type() == at::kLong;
+  if (type == at::kLong) {
+    if (wide_lengths) running_sum(buffer.data_ptr<int64_t>(), lengths.data_ptr<int64_t>(), n - 1);
+    else running_sum(buffer.data_ptr<int64_t>(), lengths.data_ptr<int32_t>(), n - 1);
+  } else {
+    if (wide_lengths) running_sum(buffer.data_ptr<int32_t>(), lengths.data_ptr<int64_t>(), n - 1);
+    else running_sum(buffer.data_ptr<int32_t>(), lengths.data_ptr<int32_t>(), n - 1);
+  }
+  return buffer;
+}
+}  // namespace
+
 // As KernelRunner.pool (one chunk) + apply_mean: bag_offsets in the ids' dtype, the op, MEAN by float division.
 at::Tensor Model::lookup_direct(const DirectPlan& plan, const at::Tensor& values, const at::Tensor& lengths,
                                 const std::optional<at::Tensor>& weights) const {
   c10::InferenceMode guard;
-  at::Tensor offsets = at::zeros({lengths.numel() + 1}, values.options());
-  offsets.slice(0, 1).copy_(at::cumsum(lengths, 0).to(values.scalar_type()));
-  torch::jit::Stack stack(plan.head);
-  stack.reserve(23);
-  stack.emplace_back(values);
-  stack.emplace_back(offsets);
-  stack.emplace_back(plan.pooling_mode);
-  stack.emplace_back(weights ? c10::IValue(*weights) : c10::IValue());
-  stack.emplace_back(plan.output_dtype);
-  stack.emplace_back(plan.lxu_cache_weights);
-  stack.emplace_back(plan.no_cache_locations);
-  stack.emplace_back(plan.row_alignment);
-  stack.emplace_back(plan.max_float8_D);
-  stack.emplace_back(plan.fp8_exponent_bits);
-  stack.emplace_back(plan.fp8_exponent_bias);
-  plan.op.callBoxed(&stack);
-  at::Tensor out = stack.back().toTensor();
+  at::Tensor out;
+  const bool plain = lengths.is_cpu() && lengths.is_contiguous() && values.is_cpu() &&
+                     (lengths.scalar_type() == at::kLong || lengths.scalar_type() == at::kInt) &&
+                     (values.scalar_type() == at::kLong || values.scalar_type() == at::kInt);
+  if (plan.typed && plain) {
+    // the typed op on this thread's offsets buffer: the same op on the same argument values as the boxed call
+    const at::Tensor& offsets = offsets_of(lengths, values.scalar_type());
+    out = plan.typed->call(plan.tensors[0], plan.tensors[1], plan.tensors[2], plan.tensors[3], plan.tensors[4],
+                           plan.tensors[5], plan.dims[0], plan.dims[1], plan.dims[2], plan.dims[3], plan.dims[4],
+                           plan.dims[5], values, offsets, plan.pooling_mode, weights, plan.output_dtype,
+                           plan.cache_weights, plan.no_cache_locations, plan.alignment, plan.float8_D,
+                           plan.exponent_bits, plan.exponent_bias);
+  } else {
+    at::Tensor offsets = at::zeros({lengths.numel() + 1}, values.options());
+    offsets.slice(0, 1).copy_(at::cumsum(lengths, 0).to(values.scalar_type()));
+    torch::jit::Stack stack(plan.head);
+    stack.reserve(23);
+    stack.emplace_back(values);
+    stack.emplace_back(offsets);
+    stack.emplace_back(plan.pooling_mode);
+    stack.emplace_back(weights ? c10::IValue(*weights) : c10::IValue());
+    stack.emplace_back(plan.output_dtype);
+    stack.emplace_back(plan.lxu_cache_weights);
+    stack.emplace_back(plan.no_cache_locations);
+    stack.emplace_back(plan.row_alignment);
+    stack.emplace_back(plan.max_float8_D);
+    stack.emplace_back(plan.fp8_exponent_bits);
+    stack.emplace_back(plan.fp8_exponent_bias);
+    plan.op.callBoxed(&stack);
+    out = stack.back().toTensor();
+  }
   if (!plan.means.empty()) {
     const int64_t batch = lengths.numel() / plan.num_features;
     const at::Tensor counts =

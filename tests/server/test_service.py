@@ -9,10 +9,11 @@ from typing import Any
 import grpc
 import pytest
 import torch
-from grpc_health.v1 import health_pb2
+from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from infer.features import SparseFeatures
 from server.adapters.v1 import codec
+from server.app import SERVICE_NAME
 from server.client import EmbserveClient
 from server.proto import inference_pb2 as pb
 from tests.conftest import mixed_spec, random_batch
@@ -502,3 +503,21 @@ def test_an_unexpected_failure_is_internal_with_a_request_id_and_no_internals(
     failing.fail = False
     with EmbserveClient(served.address, timeout=CALL_TIMEOUT) as c:
         assert torch.equal(c.lookup(batch), sparse_runtime.lookup(batch))
+
+
+def test_health_answers_as_grpc_health_service(dense_server):
+    """grpc.health.v1 on both servers (embserve-server serves it on its own completion queues, not through grpc's
+    default service): the served names are SERVING, another name is NOT_FOUND to Check and SERVICE_UNKNOWN to
+    Watch, and Watch opens with the status of now."""
+    stub = health_pb2_grpc.HealthStub(dense_server.channel())
+    for name in ("", SERVICE_NAME):
+        assert dense_server.health(name) == health_pb2.HealthCheckResponse.SERVING
+    error = rpc_error(
+        lambda: stub.Check(health_pb2.HealthCheckRequest(service="no.such.Service"), timeout=CALL_TIMEOUT)
+    )
+    assert error.code() == grpc.StatusCode.NOT_FOUND
+    for name, status in (("", "SERVING"), ("no.such.Service", "SERVICE_UNKNOWN")):
+        watch = stub.Watch(health_pb2.HealthCheckRequest(service=name), timeout=CALL_TIMEOUT)
+        assert next(watch).status == health_pb2.HealthCheckResponse.ServingStatus.Value(status)
+        watch.cancel()
+    assert dense_server.health() == health_pb2.HealthCheckResponse.SERVING  # the cancelled watches left it serving

@@ -200,7 +200,8 @@ class Model {
   std::shared_ptr<const torch::jit::Method> lookup_unchecked_, lookup_and_predict_unchecked_, lookup_and_predict_;
   // A Lookup without the TorchScript interpreter (build_direct_plan): for a CPU model with one plain kernel (no
   // shards, no precision blocks, no pruning or cache), fbgemm's lookup op on the kernel's own buffers, then the
-  // MEAN division, as the scripted lookup_unchecked computes it (the same op on the same arguments). Null: the
+  // MEAN division, as the scripted lookup_unchecked computes it (the same op on the same arguments; called through
+  // a typed handle with the bag offsets in a per-thread buffer where the op's kernel signature allows). Null: the
   // TorchScript path ($EMBSERVE_FORCE_TORCHSCRIPT=1 forces it).
   struct DirectPlan;
   std::shared_ptr<const DirectPlan> direct_;
