@@ -51,6 +51,10 @@ std::string size_mismatch(const fs::path& path, uint64_t size, uint64_t expected
 
 }  // namespace
 
+std::string sha256_hex(const void* data, uint64_t size) {
+  return sha256_bytes(static_cast<const unsigned char*>(data), size);
+}
+
 int64_t page_round_up(int64_t value) { return (value + kPageBytes - 1) / kPageBytes * kPageBytes; }
 
 unsigned usable_cores() {

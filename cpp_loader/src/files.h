@@ -76,6 +76,9 @@ struct ListedFile {
 std::vector<ListedFile> check_listed_files(const std::filesystem::path& folder, const schema::Document& files,
                                            const std::string& model_file);
 
+// sha256 of `size` bytes in memory, hex (empty when OpenSSL fails, which then reads as a mismatch).
+std::string sha256_hex(const void* data, uint64_t size);
+
 // sha256 of a whole file, hex; ChecksumError when it cannot be read.
 std::string sha256_file(const std::filesystem::path& path);
 

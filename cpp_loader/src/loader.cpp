@@ -290,6 +290,64 @@ void check_dense_expects(const schema::Document& dense, const schema::Document& 
   }
 }
 
+// A table held in precision blocks (tables[].blocks, ranked hottest first): a few blocks, each but the last (cold)
+// one in int32 rows, together the table's rows (infer.config._parse_blocks, same words after "tables: ").
+template <typename Fail>
+void check_blocks(const schema::Document& table, const Fail& fail) {
+  const auto name = table["name"].get<std::string>();
+  const auto& blocks = table["blocks"];
+  int64_t total = 0;
+  bool small = blocks.size() <= 7;
+  for (size_t j = 0; j < blocks.size(); ++j) {
+    const int64_t rows = blocks[j]["rows"].get<int64_t>();
+    total += rows;
+    small = small && (j + 1 == blocks.size() || rows < (int64_t{1} << 28));
+  }
+  if (!small)
+    fail("tables: table '" + name + "': " + std::to_string(blocks.size()) + " blocks; a table holds at most 7 " +
+         "blocks, each but the last (cold) one under 2**28 rows");
+  const int64_t rows = table["num_embeddings"].get<int64_t>();
+  if (total != rows)
+    fail("tables: table '" + name + "': blocks hold " + std::to_string(total) + " rows but the table has " +
+         std::to_string(rows) + "; make the blocks' rows add up to num_embeddings");
+}
+
+// block_remaps: one id remap per block table, in table order, as many entries as the table has rows
+// (infer.artifact.manifest.Manifest._check_block_remaps, same words).
+template <typename Fail>
+void check_block_remaps_listed(const schema::Document& data, const Fail& fail) {
+  std::vector<std::string> block_tables, listed;
+  std::map<std::string, int64_t> rows;
+  for (const auto& table : data["tables"]) {
+    const auto name = table["name"].get<std::string>();
+    rows[name] = table["num_embeddings"].get<int64_t>();
+    if (table.contains("blocks")) block_tables.push_back(name);
+  }
+  const schema::Document empty = schema::Document::object();
+  const auto& remaps = data.contains("block_remaps") ? data["block_remaps"] : empty;
+  for (const auto& item : remaps.items()) listed.push_back(item.key());
+  if (listed != block_tables) {
+    // Python names the first missing table, else the first extra name, else the order
+    auto absent = [](const std::vector<std::string>& from, const std::vector<std::string>& in) -> std::string {
+      for (const auto& name : from)
+        if (std::find(in.begin(), in.end(), name) == in.end()) return name;
+      return "";
+    };
+    const std::string missing = absent(block_tables, listed), extra = absent(listed, block_tables);
+    std::string which = "block_remaps is not in table order";
+    if (!missing.empty()) which = "table '" + missing + "' is held in blocks but has no remap";
+    else if (!extra.empty()) which = "block_remaps names '" + extra + "', which 'tables' does not hold in blocks";
+    fail(which + "; block_remaps disagrees with 'tables'");
+  }
+  for (const auto& item : remaps.items()) {
+    const std::string& name = item.key();
+    const auto& entry = item.value();
+    if (entry["rows"].get<int64_t>() != rows[name])
+      fail("block_remaps['" + name + "'] has " + entry["rows"].dump() + " ranks but table '" + name + "' has " +
+           std::to_string(rows[name]) + " rows; block_remaps disagrees with 'tables'");
+  }
+}
+
 // The rules that tie the manifest's parts together (as infer.artifact.manifest.Manifest.from_dict).
 // Runs after schema::validate, so every key exists with its type.
 void check_manifest(const schema::Document& data, const std::string& document) {
@@ -304,12 +362,7 @@ void check_manifest(const schema::Document& data, const std::string& document) {
     const auto& table = tables[t];
     const auto name = table["name"].get<std::string>();
     if (!table_names.insert(name).second) fail("tables[" + std::to_string(t) + "].name '" + name + "' appears twice");
-    if (table.contains("blocks"))
-      throw ModelError(document + ": table '" + name +
-                       "' is held in precision blocks (its 'blocks'; issue 43), which this loader does not serve "
-                       "yet; serve the artifact with the Python loader (infer.load, embserve serve), or export "
-                       "the table in one data type (embserve export without --sample-ids, or with --dtype / "
-                       "--table-dtype)");
+    if (table.contains("blocks")) check_blocks(table, fail);
     for (const auto& feature_name : table["feature_names"]) {
       const auto fname = feature_name.get<std::string>();
       if (!feature_names.insert(fname).second)
@@ -372,6 +425,12 @@ void check_manifest(const schema::Document& data, const std::string& document) {
   }
   if (data.contains("pt2")) needs_checksum(data["pt2"]["file"]);  // model.pt2 (the Pt2 backend's program)
   check_weight_files(data, fail, needs_checksum);
+  check_block_remaps_listed(data, fail);
+  if (!sharding["plan_file"].is_null())  // the shard builder refuses block tables (infer.shard.builder)
+    for (const auto& table : tables)
+      if (table.contains("blocks"))
+        fail("table '" + table["name"].get<std::string>() + "' is held in precision blocks, which a sharded " +
+             "model does not hold (the export refuses it); the manifest is corrupted");
   // kernels: each feature_table_map entry names one of its kernel's tables; the row alignment is the device's
   const auto& kernels = data["kernels"];
   for (size_t k = 0; k < kernels.size(); ++k) {
@@ -389,22 +448,49 @@ void check_manifest(const schema::Document& data, const std::string& document) {
              " but the kernel has " + std::to_string(num_tables) + " tables");
   }
   if (sharding["plan_file"].is_null()) {
-    // unsharded: one kernel holding every table, features mapped to their tables in order
+    // unsharded: one kernel holding every table, features mapped to their tables in order; a table held in
+    // precision blocks is one kernel table per block, and the kernel reads every feature once per level, level 0
+    // at its table's cold (last) block, level k >= 1 at its (k-1)-th block or, past its blocks, its cold block
+    // (infer.artifact.kernels.expected_kernels, infer.modules.collection.kernel_features)
     if (kernels.size() != 1) fail("an unsharded model has one kernel; 'kernels' lists " + std::to_string(kernels.size()));
     const auto& kernel = kernels[0];
-    if (kernel["tables"].size() != tables.size())
-      fail("kernels[0] has " + std::to_string(kernel["tables"].size()) + " tables; 'tables' has " +
-           std::to_string(tables.size()));
-    std::vector<uint64_t> expected_map;
+    std::vector<std::vector<uint64_t>> kernel_tables;  // per table, its kernel tables (one per block)
+    schema::Document expected_tables = schema::Document::array();
+    std::vector<size_t> owner;  // per kernel table, its table
+    std::vector<size_t> feature_tables;  // per feature, its table
     for (size_t t = 0; t < tables.size(); ++t) {
       const auto& want = tables[t];
-      const auto& got = kernel["tables"][t];
-      if (got["rows"] != want["num_embeddings"] || got["dim"] != want["embedding_dim"] ||
-          got["data_type"] != want["data_type"])
-        fail("kernels[0].tables[" + std::to_string(t) + "] " + got.dump() + " differs from tables[" +
-             std::to_string(t) + "] ('" + want["name"].get<std::string>() + "')");
-      for (size_t i = 0; i < want["feature_names"].size(); ++i) expected_map.push_back(t);
+      kernel_tables.emplace_back();
+      auto add = [&](const schema::Document& rows, const schema::Document& type) {
+        kernel_tables.back().push_back(expected_tables.size());
+        expected_tables.push_back({{"rows", rows}, {"dim", want["embedding_dim"]}, {"data_type", type}});
+        owner.push_back(t);
+      };
+      if (want.contains("blocks"))
+        for (const auto& block : want["blocks"]) add(block["rows"], block["data_type"]);
+      else
+        add(want["num_embeddings"], want["data_type"]);
+      for (size_t i = 0; i < want["feature_names"].size(); ++i) feature_tables.push_back(t);
     }
+    if (kernel["tables"].size() != expected_tables.size())
+      fail("kernels[0] has " + std::to_string(kernel["tables"].size()) + " tables; 'tables' has " +
+           std::to_string(expected_tables.size()) + (expected_tables.size() != tables.size() ? " (a table per block)" : ""));
+    for (size_t i = 0; i < expected_tables.size(); ++i) {
+      const auto& got = kernel["tables"][i];
+      const auto& want = expected_tables[i];
+      if (got["rows"] != want["rows"] || got["dim"] != want["dim"] || got["data_type"] != want["data_type"])
+        fail("kernels[0].tables[" + std::to_string(i) + "] " + got.dump() + " differs from " +
+             (expected_tables.size() != tables.size() ? want.dump() + ", " : "") + "tables[" +
+             std::to_string(owner[i]) + "] ('" + tables[owner[i]]["name"].get<std::string>() + "')");
+    }
+    size_t levels = 1;
+    for (const auto& blocks : kernel_tables) levels = std::max(levels, blocks.size());
+    std::vector<uint64_t> expected_map;
+    for (size_t k = 0; k < levels; ++k)
+      for (const size_t t : feature_tables) {
+        const auto& blocks = kernel_tables[t];
+        expected_map.push_back(blocks[k == 0 || k >= blocks.size() ? blocks.size() - 1 : k - 1]);
+      }
     if (kernel["feature_table_map"].get<std::vector<uint64_t>>() != expected_map)
       fail("kernels[0].feature_table_map differs from the features' tables");
     // its buffer: its own, tables one after another; version 3: that buffer page-aligned in weights-0.bin
@@ -1130,6 +1216,193 @@ void check_kernels(const torch::jit::Module& model, const schema::Document& data
   }
 }
 
+// Python's repr of a list of names: ['a', 'b'].
+std::string name_list(const std::vector<std::string>& names) {
+  std::string out = "[";
+  for (size_t i = 0; i < names.size(); ++i) out += (i ? ", '" : "'") + names[i] + "'";
+  return out + "]";
+}
+
+// A dtype as Python prints it (torch.int32).
+std::string torch_dtype(at::ScalarType type) {
+  static const std::map<at::ScalarType, std::string> names = {
+      {at::kByte, "uint8"},   {at::kChar, "int8"},      {at::kShort, "int16"},   {at::kInt, "int32"},
+      {at::kLong, "int64"},   {at::kFloat, "float32"},  {at::kDouble, "float64"}, {at::kHalf, "float16"},
+      {at::kBool, "bool"},    {at::kBFloat16, "bfloat16"}};
+  const auto found = names.find(type);
+  return "torch." + (found == names.end() ? std::string(c10::toString(type)) : found->second);
+}
+
+// Why `remap` (one feature's copy of a table's stored id remap: each id's position in the blocks laid end to end,
+// infer.modules.collection.encode_remap) is not the manifest's entry, or "" (the checks and words of
+// infer.artifact.formats.torchscript.check_block_remaps and collection.remap_error, in their order). The positions
+// are a permutation of the rows exactly when the ranks they decode to are.
+std::string remap_problem(const at::Tensor& remap, int64_t rows, const std::string& sha256) {
+  if (remap.dim() != 1 || remap.is_floating_point() || remap.scalar_type() == at::kBool || remap.numel() != rows) {
+    std::ostringstream shape;
+    shape << remap.sizes();
+    return "is " + torch_dtype(remap.scalar_type()) + " of shape " + shape.str() + ", not " + std::to_string(rows) +
+           " integer block rows";
+  }
+  const at::Tensor held = remap.to(at::kCPU).to(at::kLong).contiguous();
+  const int64_t* positions = held.data_ptr<int64_t>();
+  std::vector<bool> seen(static_cast<size_t>(rows), false);
+  bool outside = false, twice = false;
+  for (int64_t i = 0; i < rows; ++i) {
+    const int64_t position = positions[i];
+    if (position < 0 || position >= rows) {
+      outside = true;
+      continue;
+    }
+    twice = twice || seen[static_cast<size_t>(position)];
+    seen[static_cast<size_t>(position)] = true;
+  }
+  if (outside) return "names a row outside the table's blocks";
+  if (twice) return "gives two ids the same rank";
+  if (remap.scalar_type() != at::kInt) return "is " + torch_dtype(remap.scalar_type()) + ", not int32";
+  // the manifest's sha256 is of the int32 values little-endian, as this (x86-64 / aarch64) host holds them
+  const at::Tensor bytes = remap.to(at::kCPU).contiguous();
+  if (files::sha256_hex(bytes.data_ptr(), static_cast<uint64_t>(rows) * sizeof(int32_t)) != sha256)
+    return "differs from the one manifest.json lists (its sha256)";
+  return "";
+}
+
+// A model of tables held in precision blocks (infer.modules.collection.QuantizedEmbeddingBagCollection; issue 43),
+// before the first lookup: the id remaps it holds are the manifest's block_remaps (rows, int32, the sha256 of their
+// bytes), each sending its table's ids one to one onto the blocks' rows (ModelError naming the table, in the words of
+// infer.artifact.formats.torchscript.check_block_remaps); and what cuts a request by block (each feature's range of
+// block_lookup, the blocks' bounds and sizes, the levels) is what the manifest's tables imply, so a tampered model
+// cannot send an id into another block's rows. The kernel itself (a table per block) is checked by check_kernels.
+void check_block_model(const torch::jit::Module& model, const schema::Document& data, const std::string& model_path) {
+  const auto& tables = data["tables"];
+  std::vector<std::string> names;                 // the block tables, in table order
+  std::map<std::string, int64_t> slot_of;         // a block table's index among them
+  std::vector<std::vector<int64_t>> rank_starts;  // per block table, each block's first rank
+  for (const auto& table : tables) {
+    if (!table.contains("blocks")) continue;
+    slot_of[table["name"].get<std::string>()] = static_cast<int64_t>(names.size());
+    names.push_back(table["name"].get<std::string>());
+    rank_starts.emplace_back();
+    int64_t start = 0;
+    for (const auto& block : table["blocks"]) {
+      rank_starts.back().push_back(start);
+      start += block["rows"].get<int64_t>();
+    }
+  }
+  try {
+    torch::jit::Module embeddings = child(model, "embeddings", model_path);
+    std::vector<std::string> held;
+    if (embeddings.hasattr("block_table_names")) {
+      const c10::IValue value = embeddings.attr("block_table_names");
+      if (!value.isList()) throw ModelError(model_path + ": embeddings.block_table_names is not a list of names");
+      for (const auto& name : value.toListRef()) {
+        if (!name.isString()) throw ModelError(model_path + ": embeddings.block_table_names is not a list of names");
+        held.push_back(name.toStringRef());
+      }
+    }
+    if (!held.empty() && !embeddings.hasattr("block_bounds"))
+      throw ModelError(model_path + " holds precision blocks of tables " + name_list(held) + " in the id remap form " +
+                       "of an earlier embserve (no block_bounds); re-export the model with this version");
+    if (held != names)
+      throw ModelError(model_path + " holds id remaps of tables " + name_list(held) + ", manifest.json lists " +
+                       name_list(names) + "; re-export the model");
+    if (names.empty()) return;
+
+    KernelCheck check(embeddings, model_path + ": embeddings");
+    auto corrupted = [&](const std::string& name) {
+      check.fail("the block split's " + name + " disagrees with the manifest's tables; the model file is corrupted, " +
+                 "re-export it");
+    };
+    auto expect_ints = [&](const std::string& name, const std::vector<int64_t>& expected) {
+      const c10::IValue value = check.attr(name);
+      if (!value.isIntList() || value.toIntVector() != expected) corrupted(name);
+    };
+    auto expect_tensor = [&](const c10::IValue& value, at::ScalarType dtype, const std::vector<int64_t>& expected,
+                             const std::string& name) {
+      if (!value.isTensor()) corrupted(name);
+      const at::Tensor found = value.toTensor();
+      if (found.scalar_type() != dtype || found.dim() != 1 || found.numel() != static_cast<int64_t>(expected.size()))
+        corrupted(name);
+      const at::Tensor values = found.to(at::kCPU).to(at::kLong).contiguous();
+      if (!std::equal(expected.begin(), expected.end(), values.data_ptr<int64_t>())) corrupted(name);
+    };
+    // per feature (input order): its block table's slot (-1: none), its range of block_lookup, its bounds
+    const auto& features = data["features"];
+    std::vector<int64_t> feature_remap, offsets{0}, feature_blocks;
+    size_t levels = 1;
+    for (const auto& table : tables) levels = std::max<size_t>(levels, table.contains("blocks") ? table["blocks"].size() : 1);
+    std::vector<std::vector<int64_t>> bounds;
+    std::map<std::string, size_t> table_index;
+    for (size_t t = 0; t < tables.size(); ++t) table_index[tables[t]["name"].get<std::string>()] = t;
+    for (const auto& feature : features) {
+      const auto table_name = feature["table"].get<std::string>();
+      const auto& table = tables[table_index[table_name]];
+      const int64_t rows = table["num_embeddings"].get<int64_t>();
+      const auto found = slot_of.find(table_name);
+      const int64_t slot = found == slot_of.end() ? -1 : found->second;
+      feature_remap.push_back(slot);
+      feature_blocks.push_back(table.contains("blocks") ? static_cast<int64_t>(table["blocks"].size()) : 1);
+      offsets.push_back(offsets.back() + (slot >= 0 ? rows : 0));
+      // collection.block_bounds: the cold block, each precise block, then empty blocks up to the levels
+      const std::vector<int64_t> starts = slot >= 0 ? rank_starts[static_cast<size_t>(slot)] : std::vector<int64_t>{0};
+      const int64_t cold_rows = rows - starts.back();
+      std::vector<int64_t> feature_bounds{0, cold_rows};
+      for (size_t j = 1; j < starts.size(); ++j) feature_bounds.push_back(cold_rows + starts[j]);
+      while (feature_bounds.size() < levels + 1) feature_bounds.push_back(rows);
+      bounds.push_back(std::move(feature_bounds));
+    }
+    // the ranges first: the remaps are read through them
+    expect_ints("feature_remap", feature_remap);
+    expect_tensor(check.attr("block_lookup_offsets"), at::kLong, offsets, "block_lookup_offsets");
+    const c10::IValue lookup_value = check.attr("block_lookup");
+    if (!lookup_value.isTensor() || lookup_value.toTensor().dim() != 1 || lookup_value.toTensor().numel() != offsets.back())
+      corrupted("block_lookup");
+    const at::Tensor lookup = lookup_value.toTensor();
+    const auto& remaps = data["block_remaps"];
+    for (size_t slot = 0; slot < names.size(); ++slot) {
+      const auto& entry = remaps[names[slot]];
+      const int64_t rows = entry["rows"].get<int64_t>();
+      std::string problem = "is missing";
+      for (size_t f = 0; f < feature_remap.size(); ++f) {  // a table read by several features holds it once per feature
+        if (feature_remap[f] != static_cast<int64_t>(slot)) continue;
+        if (problem == "is missing") problem.clear();
+        if (problem.empty()) problem = remap_problem(lookup.slice(0, offsets[f], offsets[f + 1]), rows,
+                                                     entry["sha256"].get<std::string>());
+      }
+      if (!problem.empty())
+        throw ModelError(model_path + ": the id remap of table '" + names[slot] + "' " + problem +
+                         "; the artifact is corrupted, re-export it");
+    }
+    // then what splits a request by level (collection.__init__'s derivations)
+    const c10::IValue has_blocks = check.attr("has_blocks");
+    if (!has_blocks.isBool() || !has_blocks.toBool()) corrupted("has_blocks");
+    check.expect_int("block_levels", static_cast<int64_t>(levels));
+    expect_ints("feature_blocks", feature_blocks);
+    const c10::IValue starts_value = check.attr("block_rank_starts");
+    if (!starts_value.isList() || starts_value.toListRef().size() != rank_starts.size()) corrupted("block_rank_starts");
+    for (size_t slot = 0; slot < rank_starts.size(); ++slot) {
+      const c10::IValue entry = starts_value.toListRef()[slot];
+      if (!entry.isIntList() || entry.toIntVector() != rank_starts[slot]) corrupted("block_rank_starts");
+    }
+    const c10::IValue bounds_value = check.attr("block_bounds");
+    if (!bounds_value.isTensorList() || bounds_value.toTensorList().size() != bounds.size()) corrupted("block_bounds");
+    const auto held_bounds = bounds_value.toTensorVector();
+    for (size_t f = 0; f < bounds.size(); ++f) expect_tensor(held_bounds[f], at::kInt, bounds[f], "block_bounds");
+    // two levels, every precise block no larger than its cold block: the op's fixed-size buckets (the cold rows)
+    bool fixed = levels == 2;
+    for (const auto& feature_bounds : bounds) fixed = fixed && 2 * feature_bounds[1] >= feature_bounds.back();
+    const c10::IValue fixed_value = check.attr("block_fixed_sizes");
+    if (!fixed_value.isBool() || fixed_value.toBool() != fixed) corrupted("block_fixed_sizes");
+    std::vector<int64_t> sizes;
+    for (const auto& feature_bounds : bounds) sizes.push_back(fixed ? feature_bounds[1] : feature_bounds.back());
+    expect_tensor(check.attr("block_sizes"), at::kInt, sizes, "block_sizes");
+  } catch (const Error&) {
+    throw;
+  } catch (const std::exception& err) {
+    throw ModelError(model_path + ": the precision blocks cannot be checked: " + first_line(message_of(err)));
+  }
+}
+
 // Version 3: hands every CPU kernel (embeddings.tbe, or embeddings.shards.<i>.tbe) a view of its weight buffer
 // in its file, mapped read-only once per file (replicas view one mapping), before the kernel checks read it
 // (infer.artifact.load.attach_mapped_weights). The views keep the mappings alive.
@@ -1525,6 +1798,7 @@ Model Model::load(const std::string& artifact_dir, const LoadOptions& options) {
   if (is_mapped(data)) attach_weights(*model.module_, data, mappings, model_path.string());
   verified();  // before the kernel checks read the weights' sizes and the first lookup reads the rows
   check_kernels(*model.module_, data, routing, model_path.string(), kernel_threads);
+  check_block_model(*model.module_, data, model_path.string());
 
   int threads = options.intra_op_threads;
   if (threads < 0 && model.world_size_ >= 2) {

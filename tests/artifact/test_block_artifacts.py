@@ -4,7 +4,6 @@ or a flipped byte in it is a typed ``ArtifactError``; the forms that do not serv
 
 from __future__ import annotations
 
-import zipfile
 from pathlib import Path
 
 import numpy as np
@@ -21,7 +20,7 @@ from infer.shard.builder import shard_model
 from infer.shard.plans import make_plan
 from infer.weights import random_weights
 from tests.modules.test_blocks import any_ids, block_spec, random_request, reference, reference_tables
-from tests.support.artifacts import copy_artifact, edit_manifest, rehash, rewrite_zip_entry
+from tests.support.artifacts import copy_artifact, edit_manifest, edit_remap, rehash
 
 
 @pytest.fixture(scope="module")
@@ -53,26 +52,6 @@ def test_block_artifact_serves_the_eager_model(blocked, weights):
         torch.testing.assert_close(served, reference(spec, tables, values, lengths, bag_weights), rtol=1e-5, atol=1e-5)
 
 
-def _lookup_entry(model_file: Path, lookup: torch.Tensor) -> str:
-    """The zip entry of model.pt holding the id remaps' bytes (``block_lookup``: every block feature's remap)."""
-    wanted = lookup.numpy().astype("<i4").tobytes()
-    with zipfile.ZipFile(model_file) as archive:
-        for info in archive.infolist():
-            if archive.read(info.filename) == wanted:
-                return info.filename
-    raise AssertionError("model.pt holds no entry with the remaps' bytes")
-
-
-def _flip_remap(copy: Path, model, feature: int, edit) -> None:  # type: ignore[no-untyped-def]
-    """Apply ``edit`` to the remap that ``feature`` (its index) reads, in the copy's model.pt."""
-    lookup = model.embeddings.block_lookup
-    start, end = model.embeddings.block_lookup_offsets[feature : feature + 2].tolist()
-    name = _lookup_entry(copy / "model.pt", lookup)
-    data = np.frombuffer(bytearray(lookup.numpy().astype("<i4").tobytes()), dtype="<i4").copy()
-    edit(data[start:end])
-    rewrite_zip_entry(copy / "model.pt", name, data.tobytes())
-
-
 @pytest.mark.parametrize("feature, table", [(0, "blocked"), (1, "blocked"), (3, "two")])
 def test_a_flipped_byte_in_the_remap_is_caught(blocked, tmp_path, feature, table):
     _, model, _, artifacts = blocked
@@ -81,7 +60,7 @@ def test_a_flipped_byte_in_the_remap_is_caught(blocked, tmp_path, feature, table
     def flip(data: np.ndarray) -> None:
         data.view(np.uint8)[5] ^= 0x01
 
-    _flip_remap(copy, model, feature, flip)
+    edit_remap(copy, model, feature, flip)
     with pytest.raises(ArtifactError) as caught:
         load(copy)
     assert caught.value.kind == ArtifactErrorKind.CHECKSUM
@@ -98,7 +77,7 @@ def test_a_permuted_remap_that_disagrees_with_the_manifest_is_refused(blocked, t
     def swap(data: np.ndarray) -> None:  # still one to one onto the blocks' rows: only the sha256 tells
         data[[0, 1]] = data[[1, 0]]
 
-    _flip_remap(copy, model, 3, swap)
+    edit_remap(copy, model, 3, swap)
     rehash(copy, "model.pt")
     with pytest.raises(ArtifactError, match="remap of table 'two'.*sha256") as caught:
         load(copy)

@@ -107,29 +107,6 @@ def test_a_model_file_that_carries_a_mapped_kernels_weights_is_refused_with_pyth
     assert _cpp_verdicts(cpp_build, artifact, resaved) == ["ok", f"ModelError: {expected}"]
 
 
-@pytest.mark.parametrize("weights", ["embedded", "mapped"])
-def test_a_block_artifact_is_refused_naming_the_table(tmp_path, embserve_run, weights):
-    """Precision blocks (issue 43) are served by the Python loader only for now: the C++ loader says so, naming the
-    first block table, before touching the model."""
-    from infer.config import PoolingType
-    from infer.quant.blocks import rank_rows
-    from tests.modules.test_blocks import block_spec
-
-    spec = block_spec(PoolingType.SUM)
-    orders = {t.name: rank_rows(t.num_embeddings, [0, 0, 1]) for t in spec.tables if t.blocks}
-    artifact = export(
-        quantize(spec, random_weights(spec, seed=4), block_orders=orders), tmp_path / "a", weights=weights
-    )
-    assert load(artifact).spec.block_tables == ("blocked", "two")
-    assert_clean_failure(
-        run(embserve_run, artifact),
-        "embserve_run: ModelError: ",
-        "table 'blocked' is held in precision blocks",
-        "serve the artifact with the Python loader",
-        "without --sample-ids",
-    )
-
-
 def test_a_row_count_edited_in_the_manifest_is_refused_with_pythons_words(model, cpp_build, embserve_run, tmp_path):
     """The table, the manifest's rows and the plan's shard, as Python says them (no object dump; issue 39 item 6)."""
     from infer.planner.types import ShardingType

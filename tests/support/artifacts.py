@@ -10,6 +10,8 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
+import numpy as np
+
 
 def copy_artifact(artifact: Path, folder: Path) -> Path:
     copy = folder / "copy"
@@ -111,3 +113,23 @@ def save_weights_in_model(artifact: Path, folder: Path, model_file: str = "model
     module.save(str(copy / model_file))
     rehash(copy, model_file)
     return copy
+
+
+def remap_entry(model_file: Path, lookup: Any) -> str:
+    """The zip entry of model.pt holding the id remaps' bytes (``block_lookup``: every block feature's remap)."""
+    wanted = lookup.numpy().astype("<i4").tobytes()
+    with zipfile.ZipFile(model_file) as archive:
+        for info in archive.infolist():
+            if archive.read(info.filename) == wanted:
+                return info.filename
+    raise AssertionError("model.pt holds no entry with the remaps' bytes")
+
+
+def edit_remap(copy: Path, model: Any, feature: int, edit: Callable[[Any], None]) -> None:
+    """Apply ``edit`` to the remap that ``feature`` (its index) reads, in the copy's model.pt."""
+    lookup = model.embeddings.block_lookup
+    start, end = model.embeddings.block_lookup_offsets[feature : feature + 2].tolist()
+    name = remap_entry(copy / "model.pt", lookup)
+    data = np.frombuffer(bytearray(lookup.numpy().astype("<i4").tobytes()), dtype="<i4").copy()
+    edit(data[start:end])
+    rewrite_zip_entry(copy / "model.pt", name, data.tobytes())
