@@ -187,3 +187,34 @@ def test_a_repository_with_no_loadable_model_is_refused_naming_where_it_looked(t
         )
         assert completed.returncode == 2, completed.stderr
         assert all(fragment in completed.stderr for fragment in fragments), completed.stderr
+
+
+def test_a_block_artifact_answers_as_the_runtime(tmp_path):
+    """Tables held in precision blocks (issue 43) served by embserve-server: every Lookup (weighted or not, empty
+    bags, ids hot and cold) equals infer.load(...).lookup of the same batch, bit for bit."""
+    from infer.artifact.export import export
+    from infer.artifact.load import load
+    from infer.config import PoolingType
+    from infer.features import SparseFeatures
+    from infer.quant.blocks import rank_rows
+    from infer.quant.quantize import quantize
+    from infer.weights import random_weights
+    from tests.modules.test_blocks import any_ids, block_spec, random_request
+
+    spec = block_spec(PoolingType.MEAN)
+    orders = {t.name: rank_rows(t.num_embeddings, [3, 3, 7, 1]) for t in spec.tables if t.blocks}
+    artifact = export(quantize(spec, random_weights(spec, seed=9), block_orders=orders), tmp_path / "blocks")
+    runtime = load(artifact)
+    batches = [
+        SparseFeatures(runtime.feature_names, *random_request(spec, batch, any_ids, seed, seed % 2 == 1))
+        for seed, batch in enumerate([1, 6, 17, 32])
+    ]
+    served = NativeServed(artifact)
+    try:
+        stub = served.stub()
+        for batch in batches:
+            response = stub.Lookup(lookup_request(batch), timeout=CALL_TIMEOUT)
+            assert torch.equal(codec.decode_embeddings(response), runtime.lookup(batch))
+    finally:
+        served.close_channels()
+        assert served.stop() == 0
