@@ -6,6 +6,7 @@ sees it; validation failures raise with ``REQUEST_ERROR_PREFIX`` and the wording
 """
 
 import copy
+import dataclasses
 from typing import Final, List, Optional, Tuple, Union
 
 import torch
@@ -224,6 +225,64 @@ def block_bounds(rows: int, starts: List[int], levels: int) -> List[int]:
     return bounds + [rows] * (levels + 1 - len(bounds))
 
 
+@dataclasses.dataclass(frozen=True)
+class BlockSplit:
+    """What splits a request by kernel level, derived from the spec's tables alone: the collection holds these as
+    attributes of the same names, and both loaders check a loaded model's against the manifest's tables."""
+
+    has_blocks: bool
+    block_levels: int
+    block_table_names: List[str]
+    block_rank_starts: List[List[int]]
+    feature_remap: List[int]  # per feature its table's slot among the block tables, -1 for none
+    feature_blocks: List[int]
+    block_lookup_offsets: List[int]  # per feature its remap's range in block_lookup
+    block_bounds: List[List[int]]  # per feature, in encode_remap's positions
+    block_fixed_sizes: bool
+    block_sizes: List[int]
+
+    @staticmethod
+    def of(spec: ModelSpec) -> "BlockSplit":
+        block_tables = [t for t in spec.tables if t.blocks]
+        levels = len(kernel_features(spec)) // max(len(spec.features), 1)
+        starts = [[sum(b.rows for b in t.blocks[:j]) for j in range(len(t.blocks))] for t in block_tables]
+        slot_of = {t.name: i for i, t in enumerate(block_tables)}
+        remap = [slot_of.get(f.table, -1) for f in spec.features]
+        rows = [spec.table(f.table).num_embeddings for f in spec.features]
+        offsets = [0]
+        for n, slot in zip(rows, remap):
+            offsets.append(offsets[-1] + (n if slot >= 0 else 0))
+        bounds = [block_bounds(n, starts[slot] if slot >= 0 else [0], levels) for n, slot in zip(rows, remap)]
+        # two levels, every precise block no larger than its cold block: the op's fixed-size buckets split the same
+        # way (bucket = position // the cold block's rows, row = position % it) without a search per id; block_sizes
+        # is then each feature's cold rows, otherwise the op requires it beside the bounds and reads only these
+        fixed = levels == 2 and all(2 * b[1] >= b[-1] for b in bounds)
+        return BlockSplit(
+            has_blocks=len(block_tables) > 0,
+            block_levels=levels,
+            block_table_names=[t.name for t in block_tables],
+            block_rank_starts=starts,
+            feature_remap=remap,
+            feature_blocks=[len(spec.table(f.table).stored_blocks) for f in spec.features],
+            block_lookup_offsets=offsets,
+            block_bounds=bounds,
+            block_fixed_sizes=fixed,
+            block_sizes=[b[1] if fixed else b[-1] for b in bounds],
+        )
+
+    def mismatch(self, collection: nn.Module) -> Optional[str]:
+        """The first attribute of a (loaded) collection that differs from this split, or None."""
+        for field in dataclasses.fields(self):
+            held = getattr(collection, field.name, None)
+            if isinstance(held, Tensor):
+                held = held.tolist()
+            elif isinstance(held, (list, tuple)):
+                held = [h.tolist() if isinstance(h, Tensor) else (list(h) if isinstance(h, tuple) else h) for h in held]
+            if held != getattr(self, field.name):
+                return field.name
+        return None
+
+
 class QuantizedEmbeddingBagCollection(ValidatingCollection, KernelRunner):
     """All tables of one device in one fbgemm ``IntNBitTableBatchedEmbeddingBagsCodegen``.
 
@@ -278,20 +337,15 @@ class QuantizedEmbeddingBagCollection(ValidatingCollection, KernelRunner):
             allocate,
         )
         self._set_features(spec)
-        block_tables = [t for t in spec.tables if t.blocks]
-        self.has_blocks = len(block_tables) > 0
-        self.block_levels = len(features) // max(len(spec.features), 1)
-        self.block_rank_starts = [
-            [sum(b.rows for b in t.blocks[:j]) for j in range(len(t.blocks))] for t in block_tables
-        ]
-        block_slot = {t.name: i for i, t in enumerate(block_tables)}
-        self.feature_remap = [block_slot.get(f.table, -1) for f in spec.features]
-        self.feature_blocks = [len(kernel_tables[table_index[f.table]]) for f in spec.features]
-        self.block_table_names = [t.name for t in block_tables]
-        sizes = [
-            spec.table(f.table).num_embeddings if slot >= 0 else 0 for f, slot in zip(spec.features, self.feature_remap)
-        ]
-        self.block_lookup_offsets = torch.tensor([0] + sizes, dtype=torch.int64).cumsum(0)
+        split = BlockSplit.of(spec)
+        self.has_blocks = split.has_blocks
+        self.block_levels = split.block_levels
+        self.block_rank_starts = split.block_rank_starts
+        self.feature_remap = split.feature_remap
+        self.feature_blocks = split.feature_blocks
+        self.block_table_names = split.block_table_names
+        self.block_lookup_offsets = torch.tensor(split.block_lookup_offsets, dtype=torch.int64)
+        sizes = [b - a for a, b in zip(split.block_lookup_offsets, split.block_lookup_offsets[1:])]
         # identity ranks until ``set_block_remap``: rank = id
         self.block_lookup = torch.cat(
             [torch.zeros(0, dtype=torch.int32)]
@@ -302,25 +356,9 @@ class QuantizedEmbeddingBagCollection(ValidatingCollection, KernelRunner):
             ]
         )
         # per feature its blocks' bounds (int32, as the remapped ids) for the split
-        self.block_bounds = [
-            torch.tensor(
-                block_bounds(
-                    spec.table(f.table).num_embeddings,
-                    self.block_rank_starts[slot] if slot >= 0 else [0],
-                    self.block_levels,
-                ),
-                dtype=torch.int32,
-            )
-            for f, slot in zip(spec.features, self.feature_remap)
-        ]
-        # two levels, every precise block no larger than its cold block: the op's fixed-size buckets split the same
-        # way (bucket = position // the cold block's rows, row = position % it) without a search per id; block_sizes
-        # is then each feature's cold rows, otherwise the op requires it beside the bounds and reads only these
-        cold = [b[1] for b in self.block_bounds]
-        rows = [b[-1] for b in self.block_bounds]
-        self.block_fixed_sizes = self.block_levels == 2 and all(2 * int(c) >= int(r) for c, r in zip(cold, rows))
-        self.block_sizes = torch.tensor([int(c) if self.block_fixed_sizes else int(r) for c, r in zip(cold, rows)],
-                                        dtype=torch.int32)  # fmt: skip
+        self.block_bounds = [torch.tensor(b, dtype=torch.int32) for b in split.block_bounds]
+        self.block_fixed_sizes = split.block_fixed_sizes
+        self.block_sizes = torch.tensor(split.block_sizes, dtype=torch.int32)
         self.init_kernel_runner(len(features), str(torch.device(device)), len(spec.features))
 
     @torch.jit.unused

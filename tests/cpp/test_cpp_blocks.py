@@ -179,8 +179,8 @@ def test_a_manifest_whose_blocks_disagree_is_a_manifest_error_in_both_loaders(
 
 def test_a_tampered_block_split_is_a_model_error(mean_mapped, embserve_run, tmp_path):
     """What cuts a request by block (each feature's blocks' bounds, the levels) is held against the manifest's
-    tables before the first lookup: a model.pt edited and rehashed is refused naming the attribute. (The Python
-    loader checks the remaps, not these.)"""
+    tables before the first lookup, by both loaders: a model.pt edited and rehashed is refused naming the
+    attribute."""
     artifact = mean_mapped[3]
 
     def bounds(embeddings) -> None:  # type: ignore[no-untyped-def]
@@ -203,3 +203,5 @@ def test_a_tampered_block_split_is_a_model_error(mean_mapped, embserve_run, tmp_
     for name, folder in folders.items():
         assert outcomes[folder].startswith(f"ModelError: {folder / 'model.pt'}: embeddings: "), outcomes[folder]
         assert name in outcomes[folder]
+        python = _python_error(folder)
+        assert python.kind is ArtifactErrorKind.MODEL and f"the block split's {name} disagrees" in str(python)

@@ -122,7 +122,7 @@ def check_block_remaps(
     """The loaded model's id remaps are the manifest's (``block_remaps``: tables, rows, sha256) and each sends its
     table's ids one to one onto the blocks' rows (the blocks as ``spec``, the manifest's, states them), before any
     lookup; ``ArtifactError(kind=MODEL)`` naming the table."""
-    from infer.modules.collection import remap_error, stored_remaps
+    from infer.modules.collection import BlockSplit, remap_error, stored_remaps
 
     embeddings = module.embeddings
     names = list(getattr(embeddings, "block_table_names", []))
@@ -139,6 +139,14 @@ def check_block_remaps(
         raise ArtifactError(
             f"{source} holds id remaps of tables {names}, {MANIFEST_FILE} lists {[r.table for r in remaps]}; "
             "re-export the model",
+            path=str(source),
+            kind=ArtifactErrorKind.MODEL,
+        )
+    split_error = BlockSplit.of(spec).mismatch(embeddings) if spec is not None and names else None
+    if split_error is not None:  # the ranges the remaps are read through first, as the C++ loader
+        raise ArtifactError(
+            f"{source}: the block split's {split_error} disagrees with the manifest's tables; the model file is "
+            "corrupted, re-export it",
             path=str(source),
             kind=ArtifactErrorKind.MODEL,
         )
