@@ -32,6 +32,7 @@
 #include <torch/version.h>
 
 #include "files.h"
+#include "hot_rows.h"
 #include "kernel_attributes_json.h"
 #include "schema.h"
 
@@ -1395,6 +1396,8 @@ Model Model::load(const std::string& artifact_dir, const LoadOptions& options) {
   model.path_ = artifact_dir;
   const auto model_file = data["model_file"].get<std::string>();
   model.backend_ = options.backend;
+  if (!options.hot_rows.empty() && options.backend != Backend::TorchScript)
+    throw ConfigError("hot_rows applies to the torchscript backend, not 'pt2'");
   if (options.backend == Backend::Pt2 && !data.contains("pt2"))
     throw ManifestError((folder / "manifest.json").string() + " has no 'pt2' entry: the artifact carries no " +
                         "model.pt2 for the Pt2 backend. Re-export with `embserve export --pt2` (infer.export(..., " +
@@ -1527,8 +1530,67 @@ Model Model::load(const std::string& artifact_dir, const LoadOptions& options) {
   }
   if (threads > 0) at::set_num_threads(threads);
   model.build_direct_plan();
+  if (!options.hot_rows.empty()) {
+    if (!is_mapped(data))
+      throw ConfigError("hot_rows needs a mapped artifact (export with weights='mapped'); " + artifact_dir +
+                        " embeds its weights");
+    model.build_hot_rows(options.hot_rows);
+  }
   model.load_seconds_ = seconds_since(started);
   return model;
+}
+
+void Model::build_hot_rows(const HotRows& rows) {
+  torch::jit::Module embeddings = child(*module_, "embeddings", program_path_);
+  // the cache reads rows from the one kernel of an unsharded CPU model (Python's reads any mapped layout; the
+  // sharded ones are left to it for now)
+  if (embeddings.hasattr("shards") || !embeddings.hasattr("tbe") ||
+      (embeddings.hasattr("kernel_device") && embeddings.attr("kernel_device").toStringRef() != "cpu"))
+    throw ConfigError("hot_rows: " + path_ + " is sharded or not on the CPU; this loader caches rows of an " +
+                      "unsharded CPU model only (serve it with the Python server, or export it unsharded)");
+  hot_ = std::make_shared<const hot_rows::HotRowCache>(child(embeddings, "tbe", program_path_), features_, rows,
+                                                       program_path_);
+}
+
+HotRowCacheInfo Model::hot_row_cache() const {
+  if (!hot_) return {};
+  return {hot_->rows(), hot_->tables(), hot_->bytes()};
+}
+
+HotRows read_hot_rows(const std::string& path) {
+  std::ifstream in(path, std::ios::binary);
+  if (!in) throw ConfigError("cannot read the hot-rows file " + path + "; write JSON {\"table\": [row, ...]}");
+  std::stringstream text;
+  text << in.rdbuf();
+  nlohmann::json document;
+  try {
+    document = nlohmann::json::parse(text.str());
+  } catch (const std::exception& err) {
+    throw ConfigError("the hot-rows file " + path + " is not JSON (" + first_line(err.what()) +
+                      "); write JSON {\"table\": [row, ...]}");
+  }
+  if (!document.is_object())
+    throw ConfigError("the hot-rows file " + path + " holds " + std::string(document.type_name()) +
+                      ", not an object; write JSON {\"table\": [row, ...]}");
+  HotRows rows;
+  for (const auto& [table, ids] : document.items()) {
+    std::vector<int64_t> list;
+    if (ids.is_array()) {
+      list.reserve(ids.size());
+      for (const auto& id : ids) {
+        if (!id.is_number_integer()) {
+          list.clear();
+          break;
+        }
+        list.push_back(id.get<int64_t>());
+      }
+    }
+    if (!ids.is_array() || list.size() != ids.size())
+      throw ConfigError("the hot-rows file " + path + ": table '" + table +
+                        "' must map to a list of integer row ids, got " + first_line(ids.dump()).substr(0, 80));
+    rows.emplace_back(table, std::move(list));
+  }
+  return rows;
 }
 
 struct Model::DirectPlan {
@@ -1822,6 +1884,7 @@ struct ScriptCall {
 at::Tensor Model::lookup(const at::Tensor& values, const at::Tensor& lengths,
                          const std::optional<at::Tensor>& weights) const {
   validate(values, lengths, weights);
+  if (hot_) return lookup_cached(values, lengths, weights);  // PagedModel.forward: validated, then split
   if (backend_ == Backend::Pt2) return lookup_pt2(values, lengths, weights);
   if (direct_ && direct_->answers(values, lengths)) return lookup_direct(*direct_, values, lengths, weights);
   ScriptCall call(plain_execution_);
@@ -1981,6 +2044,7 @@ at::Tensor Model::predict(const at::Tensor& dense_features, const at::Tensor& va
       if (batch == 0) return at::empty({0}, at::TensorOptions().dtype(at::kFloat));
       return score_pt2(dense_features, lookup_pt2(values, lengths, weights), batch);
     }
+    if (hot_) return score(dense_features, lookup_cached(values, lengths, weights), batch);
     ScriptCall call(plain_execution_);
     at::Tensor out = module_->get_method("predict")(script_inputs({dense_features, values, lengths}, weights)).toTensor();
     return scores_of(out, batch, program_path_);
@@ -2010,6 +2074,33 @@ at::Tensor Model::score_pt2(const at::Tensor& dense_features, const at::Tensor& 
 
 at::Tensor Model::lookup_unchecked(const at::Tensor& values, const at::Tensor& lengths,
                                    const std::optional<at::Tensor>& weights) const {
+  if (hot_) return lookup_cached(values, lengths, weights);
+  return lookup_model(values, lengths, weights);
+}
+
+// PagedModel._cached: the batch split once, the model's share (cut from a validated batch, so well formed too) to
+// its unchecked entry, the cache's sums added into its output.
+at::Tensor Model::lookup_cached(const at::Tensor& values, const at::Tensor& lengths,
+                                const std::optional<at::Tensor>& weights) const {
+  const hot_rows::HotRowCache::Split split = hot_->split(values, lengths, weights);
+  at::Tensor out = lookup_model(split.cold_values, split.cold_lengths, split.cold_weights);
+  hot_->add(out, lengths, split);
+  return out;
+}
+
+at::Tensor Model::score(const at::Tensor& dense_features, const at::Tensor& pooled, int64_t batch) const {
+  ScriptCall call(plain_execution_);
+  try {
+    return scores_of(module_->get_method("score")({dense_features, pooled}).toTensor(), batch, program_path_);
+  } catch (const Error&) {
+    throw;
+  } catch (const std::exception& err) {
+    rethrow_script_error(err);
+  }
+}
+
+at::Tensor Model::lookup_model(const at::Tensor& values, const at::Tensor& lengths,
+                               const std::optional<at::Tensor>& weights) const {
   if (backend_ == Backend::Pt2) return lookup_pt2(values, lengths, weights);
   if (direct_ && direct_->answers(values, lengths)) return lookup_direct(*direct_, values, lengths, weights);
   ScriptCall call(plain_execution_);
@@ -2037,6 +2128,10 @@ std::pair<at::Tensor, at::Tensor> Model::lookup_and_predict_unchecked(const at::
       at::Tensor pooled = lookup_pt2(values, lengths, weights);
       if (batch == 0) return {pooled, at::empty({0}, at::TensorOptions().dtype(at::kFloat))};
       return {pooled, score_pt2(dense_features, pooled, batch)};
+    }
+    if (hot_) {  // PagedModel._scored: the pooled lookups through the cache, then the dense part
+      at::Tensor pooled = lookup_cached(values, lengths, weights);
+      return {pooled, score(dense_features, pooled, batch)};
     }
     const std::shared_ptr<const torch::jit::Method>& method =
         lookup_and_predict_unchecked_ ? lookup_and_predict_unchecked_ : lookup_and_predict_;
