@@ -25,7 +25,7 @@ PASSED = (
     "--max-queue", "--forward-threads", "--intra-op-threads", "--threads", "--max-message-mb", "--metrics-port",
     "--metrics-host", "--tls-cert", "--tls-key", "--auth-token-file", "--drain-grace-s", "--drain-quiet-s",
     "--drain-seconds", "--model-name", "--verify", "--http-port", "--http-host", "--backend", "--poll-s",
-    "--version-policy",
+    "--version-policy", "--prefetch",
 )  # fmt: skip
 # --backend values the binary runs (onnxruntime stays with the Python server)
 BACKENDS = ("torchscript", "pt2")

@@ -78,6 +78,7 @@ struct RunnerOptions {
   // --hot-rows-file: JSON {"table": [row, ...]} of rows served from a resident cache (LoadOptions.hot_rows); empty:
   // none. A bad file or row is a RunnerError of kind "ConfigError" naming the flag.
   std::string hot_rows_file;
+  std::string prefetch = "auto";  // --prefetch: LoadOptions.prefetch (auto, on, off)
 };
 
 class Runner {

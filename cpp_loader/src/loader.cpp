@@ -33,6 +33,7 @@
 
 #include "files.h"
 #include "hot_rows.h"
+#include "prefetch.h"
 #include "kernel_attributes_json.h"
 #include "schema.h"
 
@@ -1380,6 +1381,25 @@ std::vector<Routing> read_checked_plan(const fs::path& folder, const schema::Doc
   const fs::path plan_path = folder / data["sharding"]["plan_file"].get<std::string>();
   return check_plan(read_document(plan_path, "plan"), data, plan_path.string());
 }
+// The one kernel of an unsharded CPU model (the layout the hot-row cache and the prefetcher read rows of), or none.
+std::optional<torch::jit::Module> single_cpu_kernel(const torch::jit::Module& model, const std::string& where) {
+  torch::jit::Module embeddings = child(model, "embeddings", where);
+  if (embeddings.hasattr("shards") || !embeddings.hasattr("tbe") ||
+      (embeddings.hasattr("kernel_device") && embeddings.attr("kernel_device").toStringRef() != "cpu"))
+    return std::nullopt;
+  return child(embeddings, "tbe", where);
+}
+
+// prefetch_wanted's auto rule: a shard of the plan in the paged tier.
+bool plan_has_paged_tier(const fs::path& folder, const schema::Document& data) {
+  if (data["sharding"]["plan_file"].is_null()) return false;
+  const schema::Document plan = read_document(folder / data["sharding"]["plan_file"].get<std::string>(), "plan");
+  for (const auto& table : plan["tables"])
+    for (const auto& shard : table["shards"])
+      if (shard.contains("tier") && shard["tier"] == "paged") return true;
+  return false;
+}
+
 }  // namespace
 
 void check_manifest(const std::string& artifact_dir) {
@@ -1530,6 +1550,8 @@ Model Model::load(const std::string& artifact_dir, const LoadOptions& options) {
   }
   if (threads > 0) at::set_num_threads(threads);
   model.build_direct_plan();
+  // as Python's prefetch_wanted: an embedded artifact has nothing to read ahead, whatever the mode
+  if (is_mapped(data)) model.build_prefetch(options.prefetch, plan_has_paged_tier(folder, data));
   if (!options.hot_rows.empty()) {
     if (!is_mapped(data))
       throw ConfigError("hot_rows needs a mapped artifact (export with weights='mapped'); " + artifact_dir +
@@ -1540,16 +1562,54 @@ Model Model::load(const std::string& artifact_dir, const LoadOptions& options) {
   return model;
 }
 
+void Model::build_prefetch(Prefetch mode, bool paged_plan) {
+  if (mode == Prefetch::Off || backend_ != Backend::TorchScript || (mode == Prefetch::Auto && !paged_plan)) return;
+  const std::optional<torch::jit::Module> tbe = module_ ? single_cpu_kernel(*module_, program_path_) : std::nullopt;
+  if (!tbe) {
+    if (mode == Prefetch::On)
+      throw ConfigError("prefetch='on': " + path_ + " is sharded or not on the CPU; this loader reads ahead for an " +
+                        "unsharded CPU model only (serve it with the Python server, or export it unsharded)");
+    return;
+  }
+  const at::Tensor host = tbe->attr("weights_host").toTensor();
+  const at::Tensor offsets = tbe->attr("weights_offsets").toTensor().to(at::kLong);
+  const at::Tensor d_offsets = tbe->attr("D_offsets").toTensor().to(at::kLong);
+  const at::Tensor types = tbe->attr("weights_tys").toTensor().to(at::kLong);
+  const int64_t alignment = std::max<int64_t>(1, tbe->attr("row_alignment").toInt());
+  std::vector<prefetch::Region> regions;
+  for (size_t f = 0; f < features_.size(); ++f) {
+    const auto i = static_cast<int64_t>(f);
+    if (offsets.numel() != static_cast<int64_t>(features_.size())) break;
+    const int64_t dim = d_offsets[i + 1].item<int64_t>() - d_offsets[i].item<int64_t>();
+    const int64_t type = types[i].item<int64_t>();
+    // fbgemm SparseType: FP32 0, FP16 1, INT8 2, INT4 3, INT2 4 (rowwise.unpadded_row_bytes)
+    const int64_t width = type == 0 ? dim * 4 : type == 1 ? dim * 2 : type == 2 ? dim + 4 : type == 3 ? dim / 2 + 4
+                        : type == 4 ? dim / 4 + 4 : dim;
+    const int64_t stride = (width + alignment - 1) / alignment * alignment;
+    const int64_t start = offsets[i].item<int64_t>();
+    const int64_t rows = features_[f].num_embeddings;
+    if (start < 0 || start + rows * stride > host.numel()) {
+      regions.push_back({});
+      continue;
+    }
+    regions.push_back({host.data_ptr<uint8_t>() + start, stride, rows});
+  }
+  prefetch_ = std::make_shared<prefetch::Prefetcher>(std::move(regions));
+  prefetch_->advise_random();
+}
+
+void Model::read_ahead(const at::Tensor& values, const at::Tensor& lengths) const {
+  if (prefetch_) prefetch_->prefetch(values, lengths);
+}
+
 void Model::build_hot_rows(const HotRows& rows) {
-  torch::jit::Module embeddings = child(*module_, "embeddings", program_path_);
   // the cache reads rows from the one kernel of an unsharded CPU model (Python's reads any mapped layout; the
   // sharded ones are left to it for now)
-  if (embeddings.hasattr("shards") || !embeddings.hasattr("tbe") ||
-      (embeddings.hasattr("kernel_device") && embeddings.attr("kernel_device").toStringRef() != "cpu"))
+  const std::optional<torch::jit::Module> tbe = single_cpu_kernel(*module_, program_path_);
+  if (!tbe)
     throw ConfigError("hot_rows: " + path_ + " is sharded or not on the CPU; this loader caches rows of an " +
                       "unsharded CPU model only (serve it with the Python server, or export it unsharded)");
-  hot_ = std::make_shared<const hot_rows::HotRowCache>(child(embeddings, "tbe", program_path_), features_, rows,
-                                                       program_path_);
+  hot_ = std::make_shared<const hot_rows::HotRowCache>(*tbe, features_, rows, program_path_);
 }
 
 HotRowCacheInfo Model::hot_row_cache() const {
@@ -1885,6 +1945,7 @@ at::Tensor Model::lookup(const at::Tensor& values, const at::Tensor& lengths,
                          const std::optional<at::Tensor>& weights) const {
   validate(values, lengths, weights);
   if (hot_) return lookup_cached(values, lengths, weights);  // PagedModel.forward: validated, then split
+  read_ahead(values, lengths);
   if (backend_ == Backend::Pt2) return lookup_pt2(values, lengths, weights);
   if (direct_ && direct_->answers(values, lengths)) return lookup_direct(*direct_, values, lengths, weights);
   ScriptCall call(plain_execution_);
@@ -2045,6 +2106,7 @@ at::Tensor Model::predict(const at::Tensor& dense_features, const at::Tensor& va
       return score_pt2(dense_features, lookup_pt2(values, lengths, weights), batch);
     }
     if (hot_) return score(dense_features, lookup_cached(values, lengths, weights), batch);
+    read_ahead(values, lengths);
     ScriptCall call(plain_execution_);
     at::Tensor out = module_->get_method("predict")(script_inputs({dense_features, values, lengths}, weights)).toTensor();
     return scores_of(out, batch, program_path_);
@@ -2101,6 +2163,7 @@ at::Tensor Model::score(const at::Tensor& dense_features, const at::Tensor& pool
 
 at::Tensor Model::lookup_model(const at::Tensor& values, const at::Tensor& lengths,
                                const std::optional<at::Tensor>& weights) const {
+  read_ahead(values, lengths);  // PagedModel: the pages of the ids the model reads (the cold ones, with a cache)
   if (backend_ == Backend::Pt2) return lookup_pt2(values, lengths, weights);
   if (direct_ && direct_->answers(values, lengths)) return lookup_direct(*direct_, values, lengths, weights);
   ScriptCall call(plain_execution_);
@@ -2133,6 +2196,7 @@ std::pair<at::Tensor, at::Tensor> Model::lookup_and_predict_unchecked(const at::
       at::Tensor pooled = lookup_cached(values, lengths, weights);
       return {pooled, score(dense_features, pooled, batch)};
     }
+    read_ahead(values, lengths);
     const std::shared_ptr<const torch::jit::Method>& method =
         lookup_and_predict_unchecked_ ? lookup_and_predict_unchecked_ : lookup_and_predict_;
     if (!method)  // an artifact exported before lookup_and_predict: two forwards

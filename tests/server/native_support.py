@@ -46,6 +46,7 @@ _FLAGS = {
     "poll_s": "--poll-s",
     "backend": "--backend",
     "hot_rows_file": "--hot-rows-file",
+    "prefetch": "--prefetch",
 }
 
 

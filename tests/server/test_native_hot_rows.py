@@ -1,5 +1,6 @@
 """The hot-row cache behind both servers: ``embserve serve`` of a runtime loaded with ``hot_rows`` (Python's
-``PagedModel``) and ``embserve-server --hot-rows-file`` (the C++ loader's cache, the same rows). Lookups and
+``PagedModel``) and ``embserve-server --hot-rows-file`` (the C++ loader's cache, the same rows), both reading each
+batch's pages ahead (``--prefetch on``). Lookups and
 predictions over embserve.v1 and OIP equal the in-process ``infer.load(dir, hot_rows=...)`` bit for bit, and the
 fp32 ``F.embedding_bag`` reference on the dequantized tables within fp32 tolerance; a bad hot-rows file or a
 repository is refused at start naming the flag.
@@ -68,10 +69,11 @@ def cached_runtime(hot_model) -> Runtime:
 @pytest.fixture(scope="module", params=SERVER_KINDS)
 def hot_server(request, loop_thread, hot_model) -> Iterator[Any]:
     spec, _, path, rows_file = hot_model
+    # with the pages read ahead too (--prefetch on), as the paged tier serves: the answers do not change
     if request.param == "native":
-        served: Any = NativeServed(path, hot_rows_file=rows_file, max_delay_us=2000)
+        served: Any = NativeServed(path, hot_rows_file=rows_file, prefetch="on", max_delay_us=2000)
     else:  # the Python server of a runtime loaded with the cache, as `embserve serve --hot-rows` loads it
-        runtime = load(path, hot_rows={name: torch.tensor(rows) for name, rows in HOT_ROWS.items()})
+        runtime = load(path, hot_rows={name: torch.tensor(rows) for name, rows in HOT_ROWS.items()}, prefetch="on")
         served = Served.start(loop_thread, runtime, local_config(max_delay_us=2000))
         served.kind = "python"
     yield served

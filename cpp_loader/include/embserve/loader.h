@@ -35,6 +35,9 @@ namespace embserve {
 namespace hot_rows {
 class HotRowCache;
 }
+namespace prefetch {
+class Prefetcher;
+}
 
 // Base of every error the loader raises.
 class Error : public std::runtime_error {
@@ -90,6 +93,13 @@ enum class Verify {
          // artifact verified before
 };
 
+// Whether lookups read their pages of a mapped artifact ahead (Python's load(..., prefetch=...)).
+enum class Prefetch {
+  Auto,  // on when the artifact is mapped and its plan puts a shard in the paged tier
+  On,    // MADV_RANDOM on the mappings, and each batch's pages asked for (MADV_WILLNEED, a pool of threads) first
+  Off,
+};
+
 // Rows to keep in a resident hot-row cache, per table: (table name, row ids) (Python's load(..., hot_rows=...)).
 using HotRows = std::vector<std::pair<std::string, std::vector<int64_t>>>;
 
@@ -119,6 +129,10 @@ struct LoadOptions {
   // between the cache and the model and adds the cache's sums in Python's order (outputs equal Python's load with
   // the same hot_rows, bit for bit). Empty: no cache. ConfigError for an unknown table or a row outside its table.
   HotRows hot_rows;
+  // Read each batch's pages ahead of the kernel (a mapped artifact on the TorchScript backend, as Python's load; an
+  // embedded artifact or a pt2 program is left alone). This loader reads ahead for a model with one CPU kernel: Auto
+  // leaves a sharded one alone, On refuses it with a ConfigError.
+  Prefetch prefetch = Prefetch::Auto;
 };
 
 // The hot-row cache a model holds (all zero without one).
@@ -202,6 +216,8 @@ class Model {
   double library_seconds() const { return library_seconds_; }
   // The resident hot-row cache (LoadOptions.hot_rows): rows, tables and bytes; all zero without one.
   HotRowCacheInfo hot_row_cache() const;
+  // Whether lookups read their pages ahead (LoadOptions.prefetch).
+  bool prefetching() const { return prefetch_ != nullptr; }
 
  private:
   Model() = default;
@@ -241,6 +257,10 @@ class Model {
   // A resident cache of hot rows in front of the mapped tables (LoadOptions.hot_rows), or null.
   std::shared_ptr<const hot_rows::HotRowCache> hot_;
   void build_hot_rows(const HotRows& rows);
+  // Reads each batch's pages ahead (LoadOptions.prefetch), or null.
+  std::shared_ptr<prefetch::Prefetcher> prefetch_;
+  void build_prefetch(Prefetch mode, bool paged_plan);
+  void read_ahead(const at::Tensor& values, const at::Tensor& lengths) const;
   // lookup_unchecked without the cache: the model's own entry (direct plan, or the scripted method)
   at::Tensor lookup_model(const at::Tensor& values, const at::Tensor& lengths,
                           const std::optional<at::Tensor>& weights) const;
