@@ -12,6 +12,8 @@ four of its five tables are cached in part, so batches mix hot and cold ids in o
 from __future__ import annotations
 
 import json
+import os
+import re
 import subprocess
 from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
@@ -167,11 +169,25 @@ def test_concurrent_calls_merged_into_one_forward_each_get_their_rows(hot_server
         assert all(pool.map(call, range(len(batches))))
 
 
-def test_the_native_server_reports_the_cache_python_reports(hot_model, cached_runtime):
-    """The start-up line names the same rows, tables and bytes as the Python server's (describe_hot_rows)."""
+def random_advised(pid: int, folder: Path) -> bool:
+    """Whether process ``pid`` maps a weight file of ``folder`` advised MADV_RANDOM (smaps VmFlags ``rr``): the
+    prefetcher's first step, so a fault reads its own page, not a readahead window."""
+    blocks = re.split(r"\n(?=[0-9a-f]+-[0-9a-f]+ )", Path(f"/proc/{pid}/smaps").read_text())
+    mapped = [block for block in blocks if str(folder / "weights-") in block.split("\n", 1)[0]]
+    assert mapped, "the weight file is not mapped"
+    return any(line.startswith("VmFlags") and " rr" in line for block in mapped for line in block.splitlines())
+
+
+def test_the_native_server_reports_the_cache_python_reports(hot_server, hot_model, cached_runtime):
+    """The start-up line names the same rows, tables and bytes as the Python server's (describe_hot_rows); the
+    mapping is read ahead with --prefetch on (the shared server), and not without it (auto: no paged plan)."""
+    if hot_server.kind != "native":
+        pytest.skip("the native server's start-up line and mapping")
+    assert random_advised(hot_server.process.pid, hot_model[2])
     served = NativeServed(hot_model[2], hot_rows_file=hot_model[3])
     try:
         assert describe_hot_rows(cached_runtime) in served.stderr_path.read_text()
+        assert not random_advised(served.process.pid, hot_model[2])
     finally:
         served.stop(grace=1.0)
 
@@ -214,3 +230,24 @@ def test_bad_hot_rows_files_are_refused_naming_the_flag(hot_model, tmp_path):
     (tmp_path / "repo" / "model" / "1").symlink_to(path, target_is_directory=True)
     message = _refusal(tmp_path / "repo", tmp_path / "good.json")
     assert "--hot-rows-file applies to one artifact served whole" in message and "is a repository" in message
+
+
+def test_serve_native_hands_over_the_rows_python_chooses(hot_model, tmp_path):
+    """``embserve serve --native --hot-rows N --hot-rows-sample FILE --prefetch on``: the rows are chosen by
+    ``hot_rows_from_sample`` (the Python server's choice) and handed to the binary as a memory file."""
+    from infer.artifact.manifest import Manifest
+    from infer.artifact.paged import hot_rows_from_sample
+    from infer.cli import build_parser
+    from server.native import native_command
+
+    native_binary()
+    path = hot_model[2]
+    sample = tmp_path / "sample.json"
+    sample.write_text(json.dumps({"f_int8": [7, 7, 7, 3, 3, 900], "f_int8_b": [3, 11], "f_fp16": [5, 5, 5, 5]}))
+    argv = ["serve", str(path), "--native", "--hot-rows", "3", "--hot-rows-sample", str(sample), "--prefetch", "on"]
+    command = native_command(build_parser().parse_args(argv))
+    assert command[2] == "--hot-rows-file" and command[-2:] == ["--prefetch", "on"]
+    handed = json.loads(Path(command[3]).read_text())  # /proc/self/fd/N: this process's memory file
+    expected = hot_rows_from_sample(Manifest.read(path).spec, sample, 3)
+    assert handed == {table: rows.tolist() for table, rows in expected.items()} == {"t_fp16": [5], "t_int8": [3, 7]}
+    os.close(int(command[3].rsplit("/", 1)[1]))
