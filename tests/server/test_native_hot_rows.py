@@ -126,6 +126,13 @@ def test_lookups_and_predictions_equal_the_python_cache(hot_server, hot_model, c
     if weighted:
         mixed = SparseFeatures(mixed.keys, mixed.values, mixed.lengths, torch.rand(mixed.values.numel()))
     cases.append((mixed, 4))
+    # every id hot: the model's share is empty
+    hot_only = SparseFeatures(
+        spec.feature_names, torch.tensor([1, 2, 499, 4, 0, 150]), torch.tensor([2, 1, 1, 1, 1, 0], dtype=torch.int32)
+    )
+    if weighted:
+        hot_only = SparseFeatures(hot_only.keys, hot_only.values, hot_only.lengths, torch.rand(6))
+    cases.append((hot_only, 5))
     with EmbserveClient(hot_server.address, timeout=CALL_TIMEOUT) as v1:
         for batch, seed in cases:
             dense = _dense(batch.lengths.numel() // len(spec.features), seed)
