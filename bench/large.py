@@ -40,6 +40,7 @@ The artifact is deleted at the end unless ``--keep``. Full size needs ~28 GB of 
 
     python bench/large.py --scale 0.05
     python bench/large.py               # the full-size model (~27 GB artifact)
+    python bench/large.py --modes "" --servers python,native --ram-budget-mib 1024  # the two servers, 1 GiB
 """
 
 from __future__ import annotations
