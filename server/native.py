@@ -82,14 +82,9 @@ def hot_rows_flags(args: argparse.Namespace) -> list[str]:
     if getattr(args, "hot_rows", None) is None and getattr(args, "hot_rows_sample", None) is None:
         return []
     from infer.commands.hot_rows import hot_rows_of
-    from server.group.leader import is_multi_host
-    from server.repository import is_repository
+    from server.cli import refuse_whole_artifact_flags
 
-    if is_multi_host(args.artifact) or is_repository(args.artifact):
-        raise ConfigError(
-            f"--hot-rows applies to one artifact served whole; {args.artifact} is a repository or a multi-host "
-            "artifact. Serve one artifact folder with it, or leave the flags out"
-        )
+    refuse_whole_artifact_flags(args)  # a repository or multi-host artifact (cmd_serve checked already)
     rows = hot_rows_of(args, args.artifact) or {}
     text = json.dumps({table: ids.tolist() for table, ids in rows.items()}).encode()
     fd = os.memfd_create("embserve-hot-rows", 0)  # no MFD_CLOEXEC: the binary reads it after exec

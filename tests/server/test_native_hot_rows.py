@@ -258,3 +258,24 @@ def test_serve_native_hands_over_the_rows_python_chooses(hot_model, tmp_path):
     expected = hot_rows_from_sample(Manifest.read(path).spec, sample, 3)
     assert handed == {table: rows.tolist() for table, rows in expected.items()} == {"t_fp16": [5], "t_int8": [3, 7]}
     os.close(int(command[3].rsplit("/", 1)[1]))
+
+
+@pytest.mark.parametrize("native", [False, True], ids=["python", "native"])
+def test_serve_refuses_the_cache_and_prefetch_flags_for_a_repository(hot_model, tmp_path, capsys, monkeypatch, native):
+    """Both servers' command lines refuse --hot-rows and --prefetch on/off for a repository, naming the flag."""
+    from infer.cli import main
+
+    def no_exec(*_: Any) -> None:  # a refusal that regressed would replace this test process with the binary
+        raise AssertionError("embserve serve --native started the binary instead of refusing")
+
+    monkeypatch.setattr(os, "execv", no_exec)
+
+    (tmp_path / "repo" / "model").mkdir(parents=True)
+    (tmp_path / "repo" / "model" / "1").symlink_to(hot_model[2], target_is_directory=True)
+    serve = ["serve", str(tmp_path / "repo"), *(["--native"] if native else [])]
+    for flags, fragment in (
+        (["--hot-rows", "5", "--hot-rows-sample", str(hot_model[3])], "--hot-rows applies to one artifact"),
+        (["--prefetch", "on"], "--prefetch on applies to one artifact"),
+    ):
+        assert main([*serve, *flags]) == 2
+        assert fragment in capsys.readouterr().err
