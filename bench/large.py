@@ -28,10 +28,19 @@ made again to check what the artifact serves. Cases, one JSON line each, every l
 - ``spot_check``: rows served (one-id bags) against the row made again and quantized by the row codec (must be
   equal) and against its fp32 values (max abs error).
 
+- ``served_<server>_<pass>`` (``--servers python,native``): the same batches sent over embserve.v1 by
+  ``--clients`` client threads (this process, outside the cgroup) to ``embserve serve`` and ``embserve serve
+  --native``, each started from an evicted page cache inside the ``--ram-budget-mib`` cgroup (the server's own
+  memory, its hot-row cache and the page cache all count) as the ``cache`` mode serves (``--prefetch on``, and
+  ``--hot-rows`` chosen from the same sample: the rows chosen in Python for both): lookups/s, the server's major faults
+  and pages read per lookup, its resident set; ``target_native``: the native server's warm (and cold) lookups/s
+  over the Python server's (target >= 1) and whether their answers to the first batches are bit-equal.
+
 The artifact is deleted at the end unless ``--keep``. Full size needs ~28 GB of disk and minutes:
 
     python bench/large.py --scale 0.05
     python bench/large.py               # the full-size model (~27 GB artifact)
+    python bench/large.py --modes "" --servers python,native --ram-budget-mib 1024  # the two servers, 1 GiB
 """
 
 from __future__ import annotations
@@ -45,6 +54,7 @@ import os
 import random
 import resource
 import shutil
+import signal
 import subprocess
 import sys
 import tempfile
@@ -55,6 +65,11 @@ from typing import Any
 
 import numpy as np
 import torch
+
+# Run as ``python bench/large.py``, this file's folder heads sys.path and bench/server.py would shadow the ``server``
+# package (the --servers clients): the repository root instead
+if sys.path and os.path.abspath(sys.path[0]) == os.path.dirname(os.path.abspath(__file__)):
+    sys.path[0] = os.path.dirname(sys.path[0])
 
 DLRM_V2_ROWS = (
     40000000, 39060, 17295, 7424, 20265, 3, 7122, 1543, 63, 40000000, 3067956, 405282, 10, 2209, 11938, 155, 4,
@@ -452,7 +467,9 @@ def serve(args: argparse.Namespace, path: Path) -> None:
     )
     cgroup = memory_cgroup(args.ram_budget_mib << 20) if args.ram_budget_mib else None
     try:
-        runs = {mode: run_mode(args, path, mode, cgroup) for mode in args.modes.split(",")}
+        runs = {mode: run_mode(args, path, mode, cgroup) for mode in args.modes.split(",") if mode}
+        if args.servers:
+            serve_servers(args, path, cgroup)
     finally:
         if cgroup is not None:
             cgroup.rmdir()
@@ -496,6 +513,144 @@ def serve(args: argparse.Namespace, path: Path) -> None:
     emit("spot_check", scale=args.scale, **spot_check(runtime, spec, args.seed, args.spot_checks))
 
 
+# ------------------------------------------------------------------------------------------------------- servers
+
+
+def write_hot_rows_sample(args: argparse.Namespace, spec: Any, path: Path) -> int:
+    """The ``cache`` mode's sample (``--sample-batches`` batches of the same law) as ``--hot-rows-sample`` JSON
+    ``{feature: [ids]}``; returns the rows ``--cache-mib`` holds (``--hot-rows N``)."""
+    sample = make_batches(spec, args.sample_batches, args.seed + 1, ids_seed=args.seed + 2)
+    ids: dict[str, list[np.ndarray]] = {}
+    for batch in sample:
+        per_feature = batch.lengths.view(len(spec.features), -1).sum(1).tolist()
+        for feature, piece in zip(spec.features, torch.split(batch.values, [int(n) for n in per_feature])):
+            ids.setdefault(feature.name, []).append(piece.numpy())
+    path.write_text(json.dumps({name: np.concatenate(pieces).tolist() for name, pieces in ids.items()}))
+    return (args.cache_mib << 20) // (DIM + 4)
+
+
+def process_counters(pid: int) -> tuple[int, int]:
+    """(major faults, bytes read from storage) of process ``pid`` so far (0, 0 where unreadable)."""
+    try:
+        faults = int(Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[9])
+        read = 0
+        for line in Path(f"/proc/{pid}/io").read_text().splitlines():
+            if line.startswith("read_bytes:"):
+                read = int(line.split()[1])
+        return faults, read
+    except (OSError, IndexError, ValueError):
+        return 0, 0
+
+
+def start_server(args: argparse.Namespace, path: Path, kind: str, sample: Path, hot_rows: int, cgroup: Path | None):
+    """``embserve serve`` (``--native`` for the binary) of the artifact with the hot-row cache, in ``cgroup``;
+    returns (process, port) once it serves."""
+    from server.workers import SERVING_LINE
+
+    command = [sys.executable, "-m", "infer.cli", "serve", str(path), "--host", "127.0.0.1", "--port", "0"]
+    command += ["--verify", "none", "--hot-rows", str(hot_rows), "--hot-rows-sample", str(sample)]
+    command += ["--prefetch", args.server_prefetch]
+    if kind == "native":
+        command.append("--native")
+
+    def enter_cgroup() -> None:  # in the child before exec: the server and all it maps count against the budget
+        if cgroup is not None:
+            (cgroup / "cgroup.procs").write_text(str(os.getpid()))
+
+    root = Path(__file__).resolve().parents[1]
+    env = {**os.environ, "PYTHONPATH": str(root)}
+    process = subprocess.Popen(command, stdout=subprocess.PIPE, text=True, preexec_fn=enter_cgroup, env=env, cwd=root)
+    assert process.stdout is not None
+    line = process.stdout.readline()
+    if not line.startswith(SERVING_LINE):
+        process.kill()
+        raise SystemExit(f"the {kind} server did not start (status {process.wait()})")
+    return process, int(line.rsplit(" ", 1)[1])
+
+
+def served_pass(address: str, batches: list[Any], clients: int, pid: int) -> dict[str, Any]:
+    """One pass of ``batches`` over ``clients`` threads (batch i by thread i % clients): lookups/s and the server's
+    faults and reads per lookup."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    from server.client import EmbserveClient
+
+    stubs = [EmbserveClient(address, timeout=600.0) for _ in range(clients)]
+    try:
+        faults, read = process_counters(pid)
+        started = time.perf_counter()
+
+        def run(index: int) -> None:
+            for batch in batches[index::clients]:
+                stubs[index].lookup(batch)
+
+        with ThreadPoolExecutor(clients) as pool:
+            list(pool.map(run, range(clients)))
+        seconds = time.perf_counter() - started
+    finally:
+        for stub in stubs:
+            stub.close()
+    faults_after, read_after = process_counters(pid)
+    ids = sum(int(batch.values.numel()) for batch in batches)
+    return {
+        "lookups": ids,
+        "lookups_per_s": round(ids / seconds),
+        "major_faults_per_lookup": round((faults_after - faults) / ids, 5),
+        "pages_read_per_lookup": round((read_after - read) / PAGE / ids, 5),
+    }
+
+
+def serve_servers(args: argparse.Namespace, path: Path, cgroup: Path | None) -> None:
+    """Each server in turn in the RAM budget, the same batches twice (cold, warm); then the native/python ratio."""
+    from infer.storage.memory import memory_use
+    from server.client import EmbserveClient
+
+    spec = dlrm_spec(args.scale)
+    batches = make_batches(spec, args.batches, args.seed + 1)
+    sample = Path(tempfile.mkdtemp(prefix="embserve-hot-")) / "sample.json"
+    hot_rows = write_hot_rows_sample(args, spec, sample)
+    budget = f"{args.ram_budget_mib} MiB memory cgroup" if cgroup is not None else "the host's RAM"
+    results: dict[str, dict[str, Any]] = {}
+    answers: dict[str, list[torch.Tensor]] = {}
+    try:
+        for kind in args.servers.split(","):
+            for file in sorted(path.glob("weights-*.bin")):
+                drop_from_page_cache(file)
+            process, port = start_server(args, path, kind, sample, hot_rows, cgroup)
+            try:
+                for file in sorted(path.glob("weights-*.bin")):  # what start-up read (the cache's copy) goes too
+                    drop_from_page_cache(file)
+                for name in ("cold", "warm"):
+                    result = served_pass(f"127.0.0.1:{port}", batches, args.clients, process.pid)
+                    memory = memory_use(process.pid)
+                    result.update(
+                        rss_anon_gb=round(memory.rss_anon / 1e9, 3), rss_file_gb=round(memory.rss_file / 1e9, 3)
+                    )
+                    results[f"{kind}_{name}"] = result
+                    emit(f"served_{kind}_{name}", scale=args.scale, ram_budget=budget, clients=args.clients,
+                         batch=BATCH, batches=args.batches, hot_rows=hot_rows, **result)  # fmt: skip
+                with EmbserveClient(f"127.0.0.1:{port}", timeout=600.0) as client:
+                    answers[kind] = [client.lookup(batch) for batch in batches[:3]]
+            finally:
+                process.send_signal(signal.SIGTERM)
+                process.wait(timeout=120)
+    finally:
+        shutil.rmtree(sample.parent, ignore_errors=True)
+    if "python" in answers and "native" in answers:
+        emit(
+            "target_native",
+            scale=args.scale,
+            ram_budget=budget,
+            clients=args.clients,
+            python_warm_lookups_per_s=results["python_warm"]["lookups_per_s"],
+            native_warm_lookups_per_s=results["native_warm"]["lookups_per_s"],
+            ratio_warm=round(results["native_warm"]["lookups_per_s"] / results["python_warm"]["lookups_per_s"], 3),
+            ratio_cold=round(results["native_cold"]["lookups_per_s"] / results["python_cold"]["lookups_per_s"], 3),
+            outputs_bit_equal=all(torch.equal(a, b) for a, b in zip(answers["python"], answers["native"])),
+            target=1.0,
+        )
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--scale", type=float, default=1.0, help="rows times this (0.05: a ~1.4 GB artifact)")
@@ -513,6 +668,13 @@ def main() -> int:
     parser.add_argument("--cache-mib", type=int, default=256, help="hot-row cache size (mode 'cache')")
     parser.add_argument(
         "--sample-batches", type=int, default=200, help="batches of the sample the cache is chosen from"
+    )
+    parser.add_argument(
+        "--servers", default="", help="also serve through these servers, of python,native (embserve serve [--native])"
+    )
+    parser.add_argument("--clients", type=int, default=4, help="client threads per server pass (--servers)")
+    parser.add_argument(
+        "--server-prefetch", choices=("auto", "on", "off"), default="on", help="the servers' --prefetch (--servers)"
     )
     parser.add_argument("--phase", choices=("all", "export", "serve"), default="all", help=argparse.SUPPRESS)
     parser.add_argument("--mode", choices=MODES, default="plain", help=argparse.SUPPRESS)

@@ -47,6 +47,28 @@ def _worker_options(args: argparse.Namespace) -> list[str]:
     return options
 
 
+def refuse_whole_artifact_flags(args: argparse.Namespace) -> None:
+    """``--hot-rows`` and ``--prefetch on|off`` act on one artifact served whole (both servers): ConfigError for a
+    repository or a multi-host artifact."""
+    from server.group.leader import is_multi_host
+    from server.repository import is_repository
+
+    wants_hot_rows = args.hot_rows is not None or args.hot_rows_sample is not None
+    if not (wants_hot_rows or args.prefetch != "auto"):
+        return
+    if not (is_multi_host(args.artifact) or is_repository(args.artifact)):
+        return
+    if wants_hot_rows:
+        raise ConfigError(
+            f"--hot-rows applies to one artifact served whole; {args.artifact} is a repository or a multi-host "
+            "artifact. Serve one artifact folder with it, or leave the flags out"
+        )
+    raise ConfigError(
+        f"--prefetch {args.prefetch} applies to one artifact served whole; {args.artifact} is a repository or a "
+        "multi-host artifact (their versions and hosts read ahead as their plans say). Leave the flag out"
+    )
+
+
 def cmd_serve(args: argparse.Namespace) -> int:
     import asyncio
     import signal
@@ -55,6 +77,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
     # Until the server's event loop takes the signals over, a SIGTERM while loading ends the process quietly.
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(0))
 
+    refuse_whole_artifact_flags(args)
     if args.native:
         from server.native import exec_native
 
@@ -98,14 +121,8 @@ def cmd_serve(args: argparse.Namespace) -> int:
     )
     from server.group.leader import GroupConfig, is_multi_host
     from server.group.serve import serve_distributed
-    from server.repository import is_repository
 
     wants_hot_rows = args.hot_rows is not None or args.hot_rows_sample is not None
-    if wants_hot_rows and (is_multi_host(args.artifact) or is_repository(args.artifact)):
-        raise ConfigError(
-            f"--hot-rows applies to one artifact served whole; {args.artifact} is a repository or a multi-host "
-            "artifact. Serve one artifact folder with it, or leave the flags out"
-        )
     if is_multi_host(args.artifact):
         group = GroupConfig(collective_timeout_s=args.collective_timeout_s, failure_grace_s=args.failure_grace_s)
         # a broken group's peers may never answer: do not wait in process-group teardown at exit
@@ -120,12 +137,14 @@ def cmd_serve(args: argparse.Namespace) -> int:
                 logging.Formatter(f"%(levelname)s worker {args.worker_of_instance} %(name)s: %(message)s")
             )
     artifact: Any = args.artifact
-    if args.backend != "torchscript" or wants_hot_rows:
+    if args.backend != "torchscript" or wants_hot_rows or args.prefetch != "auto":
         from infer.artifact.load import load
         from infer.commands.hot_rows import describe_hot_rows, hot_rows_of
 
         hot_rows = hot_rows_of(args, args.artifact)
-        artifact = load(args.artifact, backend=args.backend, verify=args.verify, hot_rows=hot_rows)
+        artifact = load(
+            args.artifact, backend=args.backend, verify=args.verify, hot_rows=hot_rows, prefetch=args.prefetch
+        )
         cache = describe_hot_rows(artifact)
         if cache is not None:
             print(cache, file=sys.stderr, flush=True)  # stdout's first line is the serving line
@@ -389,6 +408,13 @@ def add_subcommands(subcommands: Any) -> None:
     from infer.commands.hot_rows import add_hot_rows_arguments
 
     add_hot_rows_arguments(srv)
+    srv.add_argument(
+        "--prefetch",
+        choices=("auto", "on", "off"),
+        default="auto",
+        help="read each batch's pages of a mapped artifact ahead of the kernel (madvise): auto (when the plan pages "
+        "a table), on, off",
+    )
     srv.set_defaults(func=cmd_serve, parser=srv)
 
     qry = subcommands.add_parser("query", help="query a server: metadata and one lookup")

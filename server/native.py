@@ -8,6 +8,7 @@ server`` builds it there), else on ``PATH``.
 from __future__ import annotations
 
 import argparse
+import json
 import os
 import shutil
 from pathlib import Path
@@ -24,10 +25,13 @@ PASSED = (
     "--max-queue", "--forward-threads", "--intra-op-threads", "--threads", "--max-message-mb", "--metrics-port",
     "--metrics-host", "--tls-cert", "--tls-key", "--auth-token-file", "--drain-grace-s", "--drain-quiet-s",
     "--drain-seconds", "--model-name", "--verify", "--http-port", "--http-host", "--backend", "--poll-s",
-    "--version-policy",
+    "--version-policy", "--prefetch",
 )  # fmt: skip
 # --backend values the binary runs (onnxruntime stays with the Python server)
 BACKENDS = ("torchscript", "pt2")
+# `embserve serve` flags turned into the binary's --hot-rows-file: the rows are chosen here, as the Python server
+# chooses them (infer.artifact.paged.hot_rows_from_sample), and handed over as JSON {"table": [row, ...]}
+HOT_ROWS_DESTS = ("hot_rows", "hot_rows_sample")
 
 
 def find_binary() -> str:
@@ -53,9 +57,10 @@ def native_command(args: argparse.Namespace) -> list[str]:
     if args.backend not in BACKENDS:
         runs = " or ".join(BACKENDS)
         raise ConfigError(f"{BINARY} runs --backend {runs}, not {args.backend}; serve without --native")
-    command = [find_binary(), str(args.artifact)]
+    hot_rows = hot_rows_flags(args)  # before the binary is looked for: a bad sample is the same error either way
+    command = [find_binary(), str(args.artifact), *hot_rows]
     for action in args.parser._actions:
-        if not action.option_strings or action.dest in ("help", "native"):
+        if not action.option_strings or action.dest in ("help", "native", *HOT_ROWS_DESTS):
             continue
         value = getattr(args, action.dest)
         if value == action.default:
@@ -68,6 +73,26 @@ def native_command(args: argparse.Namespace) -> list[str]:
         else:
             command += [flag, str(value)]
     return command
+
+
+def hot_rows_flags(args: argparse.Namespace) -> list[str]:
+    """``--hot-rows-file`` for ``--hot-rows N --hot-rows-sample FILE`` (none without them): the rows the Python
+    server would cache (``hot_rows_of``: its checks and words), written as JSON to a memory file this process
+    hands on through ``exec`` (``/proc/self/fd/N``: nothing left on disk)."""
+    if getattr(args, "hot_rows", None) is None and getattr(args, "hot_rows_sample", None) is None:
+        return []
+    from infer.commands.hot_rows import hot_rows_of
+    from server.cli import refuse_whole_artifact_flags
+
+    refuse_whole_artifact_flags(args)  # a repository or multi-host artifact (cmd_serve checked already)
+    rows = hot_rows_of(args, args.artifact) or {}
+    text = json.dumps({table: ids.tolist() for table, ids in rows.items()}).encode()
+    fd = os.memfd_create("embserve-hot-rows", 0)  # no MFD_CLOEXEC: the binary reads it after exec
+    left = memoryview(text)
+    while left:
+        left = left[os.write(fd, left) :]
+    os.set_inheritable(fd, True)
+    return ["--hot-rows-file", f"/proc/self/fd/{fd}"]
 
 
 def exec_native(args: argparse.Namespace) -> None:

@@ -115,6 +115,7 @@ SANITIZED_MODULES = frozenset(
         "tests/server/test_oip_security.py",
         "tests/server/test_repository.py",
         "tests/server/test_pt2_serving.py",
+        "tests/server/test_native_hot_rows.py",
     }
 )
 # leak reports are off: libtorch and gRPC keep process-lifetime singletons, and the server leaves with _exit after

@@ -26,6 +26,7 @@ from infer.weights import random_weights
 from server.app import SERVING_LINE
 from server.client import EmbserveClient
 from tests.conftest import random_batch
+from tests.server.native_support import SERVER_KINDS, native_binary
 from tests.support.call_contract import Reference, assert_matches
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -57,10 +58,14 @@ def mapped(tmp_path_factory):  # type: ignore[no-untyped-def]
     return spec, Reference(spec, model), path, folder / "sample.json"
 
 
-def test_serve_with_hot_rows_answers_the_fp32_reference(mapped, tmp_path):
+@pytest.mark.parametrize("kind", SERVER_KINDS)
+def test_serve_with_hot_rows_answers_the_fp32_reference(mapped, tmp_path, kind):
     spec, reference, path, sample = mapped
     log = tmp_path / "serve.log"
     command = [sys.executable, "-m", "infer.cli", "serve", str(path), "--host", "127.0.0.1", "--port", "0"]
+    if kind == "native":  # the rows chosen by the same Python code, served by embserve-server
+        native_binary()
+        command.append("--native")
     with open(log, "w") as stderr:
         process = subprocess.Popen(
             [*command, "--hot-rows", "50", "--hot-rows-sample", str(sample)],
@@ -125,21 +130,29 @@ def _error(capsys, *argv: str) -> str:  # type: ignore[no-untyped-def]
     return err[0]
 
 
-@pytest.mark.parametrize("command", ["run", "serve"])
+@pytest.mark.parametrize("command", ["run", "serve", "serve --native"])
 def test_bad_hot_row_flags_are_one_line_errors(mapped, tmp_path, capsys, command):
     spec, _, path, sample = mapped
-    message = _error(capsys, command, str(path), "--hot-rows", "0", "--hot-rows-sample", str(sample))
+    verb, *native = command.split()  # --native: the same checks, before the binary is looked for
+
+    def error(*flags: str) -> str:
+        return _error(capsys, verb, str(path), *native, *flags)
+
+    message = error("--hot-rows", "0", "--hot-rows-sample", str(sample))
     assert "--hot-rows must be at least 1, got 0" in message
-    message = _error(capsys, command, str(path), "--hot-rows", "10")
+    message = error("--hot-rows", "10")
     assert "--hot-rows N and --hot-rows-sample FILE go together" in message
     missing = tmp_path / "nope.json"
-    message = _error(capsys, command, str(path), "--hot-rows", "10", "--hot-rows-sample", str(missing))
+    message = error("--hot-rows", "10", "--hot-rows-sample", str(missing))
     assert str(missing) in message and "write JSON" in message
+    (tmp_path / "garbage.json").write_bytes(b"\x00 not json")
+    message = error("--hot-rows", "10", "--hot-rows-sample", str(tmp_path / "garbage.json"))
+    assert str(tmp_path / "garbage.json") in message and "hot-row sample" in message
     (tmp_path / "wide.json").write_text(json.dumps({"clicked": [5, 900]}))
-    message = _error(capsys, command, str(path), "--hot-rows", "10", "--hot-rows-sample", str(tmp_path / "wide.json"))
+    message = error("--hot-rows", "10", "--hot-rows-sample", str(tmp_path / "wide.json"))
     assert "'clicked' has ids outside [0, 900) (the rows of its table 'items'); fix the sample" in message
     (tmp_path / "other.json").write_text(json.dumps({"nobody": [1]}))
-    message = _error(capsys, command, str(path), "--hot-rows", "10", "--hot-rows-sample", str(tmp_path / "other.json"))
+    message = error("--hot-rows", "10", "--hot-rows-sample", str(tmp_path / "other.json"))
     assert "unknown feature 'nobody'" in message
 
 

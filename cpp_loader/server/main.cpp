@@ -70,6 +70,8 @@ struct Flags {
   std::string backend = "torchscript";  // or pt2 (model.pt2, AOTInductor)
   double poll_s = 0;                    // a repository: look for new versions this often (0: on load calls only)
   std::string version_policy = "latest:1";
+  std::string hot_rows_file;  // JSON {"table": [row, ...]}: rows kept in a resident cache (one mapped artifact)
+  std::string prefetch = "auto";  // read a batch's pages of a mapped artifact ahead: auto (a paged plan), on, off
 };
 
 const char* kUsage =
@@ -79,7 +81,8 @@ const char* kUsage =
     "  [--metrics-host H] [--http-port P] [--http-host H]\n"
     "  [--tls-cert PEM] [--tls-key PEM] [--auth-token-file F] [--drain-grace-s S] [--drain-quiet-s S]\n"
     "  [--drain-seconds S] [--model-name NAME] [--verify full|none] [--warmup-batches N] [--grpc-threads N]\n"
-    "  [--reuse-port] [--backend torchscript|pt2] [--poll-s S] [--version-policy latest:N|versions:1,3]\n";
+    "  [--reuse-port] [--backend torchscript|pt2] [--poll-s S] [--version-policy latest:N|versions:1,3]\n"
+    "  [--hot-rows-file JSON] [--prefetch auto|on|off]\n";
 
 template <typename T>
 T number(const std::string& flag, const std::string& text) {
@@ -121,6 +124,8 @@ Flags parse_flags(int argc, char** argv) {
       {"--backend", [&](auto& v) { f.backend = v; }},
       {"--poll-s", [&](auto& v) { f.poll_s = number<double>("--poll-s", v); }},
       {"--version-policy", [&](auto& v) { f.version_policy = v; }},
+      {"--hot-rows-file", [&](auto& v) { f.hot_rows_file = v; }},
+      {"--prefetch", [&](auto& v) { f.prefetch = v; }},
   };
   for (int i = 1; i < argc; ++i) {
     std::string arg = argv[i];
@@ -157,6 +162,8 @@ Flags parse_flags(int argc, char** argv) {
   if (f.verify != "full" && f.verify != "none") throw ConfigError("--verify " + f.verify + ": use full or none");
   if (f.backend != "torchscript" && f.backend != "pt2")
     throw ConfigError("--backend " + f.backend + ": embserve-server runs torchscript or pt2");
+  if (f.prefetch != "auto" && f.prefetch != "on" && f.prefetch != "off")
+    throw ConfigError("--prefetch " + f.prefetch + ": use auto, on or off");
   if (f.poll_s < 0) throw ConfigError("--poll-s " + std::to_string(f.poll_s) + ": give seconds >= 0 (0: no polling)");
   if (f.max_batch_size < 1 || f.max_queue < 1 || f.max_merge_examples < 1 || f.max_delay_us < 0 ||
       f.forward_threads < 0)
@@ -273,6 +280,13 @@ int serve(const Flags& flags, const sigset_t& signals) {
       flags.intra_op_threads > 0 ? flags.intra_op_threads : std::max(1, cores / (workers * cpu_shards));
   runner_options.kernel_threads = flags.threads > 0 ? flags.threads : std::max(1, cores / (workers * cpu_shards));
   runner_options.pt2 = flags.backend == "pt2";
+  if (!flags.hot_rows_file.empty()) {
+    if (repository)
+      throw ConfigError("--hot-rows-file applies to one artifact served whole; " + flags.artifact +
+                        " is a repository. Serve one artifact folder with it, or leave the flag out");
+    runner_options.hot_rows_file = flags.hot_rows_file;
+  }
+  runner_options.prefetch = flags.prefetch;
 
   es::ServiceOptions options;
   options.max_batch_size = flags.max_batch_size;
@@ -459,7 +473,7 @@ int main(int argc, char** argv) {
     return 2;
   } catch (const es::RunnerError& err) {
     std::cerr << "embserve-server: error: " << err.what() << std::endl;
-    return 1;
+    return err.kind == "ConfigError" ? 2 : 1;
   } catch (const std::exception& err) {
     std::cerr << "embserve-server: error: " << err.what() << std::endl;
     return 1;

@@ -5,6 +5,7 @@
 #include <torch/types.h>
 
 #include <cstring>
+#include <iostream>
 #include <tuple>
 
 #include "embserve/loader.h"
@@ -30,6 +31,7 @@ class ModelRunner : public Runner {
   }
 
   const ModelShape& shape() const override { return shape_; }
+  HotRowCacheInfo cache() const { return model_.hot_row_cache(); }
 
   void run(Forward forward, const SparseBatch& batch, const std::vector<Destination>& destinations) const override {
     try {
@@ -96,7 +98,17 @@ std::unique_ptr<Runner> Runner::load(const std::string& artifact_dir, const Runn
   load_options.kernel_threads = options.kernel_threads;
   load_options.backend = options.pt2 ? Backend::Pt2 : Backend::TorchScript;
   try {
-    return std::make_unique<ModelRunner>(Model::load(artifact_dir, load_options));
+    if (!options.hot_rows_file.empty()) load_options.hot_rows = read_hot_rows(options.hot_rows_file);
+    load_options.prefetch = options.prefetch == "on" ? Prefetch::On : options.prefetch == "off" ? Prefetch::Off
+                                                                                               : Prefetch::Auto;
+    auto runner = std::make_unique<ModelRunner>(Model::load(artifact_dir, load_options));
+    if (const HotRowCacheInfo cache = runner->cache(); cache.rows > 0)  // the Python server's line (hot_rows.py)
+      std::cerr << "hot-row cache: " << cache.rows << " rows of " << cache.tables << " tables resident ("
+                << cache.bytes << " bytes)" << std::endl;
+    return runner;
+  } catch (const ConfigError& err) {  // the load options come from --hot-rows-file and --prefetch
+    const std::string flag = std::string(err.what()).rfind("prefetch", 0) == 0 ? "--prefetch: " : "--hot-rows-file: ";
+    throw RunnerError(flag + err.what(), "ConfigError");
   } catch (const ManifestError& err) {
     throw RunnerError(err.what(), "ArtifactError(kind=manifest)");
   } catch (const ChecksumError& err) {

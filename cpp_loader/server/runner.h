@@ -75,6 +75,10 @@ struct RunnerOptions {
   int intra_op_threads = -1;  // LoadOptions.intra_op_threads: torch threads per forward
   int kernel_threads = -1;    // LoadOptions.kernel_threads: example ranges a CPU kernel splits a batch into
   bool pt2 = false;           // --backend pt2: model.pt2 (AOTInductor) runs the forwards instead of model.pt
+  // --hot-rows-file: JSON {"table": [row, ...]} of rows served from a resident cache (LoadOptions.hot_rows); empty:
+  // none. A bad file or row is a RunnerError of kind "ConfigError" naming the flag.
+  std::string hot_rows_file;
+  std::string prefetch = "auto";  // --prefetch: LoadOptions.prefetch (auto, on, off)
 };
 
 class Runner {

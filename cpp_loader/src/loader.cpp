@@ -39,6 +39,8 @@
 #include <torch/version.h>
 
 #include "files.h"
+#include "hot_rows.h"
+#include "prefetch.h"
 #include "kernel_attributes_json.h"
 #include "schema.h"
 
@@ -1659,6 +1661,25 @@ std::vector<Routing> read_checked_plan(const fs::path& folder, const schema::Doc
   const fs::path plan_path = folder / data["sharding"]["plan_file"].get<std::string>();
   return check_plan(read_document(plan_path, "plan"), data, plan_path.string());
 }
+// The one kernel of an unsharded CPU model (the layout the hot-row cache and the prefetcher read rows of), or none.
+std::optional<torch::jit::Module> single_cpu_kernel(const torch::jit::Module& model, const std::string& where) {
+  torch::jit::Module embeddings = child(model, "embeddings", where);
+  if (embeddings.hasattr("shards") || !embeddings.hasattr("tbe") ||
+      (embeddings.hasattr("kernel_device") && embeddings.attr("kernel_device").toStringRef() != "cpu"))
+    return std::nullopt;
+  return child(embeddings, "tbe", where);
+}
+
+// prefetch_wanted's auto rule: a shard of the plan in the paged tier.
+bool plan_has_paged_tier(const fs::path& folder, const schema::Document& data) {
+  if (data["sharding"]["plan_file"].is_null()) return false;
+  const schema::Document plan = read_document(folder / data["sharding"]["plan_file"].get<std::string>(), "plan");
+  for (const auto& table : plan["tables"])
+    for (const auto& shard : table["shards"])
+      if (shard.contains("tier") && shard["tier"] == "paged") return true;
+  return false;
+}
+
 }  // namespace
 
 void check_manifest(const std::string& artifact_dir) {
@@ -1675,6 +1696,8 @@ Model Model::load(const std::string& artifact_dir, const LoadOptions& options) {
   model.path_ = artifact_dir;
   const auto model_file = data["model_file"].get<std::string>();
   model.backend_ = options.backend;
+  if (!options.hot_rows.empty() && options.backend != Backend::TorchScript)
+    throw ConfigError("hot_rows applies to the torchscript backend, not 'pt2'");
   if (options.backend == Backend::Pt2 && !data.contains("pt2"))
     throw ManifestError((folder / "manifest.json").string() + " has no 'pt2' entry: the artifact carries no " +
                         "model.pt2 for the Pt2 backend. Re-export with `embserve export --pt2` (infer.export(..., " +
@@ -1808,8 +1831,107 @@ Model Model::load(const std::string& artifact_dir, const LoadOptions& options) {
   }
   if (threads > 0) at::set_num_threads(threads);
   model.build_direct_plan();
+  // as Python's prefetch_wanted: an embedded artifact has nothing to read ahead, whatever the mode
+  if (is_mapped(data)) model.build_prefetch(options.prefetch, plan_has_paged_tier(folder, data));
+  if (!options.hot_rows.empty()) {
+    if (!is_mapped(data))
+      throw ConfigError("hot_rows needs a mapped artifact (export with weights='mapped'); " + artifact_dir +
+                        " embeds its weights");
+    model.build_hot_rows(options.hot_rows);
+  }
   model.load_seconds_ = seconds_since(started);
   return model;
+}
+
+void Model::build_prefetch(Prefetch mode, bool paged_plan) {
+  if (mode == Prefetch::Off || backend_ != Backend::TorchScript || (mode == Prefetch::Auto && !paged_plan)) return;
+  const std::optional<torch::jit::Module> tbe = module_ ? single_cpu_kernel(*module_, program_path_) : std::nullopt;
+  if (!tbe) {
+    if (mode == Prefetch::On)
+      throw ConfigError("prefetch='on': " + path_ + " is sharded or not on the CPU; this loader reads ahead for an " +
+                        "unsharded CPU model only (serve it with the Python server, or export it unsharded)");
+    return;
+  }
+  const at::Tensor host = tbe->attr("weights_host").toTensor();
+  const at::Tensor offsets = tbe->attr("weights_offsets").toTensor().to(at::kLong);
+  const at::Tensor d_offsets = tbe->attr("D_offsets").toTensor().to(at::kLong);
+  const at::Tensor types = tbe->attr("weights_tys").toTensor().to(at::kLong);
+  const int64_t alignment = std::max<int64_t>(1, tbe->attr("row_alignment").toInt());
+  std::vector<prefetch::Region> regions;
+  for (size_t f = 0; f < features_.size(); ++f) {
+    const auto i = static_cast<int64_t>(f);
+    if (offsets.numel() != static_cast<int64_t>(features_.size())) break;
+    const int64_t dim = d_offsets[i + 1].item<int64_t>() - d_offsets[i].item<int64_t>();
+    const int64_t type = types[i].item<int64_t>();
+    // fbgemm SparseType: FP32 0, FP16 1, INT8 2, INT4 3, INT2 4 (rowwise.unpadded_row_bytes)
+    const int64_t width = type == 0 ? dim * 4 : type == 1 ? dim * 2 : type == 2 ? dim + 4 : type == 3 ? dim / 2 + 4
+                        : type == 4 ? dim / 4 + 4 : dim;
+    const int64_t stride = (width + alignment - 1) / alignment * alignment;
+    const int64_t start = offsets[i].item<int64_t>();
+    const int64_t rows = features_[f].num_embeddings;
+    if (start < 0 || start + rows * stride > host.numel()) {
+      regions.push_back({});
+      continue;
+    }
+    regions.push_back({host.data_ptr<uint8_t>() + start, stride, rows});
+  }
+  prefetch_ = std::make_shared<prefetch::Prefetcher>(std::move(regions));
+  prefetch_->advise_random();
+}
+
+void Model::read_ahead(const at::Tensor& values, const at::Tensor& lengths) const {
+  if (prefetch_) prefetch_->prefetch(values, lengths);
+}
+
+void Model::build_hot_rows(const HotRows& rows) {
+  // the cache reads rows from the one kernel of an unsharded CPU model (Python's reads any mapped layout; the
+  // sharded ones are left to it for now)
+  const std::optional<torch::jit::Module> tbe = single_cpu_kernel(*module_, program_path_);
+  if (!tbe)
+    throw ConfigError("hot_rows: " + path_ + " is sharded or not on the CPU; this loader caches rows of an " +
+                      "unsharded CPU model only (serve it with the Python server, or export it unsharded)");
+  hot_ = std::make_shared<const hot_rows::HotRowCache>(*tbe, features_, rows, program_path_);
+}
+
+HotRowCacheInfo Model::hot_row_cache() const {
+  if (!hot_) return {};
+  return {hot_->rows(), hot_->tables(), hot_->bytes()};
+}
+
+HotRows read_hot_rows(const std::string& path) {
+  std::ifstream in(path, std::ios::binary);
+  if (!in) throw ConfigError("cannot read the hot-rows file " + path + "; write JSON {\"table\": [row, ...]}");
+  std::stringstream text;
+  text << in.rdbuf();
+  nlohmann::json document;
+  try {
+    document = nlohmann::json::parse(text.str());
+  } catch (const std::exception& err) {
+    throw ConfigError("the hot-rows file " + path + " is not JSON (" + first_line(err.what()) +
+                      "); write JSON {\"table\": [row, ...]}");
+  }
+  if (!document.is_object())
+    throw ConfigError("the hot-rows file " + path + " holds " + std::string(document.type_name()) +
+                      ", not an object; write JSON {\"table\": [row, ...]}");
+  HotRows rows;
+  for (const auto& [table, ids] : document.items()) {
+    std::vector<int64_t> list;
+    if (ids.is_array()) {
+      list.reserve(ids.size());
+      for (const auto& id : ids) {
+        if (!id.is_number_integer()) {
+          list.clear();
+          break;
+        }
+        list.push_back(id.get<int64_t>());
+      }
+    }
+    if (!ids.is_array() || list.size() != ids.size())
+      throw ConfigError("the hot-rows file " + path + ": table '" + table +
+                        "' must map to a list of integer row ids, got " + first_line(ids.dump()).substr(0, 80));
+    rows.emplace_back(table, std::move(list));
+  }
+  return rows;
 }
 
 // fbgemm's CPU kernel of int_nbit_split_embedding_codegen_lookup_function as it registers it (by value): the typed
@@ -2181,6 +2303,8 @@ struct ScriptCall {
 at::Tensor Model::lookup(const at::Tensor& values, const at::Tensor& lengths,
                          const std::optional<at::Tensor>& weights) const {
   validate(values, lengths, weights);
+  if (hot_) return lookup_cached(values, lengths, weights);  // PagedModel.forward: validated, then split
+  read_ahead(values, lengths);
   if (backend_ == Backend::Pt2) return lookup_pt2(values, lengths, weights);
   if (direct_ && direct_->answers(values, lengths)) return lookup_direct(*direct_, values, lengths, weights);
   ScriptCall call(plain_execution_);
@@ -2340,6 +2464,8 @@ at::Tensor Model::predict(const at::Tensor& dense_features, const at::Tensor& va
       if (batch == 0) return at::empty({0}, at::TensorOptions().dtype(at::kFloat));
       return score_pt2(dense_features, lookup_pt2(values, lengths, weights), batch);
     }
+    if (hot_) return score(dense_features, lookup_cached(values, lengths, weights), batch);
+    read_ahead(values, lengths);
     ScriptCall call(plain_execution_);
     at::Tensor out = module_->get_method("predict")(script_inputs({dense_features, values, lengths}, weights)).toTensor();
     return scores_of(out, batch, program_path_);
@@ -2369,6 +2495,34 @@ at::Tensor Model::score_pt2(const at::Tensor& dense_features, const at::Tensor& 
 
 at::Tensor Model::lookup_unchecked(const at::Tensor& values, const at::Tensor& lengths,
                                    const std::optional<at::Tensor>& weights) const {
+  if (hot_) return lookup_cached(values, lengths, weights);
+  return lookup_model(values, lengths, weights);
+}
+
+// PagedModel._cached: the batch split once, the model's share (cut from a validated batch, so well formed too) to
+// its unchecked entry, the cache's sums added into its output.
+at::Tensor Model::lookup_cached(const at::Tensor& values, const at::Tensor& lengths,
+                                const std::optional<at::Tensor>& weights) const {
+  const hot_rows::HotRowCache::Split split = hot_->split(values, lengths, weights);
+  at::Tensor out = lookup_model(split.cold_values, split.cold_lengths, split.cold_weights);
+  hot_->add(out, lengths, split);
+  return out;
+}
+
+at::Tensor Model::score(const at::Tensor& dense_features, const at::Tensor& pooled, int64_t batch) const {
+  ScriptCall call(plain_execution_);
+  try {
+    return scores_of(module_->get_method("score")({dense_features, pooled}).toTensor(), batch, program_path_);
+  } catch (const Error&) {
+    throw;
+  } catch (const std::exception& err) {
+    rethrow_script_error(err);
+  }
+}
+
+at::Tensor Model::lookup_model(const at::Tensor& values, const at::Tensor& lengths,
+                               const std::optional<at::Tensor>& weights) const {
+  read_ahead(values, lengths);  // PagedModel: the pages of the ids the model reads (the cold ones, with a cache)
   if (backend_ == Backend::Pt2) return lookup_pt2(values, lengths, weights);
   if (direct_ && direct_->answers(values, lengths)) return lookup_direct(*direct_, values, lengths, weights);
   ScriptCall call(plain_execution_);
@@ -2397,6 +2551,11 @@ std::pair<at::Tensor, at::Tensor> Model::lookup_and_predict_unchecked(const at::
       if (batch == 0) return {pooled, at::empty({0}, at::TensorOptions().dtype(at::kFloat))};
       return {pooled, score_pt2(dense_features, pooled, batch)};
     }
+    if (hot_) {  // PagedModel._scored: the pooled lookups through the cache, then the dense part
+      at::Tensor pooled = lookup_cached(values, lengths, weights);
+      return {pooled, score(dense_features, pooled, batch)};
+    }
+    read_ahead(values, lengths);
     const std::shared_ptr<const torch::jit::Method>& method =
         lookup_and_predict_unchecked_ ? lookup_and_predict_unchecked_ : lookup_and_predict_;
     if (!method)  // an artifact exported before lookup_and_predict: two forwards

@@ -45,6 +45,8 @@ _FLAGS = {
     "version_policy": "--version-policy",
     "poll_s": "--poll-s",
     "backend": "--backend",
+    "hot_rows_file": "--hot-rows-file",
+    "prefetch": "--prefetch",
 }
 
 

@@ -32,6 +32,12 @@ class AOTIModelPackageLoader;
 }
 
 namespace embserve {
+namespace hot_rows {
+class HotRowCache;
+}
+namespace prefetch {
+class Prefetcher;
+}
 
 // Base of every error the loader raises.
 class Error : public std::runtime_error {
@@ -67,6 +73,12 @@ class RequestError : public Error {
  public:
   using Error::Error;
 };
+// A load option is invalid (Python's ConfigError): hot rows naming an unknown table or a row outside its table, a
+// hot-rows file that cannot be read; the message names the option or file and the fix.
+class ConfigError : public Error {
+ public:
+  using Error::Error;
+};
 
 // Which of the artifact's model files runs the lookups.
 enum class Backend {
@@ -80,6 +92,20 @@ enum class Verify {
   None,  // paths and sizes only (a file of the wrong size is still refused before anything maps it): for a trusted
          // artifact verified before
 };
+
+// Whether lookups read their pages of a mapped artifact ahead (Python's load(..., prefetch=...)).
+enum class Prefetch {
+  Auto,  // on when the artifact is mapped and its plan puts a shard in the paged tier
+  On,    // MADV_RANDOM on the mappings, and each batch's pages asked for (MADV_WILLNEED, a pool of threads) first
+  Off,
+};
+
+// Rows to keep in a resident hot-row cache, per table: (table name, row ids) (Python's load(..., hot_rows=...)).
+using HotRows = std::vector<std::pair<std::string, std::vector<int64_t>>>;
+
+// The rows of a hot-rows file: JSON {"table": [row, ...], ...} (what `embserve serve --native` writes from
+// --hot-rows-sample: infer.artifact.paged.hot_rows_from_sample). Throws ConfigError naming the file.
+HotRows read_hot_rows(const std::string& path);
 
 struct LoadOptions {
   Backend backend = Backend::TorchScript;
@@ -98,6 +124,22 @@ struct LoadOptions {
   // by the calling thread and helpers on torch's inter-op pool (at::launch, as TorchScript's fork); the package
   // gets that many runners (AOTInductor model instances sharing one copy of the constants), at least 2.
   int kernel_threads = -1;
+  // Rows served from a resident cache in front of a mapped artifact's tables (TorchScript backend, a model with one
+  // CPU kernel): the rows are copied at load and their pages in the mapping let go; every lookup splits its ids
+  // between the cache and the model and adds the cache's sums in Python's order (outputs equal Python's load with
+  // the same hot_rows, bit for bit). Empty: no cache. ConfigError for an unknown table or a row outside its table.
+  HotRows hot_rows;
+  // Read each batch's pages ahead of the kernel (a mapped artifact on the TorchScript backend, as Python's load; an
+  // embedded artifact or a pt2 program is left alone). This loader reads ahead for a model with one CPU kernel: Auto
+  // leaves a sharded one alone, On refuses it with a ConfigError.
+  Prefetch prefetch = Prefetch::Auto;
+};
+
+// The hot-row cache a model holds (all zero without one).
+struct HotRowCacheInfo {
+  int64_t rows = 0;
+  int64_t tables = 0;
+  int64_t bytes = 0;
 };
 
 struct FeatureInfo {
@@ -172,6 +214,10 @@ class Model {
   int64_t load_bytes() const { return load_bytes_; }
   double load_seconds() const { return load_seconds_; }
   double library_seconds() const { return library_seconds_; }
+  // The resident hot-row cache (LoadOptions.hot_rows): rows, tables and bytes; all zero without one.
+  HotRowCacheInfo hot_row_cache() const;
+  // Whether lookups read their pages ahead (LoadOptions.prefetch).
+  bool prefetching() const { return prefetch_ != nullptr; }
 
  private:
   Model() = default;
@@ -208,6 +254,22 @@ class Model {
   void build_direct_plan();
   at::Tensor lookup_direct(const DirectPlan& plan, const at::Tensor& values, const at::Tensor& lengths,
                            const std::optional<at::Tensor>& weights) const;
+
+  // A resident cache of hot rows in front of the mapped tables (LoadOptions.hot_rows), or null.
+  std::shared_ptr<const hot_rows::HotRowCache> hot_;
+  void build_hot_rows(const HotRows& rows);
+  // Reads each batch's pages ahead (LoadOptions.prefetch), or null.
+  std::shared_ptr<prefetch::Prefetcher> prefetch_;
+  void build_prefetch(Prefetch mode, bool paged_plan);
+  void read_ahead(const at::Tensor& values, const at::Tensor& lengths) const;
+  // lookup_unchecked without the cache: the model's own entry (direct plan, or the scripted method)
+  at::Tensor lookup_model(const at::Tensor& values, const at::Tensor& lengths,
+                          const std::optional<at::Tensor>& weights) const;
+  // lookup_unchecked through the cache (hot_ set): the ids split, the cold ones to lookup_model, the sums added
+  at::Tensor lookup_cached(const at::Tensor& values, const at::Tensor& lengths,
+                           const std::optional<at::Tensor>& weights) const;
+  // the dense part on pooled lookups (model.pt's `score`), for a forward that pooled through the cache
+  at::Tensor score(const at::Tensor& dense_features, const at::Tensor& pooled, int64_t batch) const;
 
   at::Tensor lookup_pt2(const at::Tensor& values, const at::Tensor& lengths,
                         const std::optional<at::Tensor>& weights) const;
