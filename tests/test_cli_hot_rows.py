@@ -128,18 +128,20 @@ def _error(capsys, *argv: str) -> str:  # type: ignore[no-untyped-def]
 @pytest.mark.parametrize("command", ["run", "serve"])
 def test_bad_hot_row_flags_are_one_line_errors(mapped, tmp_path, capsys, command):
     spec, _, path, sample = mapped
-    message = _error(capsys, command, str(path), "--hot-rows", "0", "--hot-rows-sample", str(sample))
+    # the Python server's refusals, in this process (the native default would replace it with embserve-server)
+    target = [str(path), "--python"] if command == "serve" else [str(path)]
+    message = _error(capsys, command, *target, "--hot-rows", "0", "--hot-rows-sample", str(sample))
     assert "--hot-rows must be at least 1, got 0" in message
-    message = _error(capsys, command, str(path), "--hot-rows", "10")
+    message = _error(capsys, command, *target, "--hot-rows", "10")
     assert "--hot-rows N and --hot-rows-sample FILE go together" in message
     missing = tmp_path / "nope.json"
-    message = _error(capsys, command, str(path), "--hot-rows", "10", "--hot-rows-sample", str(missing))
+    message = _error(capsys, command, *target, "--hot-rows", "10", "--hot-rows-sample", str(missing))
     assert str(missing) in message and "write JSON" in message
     (tmp_path / "wide.json").write_text(json.dumps({"clicked": [5, 900]}))
-    message = _error(capsys, command, str(path), "--hot-rows", "10", "--hot-rows-sample", str(tmp_path / "wide.json"))
+    message = _error(capsys, command, *target, "--hot-rows", "10", "--hot-rows-sample", str(tmp_path / "wide.json"))
     assert "'clicked' has ids outside [0, 900) (the rows of its table 'items'); fix the sample" in message
     (tmp_path / "other.json").write_text(json.dumps({"nobody": [1]}))
-    message = _error(capsys, command, str(path), "--hot-rows", "10", "--hot-rows-sample", str(tmp_path / "other.json"))
+    message = _error(capsys, command, *target, "--hot-rows", "10", "--hot-rows-sample", str(tmp_path / "other.json"))
     assert "unknown feature 'nobody'" in message
 
 
