@@ -294,8 +294,8 @@ def add_subcommands(subcommands: Any) -> None:
     server_kind.add_argument(
         "--native",
         action="store_true",
-        help="serve with the native C++ binary embserve-server, and refuse (naming it) a flag it does not take "
-        "(default: it runs where it is built and takes every flag given)",
+        help="serve with the native C++ binary embserve-server, refusing a flag it does not take by name (without "
+        "--native or --python: the binary where it is built and takes every flag given, else the Python server)",
     )
     server_kind.add_argument(
         "--python",
