@@ -811,7 +811,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         rows: list[dict[str, Any]] = []
         exit_codes: list[int | None] = []
         for workers in args.workers:
-            process, port = spawn_server(artifact, "--workers", str(workers), *server_args)
+            process, port = spawn_server(artifact, "--python", "--workers", str(workers), *server_args)
             try:
                 rows += serve_cases(
                     args, plan, artifact, runtime, queries, log_root, baseline, port, process.pid, workers

@@ -125,8 +125,8 @@ class _Clients:
 
 
 def _start(artifact: Path, timeout_s: float, master: int) -> tuple[list[subprocess.Popen], list[_Lines], list[int]]:
-    command = [sys.executable, "-m", "infer.cli", "serve", str(artifact), "--host", "127.0.0.1", "--port", "0",
-               "--collective-timeout-s", str(timeout_s), "--failure-grace-s", "2"]  # fmt: skip
+    command = [sys.executable, "-m", "infer.cli", "serve", str(artifact), "--python", "--host", "127.0.0.1",
+               "--port", "0", "--collective-timeout-s", str(timeout_s), "--failure-grace-s", "2"]  # fmt: skip
     processes = [
         subprocess.Popen(
             command,

@@ -136,7 +136,7 @@ def main(argv: list[str] | None = None) -> int:
         del model
 
         def one_process() -> tuple[float, int, list[torch.Tensor]]:
-            process, port = spawn_server(one_artifact)
+            process, port = spawn_server(one_artifact, "--python")  # the baseline: the group's server, on one host
             try:
                 answers = _answers(port, batches)
                 rate, errors = _load([port], batches, args.clients, args.seconds)
@@ -153,6 +153,7 @@ def main(argv: list[str] | None = None) -> int:
             "infer.cli",
             "serve",
             str(group_artifact),
+            "--python",
             "--host",
             "127.0.0.1",
             "--port",

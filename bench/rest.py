@@ -138,7 +138,7 @@ def client_loop(port: int, requests: list[tuple[bytes, str]], start_at: float, s
 
 
 class Server:
-    """``embserve serve`` (``native``: ``--native``) on free loopback ports, REST on ``http_port``."""
+    """``embserve serve --python`` or ``--native`` (``kind``) on free loopback ports, REST on ``http_port``."""
 
     def __init__(self, artifact: Path, kind: str, args: argparse.Namespace, log: Path) -> None:
         self.kind = kind
@@ -148,8 +148,7 @@ class Server:
             "--http-port", str(self.http_port), "--max-delay-us", str(args.max_delay_us),
             "--intra-op-threads", "1", "--drain-seconds", "5",
         ]  # fmt: skip
-        if kind == "native":
-            command.append("--native")
+        command.append(f"--{kind}")  # "python" or "native"
         self._log = log.open("wb")
         self.process = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=self._log, text=True)
         assert self.process.stdout is not None

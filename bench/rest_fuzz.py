@@ -911,6 +911,8 @@ class Server:
         if binary is not None:
             command.append("--native")
             env.update(SANITIZER_ENV, EMBSERVE_SERVER_BIN=str(binary))
+        else:
+            command.append("--python")
         self._log = log.open("wb")
         self.process = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=self._log, text=True, env=env)
         assert self.process.stdout is not None

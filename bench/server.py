@@ -148,7 +148,7 @@ class ServerProcess:
         if args.max_merge_examples:
             command += ["--max-merge-examples", str(args.max_merge_examples)]
         # `embserve serve --native` runs embserve-server (one process) with the same flags
-        command += ["--native"] if kind == "native" else ["--workers", str(workers)]
+        command += ["--native"] if kind == "native" else ["--python", "--workers", str(workers)]
         self.workers = workers
         self.kind = kind
         self.log_path = log_path

@@ -184,6 +184,7 @@ def stop_rounds(  # type: ignore[no-untyped-def]
     from tests.support.stop_race import cases, race_stop, start_server
 
     pool = cases(runtime.spec, runtime.lookup)
+    options = options if "--native" in options else ("--python", *options)  # the Python server unless asked
     total_lost = 0
     for index in range(rounds):
         grace = ("--drain-grace-s", graces[index % len(graces)]) if graces else ()
@@ -269,8 +270,8 @@ def swap_case(args: argparse.Namespace) -> int:
         repo = Path(folder) / "repo"
         (repo / SWAP_MODEL).mkdir(parents=True)
         link_version(sources[0], repo, 1)
-        native = ("--native",) if args.native else ()
-        server, port = spawn_server(repo, "--max-delay-us", "1000", *native, *args.serve_options)
+        kind = "--native" if args.native else "--python"
+        server, port = spawn_server(repo, "--max-delay-us", "1000", kind, *args.serve_options)
         address = f"127.0.0.1:{port}"
         calls: list[tuple[float, float]] = []  # (started, latency) of every answered call
         last_answer: dict[int, float] = {}  # version -> when its last answer arrived
@@ -441,7 +442,7 @@ def main() -> int:
         if args.stop_rounds:
             graces = tuple(g for g in args.stop_graces.split(",") if g)
             return stop_rounds(artifact, runtime, args.stop_rounds, args.clients, tuple(args.serve_options), graces)
-        server, port = spawn_server(artifact, "--drain-grace-s", "1")
+        server, port = spawn_server(artifact, "--python", "--drain-grace-s", "1")
         soak = Soak(f"127.0.0.1:{port}", runtime, args.seed)
         threads = [
             threading.Thread(target=soak.client, args=(args.seed + i,), daemon=True) for i in range(args.clients)

@@ -78,9 +78,9 @@ def cmd_serve(args: argparse.Namespace) -> int:
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(0))
 
     refuse_whole_artifact_flags(args)
-    if args.native:
-        from server.native import exec_native
+    from server.native import exec_native, runs_native
 
+    if runs_native(args):
         exec_native(args)  # never returns: the process becomes embserve-server
     from server.app import ServerConfig, exit_process, serve
     from server.auth import read_token_file
@@ -239,7 +239,8 @@ def _query_oip(args: argparse.Namespace, token: str | None, root: bytes | None) 
 
 def serve_demo(artifact: Path) -> int:
     """Serve the demo artifact on a free loopback port, query it, compare with in-process, stop with SIGTERM: with
-    ``embserve serve``, then (when it is built) with the native binary, ``embserve serve --native``."""
+    the Python server (``embserve serve --python``), then (when it is built) with the native binary, which ``embserve
+    serve`` runs by default (``--native`` here, so that a broken build fails rather than falls back)."""
     import torch
 
     from infer.artifact.load import load
@@ -250,10 +251,10 @@ def serve_demo(artifact: Path) -> int:
     batch = SparseFeatures.random(runtime.spec, batch_size=8, ids_per_bag=10, seed=3)
     dense = torch.randn(8, runtime.spec.num_dense_features, generator=torch.Generator().manual_seed(4))
     expected = (runtime.lookup(batch), runtime.predict(batch, dense))
-    servers: list[tuple[str, tuple[str, ...]]] = [("over gRPC (loopback)", ())]
+    servers: list[tuple[str, tuple[str, ...]]] = [("with the Python server (embserve serve --python)", ("--python",))]
     try:
         find_binary()
-        servers.append((f"with the native binary {BINARY} (embserve serve --native)", ("--native",)))
+        servers.append((f"with the native binary {BINARY} (embserve serve, its default)", ("--native",)))
     except ConfigError:
         pass
     ok = True
@@ -299,13 +300,28 @@ def _serve_and_query(artifact: Path, flags: tuple[str, ...], batch: Any, dense: 
 
 def add_subcommands(subcommands: Any) -> None:
     """Register ``serve`` and ``query`` on the ``embserve`` parser's subcommands."""
-    srv = subcommands.add_parser("serve", help="serve an artifact over gRPC (SIGTERM drains, then exits 0)")
+    srv = subcommands.add_parser(
+        "serve",
+        help="serve an artifact over gRPC and REST (SIGTERM drains, then exits 0)",
+        description="Serve an artifact or a model repository: embserve.v1 and OIP over gRPC, OIP REST with "
+        "--http-port. The native binary embserve-server runs it where it is built (make server); the Python server "
+        "runs with --python, where the binary is not built, or where a request needs what only it serves (multi-host "
+        "artifacts, --workers, --backend onnxruntime, --profile, --hot-rows of a sharded artifact): one line on stderr "
+        "then says why.",
+    )
     srv.add_argument("artifact", help="an artifact folder, or a repository REPO/<model>/<version>/ of artifacts")
-    srv.add_argument(
+    server_kind = srv.add_mutually_exclusive_group()
+    server_kind.add_argument(
         "--native",
         action="store_true",
-        help="serve with the native C++ binary embserve-server (make server builds it): embserve.v1 and OIP gRPC, "
-        "the same flags; an artifact or a repository (--poll-s, --version-policy), TorchScript or pt2 backend",
+        help="serve with the native C++ binary embserve-server, refusing a flag it does not take by name (without "
+        "--native or --python: the binary where it is built and takes every flag given, else the Python server)",
+    )
+    server_kind.add_argument(
+        "--python",
+        action="store_true",
+        help="serve with the Python server (every flag: --workers, multi-host artifacts, --backend onnxruntime, "
+        "--profile, --hot-rows of a sharded artifact)",
     )
     srv.add_argument("--host", default="0.0.0.0", help="address to bind (every interface; 127.0.0.1: this host only)")
     srv.add_argument("--port", type=int, default=50051, help="gRPC port (0: any free port); refused when in use")

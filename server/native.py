@@ -1,5 +1,10 @@
-"""``embserve serve DIR --native``: run the native server binary (``embserve-server``, cpp_loader/server/) with the
-same flags; a flag the binary does not take is an error naming it, never silently dropped.
+"""``embserve serve DIR``: which server runs it, and running the native binary (``embserve-server``,
+cpp_loader/server/) with the same flags.
+
+``embserve serve`` runs the native binary where it is built, unless the request needs what only the Python server
+has (``python_only``: multi-host artifacts, ``--workers``, ``--backend onnxruntime``, ...): then the Python server runs
+and one line on stderr says why. ``--python`` selects the Python server; ``--native`` the binary, and a flag the binary
+does not take is then an error naming it, never silently dropped.
 
 The binary is found at ``$EMBSERVE_SERVER_BIN``, else in the repository's ``cpp_loader/build/server/`` (``make
 server`` builds it there), else on ``PATH``.
@@ -11,6 +16,7 @@ import argparse
 import json
 import os
 import shutil
+import sys
 from pathlib import Path
 
 from infer.errors import ConfigError
@@ -36,6 +42,18 @@ HOT_ROWS_DESTS = ("hot_rows", "hot_rows_sample")
 
 def find_binary() -> str:
     """The embserve-server to run; ConfigError saying how to build it when there is none."""
+    found = built_binary()
+    if found is None:
+        raise ConfigError(
+            f"--native needs the {BINARY} binary: build it with `make server` (it lands in {BUILT.parent}), "
+            "or point EMBSERVE_SERVER_BIN at one"
+        )
+    return found
+
+
+def built_binary() -> str | None:
+    """``$EMBSERVE_SERVER_BIN`` (ConfigError when it names no executable: it was asked for), else the build
+    folder's binary, else one on ``PATH``; None when there is none."""
     given = os.environ.get("EMBSERVE_SERVER_BIN")
     if given:
         if not os.access(given, os.X_OK):
@@ -43,31 +61,85 @@ def find_binary() -> str:
         return given
     if os.access(BUILT, os.X_OK):
         return str(BUILT)
-    found = shutil.which(BINARY)
-    if found:
-        return found
-    raise ConfigError(
-        f"--native needs the {BINARY} binary: build it with `make server` (it lands in {BUILT.parent}), "
-        "or point EMBSERVE_SERVER_BIN at one"
-    )
+    return shutil.which(BINARY)
+
+
+def python_only(args: argparse.Namespace) -> str | None:
+    """What in these ``embserve serve`` arguments only the Python server serves (``--backend onnxruntime``, a flag
+    the binary does not take, a multi-host artifact), in the words of the command line; None when the binary
+    serves them all."""
+    if args.backend not in BACKENDS:
+        return f"--backend {args.backend}"
+    for action in args.parser._actions:
+        if not action.option_strings or action.dest in ("help", "native", "python", *HOT_ROWS_DESTS):
+            continue
+        if getattr(args, action.dest) != action.default and action.option_strings[-1] not in PASSED:
+            return action.option_strings[-1]
+    if _is_multi_host(args.artifact):
+        return "multi-host artifacts"
+    wants_cache = getattr(args, "hot_rows", None) is not None or getattr(args, "prefetch", "auto") == "on"
+    if wants_cache and not _one_cpu_kernel(args.artifact):
+        return "--hot-rows or --prefetch on for a sharded artifact (it caches and reads ahead for one CPU kernel)"
+    return None
+
+
+def _one_cpu_kernel(artifact: str | Path) -> bool:
+    """Whether ``artifact``'s manifest lists one kernel, on the CPU: what the native server's hot-row cache and
+    prefetch serve (read as JSON, as ``_is_multi_host``; a repository or an unreadable manifest: True, left to the
+    checks that name them)."""
+    try:
+        data = json.loads((Path(artifact) / "manifest.json").read_text())
+    except (OSError, ValueError):
+        return True
+    kernels = data.get("kernels") if isinstance(data, dict) else None
+    if not isinstance(kernels, list):
+        return True
+    return len(kernels) == 1 and isinstance(kernels[0], dict) and str(kernels[0].get("device", "cpu")) == "cpu"
+
+
+def _is_multi_host(artifact: str | Path) -> bool:
+    """Whether ``artifact``'s manifest lists host parts (read as JSON: no torch import before the binary runs; a
+    manifest that does not read is left to the server that loads it to report)."""
+    try:
+        data = json.loads((Path(artifact) / "manifest.json").read_text())
+    except (OSError, ValueError):
+        return False
+    return isinstance(data, dict) and "hosts" in data
+
+
+def runs_native(args: argparse.Namespace) -> bool:
+    """Whether ``embserve serve`` runs the binary: with ``--native``; not with ``--python``; otherwise where it is
+    built and serves everything asked (else one line on stderr says why the Python server runs)."""
+    if args.native or args.python:
+        return bool(args.native)
+    needs = python_only(args)
+    if needs is not None:
+        print(f"embserve serve: the Python server runs: {BINARY} does not take {needs} (--python says so and "
+              "drops this line)", file=sys.stderr, flush=True)  # fmt: skip
+        return False
+    if built_binary() is None:
+        print(f"embserve serve: the Python server runs: {BINARY} is not built (`make server` builds it; --python "
+              "drops this line)", file=sys.stderr, flush=True)  # fmt: skip
+        return False
+    return True
 
 
 def native_command(args: argparse.Namespace) -> list[str]:
     """The binary's command line for these ``embserve serve`` arguments (ConfigError for any it lacks)."""
     if args.backend not in BACKENDS:
         runs = " or ".join(BACKENDS)
-        raise ConfigError(f"{BINARY} runs --backend {runs}, not {args.backend}; serve without --native")
+        raise ConfigError(f"{BINARY} runs --backend {runs}, not {args.backend}; serve with --python")
     hot_rows = hot_rows_flags(args)  # before the binary is looked for: a bad sample is the same error either way
     command = [find_binary(), str(args.artifact), *hot_rows]
     for action in args.parser._actions:
-        if not action.option_strings or action.dest in ("help", "native", *HOT_ROWS_DESTS):
+        if not action.option_strings or action.dest in ("help", "native", "python", *HOT_ROWS_DESTS):
             continue
         value = getattr(args, action.dest)
         if value == action.default:
             continue
         flag = action.option_strings[-1]
         if flag not in PASSED:
-            raise ConfigError(f"{BINARY} has no {flag}: drop it, or serve without --native")
+            raise ConfigError(f"{BINARY} has no {flag}: drop it, or serve with --python")
         if isinstance(action, argparse._StoreTrueAction):
             command.append(flag)
         else:

@@ -157,7 +157,8 @@ def serve_workers(artifact: str, worker_options: list[str], config: Any, workers
     if config.http_port is not None:
         claims.append(claim(Port("HTTP", config.http_host or config.host, config.http_port, "--http-port")))
     grpc_port = claims[0].port.port
-    command = [sys.executable, "-m", "infer.cli", "serve", artifact, *worker_options, "--port", str(grpc_port)]
+    command = [sys.executable, "-m", "infer.cli", "serve", artifact, "--python", *worker_options]
+    command += ["--port", str(grpc_port)]
     if config.http_port is not None:
         command += ["--http-port", str(claims[1].port.port)]
     wakeup_read, wakeup_write = os.pipe()

@@ -66,6 +66,8 @@ def test_serve_with_hot_rows_answers_the_fp32_reference(mapped, tmp_path, kind):
     if kind == "native":  # the rows chosen by the same Python code, served by embserve-server
         native_binary()
         command.append("--native")
+    else:
+        command.append("--python")
     with open(log, "w") as stderr:
         process = subprocess.Popen(
             [*command, "--hot-rows", "50", "--hot-rows-sample", str(sample)],
@@ -130,10 +132,11 @@ def _error(capsys, *argv: str) -> str:  # type: ignore[no-untyped-def]
     return err[0]
 
 
-@pytest.mark.parametrize("command", ["run", "serve", "serve --native"])
+@pytest.mark.parametrize("command", ["run", "serve --python", "serve --native"])
 def test_bad_hot_row_flags_are_one_line_errors(mapped, tmp_path, capsys, command):
     spec, _, path, sample = mapped
-    verb, *native = command.split()  # --native: the same checks, before the binary is looked for
+    # --native: the same checks, before the binary is looked for (in this process, so every case here is refused)
+    verb, *native = command.split()
 
     def error(*flags: str) -> str:
         return _error(capsys, verb, str(path), *native, *flags)

@@ -488,11 +488,12 @@ void ModelSet::sync(const std::string& name, bool explicit_load) {
   auto try_load = [&](int64_t v, std::string& why) -> std::shared_ptr<ServedVersion> {
     const std::string folder = root_ + "/" + name + "/" + std::to_string(v);
     const auto folder_signature = signature(folder);
-    // the load and warm-up at the lowest CPU priority and on one core (this thread and the checksum threads it
-    // starts, which inherit both; the loader hashes on as many threads as the caller's affinity allows): the
-    // versions serving meanwhile keep the other cores, and the new version takes longer to arrive instead
-    const int tid = static_cast<int>(syscall(SYS_gettid));
-    const bool lowered = setpriority(PRIO_PROCESS, tid, 19) == 0;
+    // the load and warm-up on one core (this thread and the checksum threads it starts, which inherit it; the
+    // loader hashes on as many threads as the caller's affinity allows): the versions serving meanwhile keep the
+    // other cores. At normal priority: at nice 19 on a busy host the starved loader held what the serving threads
+    // wait on (the address space's lock while its hash threads fault the new weights in, malloc arenas) the longer,
+    // and bench/soak.py --swap --native measured p99 during swaps / steady 2.6-4.7 (median 3.6) at nice 19 against
+    // 1.0-1.7 (median 1.5) at nice 0, five runs each, interleaved, load 7-14
     cpu_set_t allowed;
     bool pinned = sched_getaffinity(0, sizeof(allowed), &allowed) == 0 && CPU_COUNT(&allowed) > 1;
     if (pinned) {
@@ -506,14 +507,12 @@ void ModelSet::sync(const std::string& name, bool explicit_load) {
       pinned = sched_setaffinity(0, sizeof(one), &one) == 0;
     }
     struct Restore {
-      int tid;
-      bool lowered, pinned;
+      bool pinned;
       cpu_set_t allowed;
       ~Restore() {
         if (pinned) sched_setaffinity(0, sizeof(allowed), &allowed);
-        if (lowered) setpriority(PRIO_PROCESS, tid, 0);  // may need privileges; the thread then stays nice
       }
-    } restore{tid, lowered, pinned, allowed};
+    } restore{pinned, allowed};
     try {
       const int64_t needed = artifact_bytes(folder), available = available_memory_bytes();
       if (available >= 0 && needed > available)

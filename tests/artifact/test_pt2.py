@@ -347,7 +347,7 @@ def test_serve_with_the_pt2_backend(compiled):
     name, spec, path, scripted, _ = compiled
     if name != "mixed_sharding":
         return
-    server, port = spawn_server(path, "--backend", "pt2", "--forward-threads", "1")
+    server, port = spawn_server(path, "--python", "--backend", "pt2", "--forward-threads", "1")
     try:
         batch = random_batch(spec, 12, weighted=True, seed=4)
         with EmbserveClient(f"127.0.0.1:{port}") as client:

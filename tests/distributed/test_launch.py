@@ -42,7 +42,8 @@ def _launcher(
     for name in ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT", "LOCAL_RANK", "LOCAL_WORLD_SIZE"):
         env.pop(name)  # torchrun sets them for its worker
     command = [sys.executable, "-m", "server.group.launch", "--nnodes", "2", "--nproc-per-node", "1", *launch,
-               "-m", "infer.cli", "serve", str(artifact), "--host", "127.0.0.1", "--port", "0", *serve]  # fmt: skip
+               "-m", "infer.cli", "serve", str(artifact), "--python", "--host", "127.0.0.1", "--port", "0",
+               *serve]  # fmt: skip
     return subprocess.Popen(command, env=env, stdout=subprocess.PIPE, stderr=open(log, "w"), text=True, cwd=ROOT)
 
 

@@ -44,8 +44,8 @@ class _Group:
     def __init__(self, artifact: Path, hosts: int, folder: Path, *options: str, wait: bool = True) -> None:
         self.artifact = artifact
         port = free_port()
-        command = [sys.executable, "-m", "infer.cli", "serve", str(artifact), "--host", "127.0.0.1", "--port", "0",
-                   "--collective-timeout-s", str(TIMEOUT_S), *options]  # fmt: skip
+        command = [sys.executable, "-m", "infer.cli", "serve", str(artifact), "--python", "--host", "127.0.0.1",
+                   "--port", "0", "--collective-timeout-s", str(TIMEOUT_S), *options]  # fmt: skip
         self.logs = [folder / f"rank{rank}.err" for rank in range(hosts)]
         self.processes = [
             subprocess.Popen(

@@ -240,14 +240,15 @@ def scrape_metrics(port: int) -> dict[str, list[Any]]:
 
 
 def serve_in_process(capsys, *args: str) -> tuple[int, str]:
-    """``embserve serve ARGS`` refused in this process: its exit code and stderr (``capsys``'s). For the tests of a
+    """``embserve serve --python ARGS`` refused in this process (``--python``: the default would replace this process
+    with embserve-server): its exit code and stderr (``capsys``'s). For the tests of a
     refusal that comes before any model loads or port is served (a port in use, a repository with --workers),
     where a second interpreter (torch's import, 2-3 CPU-s) is not what they check; each such test file keeps
     one real ``python -m infer.cli serve`` refusal. The signal handlers ``serve`` installs are put back."""
     handlers = {signum: signal.getsignal(signum) for signum in (signal.SIGTERM, signal.SIGINT)}
     capsys.readouterr()
     try:
-        code = cli_main(["serve", *args])
+        code = cli_main(["serve", "--python", *args])
     finally:
         for signum, handler in handlers.items():
             signal.signal(signum, handler)

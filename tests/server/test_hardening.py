@@ -132,12 +132,14 @@ def test_mixed_fuzz_keeps_the_server_alive_and_right(dense_server, dense_runtime
 def _serve(
     artifact: Path, tmp_path: Path, *options: str, kind: str = "python"
 ) -> tuple[subprocess.Popen[str], LineReader]:
-    """``embserve serve`` (``--native`` for the native kind) on a port of its own choosing (port 0); its serving
-    line names the port."""
+    """``embserve serve`` (``--python``, or ``--native`` for the native kind) on a port of its own choosing (port 0);
+    its serving line names the port."""
     command = [sys.executable, "-m", "infer.cli", "serve", str(artifact), "--host", "127.0.0.1", "--port", "0"]
     if kind == "native":
         native_binary()  # skips without a built binary
         command.append("--native")
+    else:
+        command.append("--python")
     stderr = (tmp_path / "stderr.txt").open("w")
     process = subprocess.Popen([*command, *options], cwd=REPO, stdout=subprocess.PIPE, stderr=stderr, text=True)
     return process, LineReader(process.stdout)
@@ -300,7 +302,7 @@ for artifact, stderr in zip(sys.argv[1::2], sys.argv[2::2]):
     os.dup2(fd, 2)
     os.close(fd)
     try:
-        code = main(["serve", artifact, "--host", "127.0.0.1", "--port", "0"])
+        code = main(["serve", artifact, "--python", "--host", "127.0.0.1", "--port", "0"])
     except SystemExit as exit:
         code = exit.code
     except BaseException:

@@ -168,7 +168,7 @@ def test_sigterm_with_nothing_in_flight_ends_the_grace_early(sparse_artifact, tm
     """`--drain-grace-s 60` with no traffic: the grace ends once nothing arrived for --drain-quiet-s, the
     ports close and the process exits 0 (it used to wait the whole grace)."""
     stderr = (tmp_path / "stderr.txt").open("w")
-    command = [sys.executable, "-m", "infer.cli", "serve", str(sparse_artifact), "--host", "127.0.0.1"]
+    command = [sys.executable, "-m", "infer.cli", "serve", str(sparse_artifact), "--python", "--host", "127.0.0.1"]
     command += ["--port", "0", "--http-port", "0", "--metrics-port", "0", "--drain-grace-s", "60"]
     process = subprocess.Popen(command, cwd=REPO, stdout=subprocess.PIPE, stderr=stderr, text=True)
     try:
@@ -192,7 +192,7 @@ def test_sigterm_loses_no_request_in_flight(sparse_artifact, sparse_runtime, spe
     command = [sys.executable, "-m", "infer.cli", "serve", str(sparse_artifact), "--host", "127.0.0.1"]
     if server_kind == "native":
         native_binary()  # skips without a built binary
-        command.append("--native")
+    command.append(f"--{server_kind}")
     command += ["--port", "0", "--max-delay-us", "2000000", "--drain-seconds", "20", "--metrics-port", "0"]
     command += ["--batch-wait", "always"]  # even the first request waits out the window
     process = subprocess.Popen(command, cwd=REPO, stdout=subprocess.PIPE, stderr=stderr, text=True)

@@ -1,5 +1,6 @@
-"""embserve-server beside the Python server: the same metadata and configuration byte for byte, the command
-line's refusals of what the binary lacks, a port in use refused, and the batcher merging concurrent calls.
+"""embserve-server beside the Python server: the same metadata and configuration byte for byte, which server
+``embserve serve`` runs (the binary by default, the Python server for what only it serves), the command line's
+refusals of what the binary lacks, a port in use refused, and the batcher merging concurrent calls.
 
 The protocol, contract, bad-request, auth and drain tests run against both servers in their own files
 (``tests/server/native_support.py``); this file holds what only the native server has to show.
@@ -7,6 +8,7 @@ The protocol, contract, bad-request, auth and drain tests run against both serve
 
 from __future__ import annotations
 
+import dataclasses
 import shutil
 import socket
 import subprocess
@@ -17,10 +19,12 @@ import pytest
 import torch
 from google.protobuf import json_format
 
+from infer.artifact.manifest import Manifest
 from infer.cli import build_parser
 from infer.errors import ConfigError
+from server import native
 from server.adapters.v1 import codec
-from server.native import native_command
+from server.native import native_command, runs_native
 from server.proto import inference_pb2 as pb
 from server.proto import open_inference_grpc_pb2 as oip_pb
 from server.proto import open_inference_grpc_pb2_grpc as oip_grpc
@@ -89,6 +93,87 @@ def test_serve_native_refuses_what_the_binary_lacks_naming_it(dense_artifact, fl
     with pytest.raises(ConfigError) as refused:
         native_command(args)
     assert fragment in str(refused.value)
+
+
+def _serve_args(*argv: str):  # type: ignore[no-untyped-def]
+    return build_parser().parse_args(["serve", *argv])
+
+
+def test_serve_runs_the_native_binary_by_default_and_the_python_server_when_asked(dense_artifact, capsys):
+    native_binary()
+    assert runs_native(_serve_args(str(dense_artifact), "--http-port", "0", "--backend", "pt2", "--poll-s", "1"))
+    assert runs_native(_serve_args(str(dense_artifact), "--native"))
+    assert not runs_native(_serve_args(str(dense_artifact), "--python", "--workers", "2"))
+    assert capsys.readouterr().err == ""  # no word when the binary runs or the server is named
+    with pytest.raises(SystemExit):  # one server or the other
+        _serve_args(str(dense_artifact), "--python", "--native")
+    assert "not allowed with argument" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize(
+    ("flags", "named"),
+    [
+        (["--workers", "2"], "--workers"),
+        (["--profile"], "--profile"),
+        (["--backend", "onnxruntime"], "--backend onnxruntime"),
+        (["--collective-timeout-s", "5"], "--collective-timeout-s"),
+    ],
+)
+def test_serve_runs_the_python_server_for_what_only_it_serves_saying_why(dense_artifact, flags, named, capsys):
+    native_binary()
+    assert not runs_native(_serve_args(str(dense_artifact), *flags))
+    lines = capsys.readouterr().err.splitlines()
+    assert lines == [
+        f"embserve serve: the Python server runs: embserve-server does not take {named} (--python says so and "
+        "drops this line)"
+    ]
+
+
+def test_serve_runs_hot_rows_natively_on_one_cpu_kernel_and_on_python_for_a_sharded_artifact(
+    dense_artifact, tmp_path, capsys
+):
+    """The native server caches hot rows and reads ahead for an artifact of one CPU kernel; a sharded one (several
+    kernels, as its manifest lists them) runs on the Python server, which says why."""
+    native_binary()
+    flags = ("--hot-rows", "5", "--hot-rows-sample", "sample.json")
+    assert runs_native(_serve_args(str(dense_artifact), *flags))
+    assert runs_native(_serve_args(str(dense_artifact), "--prefetch", "on"))
+    assert capsys.readouterr().err == ""
+    manifest = Manifest.read(dense_artifact)
+    assert len(manifest.kernels) == 1
+    sharded = dataclasses.replace(manifest, kernels=(manifest.kernels[0], manifest.kernels[0]))
+    (tmp_path / "manifest.json").write_text(sharded.to_json())
+    for extra in (flags, ("--prefetch", "on")):
+        assert not runs_native(_serve_args(str(tmp_path), *extra))
+        said = capsys.readouterr().err
+        assert "embserve-server does not take --hot-rows or --prefetch on for a sharded artifact" in said
+    assert runs_native(_serve_args(str(tmp_path)))  # nothing cached: the binary serves it
+
+
+def test_serve_runs_a_multi_host_artifact_on_the_python_server(dense_artifact, tmp_path, capsys):
+    native_binary()
+    manifest = Manifest.read(dense_artifact)  # the real writer's words for a two-host artifact
+    two_hosts = dataclasses.replace(manifest, host_parts=("hosts/0", "hosts/1"), devices_per_host=1)
+    (tmp_path / "manifest.json").write_text(two_hosts.to_json())
+    assert not runs_native(_serve_args(str(tmp_path)))
+    assert "embserve-server does not take multi-host artifacts" in capsys.readouterr().err
+    assert runs_native(_serve_args(str(tmp_path / "missing")))  # unreadable: the binary reports it
+
+
+def test_serve_runs_the_python_server_where_the_binary_is_not_built(dense_artifact, tmp_path, monkeypatch, capsys):
+    monkeypatch.delenv("EMBSERVE_SERVER_BIN", raising=False)
+    monkeypatch.setattr(native, "BUILT", tmp_path / "build" / "embserve-server")
+    monkeypatch.setenv("PATH", str(tmp_path))
+    assert not runs_native(_serve_args(str(dense_artifact)))
+    assert capsys.readouterr().err.splitlines() == [
+        "embserve serve: the Python server runs: embserve-server is not built (`make server` builds it; --python "
+        "drops this line)"
+    ]
+    with pytest.raises(ConfigError, match="make server"):  # --native says how to build it
+        native_command(_serve_args(str(dense_artifact), "--native"))
+    monkeypatch.setenv("EMBSERVE_SERVER_BIN", str(tmp_path / "nothing"))  # a binary named and missing: an error
+    with pytest.raises(ConfigError, match="is not an executable file"):
+        runs_native(_serve_args(str(dense_artifact)))
 
 
 def test_serve_native_passes_the_flags_it_shares(dense_artifact):

@@ -40,7 +40,7 @@ def _close(got: torch.Tensor, expected: torch.Tensor) -> bool:
 def test_serve_with_onnxruntime_answers_like_torchscript_without_fbgemm(onnx_artifact):
     spec, path = onnx_artifact
     scripted = load(path)
-    server, port = spawn_server(path, "--backend", "onnxruntime", "--forward-threads", "1")
+    server, port = spawn_server(path, "--python", "--backend", "onnxruntime", "--forward-threads", "1")
     try:
         maps = open(f"/proc/{server.pid}/maps").read()  # noqa: SIM115 - read once
         batch = random_batch(spec, 12, weighted=True, seed=4)

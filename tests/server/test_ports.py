@@ -36,7 +36,7 @@ def test_a_second_server_on_a_serving_port_exits_naming_it(
     same command-line path, without a second torch import)."""
     first = start_server(dense_artifact, http_port=0, metrics_port=0)
     port = _port_of(first, role)
-    args = ["serve", str(dense_artifact), "--host", "127.0.0.1"]
+    args = ["serve", str(dense_artifact), "--python", "--host", "127.0.0.1"]
     args += ["--port", "0", flag, str(port)] if flag != "--port" else ["--port", str(port)]
     if in_process:
         code, stderr = serve_in_process(capsys, *args[1:])

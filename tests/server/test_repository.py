@@ -374,7 +374,7 @@ def test_serve_names_a_missing_manifest_and_where_it_looked(tmp_path, sparse_art
         tmp_path / "empty": ["(model folders: none) and found no version folder", "manifest.json is missing too"],
     }
     for folder, fragments in expected.items():
-        assert main(["serve", str(folder), "--host", "127.0.0.1", "--port", "0"]) == 2
+        assert main(["serve", str(folder), "--python", "--host", "127.0.0.1", "--port", "0"]) == 2
         message = capsys.readouterr().err
         assert all(fragment in message for fragment in fragments), message
 

@@ -16,7 +16,9 @@ CLIENTS = 16
 # grace 0: the refusals start while every client's call is being served; 0.3 s: after a grace under load
 @pytest.mark.parametrize("grace", ["0", "0.3"])
 def test_sigterm_under_16_clients_cancels_nothing_and_loses_nothing(sparse_artifact, sparse_runtime, tmp_path, grace):
-    server = start_server(sparse_artifact, tmp_path / "serve.log", "--drain-grace-s", grace, "--max-delay-us", "500")
+    server = start_server(
+        sparse_artifact, tmp_path / "serve.log", "--python", "--drain-grace-s", grace, "--max-delay-us", "500"
+    )
     check_round(race_stop(server, cases(sparse_runtime.spec, sparse_runtime.lookup), CLIENTS), f"grace {grace}")
 
 
@@ -28,5 +30,5 @@ def test_sigterm_under_16_clients_cancels_nothing_and_loses_nothing(sparse_artif
 def test_sigterm_under_16_clients_one_round_per_grace(sparse_artifact, sparse_runtime, tmp_path):
     pool = cases(sparse_runtime.spec, sparse_runtime.lookup)
     for index, grace in enumerate(("0", "0.2", "1")):
-        server = start_server(sparse_artifact, tmp_path / f"serve{index}.log", "--drain-grace-s", grace)
+        server = start_server(sparse_artifact, tmp_path / f"serve{index}.log", "--python", "--drain-grace-s", grace)
         check_round(race_stop(server, pool, CLIENTS), f"round {index + 1}, grace {grace}")

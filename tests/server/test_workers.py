@@ -103,7 +103,9 @@ def _requests(metrics_port: int) -> float:
 
 def _start(artifact: Path, *options: str, http_port: int | None = None) -> Instance:
     http = ["--http-port", str(http_port)] if http_port is not None else []
-    process, port = spawn_server(artifact, "--workers", str(WORKERS), "--metrics-port", "0", *http, *options)
+    process, port = spawn_server(
+        artifact, "--python", "--workers", str(WORKERS), "--metrics-port", "0", *http, *options
+    )
     assert process.stdout is not None
     pids, metrics_ports = [], []
     for index in range(WORKERS):  # "<WORKER_LINE> <index> pid <pid> metrics port <port>"
@@ -209,7 +211,7 @@ def test_bad_requests_are_invalid_argument_naming_the_feature_on_every_worker(sh
 def test_a_second_serve_on_the_instances_port_is_refused(shared, model, workers, role, flag, in_process, capsys):
     instance = shared
     port = instance.port if role == "gRPC" else instance.http_port
-    args = ["serve", str(model.artifact), "--host", "127.0.0.1"]
+    args = ["serve", str(model.artifact), "--python", "--host", "127.0.0.1"]
     args += ["--workers", workers, *(["--port", str(port)] if role == "gRPC" else ["--port", "0", flag, str(port)])]
     if in_process:
         code, stderr = serve_in_process(capsys, *args[1:])

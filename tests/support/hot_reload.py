@@ -88,8 +88,7 @@ def run_under_load(
     Returns the calls, the failures, when the change was made, and the server's RSS before it and at the end.
     ``after(port)`` runs once the load is over, before the server stops.
     """
-    native = ("--native",) if server_kind == "native" else ()
-    process, port = spawn_server(repo, "--poll-s", "0.25", "--max-delay-us", "1000", *native)
+    process, port = spawn_server(repo, "--poll-s", "0.25", "--max-delay-us", "1000", f"--{server_kind}")
     calls: list[Call] = []
     failures: list[str] = []
     lock = threading.Lock()
