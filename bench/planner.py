@@ -7,6 +7,7 @@ and per-device memory use. Tables: rows log-uniform in [1e3, 3e7], dims in {32, 
     python bench/planner.py --tables 500 --devices 16
     python bench/planner.py --precision          # issue 28: DLRM-v2 shapes, precision under a budget
     python bench/planner.py --blocks             # issue 43: the same with precision blocks per table
+    python bench/planner.py --eval --blocks      # issue 43: the trained DLRM with blocks at 40 % of INT8
 
 ``--precision`` prints one JSON line per case: DLRM-v2's 26 tables (dim 128, synthetic N(0,1) rows generated
 per sampled id, never materialized; Zipf(1.05) ids over a random permutation of each table's rows, with
@@ -421,11 +422,15 @@ def _eval_examples(count: int, hidden: dict[str, Any], dense_weight: Any, seed: 
     return ids, dense, labels
 
 
-def eval_cases(steps: int = 1500, batch: int = 1024, budget_share: float = 0.5) -> list[dict[str, object]]:
+def eval_cases(
+    steps: int = 1500, batch: int = 1024, budget_share: float = 0.5, block_shares: Sequence[float] = ()
+) -> list[dict[str, object]]:
     """Issue 28's --eval target: a TorchRec DLRM trained here on synthetic data where two tables carry the signal
     and six larger ones little; at ``budget_share`` of its INT8 bytes the choice by log loss on an evaluation
     sample keeps AUC (on a separate test set, real TBE) within 0.001 of uniform INT8; beside it the choice by
-    the pooled measure, greedy by log loss, uniform INT4/INT2."""
+    the pooled measure, greedy by log loss, uniform INT4/INT2. With ``block_share`` (issue 43's target) also a
+    case at that share of INT8's bytes: precision blocks planned by the pooled measure from the training ids (the
+    sample), the served model's rows ranked hottest first by them, against INT8 and the whole-table choices."""
     import torch
     from torchrec import EmbeddingBagCollection, EmbeddingBagConfig, KeyedJaggedTensor
     from torchrec.models.dlrm import DLRM
@@ -487,8 +492,12 @@ def eval_cases(steps: int = 1500, batch: int = 1024, budget_share: float = 0.5) 
     measure_sample = sample_of(*_eval_examples(8000, hidden, dense_weight, seed=2))
     test_ids, test_dense, test_labels = _eval_examples(50_000, hidden, dense_weight, seed=3)
 
-    def test_auc(data_types: Sequence[DataType]) -> float:
-        model = infer.quantize(spec.with_data_types(overrides=dict(zip(names, data_types))), weights)
+    def test_auc(data_types: Sequence[DataType], blocks: tuple[Any, ...] = (), orders: Any = None) -> float:
+        typed = spec.with_data_types(overrides=dict(zip(names, data_types)))
+        if blocks:
+            typed = ModelSpec(tuple(t.with_blocks(b) for t, b in zip(typed.tables, blocks)), typed.num_dense_features,
+                              typed.dense_arch)  # fmt: skip
+        model = infer.quantize(typed, weights, block_orders=orders)
         values = torch.cat([test_ids[n] for n in names])
         lengths = torch.ones(len(values), dtype=torch.int32)
         with torch.no_grad():
@@ -529,7 +538,69 @@ def eval_cases(steps: int = 1500, batch: int = 1024, budget_share: float = 0.5) 
         case[f"{name}_auc"] = round(aucs[name], 5)
         case[f"{name}_bytes"] = choice.total_bytes
         case[f"{name}_dtypes"] = " ".join(d.value for d in choice.data_types)
-    return [case]
+    smallest = choose_uniform(model_problem, DataType.INT2).total_bytes
+    cases = [case]
+    for share in block_shares:
+        if share * int8.total_bytes < smallest:  # below every table at INT2: no choice, whole or in blocks, fits
+            cases.append({"bench": "precision_eval_dlrm_blocks", "budget_share_of_int8": share, "feasible": False,
+                          "smallest_share_of_int8": round(smallest / int8.total_bytes, 4),
+                          "uniform_int4_share": round(choices["uniform_int4"].total_bytes / int8.total_bytes, 4),
+                          "dim": EVAL_DIM})  # fmt: skip
+            continue
+        block_case = _eval_block_case(spec, weights, train_ids, names, share, int8, aucs, test_auc)
+        logloss = choose_exact(model_problem, int(share * int8.total_bytes))  # the whole-table choice by log loss
+        logloss_auc = test_auc(logloss.data_types)
+        block_case["whole_table_logloss_auc"] = round(logloss_auc, 5)
+        block_case["auc_drop_whole_table_logloss_vs_int8"] = round(aucs["uniform_int8"] - logloss_auc, 5)
+        block_case["whole_table_logloss_dtypes"] = " ".join(d.value for d in logloss.data_types)
+        cases.append(block_case)
+    return cases
+
+
+def _eval_block_case(spec: ModelSpec, weights: Any, train_ids: Any, names: Sequence[str], share: float, int8: Any,
+                     aucs: dict[str, float], test_auc: Any) -> dict[str, object]:  # fmt: skip
+    """Issue 43's --eval target: at ``share`` of INT8's bytes, blocks planned by the pooled measure from the
+    training ids (each table's rows ranked by them, as export ranks them), the served model's test AUC against
+    INT8's and the whole-table choices (pooled and log loss) at the same bytes."""
+    from infer.planner.access import sample_from_ids
+    from infer.planner.blocks import block_orders_from_sample, block_problem
+    from infer.planner.precision import choose_exact, precision_problem
+    from infer.quant.measured_error import measure_errors, rows_from_weights
+
+    started = time.perf_counter()
+    sample = sample_from_ids({n: train_ids[n].numpy() for n in names}, spec, source="training ids")
+    measured = measure_errors(spec, rows_from_weights(weights), sample)
+    budget = int(share * int8.total_bytes)
+    problem = block_problem(spec, measured, sample)
+    chosen = choose_exact(problem, budget)
+    whole_pooled = choose_exact(precision_problem(spec, measured, sample=sample), budget)
+    plan_seconds = time.perf_counter() - started
+    blocks = chosen.blocks or tuple(() for _ in names)
+    blocked = ModelSpec(tuple(t.with_blocks(b) for t, b in zip(spec.tables, blocks)), spec.num_dense_features,
+                        spec.dense_arch)  # fmt: skip
+    orders = block_orders_from_sample(blocked, sample)
+    block_auc = test_auc(chosen.data_types, blocks, orders)
+    whole_pooled_auc = test_auc(whole_pooled.data_types)
+    return {
+        "bench": "precision_eval_dlrm_blocks",
+        "budget_share_of_int8": share,
+        "feasible": True,
+        "budget_bytes": budget,
+        "sample": f"training ids ({sample.ids[names[0]].size} examples)",
+        "target_auc_drop_vs_int8": 0.001,
+        "uniform_int8_auc": round(aucs["uniform_int8"], 5),
+        "blocks_auc": round(block_auc, 5),
+        "blocks_bytes": chosen.total_bytes,
+        "auc_drop_blocks_vs_int8": round(aucs["uniform_int8"] - block_auc, 5),
+        "whole_table_pooled_auc": round(whole_pooled_auc, 5),
+        "whole_table_pooled_bytes": whole_pooled.total_bytes,
+        "auc_drop_whole_table_pooled_vs_int8": round(aucs["uniform_int8"] - whole_pooled_auc, 5),
+        "auc_gain_blocks_vs_whole_table_pooled": round(block_auc - whole_pooled_auc, 5),
+        "plan_seconds": round(plan_seconds, 2),
+        "block_tables": {n: [[b.rows, b.data_type.value] for b in bs] for n, bs in zip(names, blocks) if bs},
+        "whole_table_dtypes": " ".join(d.value for d in whole_pooled.data_types),
+        "blocks_cold_dtypes": " ".join(d.value for d in chosen.data_types),
+    }
 
 
 def main() -> int:
@@ -544,9 +615,12 @@ def main() -> int:
     parser.add_argument("--three-blocks", action="store_true", help="--blocks: also price three-block options")
     parser.add_argument("--blocks-speed", action="store_true", help="--blocks: also 500 tables")
     parser.add_argument("--steps", type=int, default=1500, help="--eval: training steps")
+    parser.add_argument("--block-share", type=float, action="append",
+                        help="--eval --blocks: shares of INT8's bytes (default 0.4 0.41 0.45 0.5)")  # fmt: skip
     args = parser.parse_args()
-    if args.eval:
-        for case in eval_cases(args.steps):
+    if args.eval:  # with --blocks also issue 43's case: blocks at --block-share of INT8's bytes
+        shares = (args.block_share or [0.4, 0.41, 0.45, 0.5]) if args.blocks else []
+        for case in eval_cases(args.steps, block_shares=shares):
             print(json.dumps(case), flush=True)
         return 0
     if args.blocks:

@@ -123,6 +123,11 @@ def _precision_plan(
     precision = plan_precision(spec, measured, budget, args.error_budget, constraints, sample, topology.row_alignment,
                                device_budgets=device_budgets, eval_measure=measure if args.eval else None,
                                blocks=block_problem if _blocks_allowed(args, topology) else None)  # fmt: skip
+    if not getattr(args, "sample_ids", None) and not args.eval and topology.world_size == 1:
+        # blocks pay by which rows are read most; with no sample the rows' order says nothing of that (a block of
+        # k rows in id order takes k/N of the reads), so a budget alone keeps whole tables
+        print("precision blocks: not priced (no --sample-ids says which rows are hot); give --sample-ids with "
+              "--memory-budget to hold each table's hot rows precise and the rest small")  # fmt: skip
     print()
     print(format_precision(precision.to_dict(), frontier=True))
     if args.frontier:

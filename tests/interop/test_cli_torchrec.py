@@ -340,3 +340,41 @@ def test_a_dense_part_from_the_model_states_the_pooling(trained, tmp_path, capsy
     # a flag that contradicts the dense part's record is refused by the layout check, naming the table
     assert main([*args, "--force", "--dense-arch", str(folder / "dense.pt"), "--pooling", "category=sum"]) == 2
     assert "table 'category' is pooled mean in the trained model, sum in the spec" in _error(capsys)
+
+
+def test_a_torchrec_model_with_a_budget_is_served_in_blocks_when_sample_ids_say_which_rows_are_hot(
+    trained, tmp_path, capsys
+):
+    """Issue 43: --memory-budget alone keeps whole tables and says why (no ids: no row is known to be hot); with
+    --sample-ids the same export holds the skewed table in blocks, and the served scores equal a model quantized
+    from the TorchRec weights in the same blocks with its rows ranked by the same ids (an independent ranking)."""
+    import numpy as np
+
+    from infer.quant.blocks import rank_rows
+
+    _, imported, folder = trained
+    export = ["export", "--from-torchrec", str(folder / "model.pt"), "--spec", str(folder / "spec.json"), "--no-dense"]
+    int4_bytes = sum(t.num_embeddings * (t.embedding_dim // 2 + 4) for t in imported.spec.tables)
+    budget = ["--memory-budget", str(int(int4_bytes * 1.4))]
+    assert main([*export, "--out", str(tmp_path / "whole"), *budget]) == 0
+    assert "precision blocks: not priced (no --sample-ids" in capsys.readouterr().out
+    assert not any(t.blocks for t in infer.load(tmp_path / "whole").spec.tables)
+
+    rng = np.random.default_rng(0)
+    features = {f.name: f.num_embeddings for f in imported.spec.features}
+    ids = {name: rng.integers(0, rows, 500) for name, rows in features.items()}
+    ids["user_id"] = rng.permutation(400)[np.minimum(rng.zipf(1.2, 20000) - 1, 399)]  # a few users read most
+    np.savez(tmp_path / "ids.npz", **ids)
+    assert main([*export, "--out", str(tmp_path / "art"), *budget, "--sample-ids", str(tmp_path / "ids.npz")]) == 0
+    assert "precision blocks: not priced" not in capsys.readouterr().out
+    runtime = infer.load(tmp_path / "art")
+    held = {t.name: t for t in runtime.spec.tables if t.blocks}
+    assert "user" in held
+    orders = {}
+    for table in held.values():
+        sampled = np.concatenate([ids[f] for f in table.feature_names])
+        orders[table.name] = rank_rows(table.num_embeddings, sampled, table.name)
+    reference = infer.quantize(runtime.spec, imported.weights, block_orders=orders)
+    kjt = random_kjt(list(imported.spec.feature_names), features)
+    values, lengths = kjt.values(), kjt.lengths().to(torch.int32)
+    assert torch.equal(runtime.module(values, lengths), reference(values, lengths))
