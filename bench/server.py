@@ -1046,24 +1046,29 @@ def main() -> int:
     return 1 if failed else 0
 
 
+def paired(cases: Sequence[Case], others: Sequence[Case]) -> list[tuple[Case, Case]]:
+    """Each case with the other run's case of the same method, batch size, clients and protocol."""
+
+    def key(case: Case) -> tuple[object, ...]:
+        return (case.method, case.batch_size, case.clients, case.row["protocol"])
+
+    base = {key(c): c for c in others}
+    return [(case, base[key(case)]) for case in cases if key(case) in base]
+
+
+def ratio(a: object, b: object) -> float | None:
+    """``a / b`` of two figures of a case row (None when ``b`` is not positive), to 3 decimals."""
+    x, y = float(str(a)) if a is not None else float("nan"), float(str(b)) if b is not None else float("nan")
+    return round(x / y, 3) if y > 0 else None
+
+
 def compare_native(native: Sequence[Case], python: Sequence[Case]) -> list[dict[str, object]]:
     """Per case, embserve-server against the Python server (same run): throughput, CPU per request and latency
     ratios, and each side's ratio to in-process; batch 1, one client: the native CPU and p50 over its own empty
     call (issue 41's targets: CPU <= 0.2x the Python server's and <= 1.5x an empty call, p50 <= 1.3x it)."""
 
-    def key(case: Case) -> tuple[object, ...]:
-        return (case.method, case.batch_size, case.clients, case.row["protocol"])
-
-    def ratio(a: object, b: object) -> float | None:
-        x, y = float(str(a)) if a is not None else float("nan"), float(str(b)) if b is not None else float("nan")
-        return round(x / y, 3) if y > 0 else None
-
-    base = {key(c): c for c in python}
     rows: list[dict[str, object]] = []
-    for case in native:
-        other = base.get(key(case))
-        if other is None:
-            continue
+    for case, other in paired(native, python):
         row: dict[str, object] = {
             "bench": "server_native",
             "method": case.method,
@@ -1105,19 +1110,8 @@ def compare_native_change(native: Sequence[Case], baseline: Sequence[Case]) -> l
     """Per case, the native binary against another build of it (--native-baseline), same run: throughput, CPU per
     request and p50 ratios; batch 1, one client: each side's CPU and p50 over its own empty call."""
 
-    def key(case: Case) -> tuple[object, ...]:
-        return (case.method, case.batch_size, case.clients, case.row["protocol"])
-
-    def ratio(a: object, b: object) -> float | None:
-        x, y = float(str(a)) if a is not None else float("nan"), float(str(b)) if b is not None else float("nan")
-        return round(x / y, 3) if y > 0 else None
-
-    base = {key(c): c for c in baseline}
     rows: list[dict[str, object]] = []
-    for case in native:
-        other = base.get(key(case))
-        if other is None:
-            continue
+    for case, other in paired(native, baseline):
         row: dict[str, object] = {
             "bench": "server_native_change",
             "method": case.method,
