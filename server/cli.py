@@ -47,28 +47,6 @@ def _worker_options(args: argparse.Namespace) -> list[str]:
     return options
 
 
-def refuse_whole_artifact_flags(args: argparse.Namespace) -> None:
-    """``--hot-rows`` and ``--prefetch on|off`` act on one artifact served whole (both servers): ConfigError for a
-    repository or a multi-host artifact."""
-    from server.group.leader import is_multi_host
-    from server.repository import is_repository
-
-    wants_hot_rows = args.hot_rows is not None or args.hot_rows_sample is not None
-    if not (wants_hot_rows or args.prefetch != "auto"):
-        return
-    if not (is_multi_host(args.artifact) or is_repository(args.artifact)):
-        return
-    if wants_hot_rows:
-        raise ConfigError(
-            f"--hot-rows applies to one artifact served whole; {args.artifact} is a repository or a multi-host "
-            "artifact. Serve one artifact folder with it, or leave the flags out"
-        )
-    raise ConfigError(
-        f"--prefetch {args.prefetch} applies to one artifact served whole; {args.artifact} is a repository or a "
-        "multi-host artifact (their versions and hosts read ahead as their plans say). Leave the flag out"
-    )
-
-
 def cmd_serve(args: argparse.Namespace) -> int:
     import asyncio
     import signal
@@ -77,8 +55,9 @@ def cmd_serve(args: argparse.Namespace) -> int:
     # Until the server's event loop takes the signals over, a SIGTERM while loading ends the process quietly.
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(0))
 
+    from server.native import exec_native, refuse_whole_artifact_flags, runs_native
+
     refuse_whole_artifact_flags(args)
-    from server.native import exec_native, runs_native
 
     if runs_native(args):
         exec_native(args)  # never returns: the process becomes embserve-server

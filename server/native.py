@@ -154,7 +154,6 @@ def hot_rows_flags(args: argparse.Namespace) -> list[str]:
     if getattr(args, "hot_rows", None) is None and getattr(args, "hot_rows_sample", None) is None:
         return []
     from infer.commands.hot_rows import hot_rows_of
-    from server.cli import refuse_whole_artifact_flags
 
     refuse_whole_artifact_flags(args)  # a repository or multi-host artifact (cmd_serve checked already)
     rows = hot_rows_of(args, args.artifact) or {}
@@ -171,3 +170,25 @@ def exec_native(args: argparse.Namespace) -> None:
     """Replace this process with the binary: its signals, output and exit code are the command's."""
     command = native_command(args)
     os.execv(command[0], command)
+
+
+def refuse_whole_artifact_flags(args: argparse.Namespace) -> None:
+    """``--hot-rows`` and ``--prefetch on|off`` act on one artifact served whole (both servers): ConfigError for a
+    repository or a multi-host artifact."""
+    from server.group.leader import is_multi_host
+    from server.repository import is_repository
+
+    wants_hot_rows = args.hot_rows is not None or args.hot_rows_sample is not None
+    if not (wants_hot_rows or args.prefetch != "auto"):
+        return
+    if not (is_multi_host(args.artifact) or is_repository(args.artifact)):
+        return
+    if wants_hot_rows:
+        raise ConfigError(
+            f"--hot-rows applies to one artifact served whole; {args.artifact} is a repository or a multi-host "
+            "artifact. Serve one artifact folder with it, or leave the flags out"
+        )
+    raise ConfigError(
+        f"--prefetch {args.prefetch} applies to one artifact served whole; {args.artifact} is a repository or a "
+        "multi-host artifact (their versions and hosts read ahead as their plans say). Leave the flag out"
+    )

@@ -185,11 +185,10 @@ def random_advised(pid: int, folder: Path) -> bool:
     return any(line.startswith("VmFlags") and " rr" in line for block in mapped for line in block.splitlines())
 
 
+@pytest.mark.parametrize("hot_server", ["native"], indirect=True)
 def test_the_native_server_reports_the_cache_python_reports(hot_server, hot_model, cached_runtime):
     """The start-up line names the same rows, tables and bytes as the Python server's (describe_hot_rows); the
     mapping is read ahead with --prefetch on (the shared server), and not without it (auto: no paged plan)."""
-    if hot_server.kind != "native":
-        pytest.skip("the native server's start-up line and mapping")
     assert random_advised(hot_server.process.pid, hot_model[2])
     served = NativeServed(hot_model[2], hot_rows_file=hot_model[3])
     try:
