@@ -67,6 +67,7 @@ import grpc
 import numpy as np
 import torch
 
+from bench.served import process_cpu_seconds
 from infer.artifact.export import export
 from infer.artifact.load import load
 from infer.artifact.runtime import Runtime
@@ -356,20 +357,6 @@ def read_verdict(summary: Path) -> str:
 def read_accuracy_log(path: Path) -> list[tuple[int, bytes]]:
     """(sample index, response bytes) of every response LoadGen logged."""
     return [(int(entry["qsl_idx"]), bytes.fromhex(entry["data"])) for entry in json.loads(path.read_text() or "[]")]
-
-
-def process_cpu_seconds(pid: int) -> float:
-    """User + system CPU seconds of a process and its children (``embserve serve --workers N``: the instance
-    and its workers; Linux /proc); NaN elsewhere."""
-    try:
-        children = Path(f"/proc/{pid}/task/{pid}/children").read_text().split()
-        total = 0.0
-        for each in [pid, *map(int, children)]:
-            fields = Path(f"/proc/{each}/stat").read_text().rsplit(")", 1)[1].split()
-            total += (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
-        return total
-    except OSError:
-        return float("nan")
 
 
 def run_loadgen(

@@ -25,9 +25,6 @@ import http.client
 import json
 import multiprocessing
 import os
-import signal
-import socket
-import subprocess
 import sys
 import tempfile
 import time
@@ -39,6 +36,7 @@ if sys.path and os.path.abspath(sys.path[0]) == os.path.dirname(os.path.abspath(
 import numpy as np
 import torch
 
+from bench.served import HOST, ServedProcess, free_port
 from infer.artifact.export import export
 from infer.artifact.load import load
 from infer.demo import demo_spec
@@ -46,15 +44,8 @@ from infer.features import SparseFeatures
 from infer.quant.quantize import quantize
 from infer.weights import random_weights
 
-HOST = "127.0.0.1"
 MODEL = "artifact"  # the artifact's folder name
 HEADER_LENGTH = "Inference-Header-Content-Length"
-
-
-def free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind((HOST, 0))
-        return int(sock.getsockname()[1])
 
 
 def random_request(spec, batch_size: int, seed: int, ids_per_bag: int) -> tuple[SparseFeatures, torch.Tensor]:
@@ -137,7 +128,7 @@ def client_loop(port: int, requests: list[tuple[bytes, str]], start_at: float, s
     out.put((latencies, errors))
 
 
-class Server:
+class Server(ServedProcess):
     """``embserve serve --python`` or ``--native`` (``kind``) on free loopback ports, REST on ``http_port``."""
 
     def __init__(self, artifact: Path, kind: str, args: argparse.Namespace, log: Path) -> None:
@@ -146,35 +137,10 @@ class Server:
         command = [
             sys.executable, "-m", "infer.cli", "serve", str(artifact), "--host", HOST, "--port", "0",
             "--http-port", str(self.http_port), "--max-delay-us", str(args.max_delay_us),
-            "--intra-op-threads", "1", "--drain-seconds", "5",
+            "--intra-op-threads", "1", "--drain-seconds", "5", f"--{kind}",  # "python" or "native"
         ]  # fmt: skip
-        command.append(f"--{kind}")  # "python" or "native"
-        self._log = log.open("wb")
-        self.process = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=self._log, text=True)
-        assert self.process.stdout is not None
-        deadline = time.monotonic() + 300
-        for line in self.process.stdout:
-            if "serving on port" in line:
-                break
-            if time.monotonic() > deadline:
-                raise TimeoutError(f"{kind} server did not start")
-        else:
-            raise RuntimeError(f"{kind} server exited: {log.read_text()[-2000:]}")
-
-    def cpu_seconds(self) -> float:
-        with open(f"/proc/{self.process.pid}/stat") as stat:
-            fields = stat.read().rsplit(")", 1)[1].split()
-        return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
-
-    def stop(self) -> int | None:
-        self.process.send_signal(signal.SIGTERM)
-        try:
-            code = self.process.wait(timeout=60)
-        except subprocess.TimeoutExpired:
-            self.process.kill()
-            code = None
-        self._log.close()
-        return code
+        super().__init__(command, log)
+        self.wait_ready(300)
 
 
 def run_round(server: Server, requests: list[tuple[bytes, str]], clients: int, seconds: float) -> dict:

@@ -33,9 +33,7 @@ import json
 import os
 import random
 import re
-import signal
 import socket
-import subprocess
 import sys
 import tempfile
 import threading
@@ -50,6 +48,7 @@ if sys.path and os.path.abspath(sys.path[0]) == os.path.dirname(os.path.abspath(
 import numpy as np
 import torch
 
+from bench.served import HOST, ServedProcess, free_port
 from infer.artifact.export import export
 from infer.artifact.load import load
 from infer.config import DataType, ModelSpec, PoolingType, TableConfig
@@ -58,7 +57,6 @@ from infer.features import SparseFeatures
 from infer.quant.quantize import quantize
 from infer.weights import random_weights
 
-HOST = "127.0.0.1"
 MODEL = "fuzz"  # the artifact's folder name, the model's name on both servers
 NUM_DENSE = 4
 MAX_BATCH = 32  # --max-batch-size of both servers
@@ -890,18 +888,11 @@ def drive(
 
 
 # ------------------------------------------------------------------------------------------ servers
-def free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind((HOST, 0))
-        return int(sock.getsockname()[1])
-
-
-class Server:
+class Server(ServedProcess):
     """``embserve serve`` (``binary``: ``--native`` on that embserve-server build) with REST on ``http_port``."""
 
     def __init__(self, artifact: Path, binary: Path | None, log: Path) -> None:
         self.http_port = free_port()
-        self.log_path = log
         command = [
             sys.executable, "-m", "infer.cli", "serve", str(artifact), "--host", HOST, "--port", "0",
             "--metrics-port", "0", "--http-port", str(self.http_port), "--max-message-mb", "1",
@@ -913,32 +904,8 @@ class Server:
             env.update(SANITIZER_ENV, EMBSERVE_SERVER_BIN=str(binary))
         else:
             command.append("--python")
-        self._log = log.open("wb")
-        self.process = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=self._log, text=True, env=env)
-        assert self.process.stdout is not None
-        deadline = time.monotonic() + 300
-        for line in self.process.stdout:
-            if "serving on port" in line:
-                break
-            if time.monotonic() > deadline:
-                raise TimeoutError("the server did not start")
-        else:
-            raise RuntimeError(f"the server exited: {log.read_text()[-3000:]}")
-        threading.Thread(target=self.process.stdout.read, daemon=True).start()  # drain its stdout
-
-    def alive(self) -> bool:
-        return self.process.poll() is None
-
-    def stop(self) -> int | None:
-        if self.alive():
-            self.process.send_signal(signal.SIGTERM)
-        try:
-            code = self.process.wait(timeout=60)
-        except subprocess.TimeoutExpired:
-            self.process.kill()
-            code = None
-        self._log.close()
-        return code
+        super().__init__(command, log, env)
+        self.wait_ready(300)
 
     def reports(self) -> list[str]:
         return [

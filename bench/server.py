@@ -55,9 +55,6 @@ import argparse
 import collections
 import json
 import os
-import queue
-import signal
-import subprocess
 import sys
 import tempfile
 import threading
@@ -75,7 +72,7 @@ if sys.path and os.path.abspath(sys.path[0]) == os.path.dirname(os.path.abspath(
 import grpc
 import torch
 
-from bench.loadgen import process_cpu_seconds
+from bench.served import HOST, ServedProcess
 from infer.artifact.export import export
 from infer.artifact.load import load
 from infer.artifact.runtime import Runtime
@@ -92,7 +89,6 @@ from server.proto import inference_pb2_grpc as pb_grpc
 from server.proto import open_inference_grpc_pb2 as oip_pb
 from server.proto import open_inference_grpc_pb2_grpc as oip_grpc
 
-HOST = "127.0.0.1"
 DIMS = (64, 96, 128)
 MAX_MESSAGE_BYTES = 64 * 1024 * 1024
 ACCEPT_BATCH, ACCEPT_CLIENTS = 512, 16
@@ -128,7 +124,7 @@ def dense_batch(batch: SparseFeatures, num_dense: int, seed: int) -> torch.Tenso
 
 
 # ---------------------------------------------------------------------------------------------- server process
-class ServerProcess:
+class ServerProcess(ServedProcess):
     """``embserve serve`` on a free loopback port; ``stop`` sends SIGTERM and returns the exit code."""
 
     def __init__(
@@ -151,61 +147,12 @@ class ServerProcess:
         command += ["--native"] if kind == "native" else ["--python", "--workers", str(workers)]
         self.workers = workers
         self.kind = kind
-        self.log_path = log_path
-        self._log = log_path.open("wb")
         env = dict(os.environ)
         if binary is not None:
             env["EMBSERVE_SERVER_BIN"] = binary  # server.native.find_binary: this build of embserve-server
         if args.server_threads:
             env["OMP_NUM_THREADS"] = str(args.server_threads)  # torch's default intra-op threads in the server
-        self.process = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=self._log, text=True, env=env)
-        self._lines: queue.Queue[str] = queue.Queue()
-        # drain stdout in a thread so waiting for the port line has a timeout and the pipe never fills
-        threading.Thread(target=self._read_stdout, daemon=True).start()
-        self.port = 0
-
-    def _read_stdout(self) -> None:
-        assert self.process.stdout is not None
-        for line in self.process.stdout:
-            self._lines.put(line)
-
-    def wait_ready(self, timeout_s: float) -> int:
-        """The port from the server's \"serving on port N\" line (printed once it is warm)."""
-        deadline = time.monotonic() + timeout_s
-        while time.monotonic() < deadline:
-            try:
-                line = self._lines.get(timeout=0.2)
-            except queue.Empty:
-                if self.process.poll() is not None:
-                    raise RuntimeError(f"server exited with {self.process.returncode}:\n{self.log_tail()}") from None
-                continue
-            if "serving on port" in line:
-                self.port = int(line.rsplit(" ", 1)[1])
-                return self.port
-        raise TimeoutError(f"server not serving after {timeout_s:.0f} s:\n{self.log_tail()}")
-
-    def cpu_seconds(self) -> float:
-        """User + system CPU of the server process and of its worker processes (``--workers N``: the
-        instance's children; Linux /proc); NaN elsewhere."""
-        return process_cpu_seconds(self.process.pid)
-
-    def stop(self, timeout_s: float = 60.0) -> int | None:
-        """SIGTERM, then wait; a server that does not exit in time is killed and reported as None."""
-        if self.process.poll() is None:
-            self.process.send_signal(signal.SIGTERM)
-        try:
-            code: int | None = self.process.wait(timeout=timeout_s)
-        except subprocess.TimeoutExpired:
-            self.process.kill()
-            self.process.wait(timeout=10)
-            code = None
-        self._log.close()
-        return code
-
-    def log_tail(self, lines: int = 20) -> str:
-        if not self._log.closed:
-            self._log.flush()
-        return "\n".join(self.log_path.read_text(errors="replace").splitlines()[-lines:])
+        super().__init__(command, log_path, env)
 
 
 # ---------------------------------------------------------------------------------------------- measurement
