@@ -18,6 +18,7 @@ import os
 import shutil
 import sys
 from pathlib import Path
+from typing import Any
 
 from infer.errors import ConfigError
 
@@ -75,36 +76,32 @@ def python_only(args: argparse.Namespace) -> str | None:
             continue
         if getattr(args, action.dest) != action.default and action.option_strings[-1] not in PASSED:
             return action.option_strings[-1]
-    if _is_multi_host(args.artifact):
+    manifest = _manifest_json(args.artifact)
+    if "hosts" in manifest:
         return "multi-host artifacts"
     wants_cache = getattr(args, "hot_rows", None) is not None or getattr(args, "prefetch", "auto") == "on"
-    if wants_cache and not _one_cpu_kernel(args.artifact):
+    if wants_cache and not _one_cpu_kernel(manifest):
         return "--hot-rows or --prefetch on for a sharded artifact (it caches and reads ahead for one CPU kernel)"
     return None
 
 
-def _one_cpu_kernel(artifact: str | Path) -> bool:
-    """Whether ``artifact``'s manifest lists one kernel, on the CPU: what the native server's hot-row cache and
-    prefetch serve (read as JSON, as ``_is_multi_host``; a repository or an unreadable manifest: True, left to the
-    checks that name them)."""
+def _manifest_json(artifact: str | Path) -> dict[str, Any]:
+    """``artifact``'s manifest as JSON (no torch import before the binary runs), or {} when it does not read (a
+    repository, or a manifest left to the server that loads it to report)."""
     try:
         data = json.loads((Path(artifact) / "manifest.json").read_text())
     except (OSError, ValueError):
-        return True
-    kernels = data.get("kernels") if isinstance(data, dict) else None
+        return {}
+    return data if isinstance(data, dict) else {}
+
+
+def _one_cpu_kernel(manifest: dict[str, Any]) -> bool:
+    """Whether the manifest lists one kernel, on the CPU: what the native server's hot-row cache and prefetch serve
+    (a manifest without kernels: True, left to the checks that name it)."""
+    kernels = manifest.get("kernels")
     if not isinstance(kernels, list):
         return True
     return len(kernels) == 1 and isinstance(kernels[0], dict) and str(kernels[0].get("device", "cpu")) == "cpu"
-
-
-def _is_multi_host(artifact: str | Path) -> bool:
-    """Whether ``artifact``'s manifest lists host parts (read as JSON: no torch import before the binary runs; a
-    manifest that does not read is left to the server that loads it to report)."""
-    try:
-        data = json.loads((Path(artifact) / "manifest.json").read_text())
-    except (OSError, ValueError):
-        return False
-    return isinstance(data, dict) and "hosts" in data
 
 
 def runs_native(args: argparse.Namespace) -> bool:
