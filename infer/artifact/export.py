@@ -69,16 +69,15 @@ def staged(out_dir: Path) -> Iterator[Path]:
         raise
 
 
-def refuse_blocks(spec: Any, plan: ShardingPlan | None, onnx: bool, pt2: bool) -> None:
+def refuse_blocks(spec: Any, plan: ShardingPlan | None, onnx: bool) -> None:
     """``ConfigError`` naming the first table held in precision blocks when the export asks for a form that does
-    not serve blocks yet (a sharded model, ONNX, pt2), and the flag to drop."""
+    not serve blocks yet (a sharded model, ONNX), and the flag to drop. (pt2 serves them: ``BlockSplitCall``.)"""
     if not spec.block_tables:
         return
     table = spec.block_tables[0]
     for asked, what, flag in (
         (plan is not None, "a sharded model", "the plan (--devices/--plan)"),
         (onnx, "ONNX", "--onnx"),
-        (pt2, "pt2", "--pt2"),
     ):
         if asked:
             raise ConfigError(
@@ -137,7 +136,7 @@ def export(
     if not isinstance(model, EmbserveModel):
         raise ConfigError(f"export takes the model returned by infer.quantize(), got {type(model).__name__}")
     check_weights_format(weights)
-    refuse_blocks(model.spec, plan, onnx, pt2)
+    refuse_blocks(model.spec, plan, onnx)
     out_dir = output_folder(out_dir)
     dense_expects = checked_layout(model.spec, model.dense_arch if model.has_dense else None)
     if model.has_dense:

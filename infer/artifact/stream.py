@@ -106,7 +106,7 @@ def export_streaming(
     if chunk_bytes < 1:
         raise ConfigError(f"chunk_bytes must be positive, got {chunk_bytes}")
     spec.require_stated_pooling()
-    refuse_blocks(spec, plan, onnx=False, pt2=False)
+    refuse_blocks(spec, plan, onnx=False)
     orders = checked_block_orders(spec, block_orders)
     if plan is not None:
         _check_streamable(plan)
