@@ -117,7 +117,8 @@ def export(
     ``pt2=True`` adds ``model.pt2``: the lookups compiled by torch.export + AOTInductor for the model's
     device (``load(path, backend="pt2")``, and the C++ loader's pt2 backend); compiling takes about a minute.
     Unsharded models and table-wise, column-wise and replicated shards (row-wise: ``ConfigError``); a dense
-    part is a second program in the same package.
+    part is a second program in the same package. Tables in precision blocks are split inside the program, as
+    model.pt splits them (ONNX and sharding refuse them: ``refuse_blocks``).
 
     A dense part that records the pooled layout it was trained on (``infer.from_torchrec``) is checked against
     the spec (``ConfigError`` naming the table and what differs: order, pooling, dim, columns) and the layout is

@@ -353,7 +353,9 @@ def _write_cold_block(
     """Read the table chunk by chunk and queue its cold rows (every row the precise blocks do not hold) in id
     order, each chunk's right after the previous one's."""
     table = piece.table
-    ids = _block_ids(piece, order)  # ascending
+    ids = _block_ids(piece, order)
+    if ids.numel() > 1 and not bool((ids[1:] > ids[:-1]).all()):  # what the cold rows' places below rest on
+        raise AssertionError(f"table {table.name!r}: block_orders must give the cold block's ids in id order")
     stride = row_bytes(piece.num_cols, piece.data_type, piece.row_alignment)
     step = _chunk_rows(table, chunk_bytes)
     started = time.monotonic()
