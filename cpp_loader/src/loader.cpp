@@ -1530,6 +1530,45 @@ std::vector<std::pair<std::string, int64_t>> read_weight_constants(const std::st
   return wanted;
 }
 
+// The lookup program's metadata entry of a model with tables in precision blocks: per block table (table order,
+// comma-separated) `<table>=<sha256>` of the id remap compiled into the program; absent without blocks
+// (infer.artifact.formats.pt2_program.BLOCK_REMAPS_KEY).
+constexpr const char* kBlockRemapsKey = "embserve.block_remaps";
+
+// The id remaps compiled into model.pt2 are the manifest's block_remaps, table for table (their sha256); else a
+// ModelError naming the first table that differs and the fix (infer.artifact.formats.pt2_runtime.check_block_remaps,
+// same words). A changed byte inside model.pt2 is its checksum's to catch.
+void check_pt2_block_remaps(torch::inductor::AOTIModelPackageLoader& program, const schema::Document& data,
+                            const std::string& pt2_path) {
+  const auto metadata = program.get_metadata();
+  const auto found = metadata.find(kBlockRemapsKey);
+  std::map<std::string, std::string> compiled, listed;
+  std::stringstream items(found != metadata.end() ? found->second : "");
+  std::string item;
+  while (std::getline(items, item, ',')) {
+    const auto equals = item.rfind('=');
+    if (equals == std::string::npos || equals == 0 || item.size() - equals - 1 != 64)
+      throw ModelError(pt2_path + ": malformed " + kBlockRemapsKey + " entry '" + item.substr(0, 80) +
+                       "'; re-export the artifact with --pt2");
+    compiled[item.substr(0, equals)] = item.substr(equals + 1);
+  }
+  if (data.contains("block_remaps"))
+    for (const auto& remap : data["block_remaps"].items())
+      listed[remap.key()] = remap.value()["sha256"].get<std::string>();
+  std::set<std::string> tables;
+  for (const auto& [name, digest] : compiled) tables.insert(name);
+  for (const auto& [name, digest] : listed) tables.insert(name);
+  for (const auto& table : tables) {
+    const auto held = compiled.find(table), says = listed.find(table);
+    if (held != compiled.end() && says != listed.end() && held->second == says->second) continue;
+    throw ModelError(pt2_path + " was compiled with " +
+                     (held == compiled.end() ? std::string("no remap") : "remap sha256 " + held->second.substr(0, 16) + "...") +
+                     " for table '" + table + "', and manifest.json's block_remaps says " +
+                     (says == listed.end() ? std::string("no remap") : "sha256 " + says->second.substr(0, 16) + "...") +
+                     ": model.pt2 and the manifest come from different exports. Re-export the artifact with --pt2");
+  }
+}
+
 // A mapped artifact's model.pt2 holds no tables: hand the lookup program every kernel's view of its mapped weight
 // file as a user-managed constant (infer.artifact.formats.pt2_runtime.attach_weight_constants), and ones for its
 // tables_attached check, after the artifact is verified. AOTInductor (libtorch 2.13) keeps a tensor handle of each user-managed constant that it
@@ -1783,6 +1822,7 @@ Model Model::load(const std::string& artifact_dir, const LoadOptions& options) {
                        " (are the fbgemm libraries in the manifest's fbgemm.libraries the ones it was compiled with?)");
     }
     if (options.intra_op_threads > 0) at::set_num_threads(options.intra_op_threads);
+    check_pt2_block_remaps(*model.pt2_, data, pt2_path.string());
     verified();  // before any weight file is handed to the program
     model.pt2_mappings_ = attach_pt2_weights(*model.pt2_, data, mappings, pt2_path.string());
     model.load_seconds_ = seconds_since(started);

@@ -7,27 +7,39 @@ Each table (or shard) is read in row chunks, encoded by the one row codec (``inf
 and written at its offset while the checksums are computed (``infer.storage.writer``); the scripted model is built
 with unallocated weight buffers (``make_tbe(allocate=False)``). The files are byte for byte those of
 ``export(quantize(...), weights="mapped")``.
+
+A table held in precision blocks (``TableConfig.blocks``) is one piece per block, and its remap is known before a
+row is read: the ranking (``block_orders``) says which ids each block holds, so the model file's remap and the
+manifest's sha256 are those of the in-memory export. A precise block holds its rows in ranking order: its ids are
+read in increasing order, in spans of at most a chunk (from one wanted id to the last wanted id within a chunk of
+it), encoded in the block's type and put at their ranks in the block's buffer, written once gathered (memory: the
+block's encoded rows, the hot few percent of the table, beside one fp32 chunk). The cold block holds every other
+row in id order: the table is read chunk by chunk and its cold rows written as they come, in order.
 """
 
 from __future__ import annotations
 
 import logging
 import time
+from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import torch
 
-from infer.artifact.export import check_dense_part, output_folder, staged, write_manifest
+from infer.artifact.export import check_dense_part, output_folder, refuse_blocks, staged, write_manifest
 from infer.artifact.formats.torchscript import save_structure, script_model
 from infer.artifact.kernels import Kernel, expected_kernels, model_tbes
 from infer.artifact.manifest import MAPPED_FORMAT_VERSION, FileEntry
 from infer.artifact.mapped import mark_weights, place_weights, strip_weights
-from infer.config import ModelSpec, TableConfig
+from infer.config import DataType, ModelSpec, TableConfig
 from infer.dense_layout import checked_layout
 from infer.errors import ConfigError, WeightsError
 from infer.modules.collection import EmbserveModel, QuantizedEmbeddingBagCollection
 from infer.planner.types import ShardingPlan
+from infer.quant.blocks import block_orders as checked_block_orders
+from infer.quant.blocks import remap_of
 from infer.quant.quantize import ProgressFn, check_finite
 from infer.quant.rowwise import encode_rows, row_bytes, table_bytes
 from infer.shard.builder import device_layouts, shard_structure
@@ -55,6 +67,8 @@ class Piece:
     col_offset: int
     num_cols: int
     row_alignment: int
+    data_type: DataType  # the table's, or its block's
+    block: int = -1  # a block table's block (index into ``table.blocks``, hottest first); -1: the whole table (shard)
 
 
 @dataclass(frozen=True)
@@ -82,25 +96,25 @@ def export_streaming(
     *,
     chunk_bytes: int = DEFAULT_CHUNK_BYTES,
     progress: ProgressFn | None = None,
+    block_orders: Mapping[str, Any] | None = None,
 ) -> StreamedExport:
     """Export ``spec``'s tables from ``source`` (``infer.storage.sources``) as a mapped artifact at ``out_dir``,
     unsharded or sharded by a one-host CPU ``plan``, reading ``chunk_bytes`` of fp32 rows at a time. The spec's
     data types (and dense part) are used as ``quantize`` uses them; ``progress(table, rows_done, rows)`` is called
-    after every chunk, and a line per table (rows/s) and a summary are logged."""
+    after every chunk, and a line per table (rows/s) and a summary are logged. A table held in precision blocks
+    needs its rows ranked hottest first in ``block_orders``, as ``quantize`` does (unsharded only)."""
     if chunk_bytes < 1:
         raise ConfigError(f"chunk_bytes must be positive, got {chunk_bytes}")
     spec.require_stated_pooling()
-    if spec.block_tables:
-        raise ConfigError(
-            f"table {spec.block_tables[0]!r} is held in precision blocks, which the streaming export does not write "
-            "yet; export it with infer.quantize(..., block_orders=...) and infer.export, or hold the table in one data "
-            "type"
-        )
+    refuse_blocks(spec, plan, onnx=False)
+    orders = checked_block_orders(spec, block_orders)
     if plan is not None:
         _check_streamable(plan)
     check_source(spec, source)
     out_dir = output_folder(out_dir)
     model = structure_model(spec, plan)
+    for name, order in orders.items():
+        model.embeddings.set_block_remap(name, remap_of(order))  # type: ignore[operator]
     dense_expects = checked_layout(spec, model.dense_arch if model.has_dense else None)
     if model.has_dense:
         check_dense_part(model)
@@ -116,7 +130,7 @@ def export_streaming(
         for name, file_pieces in pieces.items():
             path = staging / name
             path.parent.mkdir(parents=True, exist_ok=True)
-            digests = _write_file(path, file_pieces, sizes[name], source, chunk_bytes, progress, peak)
+            digests = _write_file(path, file_pieces, sizes[name], source, chunk_bytes, progress, peak, orders)
             weight_files.append(_file_entry(name, digests))
         strip_weights(model_tbes(scripted), kernels)
         mark_weights(scripted, attached=False)
@@ -125,7 +139,7 @@ def export_streaming(
     peak.sample()
     done = StreamedExport(
         path=out_dir,
-        tables=sum(len(p) for p in pieces.values()),
+        tables=sum(piece.block <= 0 for p in pieces.values() for piece in p),  # a block table once
         rows=sum(piece.num_rows for p in pieces.values() for piece in p),
         weight_bytes=sum(sizes.values()),
         seconds=time.monotonic() - started,
@@ -174,11 +188,20 @@ def weight_pieces(spec: ModelSpec, plan: ShardingPlan | None, kernels: list[Kern
     """Every weight file's distinct tables (or shards) in file order: the kernels' (``place_weights``) tables at
     their places; kernels that share rows (CPU replicas) share the piece."""
     if plan is None:
-        blocks = [[(t.name, t, 0, t.num_embeddings, 0, t.embedding_dim) for t in spec.tables]]
+        # one piece per kernel table: a block table's blocks in order (``tbe_tables``), hottest first
+        blocks = [
+            [
+                (f"{t.name}.block{j}" if t.blocks else t.name, t, 0, b.rows, 0, t.embedding_dim, b.data_type, j)
+                if t.blocks
+                else (t.name, t, 0, t.num_embeddings, 0, t.embedding_dim, t.data_type, -1)
+                for t in spec.tables
+                for j, b in enumerate(t.stored_blocks)
+            ]
+        ]
     else:
         blocks = [
             [
-                (name, table, shard.row_offset, shard.num_rows, shard.col_offset, shard.num_cols)
+                (name, table, shard.row_offset, shard.num_rows, shard.col_offset, shard.num_cols, table.data_type, -1)
                 for (name, _, _, _), (table, shard) in zip(layout.tables, layout.sources)
             ]
             for layout in device_layouts(spec, plan)
@@ -187,12 +210,13 @@ def weight_pieces(spec: ModelSpec, plan: ShardingPlan | None, kernels: list[Kern
     for kernel, kernel_blocks in zip(kernels, blocks):
         assert kernel.weights is not None and kernel.shared is not None  # place_weights placed every CPU kernel
         placed = by_file.setdefault(kernel.weights.file, {})
-        for start, (label, table, row_offset, rows, col_offset, cols) in zip(
+        for start, (label, table, row_offset, rows, col_offset, cols, data_type, block) in zip(
             kernel.shared.table_offsets, kernel_blocks
         ):
             offset = kernel.weights.offset + start
             placed.setdefault(
-                offset, Piece(label, table, offset, row_offset, rows, col_offset, cols, kernel.row_alignment)
+                offset,
+                Piece(label, table, offset, row_offset, rows, col_offset, cols, kernel.row_alignment, data_type, block),
             )
     return {name: [placed[offset] for offset in sorted(placed)] for name, placed in by_file.items()}
 
@@ -214,10 +238,16 @@ def _write_file(
     chunk_bytes: int,
     progress: ProgressFn | None,
     peak: PeakAnonymous,
+    orders: Mapping[str, torch.Tensor],
 ) -> FileDigests:
     with StreamingFileWriter(path, checksums.WEIGHTS_CHUNK_BYTES) as writer:
         for piece in pieces:
-            _write_piece(writer, piece, source, chunk_bytes, progress, peak)
+            if piece.block < 0:
+                _write_piece(writer, piece, source, chunk_bytes, progress, peak)
+            elif piece.block < len(piece.table.blocks) - 1:
+                _write_precise_block(writer, piece, orders[piece.table.name], source, chunk_bytes, progress, peak)
+            else:
+                _write_cold_block(writer, piece, orders[piece.table.name], source, chunk_bytes, progress, peak)
         return writer.finish(size)
 
 
@@ -231,30 +261,120 @@ def _write_piece(
 ) -> None:
     """Read, encode and queue one piece's rows chunk by chunk (its table padding is the writer's zeros)."""
     table = piece.table
-    stride = row_bytes(piece.num_cols, table.data_type, piece.row_alignment)
-    step = max(1, chunk_bytes // (table.embedding_dim * FP32_BYTES))
+    stride = row_bytes(piece.num_cols, piece.data_type, piece.row_alignment)
+    step = _chunk_rows(table, chunk_bytes)
     end = piece.row_offset + piece.num_rows
     started = time.monotonic()
     with torch.no_grad():
         for start in range(piece.row_offset, end, step):
             stop = min(start + step, end)
             rows = _read_chunk(source, table, start, stop)
-            encoded = encode_rows(rows, table.data_type, piece.row_alignment, piece.col_offset, piece.num_cols)
+            encoded = encode_rows(rows, piece.data_type, piece.row_alignment, piece.col_offset, piece.num_cols)
             peak.sample()
             writer.write_at(piece.offset + (start - piece.row_offset) * stride, encoded)
             del rows, encoded
             if progress is not None:
                 progress(piece.label, stop - piece.row_offset, piece.num_rows)
+    _log_piece(piece, started)
+
+
+def _chunk_rows(table: TableConfig, chunk_bytes: int) -> int:
+    """Rows of ``table`` in one chunk of ``chunk_bytes`` fp32 bytes (at least one)."""
+    return max(1, chunk_bytes // (table.embedding_dim * FP32_BYTES))
+
+
+def _log_piece(piece: Piece, started: float) -> None:
     seconds = time.monotonic() - started
     logger.info(
         "table %s: %d rows (%s, %.1f MB) in %.2fs, %.0f rows/s",
         piece.label,
         piece.num_rows,
-        table.data_type.value,
-        table_bytes(piece.num_rows, piece.num_cols, table.data_type, piece.row_alignment) / 1e6,
+        piece.data_type.value,
+        table_bytes(piece.num_rows, piece.num_cols, piece.data_type, piece.row_alignment) / 1e6,
         seconds,
         piece.num_rows / max(seconds, 1e-9),
     )
+
+
+def _block_ids(piece: Piece, order: torch.Tensor) -> torch.Tensor:
+    """The ids ``piece``'s block holds, in its row order (``block_orders``: precise blocks ranked, the cold block in
+    id order)."""
+    start = sum(block.rows for block in piece.table.blocks[: piece.block])
+    return order[start : start + piece.num_rows]
+
+
+def _write_precise_block(
+    writer: StreamingFileWriter,
+    piece: Piece,
+    order: torch.Tensor,
+    source: TableSource,
+    chunk_bytes: int,
+    progress: ProgressFn | None,
+    peak: PeakAnonymous,
+) -> None:
+    """Gather a precise block's rows (ids in ranking order) from ``source`` in increasing id order, a span of at
+    most a chunk at a time (from the next wanted id to the last wanted id within a chunk of it: a sparse block reads
+    its rows alone, a dense one whole chunks), encode them and put each at its rank in the block's buffer; then queue
+    the block."""
+    table = piece.table
+    ids, rank_in_block = torch.sort(_block_ids(piece, order))
+    stride = row_bytes(piece.num_cols, piece.data_type, piece.row_alignment)
+    block = torch.empty(piece.num_rows, stride, dtype=torch.uint8)
+    step = _chunk_rows(table, chunk_bytes)
+    started = time.monotonic()
+    first = 0
+    with torch.no_grad():
+        while first < ids.numel():
+            start = int(ids[first])
+            last = first + int(torch.searchsorted(ids[first:], start + step))  # ids before ``last`` lie in the span
+            stop = int(ids[last - 1]) + 1
+            rows = _read_chunk(source, table, start, stop)[ids[first:last] - start]
+            block[rank_in_block[first:last]] = encode_rows(
+                rows, piece.data_type, piece.row_alignment, 0, table.embedding_dim
+            )
+            peak.sample()
+            del rows
+            first = last
+            if progress is not None:
+                progress(piece.label, first, piece.num_rows)
+    writer.write_at(piece.offset, block)
+    _log_piece(piece, started)
+
+
+def _write_cold_block(
+    writer: StreamingFileWriter,
+    piece: Piece,
+    order: torch.Tensor,
+    source: TableSource,
+    chunk_bytes: int,
+    progress: ProgressFn | None,
+    peak: PeakAnonymous,
+) -> None:
+    """Read the table chunk by chunk and queue its cold rows (every row the precise blocks do not hold) in id
+    order, each chunk's right after the previous one's."""
+    table = piece.table
+    ids = _block_ids(piece, order)
+    if ids.numel() > 1 and not bool((ids[1:] > ids[:-1]).all()):  # what the cold rows' places below rest on
+        raise AssertionError(f"table {table.name!r}: block_orders must give the cold block's ids in id order")
+    stride = row_bytes(piece.num_cols, piece.data_type, piece.row_alignment)
+    step = _chunk_rows(table, chunk_bytes)
+    started = time.monotonic()
+    written = 0
+    with torch.no_grad():
+        for start in range(0, table.num_embeddings, step):
+            stop = min(start + step, table.num_embeddings)
+            end = int(torch.searchsorted(ids, stop))
+            if end == written:
+                continue  # every row of the chunk is precise
+            rows = _read_chunk(source, table, start, stop)[ids[written:end] - start]
+            encoded = encode_rows(rows, piece.data_type, piece.row_alignment, 0, table.embedding_dim)
+            peak.sample()
+            writer.write_at(piece.offset + written * stride, encoded)
+            del rows, encoded
+            written = end
+            if progress is not None:
+                progress(piece.label, written, piece.num_rows)
+    _log_piece(piece, started)
 
 
 def _read_chunk(source: TableSource, table: TableConfig, start: int, stop: int) -> torch.Tensor:

@@ -55,8 +55,8 @@ def cmd_export(args: argparse.Namespace) -> int:
     _check_dense_flags(spec, args.dense_arch, args.no_dense, args.spec)
     tables = _export_source(args, spec)
     spec = _with_dense_part(spec, args.dense_arch)
-    if _streams(args, plan) and block_orders is None:
-        return _export_streaming(args, spec, tables, plan)
+    if _streams(args, plan):
+        return _export_streaming(args, spec, tables, plan, block_orders)
     weights = read_tables(tables, spec)
     model = quantize(spec, weights, progress=_print_progress, block_orders=block_orders)
     print(format_accuracy(accuracy_report(spec, weights, model)))
@@ -131,7 +131,15 @@ def _streams(args: argparse.Namespace, plan: ShardingPlan | None) -> bool:
     return args.weights_format == "mapped" and not args.onnx and not args.pt2 and one_cpu_host
 
 
-def _export_streaming(args: argparse.Namespace, spec: ModelSpec, source: TableSource, plan: ShardingPlan | None) -> int:
+def _export_streaming(
+    args: argparse.Namespace,
+    spec: ModelSpec,
+    source: TableSource,
+    plan: ShardingPlan | None,
+    block_orders: dict[str, Any] | None = None,
+) -> int:
+    """Stream the tables into a mapped artifact; tables in precision blocks go in ranked by ``block_orders``
+    (the model is then exported whole, on one device, as the in-memory path exports it: the plan is only printed)."""
     from infer.artifact.stream import export_streaming
 
     if plan is not None:
@@ -139,9 +147,12 @@ def _export_streaming(args: argparse.Namespace, spec: ModelSpec, source: TableSo
 
         print(format_stats(plan))
         print()
+    if block_orders is not None:
+        plan = None
     for table in spec.tables:
-        print(f"  {table.name:<24} {table.data_type.value:<5} {table.num_embeddings:>13,} x {table.embedding_dim}")
-    done = export_streaming(spec, source, args.out, plan, progress=_print_progress)
+        held = ", ".join(f"{b.rows:,} {b.data_type.value}" for b in table.blocks) or table.data_type.value
+        print(f"  {table.name:<24} {held:<5} {table.num_embeddings:>13,} x {table.embedding_dim}")
+    done = export_streaming(spec, source, args.out, plan, progress=_print_progress, block_orders=block_orders)
     dense = "with its dense part" if spec.dense_arch is not None else "lookups only"
     print(
         f"exported {done.path}"

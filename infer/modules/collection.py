@@ -419,16 +419,11 @@ class QuantizedEmbeddingBagCollection(ValidatingCollection, KernelRunner):
         with the ids that fall in its block, as rows of that block (a bag's count there may be 0). Two passes over
         the ids whatever the number of features and blocks (fbgemm's kernel spends nearly a lookup's time on a
         skipped -1 id, so ids are moved rather than masked)."""
-        # int32 ids: the remap is int32, and fbgemm widens it on every call for int64 ids
-        ids = values.to(torch.int32)
-        held = torch.ops.fbgemm.pruned_array_lookup(
-            ids, bag_offsets(lengths, ids), self.block_lookup, self.block_lookup_offsets
-        )
         bounds: Optional[List[Tensor]] = None if self.block_fixed_sizes else self.block_bounds
-        split = torch.ops.fbgemm.block_bucketize_sparse_features(
-            lengths, held, False, False, self.block_sizes, self.block_levels, weights, None, -1, bounds
-        )
-        return split[1], split[0], split[2]
+        return split_by_block(
+            values, lengths, weights, self.block_lookup, self.block_lookup_offsets, self.block_sizes,
+            self.block_levels, bounds,
+        )  # fmt: skip
 
     def add_blocks(self, pooled: Tensor) -> Tensor:
         """``[batch, output_dim]``: the levels' pooled columns added into level 0's, in place (a view of
@@ -439,6 +434,28 @@ class QuantizedEmbeddingBagCollection(ValidatingCollection, KernelRunner):
         for k in range(1, self.block_levels):
             out.add_(pooled[:, k * width : (k + 1) * width])
         return out
+
+
+def split_by_block(
+    values: Tensor,
+    lengths: Tensor,
+    weights: Optional[Tensor],
+    block_lookup: Tensor,
+    block_lookup_offsets: Tensor,
+    block_sizes: Tensor,
+    block_levels: int,
+    block_bounds: Optional[List[Tensor]],
+) -> Tuple[Tensor, Tensor, Optional[Tensor]]:
+    """``QuantizedEmbeddingBagCollection.split_blocks`` on a collection's split attributes (``BlockSplit``; the
+    bounds None when ``block_fixed_sizes``): ``(values, lengths, weights)`` of the kernel input. The pt2 program
+    (``pt2_program.BlockSplitCall``) splits a request with it too."""
+    # int32 ids: the remap is int32, and fbgemm widens it on every call for int64 ids
+    ids = values.to(torch.int32)
+    held = torch.ops.fbgemm.pruned_array_lookup(ids, bag_offsets(lengths, ids), block_lookup, block_lookup_offsets)
+    split = torch.ops.fbgemm.block_bucketize_sparse_features(
+        lengths, held, False, False, block_sizes, block_levels, weights, None, -1, block_bounds
+    )
+    return split[1], split[0], split[2]
 
 
 def stored_remaps(collection: nn.Module) -> List[List[Tensor]]:

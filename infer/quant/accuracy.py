@@ -65,7 +65,8 @@ def sampled_accuracy_report(
         rows = rows_of(table, ids) if ids.numel() else torch.zeros(1, table.embedding_dim)
         for start, end in spans:
             values[start:end] = torch.searchsorted(ids, values[start:end])
-        tables.append(replace(table, num_embeddings=max(1, int(ids.numel()))))
+        # the fp32 reference holds no blocks: only the artifact stores rows in them
+        tables.append(replace(table, num_embeddings=max(1, int(ids.numel())), blocks=()))
         weights[table.name] = rows
     sampled = ModelSpec(tuple(tables), spec.num_dense_features)
     with torch.no_grad():

@@ -1,6 +1,7 @@
 """Artifacts of tables held in precision blocks: the id remap recorded in the manifest (its sha256) and held by the
 model file; both weight formats load and serve what the eager model serves; a remap that disagrees with the manifest
-or a flipped byte in it is a typed ``ArtifactError``; the forms that do not serve blocks yet refuse them by name."""
+or a flipped byte in it is a typed ``ArtifactError``; the forms that do not serve blocks yet (ONNX,
+sharding) refuse them by name."""
 
 from __future__ import annotations
 
@@ -110,11 +111,11 @@ def test_a_changed_remap_sha256_in_the_manifest_is_refused(blocked, tmp_path):
     assert caught.value.kind == ArtifactErrorKind.MODEL
 
 
-@pytest.mark.parametrize("form, flag", [({"onnx": True}, "--onnx"), ({"pt2": True}, "--pt2")])
-def test_forms_without_blocks_refuse_them_by_name(blocked, tmp_path, form, flag):
+def test_onnx_refuses_blocks_by_name(blocked, tmp_path):
+    """(pt2 serves blocks: tests/artifact/test_pt2_blocks.py.)"""
     model = blocked[1]
-    with pytest.raises(ConfigError, match=f"'blocked'.*precision blocks.*{flag}"):
-        export(model, tmp_path / "out", **form)
+    with pytest.raises(ConfigError, match="'blocked'.*precision blocks.*--onnx"):
+        export(model, tmp_path / "out", onnx=True)
     assert not (tmp_path / "out").exists()
 
 

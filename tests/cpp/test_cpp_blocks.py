@@ -205,3 +205,39 @@ def test_a_tampered_block_split_is_a_model_error(mean_mapped, embserve_run, tmp_
         assert name in outcomes[folder]
         python = _python_error(folder)
         assert python.kind is ArtifactErrorKind.MODEL and f"the block split's {name} disagrees" in str(python)
+
+
+@pytest.fixture(scope="module")
+def blocks_pt2_artifact(tmp_path_factory):  # type: ignore[no-untyped-def]
+    from tests.support.pt2_models import blocks_pt2
+
+    return blocks_pt2(tmp_path_factory)  # compiled once per session, shared with tests/artifact/test_pt2_blocks.py
+
+
+@pytest.mark.slow
+def test_pt2_block_artifact_answers_as_torchscript(blocks_pt2_artifact, embserve_run, tmp_path):
+    """``--backend pt2`` on a block model's model.pt2 (the split inside the program) answers as the Python
+    TorchScript runtime bit for bit, its batches cut into example ranges on threads or not; a manifest remap sha256
+    that is not the one compiled into model.pt2 is a ModelError in Python's words."""
+    from tests.cpp.test_cpp_pt2 import run_requests
+
+    built = blocks_pt2_artifact
+    requests = _requests(built.spec, built.orders)
+    requests.append(random_request(built.spec, 700, any_ids, 9, True))  # ~7k ids: cut into ranges below
+    runtime = load(built.path)
+    expected = [runtime.lookup(SparseFeatures(runtime.feature_names, v, n, w)) for v, n, w in requests]
+    for threads in (1, 3):
+        result, responses = run_requests(
+            embserve_run, built.path, requests, tmp_path, "--kernel-threads", threads, "--threads", threads
+        )
+        assert result.returncode == 0, result.stderr
+        assert len(responses) == len(requests)
+        for want, response in zip(expected, responses, strict=True):
+            assert response.ok, response.message
+            assert response.output is not None and torch.equal(response.output, want)
+    copy = copy_artifact(built.path, tmp_path / "sha256")
+    edit_manifest(copy, lambda m: m["block_remaps"]["two"].update(sha256="0" * 64))
+    with pytest.raises(ArtifactError) as caught:
+        load(copy, backend="pt2")
+    assert caught.value.kind is ArtifactErrorKind.MODEL
+    assert load_each(embserve_run, [copy], "--backend", "pt2")[copy] == f"ModelError: {caught.value}"

@@ -44,7 +44,10 @@ def test_export_with_a_budget_and_sample_ids_holds_tables_in_blocks(tmp_path, ca
     art = tmp_path / "art"
     export = ["export", "--spec", str(tmp_path / "spec.json"), "--weights", str(tmp_path / "w.pt")]
     assert main([*export, "--out", str(art), *flags]) == 0
-    assert "blocks, hottest first:" in capsys.readouterr().out
+    printed = capsys.readouterr().out
+    # a mapped one-host export streams its tables, blocks included (its accuracy table from the artifact written)
+    assert "blocks, hottest first:" in printed and "streamed 2 tables (8,256 rows" in printed
+    assert "accuracy of the exported artifact" in printed
     # the plan alone does not say which rows are hot: the sample it was made with must come along
     assert main([*export, "--out", str(tmp_path / "other"), "--plan", str(tmp_path / "plan.json")]) == 2
     assert "--sample-ids" in capsys.readouterr().err

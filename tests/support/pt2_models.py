@@ -170,3 +170,42 @@ def contract_pt2(tmp_path_factory: pytest.TempPathFactory) -> ContractArtifact:
 
     spec, path = compiled_pt2(tmp_path_factory, "unsharded")
     return ContractArtifact(spec, random_weights(spec, seed=PT2_SEED), path)
+
+
+@dataclass(frozen=True)
+class BlocksArtifact:
+    """A model with tables in precision blocks exported with ``--pt2`` (mapped weights): spec, fp32 weights, each
+    block table's ranking (``block_orders``) and the artifact folder."""
+
+    spec: ModelSpec
+    weights: dict[str, torch.Tensor]
+    orders: dict[str, torch.Tensor]
+    path: Path
+
+
+def blocks_pt2(tmp_path_factory: pytest.TempPathFactory) -> BlocksArtifact:
+    """tests.modules.test_blocks' ``block_spec`` (a table in three blocks read by two features, one in two blocks,
+    one plain table) with SUM and MEAN tables, its rows ranked by a random sample: tests/artifact/test_pt2_blocks.py
+    and the C++ loader's pt2 block test."""
+    from infer.quant.blocks import rank_rows
+    from infer.weights import random_weights
+    from tests.modules.test_blocks import block_spec
+
+    spec = block_spec(PoolingType.MEAN).with_pooling({"plain": "sum", "two": "sum"})
+    weights = random_weights(spec, seed=PT2_SEED)
+    generator = torch.Generator().manual_seed(PT2_SEED)
+    orders = {
+        t.name: rank_rows(t.num_embeddings, torch.randint(0, t.num_embeddings, (400,), generator=generator).numpy())
+        for t in spec.tables
+        if t.blocks
+    }
+
+    def build(folder: Path) -> Path:
+        from infer.artifact.export import export
+        from infer.quant.quantize import quantize
+
+        print("compiling model.pt2 for a model with tables in precision blocks (about half a minute)", flush=True)
+        return export(quantize(spec, weights, block_orders=orders), folder / "blocks", pt2=True)
+
+    key = digest("pt2-blocks", spec.to_dict(), weights, orders)
+    return BlocksArtifact(spec, weights, orders, built_once(tmp_path_factory, f"pt2-blocks-{key}", build))

@@ -91,7 +91,13 @@ def export_pt2(model: Any, folder: Path, kernels: Sequence[Kernel] | None = None
     kernel) is compiled without its tables: the lookup program's metadata (``WEIGHT_CONSTANTS_KEY``) names, per
     kernel, the constant that takes the kernel's mapped buffer at load, and the buffer's size."""
     from infer.artifact.fbgemm_libs import load_fbgemm
-    from infer.artifact.formats.pt2_program import WEIGHT_CONSTANTS_KEY, lookup_program, weight_constants_entry
+    from infer.artifact.formats.pt2_program import (
+        BLOCK_REMAPS_KEY,
+        WEIGHT_CONSTANTS_KEY,
+        block_remaps_entry,
+        lookup_program,
+        weight_constants_entry,
+    )
 
     load_fbgemm()  # the bounds-check and lookup operators, and their fake kernels
     device = program_device(model)
@@ -104,6 +110,8 @@ def export_pt2(model: Any, folder: Path, kernels: Sequence[Kernel] | None = None
         raise ConfigError("model.pt2 takes every kernel's weights from the weight files or none")
     # the package says itself which constants it lacks: a loader cannot run it without handing them over
     metadata = {WEIGHT_CONSTANTS_KEY: weight_constants_entry(mapped)} if mapped else {}
+    if getattr(model.embeddings, "has_blocks", False):  # the remaps compiled in, for the loaders to check
+        metadata[BLOCK_REMAPS_KEY] = block_remaps_entry(model.embeddings)
     exported = export_program(program, len(model.spec.features), device)
     logger.info("compiling %s with AOTInductor (about a minute)...", PT2_FILE)
     compile_started = time.monotonic()

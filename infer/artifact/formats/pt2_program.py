@@ -59,6 +59,10 @@ STAND_IN_BYTES = 64
 # that many bytes). Absent when the package carries its tables itself (an embedded artifact's, or one exported
 # before the package took its weights from the weight files). The C++ loader reads the same entry.
 WEIGHT_CONSTANTS_KEY = "embserve.weight_constants"
+# The lookup program's metadata entry of a model with tables in precision blocks: per block table (in table order,
+# comma-separated) ``<table>=<sha256>`` of the id remap compiled into the program (``BlockSplitCall``), which both
+# loaders compare with the manifest's ``block_remaps``. Absent when no table is held in blocks.
+BLOCK_REMAPS_KEY = "embserve.block_remaps"
 # The constant a program over mapped weights checks first: zeros in the package, ones from the loaders with the
 # weights (``tables_attached``); over 8 entries for the reason above. A package without it (an embedded artifact's,
 # or one exported before the check) runs without.
@@ -180,6 +184,77 @@ class KernelCall(nn.Module):
         )
 
 
+class BlockSplitCall(nn.Module):
+    """A collection's split of a request by precision block (``collection.split_by_block``, on the collection's own
+    split tensors, ``BlockSplit``'s attributes: the id remaps as positions, the blocks' bounds) and the sum of the
+    kernel's levels, as the scripted model splits and adds (bit for bit: the same operators, the levels added in
+    the same order). The remaps are constants of the program; the package's metadata (``BLOCK_REMAPS_KEY``) names
+    each one's sha256, which the loaders compare with the manifest's ``block_remaps``."""
+
+    block_lookup: Tensor
+    block_lookup_offsets: Tensor
+    block_sizes: Tensor
+
+    def __init__(self, collection: Any) -> None:
+        super().__init__()
+        for name in ("block_lookup", "block_lookup_offsets", "block_sizes"):
+            self.register_buffer(name, getattr(collection, name))
+        self.levels = int(collection.block_levels)
+        self.width = int(collection.output_dim)
+        self.fixed = bool(collection.block_fixed_sizes)
+        self.num_bounds = len(collection.block_bounds)
+        for f, bounds in enumerate(collection.block_bounds):
+            self.register_buffer(f"block_bounds_{f}", bounds)
+
+    def forward(self, values: Tensor, lengths: Tensor, weights: Tensor) -> tuple[Tensor, Tensor, Tensor]:
+        """The kernel input: ``(ids, offsets, weights)`` of every level's bags, the cold block's level first."""
+        from infer.modules.collection import split_by_block
+
+        bounds = None if self.fixed else [getattr(self, f"block_bounds_{f}") for f in range(self.num_bounds)]
+        split_values, split_lengths, split_weights = split_by_block(
+            values,
+            lengths,
+            weights,
+            self.block_lookup,
+            self.block_lookup_offsets,
+            self.block_sizes,
+            self.levels,
+            bounds,
+        )
+        assert split_weights is not None  # weights in, weights out
+        return split_values, _offsets(split_lengths), split_weights
+
+    def add_levels(self, pooled: Tensor) -> Tensor:
+        """``[B, output_dim]``: the levels' pooled columns added to level 0's in level order (a new tensor: the
+        program's output is contiguous)."""
+        width = self.width
+        out = pooled[:, :width]
+        for k in range(1, self.levels):
+            out = out + pooled[:, k * width : (k + 1) * width]
+        return out
+
+
+def block_remaps_entry(collection: Any) -> str:
+    """``BLOCK_REMAPS_KEY``'s value for a collection's block tables: ``<table>=<sha256>`` of each one's remap (as
+    the manifest's ``block_remaps`` records it), comma-separated in table order."""
+    from infer.artifact.manifest import remap_sha256
+    from infer.modules.collection import stored_remaps
+
+    remaps = stored_remaps(collection)
+    return ",".join(f"{name}={remap_sha256(held[0])}" for name, held in zip(collection.block_table_names, remaps))
+
+
+def read_block_remaps(entry: str) -> dict[str, str]:
+    """``{table: sha256}`` from ``BLOCK_REMAPS_KEY``'s value; ``ValueError`` for a malformed one."""
+    out = {}
+    for item in entry.split(",") if entry else []:
+        name, _, digest = item.rpartition("=")
+        if not name or len(digest) != 64:
+            raise ValueError(f"malformed {BLOCK_REMAPS_KEY} entry {item[:80]!r}")
+        out[name] = digest
+    return out
+
+
 @dataclass(frozen=True)
 class ColumnCopy:
     """Columns ``[local, local + width)`` of kernel ``kernel``'s output are the output's next ``width`` columns."""
@@ -235,10 +310,14 @@ class LookupProgram(nn.Module):
         feature_dims: list[int],
         mean_features: list[int],
         feature_rows: list[int],
+        blocks: BlockSplitCall | None = None,
     ) -> None:
-        """``feature_rows``: the rows of every input feature's table (what its ids are checked against)."""
+        """``feature_rows``: the rows of every input feature's table (what its ids are checked against).
+        ``blocks``: the split of an unsharded model with tables in precision blocks (its one kernel reads every
+        feature at every level)."""
         super().__init__()
         self.kernels = nn.ModuleList(kernels)
+        self.blocks = blocks
         self.routes = routes
         self.copies = copies
         self.num_features = len(feature_dims)
@@ -282,6 +361,10 @@ class LookupProgram(nn.Module):
         feature_of_id: Tensor | None = None
         position = values  # each id's bag within its feature (computed when a kernel needs it)
         for k, (kernel, route) in enumerate(zip(self.kernels, self.routes)):
+            if self.blocks is not None:
+                split_values, split_offsets, split_weights = self.blocks(values, lengths, weights)
+                pooled.append(self.blocks.add_levels(kernel(split_values, split_offsets, split_weights)))
+                continue
             if route.is_run:
                 first, last = route.features[0], route.features[-1] + 1
                 pooled.append(kernel(values, offsets[first * batch : last * batch + 1], weights))
@@ -345,7 +428,9 @@ def lookup_program(model: Any, mapped: Sequence[Kernel] | None = None) -> Lookup
     if not hasattr(embeddings, "shards"):
         whole = KernelRoute(tuple(range(len(features))), ((0, 1),) * len(features))
         columns = [ColumnCopy(0, 0, spec.output_dim)]
-        return LookupProgram([KernelCall(embeddings.tbe, placed[0])], [whole], columns, dims, mean_features, rows)
+        blocks = BlockSplitCall(embeddings) if getattr(embeddings, "has_blocks", False) else None
+        only = KernelCall(embeddings.tbe, placed[0])
+        return LookupProgram([only], [whole], columns, dims, mean_features, rows, blocks)
     kernels: list[KernelCall] = []
     routes: list[KernelRoute] = []
     pieces: list[tuple[int, tuple[int, int], int, int, int]] = []  # (out column, replica, kernel, local, width)

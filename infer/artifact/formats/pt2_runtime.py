@@ -33,8 +33,10 @@ import torch
 from infer import request_rules as rules
 from infer.artifact.fbgemm_libs import load_fbgemm
 from infer.artifact.formats.pt2_program import (
+    BLOCK_REMAPS_KEY,
     TABLES_ATTACHED,
     WEIGHT_CONSTANTS_KEY,
+    read_block_remaps,
     read_weight_constants,
     tables_attached,
 )
@@ -132,6 +134,30 @@ def _borrowed(view: torch.Tensor) -> torch.Tensor:
         return torch.frombuffer(array, dtype=torch.uint8)
 
 
+def check_block_remaps(lookup: Any, manifest: Manifest, package: Path) -> None:
+    """The id remaps compiled into the lookup program (its metadata, ``pt2_program.BLOCK_REMAPS_KEY``: table ->
+    sha256) are the manifest's ``block_remaps``, table for table; else ``ArtifactError`` (kind MODEL) naming the
+    first table that differs and the fix. (A flipped byte inside model.pt2 is its checksum's to catch.)"""
+    try:
+        compiled = read_block_remaps(lookup.get_metadata().get(BLOCK_REMAPS_KEY, ""))
+    except ValueError as err:
+        raise ArtifactError(
+            f"{package}: {err}; re-export the artifact with --pt2", path=str(package), kind=MODEL
+        ) from None
+    listed = {entry.table: entry.sha256 for entry in manifest.block_remaps}
+    for table in sorted(set(listed) | set(compiled)):
+        if listed.get(table) != compiled.get(table):
+            held = "no remap" if table not in compiled else f"remap sha256 {compiled[table][:16]}..."
+            says = "no remap" if table not in listed else f"sha256 {listed[table][:16]}..."
+            raise ArtifactError(
+                f"{package} was compiled with {held} for table {table!r}, and {MANIFEST_FILE}'s block_remaps "
+                f"says {says}: model.pt2 and the manifest come from different exports. Re-export the artifact "
+                "with --pt2",
+                path=str(package),
+                kind=MODEL,
+            )
+
+
 def attach_weight_constants(lookup: Any, folder: Path, manifest: Manifest, package: Path) -> list[torch.Tensor]:
     """Hand the lookup program every kernel's mapped weight buffer as a user-managed constant, as the program's
     metadata asks (``pt2_program.WEIGHT_CONSTANTS_KEY``); returns the mappings, which must outlive the program.
@@ -223,6 +249,7 @@ def load_pt2(folder: Path, manifest: Manifest, verified: Callable[[], None] = la
         raise ArtifactError(
             f"{package} cannot be loaded by AOTInductor: {first_line}", path=str(package), kind=MODEL
         ) from None
+    check_block_remaps(lookup, manifest, package)
     verified()  # nothing reads a weight file before its checksums pass
     mappings = attach_weight_constants(lookup, folder, manifest, package)
     if manifest.has_dense and dense is None:
