@@ -398,8 +398,7 @@ def test_a_torchrec_model_with_only_a_memory_budget_is_served_in_blocks_of_its_t
     block by block (ranking and codec applied here), and each block table's row-uniform error (dequantized against
     fp32) is below every whole-table type that fits in the blocks' bytes."""
     import torch.nn.functional as F
-    from torchrec import EmbeddingBagCollection, EmbeddingBagConfig
-    from torchrec import PoolingType as TorchrecPooling
+    from torchrec import EmbeddingBagCollection, EmbeddingBagConfig, PoolingType
 
     from infer.quant.rowwise import CPU_ROW_ALIGNMENT, dequantize_rows, quantize_rows, table_bytes
 
@@ -407,8 +406,13 @@ def test_a_torchrec_model_with_only_a_memory_budget_is_served_in_blocks_of_its_t
     ebc = EmbeddingBagCollection(
         tables=[
             EmbeddingBagConfig(name="user", num_embeddings=2048, embedding_dim=32, feature_names=["user_id"]),
-            EmbeddingBagConfig(name="ad", num_embeddings=1024, embedding_dim=32, feature_names=["ad_id", "last_ad"],
-                               pooling=TorchrecPooling.MEAN),  # fmt: skip
+            EmbeddingBagConfig(
+                name="ad",
+                num_embeddings=1024,
+                embedding_dim=32,
+                feature_names=["ad_id", "last_ad"],
+                pooling=PoolingType.MEAN,
+            ),
         ]
     )
     with torch.no_grad():
