@@ -120,7 +120,7 @@ def _precision_plan(
     topology = planner.topology
     joint = topology.world_size > 1 and not topology.pages_weights
     device_budgets = planner.device_budgets(spec, constraints) if joint else None
-    blocks = _block_pricing(args, spec, tables, sample, topology) if _blocks_allowed(args, topology) else None
+    blocks = _block_pricing(spec, tables, sample, constraints) if _blocks_allowed(args, topology) else None
     precision = plan_precision(spec, measured, budget, args.error_budget, constraints, sample, topology.row_alignment,
                                device_budgets=device_budgets, eval_measure=measure if args.eval else None,
                                blocks=blocks)  # fmt: skip
@@ -156,12 +156,13 @@ def _blocks_allowed(args: argparse.Namespace, topology: Topology) -> bool:
 
 
 def _block_pricing(
-    args: argparse.Namespace, spec: ModelSpec, tables: TableSource | None, sample: AccessSample | None,
-    topology: Topology,
+    spec: ModelSpec, tables: TableSource | None, sample: AccessSample | None,
+    constraints: Mapping[str, ParameterConstraints],
 ) -> Callable[..., Any]:  # fmt: skip
     """``block_problem`` with its access model, said on one line: per table its sampled ids when --sample-ids has
     them, else (with the tables' rows at hand) reads uniform over rows with each row's error mass its range^2
-    (``infer.planner.row_ranges``: one pass over the table's rows); with neither, no blocks for the table."""
+    (``infer.planner.row_ranges``: one pass over the table's rows, skipped for a table --constraints fixes the
+    type of); with neither, no blocks for the table."""
     from functools import partial
 
     from infer.planner.blocks import block_problem
@@ -169,7 +170,8 @@ def _block_pricing(
 
     by_sample = [t.name for t in spec.tables if ranked_by_sample(sample, t)]
     started = time.monotonic()
-    shares = range_access(spec, tables, sample) if tables is not None else {}
+    free = [t.name for t in spec.tables if getattr(constraints.get(t.name), "data_type", None) is None]
+    shares = range_access(spec, tables, sample, free) if tables is not None else {}
     if shares:
         by_ranges = f"{len(shares)} table(s) by their rows' ranges (reads uniform over rows, a row's error ~ range^2)"
         print(f"precision blocks: access model: {f'{len(by_sample)} table(s) by sampled ids, ' if by_sample else ''}"
@@ -177,10 +179,12 @@ def _block_pricing(
               f"{time.monotonic() - started:.1f} s")  # fmt: skip
     elif by_sample:
         print(f"precision blocks: access model: sampled ids ({len(by_sample)} table(s))")
-    else:
+    elif tables is None:
         print("precision blocks: not priced (no --sample-ids says which rows are hot, and no --weights whose rows' "
               "ranges rank them); give --sample-ids or --weights with --memory-budget to hold each table's hot rows "
               "precise and the rest small")  # fmt: skip
+    else:
+        print("precision blocks: not priced (--constraints fixes every table's data type)")
     return partial(block_problem, range_shares=shares)
 
 
