@@ -120,7 +120,11 @@ def _precision_plan(
     topology = planner.topology
     joint = topology.world_size > 1 and not topology.pages_weights
     device_budgets = planner.device_budgets(spec, constraints) if joint else None
-    blocks = _block_pricing(spec, tables, sample, constraints) if _blocks_allowed(args, topology) else None
+    blocks = None
+    if _blocks_allowed(args, topology):
+        serves = _output_serves_blocks(args)
+        why = "" if serves else "the --onnx/--pt2 form asked for does not serve blocks"
+        blocks = _block_pricing(spec, tables if serves else None, sample, constraints, why)
     precision = plan_precision(spec, measured, budget, args.error_budget, constraints, sample, topology.row_alignment,
                                device_budgets=device_budgets, eval_measure=measure if args.eval else None,
                                blocks=blocks)  # fmt: skip
@@ -155,14 +159,31 @@ def _blocks_allowed(args: argparse.Namespace, topology: Topology) -> bool:
     return not getattr(args, "eval", None) and topology.world_size == 1
 
 
+def _output_serves_blocks(args: argparse.Namespace) -> bool:
+    """Whether the forms the export writes (--onnx, --pt2) serve tables in precision blocks, as the exporter says
+    (``refuse_blocks`` on a one-table probe). The rows' ranges rank blocks only then: with --sample-ids the blocks
+    were asked for and such an export is refused naming the flag, with a budget alone whole tables are kept."""
+    from infer.artifact.export import refuse_blocks
+    from infer.config import DataType, ModelSpec, RowBlock, TableConfig
+
+    blocks = (RowBlock(1, DataType.INT8), RowBlock(1, DataType.INT4))
+    probe = ModelSpec((TableConfig("probe", 2, 4, ("probe",), blocks=blocks),))
+    try:
+        refuse_blocks(probe, None, bool(getattr(args, "onnx", False)), bool(getattr(args, "pt2", False)))
+    except ConfigError:
+        return False
+    return True
+
+
 def _block_pricing(
     spec: ModelSpec, tables: TableSource | None, sample: AccessSample | None,
-    constraints: Mapping[str, ParameterConstraints],
+    constraints: Mapping[str, ParameterConstraints], why_no_ranges: str = "",
 ) -> Callable[..., Any]:  # fmt: skip
     """``block_problem`` with its access model, said on one line: per table its sampled ids when --sample-ids has
     them, else (with the tables' rows at hand) reads uniform over rows with each row's error mass its range^2
     (``infer.planner.row_ranges``: one pass over the table's rows, skipped for a table --constraints fixes the
-    type of); with neither, no blocks for the table."""
+    type of; ``tables`` None with ``why_no_ranges`` says why they are not read); with neither, no blocks for the
+    table."""
     from functools import partial
 
     from infer.planner.blocks import block_problem
@@ -179,6 +200,8 @@ def _block_pricing(
               f"{time.monotonic() - started:.1f} s")  # fmt: skip
     elif by_sample:
         print(f"precision blocks: access model: sampled ids ({len(by_sample)} table(s))")
+    elif why_no_ranges:
+        print(f"precision blocks: not priced ({why_no_ranges}); whole tables")
     elif tables is None:
         print("precision blocks: not priced (no --sample-ids says which rows are hot, and no --weights whose rows' "
               "ranges rank them); give --sample-ids or --weights with --memory-budget to hold each table's hot rows "
