@@ -57,7 +57,8 @@ def _add_planning_data_flags(parser: argparse.ArgumentParser) -> None:
         "--sample-ids",
         default=None,
         metavar="FILE",
-        help="ids per feature from a sample of requests: JSON {feature: [ids]} or .npz (default: uniform rows)",
+        help="ids per feature from a sample of requests: JSON {feature: [ids]} or .npz (default: reads uniform over "
+        "rows; with --memory-budget, precision blocks then hold each table's rows of largest range precise)",
     )
     parser.add_argument(
         "--mapped-capacity",
