@@ -64,14 +64,15 @@ def range_pass_case(rows: int, dim: int) -> dict[str, object]:
 
 def trained_tables(spec: ModelSpec, seed: int) -> dict[str, torch.Tensor]:
     rng = np.random.default_rng(seed)
+    generator = torch.Generator().manual_seed(seed)
     out = {}
     for table in spec.tables:
         rows, dim = table.num_embeddings, table.embedding_dim
-        weights = (2 * torch.rand(rows, dim, generator=torch.Generator().manual_seed(seed)) - 1) * (1 / rows) ** 0.5
+        weights = (2 * torch.rand(rows, dim, generator=generator) - 1) * (1 / rows) ** 0.5
         reads = np.bincount(rng.permutation(rows)[np.minimum(rng.zipf(1.05, 20 * rows) - 1, rows - 1)], minlength=rows)
         seen = np.flatnonzero(reads)
         scale = torch.from_numpy(np.minimum(1.0, 0.05 * np.sqrt(reads[seen])).astype(np.float32))[:, None]
-        weights[torch.from_numpy(seen)] += scale * torch.randn(seen.size, dim)
+        weights[torch.from_numpy(seen)] += scale * torch.randn(seen.size, dim, generator=generator)
         out[table.name] = weights
     return out
 
