@@ -230,24 +230,33 @@ def _plan_blocks(
     args: argparse.Namespace, spec: ModelSpec, plan: ShardingPlan | None
 ) -> tuple[ModelSpec, dict[str, Any] | None]:
     """The spec with the precision blocks the plan chose (its ``planner.precision`` record), and each block
-    table's rows ranked hottest first by --sample-ids (what ``quantize`` fills the blocks with); none: unchanged."""
+    table's rows ranked as the plan priced them (what ``quantize`` fills the blocks with): hottest first by
+    --sample-ids, or largest range first by the rows themselves (``infer.planner.row_ranges``); none: unchanged."""
+    from infer.planner.row_ranges import RANKED_BY_RANGES, ranking_of
+
     rows = ((plan.planner.get("precision") or {}).get("tables") or []) if plan is not None else []
     chosen = {row["table"]: row["blocks"] for row in rows if row.get("blocks")}
     if not chosen:
         return spec, None
-    if not getattr(args, "sample_ids", None):
+    by_ranges = [row["table"] for row in rows if row.get("blocks") and ranking_of(row) == RANKED_BY_RANGES]
+    by_sample = [name for name in chosen if name not in by_ranges]
+    if by_sample and not getattr(args, "sample_ids", None):
         raise ConfigError(
-            f"the plan holds table {next(iter(chosen))!r} in precision blocks, which are filled with the rows the "
+            f"the plan holds table {by_sample[0]!r} in precision blocks, which are filled with the rows the "
             "sample reads most: give the --sample-ids the plan was made with"
         )
     from infer.config import ModelSpec
     from infer.planner.access import load_sample_ids
     from infer.planner.blocks import block_orders_from_sample
+    from infer.planner.row_ranges import block_orders_from_ranges
 
     tables = tuple(t.with_blocks([(b["rows"], b["data_type"]) for b in chosen[t.name]]) if t.name in chosen else t
                    for t in spec.tables)  # fmt: skip
     spec = ModelSpec(tables, spec.num_dense_features, spec.dense_arch)
-    return spec, block_orders_from_sample(spec, load_sample_ids(args.sample_ids, spec))
+    orders = block_orders_from_ranges(spec, _export_source(args, spec), by_ranges) if by_ranges else {}
+    if by_sample:
+        orders |= block_orders_from_sample(spec, load_sample_ids(args.sample_ids, spec), by_sample)
+    return spec, orders
 
 
 def _export_plan(args: argparse.Namespace, spec: ModelSpec, tables: TableSource | None = None) -> ShardingPlan | None:

@@ -4,9 +4,10 @@ from __future__ import annotations
 
 import argparse
 import logging
-from collections.abc import Mapping
+import time
+from collections.abc import Callable, Mapping
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 from infer.commands.common import _with_dense_part
 from infer.errors import ConfigError
@@ -56,7 +57,8 @@ def _add_planning_data_flags(parser: argparse.ArgumentParser) -> None:
         "--sample-ids",
         default=None,
         metavar="FILE",
-        help="ids per feature from a sample of requests: JSON {feature: [ids]} or .npz (default: uniform rows)",
+        help="ids per feature from a sample of requests: JSON {feature: [ids]} or .npz (default: reads uniform over "
+        "rows; with --memory-budget, precision blocks then hold each table's rows of largest range precise)",
     )
     parser.add_argument(
         "--mapped-capacity",
@@ -83,7 +85,6 @@ def _precision_plan(
     within its memory."""
     if not _wants_precision(args):
         return None
-    from infer.planner.blocks import block_problem
     from infer.planner.precision import plan_precision
     from infer.planner.stats import format_precision, plot_frontier
     from infer.planner.utils import parse_bytes
@@ -120,14 +121,14 @@ def _precision_plan(
     topology = planner.topology
     joint = topology.world_size > 1 and not topology.pages_weights
     device_budgets = planner.device_budgets(spec, constraints) if joint else None
+    blocks = None
+    if _blocks_allowed(args, topology):
+        serves = _output_serves_blocks(args)
+        why = "" if serves else "the --onnx/--pt2 form asked for does not serve blocks"
+        blocks = _block_pricing(spec, tables if serves else None, sample, constraints, why)
     precision = plan_precision(spec, measured, budget, args.error_budget, constraints, sample, topology.row_alignment,
                                device_budgets=device_budgets, eval_measure=measure if args.eval else None,
-                               blocks=block_problem if _blocks_allowed(args, topology) else None)  # fmt: skip
-    if not getattr(args, "sample_ids", None) and not args.eval and topology.world_size == 1:
-        # blocks pay by which rows are read most; with no sample the rows' order says nothing of that (a block of
-        # k rows in id order takes k/N of the reads), so a budget alone keeps whole tables
-        print("precision blocks: not priced (no --sample-ids says which rows are hot); give --sample-ids with "
-              "--memory-budget to hold each table's hot rows precise and the rest small")  # fmt: skip
+                               blocks=blocks)  # fmt: skip
     print()
     print(format_precision(precision.to_dict(), frontier=True))
     if args.frontier:
@@ -153,9 +154,62 @@ def device_data_types(topology: Topology) -> tuple[DataType, ...]:
 
 
 def _blocks_allowed(args: argparse.Namespace, topology: Topology) -> bool:
-    """Precision blocks (issue 43) are priced when --sample-ids says which rows are hot, the error is the pooled
-    one (not --eval) and the model goes on one device (sharding does not serve them yet)."""
-    return bool(getattr(args, "sample_ids", None)) and not getattr(args, "eval", None) and topology.world_size == 1
+    """Precision blocks (issue 43) are priced when the error is the pooled one (not --eval) and the model goes on
+    one device (sharding does not serve them yet); which rows are hot comes from --sample-ids, or from the rows'
+    ranges (``_block_pricing``)."""
+    return not getattr(args, "eval", None) and topology.world_size == 1
+
+
+def _output_serves_blocks(args: argparse.Namespace) -> bool:
+    """Whether the forms the export writes (--onnx, --pt2) serve tables in precision blocks, as the exporter says
+    (``refuse_blocks`` on a one-table probe). The rows' ranges rank blocks only then: with --sample-ids the blocks
+    were asked for and such an export is refused naming the flag, with a budget alone whole tables are kept."""
+    from infer.artifact.export import refuse_blocks
+    from infer.config import DataType, ModelSpec, RowBlock, TableConfig
+
+    blocks = (RowBlock(1, DataType.INT8), RowBlock(1, DataType.INT4))
+    probe = ModelSpec((TableConfig("probe", 2, 4, ("probe",), blocks=blocks),))
+    try:
+        refuse_blocks(probe, None, bool(getattr(args, "onnx", False)), bool(getattr(args, "pt2", False)))
+    except ConfigError:
+        return False
+    return True
+
+
+def _block_pricing(
+    spec: ModelSpec, tables: TableSource | None, sample: AccessSample | None,
+    constraints: Mapping[str, ParameterConstraints], why_no_ranges: str = "",
+) -> Callable[..., Any]:  # fmt: skip
+    """``block_problem`` with its access model, said on one line: per table its sampled ids when --sample-ids has
+    them, else (with the tables' rows at hand) reads uniform over rows with each row's error mass its range^2
+    (``infer.planner.row_ranges``: one pass over the table's rows, skipped for a table --constraints fixes the
+    type of; ``tables`` None with ``why_no_ranges`` says why they are not read); with neither, no blocks for the
+    table."""
+    from functools import partial
+
+    from infer.planner.blocks import block_problem
+    from infer.planner.row_ranges import range_access, ranked_by_sample
+
+    by_sample = [t.name for t in spec.tables if ranked_by_sample(sample, t)]
+    started = time.monotonic()
+    free = [t.name for t in spec.tables if getattr(constraints.get(t.name), "data_type", None) is None]
+    shares = range_access(spec, tables, sample, free) if tables is not None else {}
+    if shares:
+        by_ranges = f"{len(shares)} table(s) by their rows' ranges (reads uniform over rows, a row's error ~ range^2)"
+        print(f"precision blocks: access model: {f'{len(by_sample)} table(s) by sampled ids, ' if by_sample else ''}"
+              f"{by_ranges}{'' if by_sample else ': no --sample-ids says which rows are hot'}; row ranges read in "
+              f"{time.monotonic() - started:.1f} s")  # fmt: skip
+    elif by_sample:
+        print(f"precision blocks: access model: sampled ids ({len(by_sample)} table(s))")
+    elif why_no_ranges:
+        print(f"precision blocks: not priced ({why_no_ranges}); whole tables")
+    elif tables is None:
+        print("precision blocks: not priced (no --sample-ids says which rows are hot, and no --weights whose rows' "
+              "ranges rank them); give --sample-ids or --weights with --memory-budget to hold each table's hot rows "
+              "precise and the rest small")  # fmt: skip
+    else:
+        print("precision blocks: not priced (--constraints fixes every table's data type)")
+    return partial(block_problem, range_shares=shares)
 
 
 def _mapped_capacity(flag: str | None, folder: Path) -> tuple[int | None, str]:

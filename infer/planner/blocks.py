@@ -7,8 +7,9 @@ them out plus the id remap (``REMAP_BYTES_PER_ROW`` a row, held once per feature
 measured errors mixed by the share ``h`` of the table's reads that hit the hot rows: the relative Frobenius error of
 pooled bags sums the rows' squared errors over the reads, so ``error = sqrt(h * e(A)^2 + (1 - h) * e(B)^2)``. ``h``
 is estimated from the sample of request ids cross-validated: rows ranked on one half of the sample, hits counted on
-the other (and the reverse), so rows seen once do not count as hot. Without a sample reads are uniform over rows and
-blocks never pay.
+the other (and the reverse), so rows seen once do not count as hot. Without a sample of a table's ids, reads are
+uniform over its rows and ``h`` comes from the rows themselves: the share of the table's error mass its largest rows
+carry (``infer.planner.row_ranges``, handed in as ``range_shares``); with neither, blocks are not priced.
 """
 
 from __future__ import annotations
@@ -22,6 +23,7 @@ from infer.config import DataType, ModelSpec, RowBlock, TableConfig
 from infer.errors import PlanError, PlanErrorKind
 from infer.planner.access import AccessSample
 from infer.planner.precision import DtypeOption, PrecisionChoice, TableChoices, precision_problem
+from infer.planner.row_ranges import RANKED_BY_RANGES, RANKED_BY_SAMPLE
 from infer.planner.types import ParameterConstraints
 from infer.quant.blocks import rank_rows
 from infer.quant.measured_error import TableError
@@ -174,11 +176,14 @@ def block_problem(
     row_alignment: int = CPU_ROW_ALIGNMENT,
     prune: bool = True,
     three_blocks: bool = False,
+    range_shares: Mapping[str, np.ndarray] | None = None,
 ) -> tuple[TableChoices, ...]:
     """``precision_problem``'s tables with two-block options beside the whole-table types: every hot size of
     ``hot_sizes_of`` and every pair of allowed types (the hot one more precise); with ``three_blocks`` also the
     Pareto options of three blocks (``three_block_options``: measured at DLRM-v2's shapes they gain < 0.1 % of
-    error and cost seconds of MILP, so they are off by default). ``prune``: Pareto options only."""
+    error and cost seconds of MILP, so they are off by default). ``prune``: Pareto options only. A table with no
+    sampled ids takes its shares from ``range_shares`` (table -> ``h_k`` at ``hot_sizes_of``, from
+    ``infer.planner.row_ranges.range_access``) when it has them; each table's ``ranking`` says which ranked it."""
     constraints = constraints or {}
     whole = precision_problem(spec, measured, constraints, sample, row_alignment)
     by_name = {m.table: m for m in measured}
@@ -187,16 +192,31 @@ def block_problem(
         table_constraints = constraints.get(table.name, ParameterConstraints())
         options = list(choices.options)
         ids = sample_order(sample, table) if sample is not None else np.zeros(0, dtype=np.int64)
-        if table_constraints.data_type is None and ids.size >= 2 and table.num_embeddings > 1:
+        ranked = _ranking(ids, table, range_shares)
+        if table_constraints.data_type is None and ranked and table.num_embeddings > 1:
             sizes = hot_sizes_of(table.num_embeddings)
-            shares = hot_shares(ids, table.num_embeddings, sizes)
+            if ranked == RANKED_BY_SAMPLE:
+                shares = hot_shares(ids, table.num_embeddings, sizes)
+            else:
+                shares = np.asarray((range_shares or {})[table.name], dtype=np.float64)
             types = [o.data_type for o in choices.options]
             options += two_block_options(table, sizes, shares, types, by_name[table.name], row_alignment, prune)
             if three_blocks:
                 options += three_block_options(table, sizes, shares, types, by_name[table.name], row_alignment)
-        kept = pareto(options) if prune else tuple(sorted(options, key=lambda o: (o.bytes, o.error)))
-        problem.append(TableChoices(choices.table, choices.weight, choices.declared, kept))
+        # the whole-table types stay even when a block option dominates one: the uniform INT8/INT4 baselines the
+        # stats print beside the choice are told against them (a dominated option never wins the MILP)
+        kept = tuple(sorted(set(pareto(options)) | set(choices.options), key=lambda o: (o.bytes, o.error)))
+        kept = kept if prune else tuple(sorted(options, key=lambda o: (o.bytes, o.error)))
+        problem.append(TableChoices(choices.table, choices.weight, choices.declared, kept, ranked))
     return tuple(problem)
+
+
+def _ranking(ids: np.ndarray, table: TableConfig, range_shares: Mapping[str, np.ndarray] | None) -> str:
+    """What ranks the table's rows for blocks: its sampled ids (two or more), else its rows' ranges when measured,
+    else nothing ("")."""
+    if ids.size >= 2:
+        return RANKED_BY_SAMPLE
+    return RANKED_BY_RANGES if range_shares is not None and table.name in range_shares else ""
 
 
 def apply_blocks(spec: ModelSpec, choice: PrecisionChoice) -> ModelSpec:
@@ -206,11 +226,14 @@ def apply_blocks(spec: ModelSpec, choice: PrecisionChoice) -> ModelSpec:
     return ModelSpec(tables, spec.num_dense_features, spec.dense_arch)
 
 
-def block_orders_from_sample(spec: ModelSpec, sample: AccessSample) -> dict[str, torch.Tensor]:
-    """Each block table's rows ranked hottest first by the whole sample (``quantize``'s ``block_orders``)."""
+def block_orders_from_sample(
+    spec: ModelSpec, sample: AccessSample, tables: Sequence[str] | None = None
+) -> dict[str, torch.Tensor]:
+    """Each block table's rows (of ``tables`` when given) ranked hottest first by the whole sample (``quantize``'s
+    ``block_orders``)."""
     orders = {}
     for table in spec.tables:
-        if table.blocks:
+        if table.blocks and (tables is None or table.name in tables):
             ids = sample.table_ids(table)
             if ids.size == 0:
                 raise PlanError(

@@ -64,6 +64,8 @@ class TableChoices:
     weight: float  # share of all reads; the weights of a model sum to 1
     declared: DtypeOption  # the spec's data type: the baseline a choice's reason is told against
     options: tuple[DtypeOption, ...]
+    # what ranks the rows of its block options (``infer.planner.row_ranges``: sample ids or row ranges); "" if none
+    ranking: str = ""
 
 
 @dataclass(frozen=True)
@@ -674,6 +676,7 @@ class PrecisionPlan:
             row: dict[str, Any] = {}
             if table_blocks:  # precision blocks (``infer.planner.blocks``): hottest first, the last the rest
                 row["blocks"] = [b.to_dict() for b in table_blocks]
+                row["ranking"] = table.ranking
             out.append(
                 row
                 | {
@@ -725,8 +728,9 @@ def plan_precision(
     ``device_budgets`` every table's device too (``EmbeddingPlanner.device_budgets`` gives a topology's);
     ``eval_measure`` names the model-level measure of ``measured`` (``quant.eval_error``), unweighted. ``blocks``
     (``infer.planner.blocks.block_problem``, handed in: that module builds on this one): with a ``sample`` of ids
-    (and neither of the two), tables may be held in precision blocks; ``block_tables`` says which."""
-    if blocks is not None and sample is not None and eval_measure is None and device_budgets is None:
+    or the rows' ranges (``infer.planner.row_ranges``, bound into ``blocks``), and neither of the two, tables may be
+    held in precision blocks; ``block_tables`` says which."""
+    if blocks is not None and eval_measure is None and device_budgets is None:
         problem = blocks(spec, measured, sample, constraints, row_alignment)
     else:
         problem = precision_problem(spec, measured, constraints, sample, row_alignment, eval_measure is not None)

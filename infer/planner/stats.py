@@ -142,12 +142,22 @@ def format_precision(precision: Mapping[str, Any], frontier: bool = False) -> st
         )
         if row.get("blocks"):
             held = ", ".join(f"{b['rows']:,} rows {b['data_type']}" for b in row["blocks"])
-            lines.append(f"  {'':<24} blocks, hottest first: {held}")
+            lines.append(f"  {'':<24} blocks, {_block_order(row)}: {held}")
     if frontier:
         lines.append(f"  frontier: {'bytes':>10} {'error %':>8}")
         for total, error in precision.get("frontier", []):
             lines.append(f"  {'':<10}{format_bytes(total):>10} {100 * error:>8.3f}")
     return "\n".join(lines)
+
+
+def _block_order(row: Mapping[str, Any]) -> str:
+    """How a block table's rows were ranked, as the stats say it: by sampled reads (hottest first) or, with no
+    sample of the table, by the rows' ranges (``infer.planner.row_ranges``)."""
+    from infer.planner.row_ranges import RANKED_BY_RANGES, ranking_of
+
+    if ranking_of(row) == RANKED_BY_RANGES:
+        return "largest rows first (ranked by row ranges: no sampled ids, reads uniform over rows)"
+    return "hottest first"
 
 
 def plot_frontier(precision: Mapping[str, Any], path: str | Path) -> Path:

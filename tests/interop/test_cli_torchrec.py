@@ -11,7 +11,7 @@ from torchrec.models.dlrm import DLRM
 
 import infer
 from infer.cli import main
-from infer.config import DataType, ModelSpec
+from infer.config import DataType, ModelSpec, RowBlock
 from infer.features import SparseFeatures
 from infer.interop.torchrec import from_torchrec
 from tests.interop.torchrec_models import float_ebc, random_kjt
@@ -345,7 +345,8 @@ def test_a_dense_part_from_the_model_states_the_pooling(trained, tmp_path, capsy
 def test_a_torchrec_model_with_a_budget_is_served_in_blocks_when_sample_ids_say_which_rows_are_hot(
     trained, tmp_path, capsys
 ):
-    """Issue 43: --memory-budget alone keeps whole tables and says why (no ids: no row is known to be hot); with
+    """Issue 43: --memory-budget alone prices blocks by the rows' ranges and says so (its N(0, 1) tables have no
+    magnitude signal: whatever blocks it takes hold the rows of largest range, ranked here independently); with
     --sample-ids the same export holds the skewed table in blocks, and the served scores equal a model quantized
     from the TorchRec weights in the same blocks with its rows ranked by the same ids (an independent ranking)."""
     import numpy as np
@@ -356,9 +357,15 @@ def test_a_torchrec_model_with_a_budget_is_served_in_blocks_when_sample_ids_say_
     export = ["export", "--from-torchrec", str(folder / "model.pt"), "--spec", str(folder / "spec.json"), "--no-dense"]
     int4_bytes = sum(t.num_embeddings * (t.embedding_dim // 2 + 4) for t in imported.spec.tables)
     budget = ["--memory-budget", str(int(int4_bytes * 1.4))]
+    features = {f.name: f.num_embeddings for f in imported.spec.features}
+    kjt = random_kjt(list(imported.spec.feature_names), features)
+    values, lengths = kjt.values(), kjt.lengths().to(torch.int32)
     assert main([*export, "--out", str(tmp_path / "whole"), *budget]) == 0
-    assert "precision blocks: not priced (no --sample-ids" in capsys.readouterr().out
-    assert not any(t.blocks for t in infer.load(tmp_path / "whole").spec.tables)
+    assert "access model: 6 table(s) by their rows' ranges" in capsys.readouterr().out
+    alone = infer.load(tmp_path / "whole")
+    by_range = {t.name: _by_range(imported.weights[t.name]) for t in alone.spec.tables if t.blocks}
+    reference = infer.quantize(alone.spec, imported.weights, block_orders=by_range)
+    assert torch.equal(alone.module(values, lengths), reference(values, lengths))
 
     rng = np.random.default_rng(0)
     features = {f.name: f.num_embeddings for f in imported.spec.features}
@@ -366,7 +373,7 @@ def test_a_torchrec_model_with_a_budget_is_served_in_blocks_when_sample_ids_say_
     ids["user_id"] = rng.permutation(400)[np.minimum(rng.zipf(1.2, 20000) - 1, 399)]  # a few users read most
     np.savez(tmp_path / "ids.npz", **ids)
     assert main([*export, "--out", str(tmp_path / "art"), *budget, "--sample-ids", str(tmp_path / "ids.npz")]) == 0
-    assert "precision blocks: not priced" not in capsys.readouterr().out
+    assert "access model: sampled ids (6 table(s))" in capsys.readouterr().out
     runtime = infer.load(tmp_path / "art")
     held = {t.name: t for t in runtime.spec.tables if t.blocks}
     assert "user" in held
@@ -375,6 +382,95 @@ def test_a_torchrec_model_with_a_budget_is_served_in_blocks_when_sample_ids_say_
         sampled = np.concatenate([ids[f] for f in table.feature_names])
         orders[table.name] = rank_rows(table.num_embeddings, sampled, table.name)
     reference = infer.quantize(runtime.spec, imported.weights, block_orders=orders)
-    kjt = random_kjt(list(imported.spec.feature_names), features)
-    values, lengths = kjt.values(), kjt.lengths().to(torch.int32)
     assert torch.equal(runtime.module(values, lengths), reference(values, lengths))
+
+
+def _by_range(weights: torch.Tensor) -> torch.Tensor:
+    """The rows by range (max - min), largest first, ties in id order: computed here in fp64 with torch."""
+    spread = (weights.amax(1) - weights.amin(1)).to(torch.float64)
+    return torch.argsort(-spread, stable=True)
+
+
+def test_a_torchrec_model_with_only_a_memory_budget_is_served_in_blocks_of_its_trained_rows(tmp_path, capsys):
+    """Issue 43: a TorchRec EBC at TorchRec's own init (U(+-sqrt(1/rows))) with a few rows trained large goes in
+    with --memory-budget alone (1.2x uniform INT4's bytes) and comes out in blocks, ranked by the rows' ranges (said in
+    the output and the stats). Every served row and bag equals fp32 ``embedding_bag`` over the table dequantized
+    block by block (ranking and codec applied here), and each block table's row-uniform error (dequantized against
+    fp32) is below every whole-table type that fits in the blocks' bytes."""
+    import torch.nn.functional as F
+    from torchrec import EmbeddingBagCollection, EmbeddingBagConfig, PoolingType
+
+    from infer.quant.rowwise import CPU_ROW_ALIGNMENT, dequantize_rows, quantize_rows, table_bytes
+
+    torch.manual_seed(1)
+    ebc = EmbeddingBagCollection(
+        tables=[
+            EmbeddingBagConfig(name="user", num_embeddings=2048, embedding_dim=32, feature_names=["user_id"]),
+            EmbeddingBagConfig(
+                name="ad",
+                num_embeddings=1024,
+                embedding_dim=32,
+                feature_names=["ad_id", "last_ad"],
+                pooling=PoolingType.MEAN,
+            ),
+        ]
+    )
+    with torch.no_grad():
+        for bag in ebc.embedding_bags.values():  # the rows training reached: orders larger than the init
+            trained_rows = torch.randperm(bag.weight.shape[0])[: bag.weight.shape[0] // 32]
+            bag.weight[trained_rows] = 0.3 * torch.randn(trained_rows.numel(), bag.weight.shape[1])
+    imported = from_torchrec(ebc)
+    torch.save(ebc.state_dict(), tmp_path / "ebc.pt")
+    (tmp_path / "spec.json").write_text(imported.spec.to_json())
+    spec = imported.spec
+    int4 = sum(table_bytes(t.num_embeddings, t.embedding_dim, DataType.INT4, CPU_ROW_ALIGNMENT) for t in spec.tables)
+    budget = int(1.2 * int4)  # room for the id remaps (4 B a row per feature) beside uniform INT4's bytes
+    args = ["export", "--from-torchrec", str(tmp_path / "ebc.pt"), "--spec", str(tmp_path / "spec.json")]
+    assert main([*args, "--out", str(tmp_path / "art"), "--memory-budget", str(budget)]) == 0
+    printed = capsys.readouterr().out
+    assert "access model: 2 table(s) by their rows' ranges" in printed
+    assert "blocks, largest rows first (ranked by row ranges" in printed
+    runtime = infer.load(tmp_path / "art")
+    assert runtime.spec.table("user").blocks  # ad, read by two features, the MILP may keep whole at INT8
+
+    stored = {}
+    for table in runtime.spec.tables:
+        weights = imported.weights[table.name]
+        order, start, rows = _by_range(weights), 0, torch.empty_like(weights)
+        for block in table.blocks or (RowBlock(table.num_embeddings, table.data_type),):
+            ids = order[start : start + block.rows]
+            data, scale_bias = quantize_rows(weights[ids], block.data_type)
+            rows[ids] = dequantize_rows(data, scale_bias, block.data_type, table.embedding_dim)
+            start += block.rows
+        stored[table.name] = rows
+        if not table.blocks:
+            continue
+        # row-uniform error against fp32, beside every whole-table type within the blocks' bytes (+ a 4 B/row remap)
+        held = sum(table_bytes(b.rows, table.embedding_dim, b.data_type, CPU_ROW_ALIGNMENT) for b in table.blocks)
+        held += 4 * table.num_embeddings * len(table.feature_names)
+        error = float(torch.linalg.norm(rows - weights) / torch.linalg.norm(weights))
+        whole = []
+        for data_type in (DataType.FP16, DataType.INT8, DataType.INT4, DataType.INT2):
+            if table_bytes(table.num_embeddings, table.embedding_dim, data_type, CPU_ROW_ALIGNMENT) <= held:
+                data, scale_bias = quantize_rows(weights, data_type)
+                restored = dequantize_rows(data, scale_bias, data_type, table.embedding_dim)
+                whole.append(float(torch.linalg.norm(restored - weights) / torch.linalg.norm(weights)))
+        assert whole and error < 0.5 * min(whole), (table.name, error, whole)
+    # every row alone (one id a bag: user's rows, then ad's through ad_id), then SUM and MEAN bags, empty ones too
+    for column, table in ((0, "user"), (1, "ad")):
+        rows = spec.table(table).num_embeddings
+        lengths = torch.zeros(3, rows, dtype=torch.int32)
+        lengths[column] = 1
+        served = runtime.module(torch.arange(rows), lengths.flatten())
+        torch.testing.assert_close(served[:, 32 * column : 32 * (column + 1)], stored[table], rtol=1e-6, atol=1e-7)
+    values = torch.cat([torch.randint(0, 2048, (20,)), torch.randint(0, 1024, (70,))])
+    lengths = torch.tensor([20, 0, 30, 15, 25, 0], dtype=torch.int32)  # user_id, ad_id, last_ad; two bags each
+    expected = torch.cat(
+        [
+            F.embedding_bag(values[:20], stored["user"], torch.tensor([0, 20]), mode="sum"),
+            F.embedding_bag(values[20:65], stored["ad"], torch.tensor([0, 30]), mode="mean"),
+            F.embedding_bag(values[65:], stored["ad"], torch.tensor([0, 25]), mode="mean"),
+        ],
+        1,
+    )
+    torch.testing.assert_close(runtime.module(values, lengths), expected, rtol=1e-5, atol=1e-6)
