@@ -219,10 +219,14 @@ def precision_cases(examples: int = 1000, budget_gb: float = 16.0) -> list[dict[
     return cases
 
 
-def block_cases(examples: int = 20000, budget_gb: float = 16.0, three_blocks: bool = False) -> list[dict[str, object]]:
+def block_cases(examples: int = 400000, budget_gb: float = 16.0, three_blocks: bool = False) -> list[dict[str, object]]:
     """Issue 43: the planner choosing precision blocks (a hot block precise, the rest small) on DLRM-v2's shapes
     with Zipf(1.05) ids, at uniform INT4's bytes and at 16 GB: error against uniform INT4 and the whole-table
-    optimum, and the planner's seconds (hot shares, options, MILP)."""
+    optimum, and the planner's seconds (hot shares, options, MILP). The targets are judged on the generating
+    traffic (``ratio_chosen_to_uniform_int4_on_traffic``): the planner's own figure is its cross-validated estimate,
+    rows ranked on half the sample, and lies above what the served ranking (the whole sample's) gets. How many hot
+    rows a sample can rank is what limits blocks here: measured with the 1.25-byte remap, 100k examples 0.34x /
+    200k 0.315x / 400k 0.287x uniform INT4's error at its bytes, and 0.2375x with the true Zipf shares."""
 
     from infer.planner.blocks import block_problem
     from infer.planner.precision import choose_exact, choose_uniform, precision_problem
@@ -244,6 +248,7 @@ def block_cases(examples: int = 20000, budget_gb: float = 16.0, three_blocks: bo
             "bench": "precision_blocks_dlrm_v2",
             "budget": name,
             "examples_sampled": examples,
+            "ids_sampled": int(sum(sample.table_ids(t).size for t in spec.tables)),
             "three_blocks": three_blocks,
             "budget_gb": round(limit / C.GB, 3),
             "chosen_gb": round(chosen.total_bytes / C.GB, 3),
@@ -256,12 +261,15 @@ def block_cases(examples: int = 20000, budget_gb: float = 16.0, three_blocks: bo
             "ratio_chosen_to_uniform_int4_on_traffic": round(
                 true_error(problem, spec, measured, sample, chosen, 1.05) / int4.error, 4
             ),
+            # issue 43: <= 0.3x at uniform INT4's bytes, <= half of issue 28's 0.2552 at 16 GB
+            "target": 0.3 if name == "uniform_int4_bytes" else round(0.5 * 0.2552, 4),
             "ratio_whole_table_to_uniform_int4": round(best_whole.error / int4.error, 4),
             # the bound of any choice of these options (fractional choices): below it only other options go
             "ratio_lp_relaxation_to_uniform_int4": round(lp_relaxation_error(problem, limit) / int4.error, 4),
             "planner_seconds": round(seconds, 3),
             "gap": chosen.gap,
             "block_tables": blocks,
+            "host_load_1m": round(os.getloadavg()[0], 2),
         })  # fmt: skip
     return cases
 
@@ -611,7 +619,7 @@ def main() -> int:
     parser.add_argument("--precision", action="store_true", help="the precision planner on DLRM-v2's shapes")
     parser.add_argument("--eval", action="store_true", help="the precision planner by log loss on a trained DLRM")
     parser.add_argument("--blocks", action="store_true", help="the precision planner with blocks (issue 43)")
-    parser.add_argument("--examples", type=int, default=20000, help="--blocks: examples of sampled ids")
+    parser.add_argument("--examples", type=int, default=400000, help="--blocks: examples of sampled ids")
     parser.add_argument("--three-blocks", action="store_true", help="--blocks: also price three-block options")
     parser.add_argument("--blocks-speed", action="store_true", help="--blocks: also 500 tables")
     parser.add_argument("--steps", type=int, default=1500, help="--eval: training steps")

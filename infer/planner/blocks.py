@@ -31,6 +31,9 @@ from infer.quant.rowwise import CPU_ROW_ALIGNMENT, TABLE_ALIGNMENT, row_bytes, t
 
 # the id remap: one int32 rank per row
 REMAP_BYTES_PER_ROW = 4
+# read counts per row in table-sized arrays when the sample holds one id per this many rows or more (a scatter
+# into the table's rows is then cheaper than sorting the ids)
+DENSE_COUNT_ROWS_PER_ID = 2
 # hot-block sizes tried: the table's rows halved this many times (and never below one row)
 HOT_SIZE_HALVINGS = 24
 
@@ -38,6 +41,8 @@ HOT_SIZE_HALVINGS = 24
 def sample_order(sample: AccessSample, table: TableConfig) -> np.ndarray:
     """The table's sampled ids in request order (its features' ids one after another)."""
     parts = [np.asarray(sample.ids[f], dtype=np.int64) for f in table.feature_names if f in sample.ids]
+    if len(parts) == 1:
+        return parts[0]  # no copy of a one-feature table's ids
     return np.concatenate(parts) if parts else np.zeros(0, dtype=np.int64)
 
 
@@ -47,21 +52,40 @@ def hot_shares(ids: np.ndarray, rows: int, hot_sizes: Sequence[int]) -> np.ndarr
     if ids.size < 2:
         return np.zeros(len(hot_sizes))
     sizes = np.asarray(hot_sizes, dtype=np.int64)
-    # one sort of the ids with their half in the low bit: each distinct id's reads in either half, distinct ids in
-    # id order (no table-sized arrays)
-    keys = np.sort((ids.astype(np.int64) << 1) | (np.arange(ids.size, dtype=np.int64) & 1))
-    odd = (keys & 1).astype(np.int64)
-    starts = np.flatnonzero(np.concatenate([[True], (keys[1:] >> 1) != (keys[:-1] >> 1)]))
-    in_odd = np.add.reduceat(odd, starts)
-    halves = [np.diff(np.append(starts, keys.size)) - in_odd, in_odd]
+    halves = read_counts(ids, rows)
     shares = np.zeros(len(sizes))
     for ranked, held_out in ((halves[0], halves[1]), (halves[1], halves[0])):
         # the ranking: most read first, ties in id order; a row the ranking never saw has no evidence and ranks
         # after every seen row, so it is never in a hot block
-        order = np.argsort(-ranked, kind="stable")[: int(np.count_nonzero(ranked))]
+        order = rank_seen(ranked)
         hits = np.concatenate([[0], np.cumsum(held_out[order])])
         shares += hits[np.minimum(sizes, order.size)] / held_out.sum()
     return shares / 2
+
+
+def read_counts(ids: np.ndarray, rows: int) -> tuple[np.ndarray, np.ndarray]:
+    """Each row's reads in the even and in the odd positions of ``ids``, over a common row order (ids ascending):
+    table-sized counts when the sample reads at least one id per ``DENSE_COUNT_ROWS_PER_ID`` rows (one scatter
+    each, no sort), else per distinct id (one sort of the ids with their half in the low bit)."""
+    ids = np.asarray(ids, dtype=np.int64)
+    if ids.size * DENSE_COUNT_ROWS_PER_ID >= rows:
+        return np.bincount(ids[0::2], minlength=rows), np.bincount(ids[1::2], minlength=rows)
+    keys = np.sort((ids << 1) | (np.arange(ids.size, dtype=np.int64) & 1))
+    odd = (keys & 1).astype(np.int64)
+    starts = np.flatnonzero(np.concatenate([[True], (keys[1:] >> 1) != (keys[:-1] >> 1)]))
+    in_odd = np.add.reduceat(odd, starts)
+    return np.diff(np.append(starts, keys.size)) - in_odd, in_odd
+
+
+def rank_seen(counts: np.ndarray) -> np.ndarray:
+    """The positions of ``counts``'s nonzero entries, largest count first, ties in position order (a stable sort;
+    the 16-bit radix sort numpy uses for counts that fit, which is linear)."""
+    seen = np.flatnonzero(counts)
+    held = counts[seen]
+    top = int(held.max()) if held.size else 0
+    if top < 1 << 16:
+        return seen[np.argsort(np.uint16(top) - held.astype(np.uint16), kind="stable")]
+    return seen[np.argsort(-held, kind="stable")]
 
 
 def hot_sizes_of(rows: int) -> list[int]:

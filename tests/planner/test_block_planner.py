@@ -74,10 +74,10 @@ def test_hot_shares_are_estimated_on_reads_the_ranking_did_not_see():
 
 
 @pytest.mark.parametrize("seed", range(3))
-def test_hot_shares_equal_counting_by_hand(seed):
+@pytest.mark.parametrize("rows", [500, 50_000])  # counted per row (a dense sample), and per distinct id (a sparse one)
+def test_hot_shares_equal_counting_by_hand(seed, rows):
     rng = np.random.default_rng(seed)
-    rows = 500
-    ids = np.minimum(rng.zipf(1.2, 3000) - 1, rows - 1)
+    ids = (np.minimum(rng.zipf(1.2, 3000) - 1, rows - 1) * 7919) % rows
     sizes = [1, 3, 10, 40, 200, 499]
     expected = np.zeros(len(sizes))
     for ranked, held_out in ((ids[0::2], ids[1::2]), (ids[1::2], ids[0::2])):
@@ -124,6 +124,14 @@ def test_exact_choice_with_three_blocks_equals_exhaustive_search(seed):
         chosen = choose_exact(problem, budget)
         assert chosen.total_bytes <= budget
         assert chosen.error == pytest.approx(best, rel=1e-7, abs=1e-12)
+
+
+def test_hot_shares_rank_rows_read_more_than_a_16_bit_count_holds():
+    # row 3 is read 70,000 times in each half, past the radix sort's 16-bit keys (70,000 mod 2^16 would rank it
+    # below row 5's 60,000)
+    ids = np.repeat([3, 5, 1], [140_000, 120_000, 8])
+    half = ids.size // 2
+    assert hot_shares(ids, 10, [1, 2, 3]) == pytest.approx([70_000 / half, 130_000 / half, 1.0])
 
 
 def test_a_three_block_option_is_priced_from_its_blocks_and_the_hot_shares():
