@@ -124,7 +124,7 @@ def _precision_plan(
     blocks = None
     if _blocks_allowed(args, topology):
         serves = _output_serves_blocks(args)
-        why = "" if serves else "the --onnx/--pt2 form asked for does not serve blocks"
+        why = "" if serves else "the --onnx form asked for does not serve blocks"
         blocks = _block_pricing(spec, tables if serves else None, sample, constraints, why)
     precision = plan_precision(spec, measured, budget, args.error_budget, constraints, sample, topology.row_alignment,
                                device_budgets=device_budgets, eval_measure=measure if args.eval else None,
@@ -161,7 +161,7 @@ def _blocks_allowed(args: argparse.Namespace, topology: Topology) -> bool:
 
 
 def _output_serves_blocks(args: argparse.Namespace) -> bool:
-    """Whether the forms the export writes (--onnx, --pt2) serve tables in precision blocks, as the exporter says
+    """Whether the forms the export writes (--onnx) serve tables in precision blocks, as the exporter says
     (``refuse_blocks`` on a one-table probe). The rows' ranges rank blocks only then: with --sample-ids the blocks
     were asked for and such an export is refused naming the flag, with a budget alone whole tables are kept."""
     from infer.artifact.export import refuse_blocks
@@ -170,7 +170,7 @@ def _output_serves_blocks(args: argparse.Namespace) -> bool:
     blocks = (RowBlock(1, DataType.INT8), RowBlock(1, DataType.INT4))
     probe = ModelSpec((TableConfig("probe", 2, 4, ("probe",), blocks=blocks),))
     try:
-        refuse_blocks(probe, None, bool(getattr(args, "onnx", False)), bool(getattr(args, "pt2", False)))
+        refuse_blocks(probe, None, bool(getattr(args, "onnx", False)))
     except ConfigError:
         return False
     return True

@@ -176,7 +176,7 @@ def test_plan_with_weights_alone_records_the_ranking_and_export_follows_it(tmp_p
     export = ["export", "--spec", str(tmp_path / "spec.json"), "--weights", str(tmp_path / "w.pt")]
     # ONNX does not serve blocks: with a budget alone (blocks not asked for) the export keeps whole tables
     assert main([*export, "--out", str(tmp_path / "onnx"), *budget, "--onnx"]) == 0
-    assert "precision blocks: not priced (the --onnx/--pt2 form" in capsys.readouterr().out
+    assert "precision blocks: not priced (the --onnx form" in capsys.readouterr().out
     assert not load(tmp_path / "onnx").spec.table("big").blocks
     assert main([*export, "--out", str(tmp_path / "art"), "--plan", str(tmp_path / "plan.json")]) == 0
     table = load(tmp_path / "art").spec.table("big")
