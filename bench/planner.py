@@ -30,6 +30,7 @@ import random
 import sys
 import time
 from collections.abc import Sequence
+from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
@@ -398,32 +399,83 @@ def choice_placed_case(
     }
 
 
-EVAL_SIGNAL_TABLES = (("s0", 20_000), ("s1", 5_000))  # the label reads these
-EVAL_NOISE_TABLES = tuple((f"n{i}", 60_000) for i in range(6))  # and these barely
-EVAL_DIM = 16
+@dataclass(frozen=True)
+class EvalModel:
+    """The ``--eval`` model's shape: its tables (name, rows, weight of the table's hidden value in the labels'
+    logit), embedding dim, and how an example's ids are drawn (``uniform`` over the rows, or ``zipf``: Zipf(1.05)
+    ranks over a fixed permutation of each table's rows, ``zipf_ids``, as recsys traffic is)."""
+
+    tables: tuple[tuple[str, int, float], ...]
+    dim: int
+    ids: str = "uniform"
+
+    @property
+    def names(self) -> list[str]:
+        return [n for n, _, _ in self.tables]
+
+
+# issue 28's model: two tables carry the signal, six larger ones barely; uniform ids (its figures must not move)
+EVAL_MODEL = EvalModel((("s0", 20_000, 2.0), ("s1", 5_000, 2.0)) + tuple((f"n{i}", 60_000, 0.05) for i in range(6)), 16)
+# issue 43's: Zipf(1.05) ids over tables of 1k to 1M rows, four carrying the signal and four a little of it, dim 64
+# (INT8 68 bytes a row, INT4 36, INT2 20 and the remap 4: at 40 % of INT8 a table in INT2 + remap has room for a
+# hot block; at dim 16 INT2 alone is 40 %)
+EVAL_ZIPF_TABLES = (
+    ("s0", 1_000_000, 1.0), ("s1", 200_000, 1.0), ("s2", 50_000, 1.0), ("s3", 5_000, 1.0),
+    ("n0", 500_000, 0.25), ("n1", 100_000, 0.25), ("n2", 20_000, 0.25), ("n3", 1_000, 0.25),
+)  # fmt: skip
+EVAL_ZIPF_DIM = 64
+EVAL_ALPHA = 1.05
 EVAL_DENSE = 13
 
 
-def _eval_examples(count: int, hidden: dict[str, Any], dense_weight: Any, seed: int) -> tuple[Any, Any, Any]:
-    """Synthetic examples: one id per table, uniform; logit = 2 x the signal tables' hidden values + 0.05 x the
-    noise tables' + the dense features' share; labels drawn from it."""
+def eval_model(ids: str = "uniform", dim: int | None = None) -> EvalModel:
+    """``--eval-ids`` and ``--eval-dim``'s model: issue 28's tables with uniform ids, issue 43's with zipf."""
+    if ids == "uniform":
+        return EvalModel(EVAL_MODEL.tables, dim or EVAL_MODEL.dim, "uniform")
+    if ids == "zipf":
+        return EvalModel(EVAL_ZIPF_TABLES, dim or EVAL_ZIPF_DIM, "zipf")
+    raise ValueError(f"--eval-ids {ids!r}: choose uniform or zipf")
+
+
+def _eval_ids(model: EvalModel, count: int, seed: int, generator: Any) -> dict[str, Any]:
+    """``count`` ids per table: uniform from ``generator``, or Zipf(1.05) (``zipf_ids``, numpy, seeded per table)."""
+    import torch
+
+    if model.ids == "uniform":
+        return {name: torch.randint(0, rows, (count,), generator=generator) for name, rows, _ in model.tables}
+    return {name: torch.from_numpy(zipf_ids(rows, count, EVAL_ALPHA, np.random.default_rng([seed, i])))
+            for i, (name, rows, _) in enumerate(model.tables)}  # fmt: skip
+
+
+def _eval_examples(
+    count: int, hidden: dict[str, Any], dense_weight: Any, seed: int, model: EvalModel = EVAL_MODEL
+) -> tuple[Any, Any, Any]:
+    """Synthetic examples: one id per table (``model.ids``); logit = each table's weight x its hidden value of the
+    id (issue 28's: 2 for the signal tables, 0.05 for the noise ones) + the dense features' share; labels drawn
+    from it."""
     import torch
 
     generator = torch.Generator().manual_seed(seed)
-    ids = {name: torch.randint(0, rows, (count,), generator=generator)
-           for name, rows in EVAL_SIGNAL_TABLES + EVAL_NOISE_TABLES}  # fmt: skip
+    ids = _eval_ids(model, count, seed, generator)
     dense = torch.randn(count, EVAL_DENSE, generator=generator)
-    logit = dense @ dense_weight
-    for name, _ in EVAL_SIGNAL_TABLES:
-        logit = logit + 2.0 * hidden[name][ids[name]]
-    for name, _ in EVAL_NOISE_TABLES:
-        logit = logit + 0.05 * hidden[name][ids[name]]
-    labels = torch.bernoulli(torch.sigmoid(logit), generator=generator)
+    labels = torch.bernoulli(torch.sigmoid(_eval_logit(ids, dense, hidden, dense_weight, model)), generator=generator)
     return ids, dense, labels
 
 
+def _eval_logit(ids: dict[str, Any], dense: Any, hidden: dict[str, Any], dense_weight: Any, model: EvalModel) -> Any:
+    """The labels' generating logit (``_eval_examples``): its AUC is the most any model can reach."""
+    logit = dense @ dense_weight
+    for name, _, weight in model.tables:
+        logit = logit + weight * hidden[name][ids[name]]
+    return logit
+
+
 def eval_cases(
-    steps: int = 1500, batch: int = 1024, budget_share: float = 0.5, block_shares: Sequence[float] = ()
+    steps: int = 1500,
+    batch: int = 1024,
+    budget_share: float = 0.5,
+    block_shares: Sequence[float] = (),
+    model: EvalModel = EVAL_MODEL,
 ) -> list[dict[str, object]]:
     """Issue 28's --eval target: a TorchRec DLRM trained here on synthetic data where two tables carry the signal
     and six larger ones little; at ``budget_share`` of its INT8 bytes the choice by log loss on an evaluation
@@ -443,16 +495,16 @@ def eval_cases(
 
     torch.manual_seed(0)
     torch.set_num_threads(1)  # one core: measured 14x faster per step than two threads on a loaded 2-core host
-    names = [n for n, _ in EVAL_SIGNAL_TABLES + EVAL_NOISE_TABLES]
-    configs = [EmbeddingBagConfig(name=n, num_embeddings=r, embedding_dim=EVAL_DIM, feature_names=[n])
-               for n, r in EVAL_SIGNAL_TABLES + EVAL_NOISE_TABLES]  # fmt: skip
-    hidden = {n: torch.randn(r) for n, r in EVAL_SIGNAL_TABLES + EVAL_NOISE_TABLES}
+    names = model.names
+    configs = [EmbeddingBagConfig(name=n, num_embeddings=r, embedding_dim=model.dim, feature_names=[n])
+               for n, r, _ in model.tables]  # fmt: skip
+    hidden = {n: torch.randn(r) for n, r, _ in model.tables}
     dense_weight = torch.randn(EVAL_DENSE) * 0.3
     ebc = EmbeddingBagCollection(tables=configs)
     for bag in ebc.embedding_bags.values():
         bag.sparse = True  # sparse gradients: an optimizer step touches only the rows of the batch
         torch.nn.init.normal_(bag.weight, std=0.05)
-    dlrm = DLRM(embedding_bag_collection=ebc, dense_in_features=EVAL_DENSE, dense_arch_layer_sizes=[32, EVAL_DIM],
+    dlrm = DLRM(embedding_bag_collection=ebc, dense_in_features=EVAL_DENSE, dense_arch_layer_sizes=[32, model.dim],
                 over_arch_layer_sizes=[32, 1])  # fmt: skip
     sparse_params = [p for n, p in dlrm.named_parameters() if "embedding_bags" in n]
     dense_params = [p for n, p in dlrm.named_parameters() if "embedding_bags" not in n]
@@ -468,7 +520,7 @@ def eval_cases(
         )
 
     started = time.perf_counter()
-    train_ids, train_dense, train_labels = _eval_examples(steps * batch, hidden, dense_weight, seed=1)
+    train_ids, train_dense, train_labels = _eval_examples(steps * batch, hidden, dense_weight, 1, model)
     dlrm.train()
     for step in range(steps):
         part = slice(step * batch, (step + 1) * batch)
@@ -489,8 +541,8 @@ def eval_cases(
         ones = torch.ones(len(labels), dtype=torch.int64)
         return EvalSample({n: (ids[n], ones) for n in names}, dense, labels)
 
-    measure_sample = sample_of(*_eval_examples(8000, hidden, dense_weight, seed=2))
-    test_ids, test_dense, test_labels = _eval_examples(50_000, hidden, dense_weight, seed=3)
+    measure_sample = sample_of(*_eval_examples(8000, hidden, dense_weight, 2, model))
+    test_ids, test_dense, test_labels = _eval_examples(50_000, hidden, dense_weight, 3, model)
 
     def test_auc(data_types: Sequence[DataType], blocks: tuple[Any, ...] = (), orders: Any = None) -> float:
         typed = spec.with_data_types(overrides=dict(zip(names, data_types)))
@@ -521,9 +573,12 @@ def eval_cases(
         "uniform_int2": choose_uniform(model_problem, DataType.INT2),
     }
     fp32_auc = test_auc([DataType.FP32] * len(names))
+    oracle_auc = roc_auc(_eval_logit(test_ids, test_dense, hidden, dense_weight, model), test_labels)
     aucs = {name: test_auc(c.data_types) for name, c in choices.items()}
     case: dict[str, object] = {
         "bench": "precision_eval_dlrm",
+        "ids": model.ids,
+        "dim": model.dim,
         "tables": len(names),
         "train_steps": steps,
         "train_seconds": round(train_seconds, 1),
@@ -531,6 +586,7 @@ def eval_cases(
         "budget_bytes": budget,
         "budget_share_of_int8": budget_share,
         "fp32_auc": round(fp32_auc, 5),
+        "generating_logit_auc": round(oracle_auc, 5),  # the labels' own logit: what fp32 could reach
         "target_auc_drop_vs_int8": 0.001,
         "auc_drop_chosen_vs_int8": round(aucs["uniform_int8"] - aucs["chosen_logloss"], 5),
     }
@@ -545,14 +601,16 @@ def eval_cases(
             cases.append({"bench": "precision_eval_dlrm_blocks", "budget_share_of_int8": share, "feasible": False,
                           "smallest_share_of_int8": round(smallest / int8.total_bytes, 4),
                           "uniform_int4_share": round(choices["uniform_int4"].total_bytes / int8.total_bytes, 4),
-                          "dim": EVAL_DIM})  # fmt: skip
+                          "dim": model.dim, "ids": model.ids})  # fmt: skip
             continue
-        block_case = _eval_block_case(spec, weights, train_ids, names, share, int8, aucs, test_auc)
+        block_case = {"ids": model.ids, "dim": model.dim}
+        block_case |= _eval_block_case(spec, weights, train_ids, names, share, int8, aucs, test_auc)
         logloss = choose_exact(model_problem, int(share * int8.total_bytes))  # the whole-table choice by log loss
         logloss_auc = test_auc(logloss.data_types)
         block_case["whole_table_logloss_auc"] = round(logloss_auc, 5)
         block_case["auc_drop_whole_table_logloss_vs_int8"] = round(aucs["uniform_int8"] - logloss_auc, 5)
         block_case["whole_table_logloss_dtypes"] = " ".join(d.value for d in logloss.data_types)
+        block_case["host_load"] = [round(x, 2) for x in os.getloadavg()]
         cases.append(block_case)
     return cases
 
@@ -615,12 +673,25 @@ def main() -> int:
     parser.add_argument("--three-blocks", action="store_true", help="--blocks: also price three-block options")
     parser.add_argument("--blocks-speed", action="store_true", help="--blocks: also 500 tables")
     parser.add_argument("--steps", type=int, default=1500, help="--eval: training steps")
-    parser.add_argument("--block-share", type=float, action="append",
-                        help="--eval --blocks: shares of INT8's bytes (default 0.4 0.41 0.45 0.5)")  # fmt: skip
+    parser.add_argument(
+        "--block-share",
+        type=float,
+        action="append",
+        help="--eval --blocks: shares of INT8's bytes (default 0.4 0.41 0.45 0.5; zipf 0.4 0.45 0.5)",
+    )
+    parser.add_argument(
+        "--eval-ids",
+        choices=("uniform", "zipf"),
+        default="uniform",
+        help="--eval: the examples' ids, uniform (issue 28's model) or Zipf(1.05) (issue 43's)",
+    )
+    parser.add_argument("--eval-dim", type=int, help="--eval: embedding dim (default 16 uniform, 64 zipf)")
     args = parser.parse_args()
     if args.eval:  # with --blocks also issue 43's case: blocks at --block-share of INT8's bytes
-        shares = (args.block_share or [0.4, 0.41, 0.45, 0.5]) if args.blocks else []
-        for case in eval_cases(args.steps, block_shares=shares):
+        model = eval_model(args.eval_ids, args.eval_dim)
+        default_shares = [0.4, 0.41, 0.45, 0.5] if model.ids == "uniform" else [0.4, 0.45, 0.5]
+        shares = (args.block_share or default_shares) if args.blocks else []
+        for case in eval_cases(args.steps, block_shares=shares, model=model):
             print(json.dumps(case), flush=True)
         return 0
     if args.blocks:
