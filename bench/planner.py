@@ -476,13 +476,15 @@ def eval_cases(
     budget_share: float = 0.5,
     block_shares: Sequence[float] = (),
     model: EvalModel = EVAL_MODEL,
+    sample_examples: int | None = None,
 ) -> list[dict[str, object]]:
     """Issue 28's --eval target: a TorchRec DLRM trained here on synthetic data where two tables carry the signal
     and six larger ones little; at ``budget_share`` of its INT8 bytes the choice by log loss on an evaluation
     sample keeps AUC (on a separate test set, real TBE) within 0.001 of uniform INT8; beside it the choice by
     the pooled measure, greedy by log loss, uniform INT4/INT2. With ``block_share`` (issue 43's target) also a
     case at that share of INT8's bytes: precision blocks planned by the pooled measure from the training ids (the
-    sample), the served model's rows ranked hottest first by them, against INT8 and the whole-table choices."""
+    sample; ``sample_examples``: the first that many training examples' ids, all by default), the served model's
+    rows ranked hottest first by them, against INT8 and the whole-table choices."""
     import torch
     from torchrec import EmbeddingBagCollection, EmbeddingBagConfig, KeyedJaggedTensor
     from torchrec.models.dlrm import DLRM
@@ -604,27 +606,35 @@ def eval_cases(
                           "dim": model.dim, "ids": model.ids})  # fmt: skip
             continue
         block_case = {"ids": model.ids, "dim": model.dim}
-        block_case |= _eval_block_case(spec, weights, train_ids, names, share, int8, aucs, test_auc)
+        sampled = {n: train_ids[n][:sample_examples] for n in names}
+        block_case |= _eval_block_case(spec, weights, sampled, test_ids, share, int8, aucs, test_auc)
         logloss = choose_exact(model_problem, int(share * int8.total_bytes))  # the whole-table choice by log loss
         logloss_auc = test_auc(logloss.data_types)
         block_case["whole_table_logloss_auc"] = round(logloss_auc, 5)
         block_case["auc_drop_whole_table_logloss_vs_int8"] = round(aucs["uniform_int8"] - logloss_auc, 5)
         block_case["whole_table_logloss_dtypes"] = " ".join(d.value for d in logloss.data_types)
+        best_whole = max(round(logloss_auc, 5), block_case["whole_table_pooled_auc"])  # type: ignore[call-overload]
+        block_case["best_whole_table_auc"] = best_whole
+        block_case["auc_drop_best_whole_table_vs_int8"] = round(aucs["uniform_int8"] - best_whole, 5)
         block_case["host_load"] = [round(x, 2) for x in os.getloadavg()]
         cases.append(block_case)
     return cases
 
 
-def _eval_block_case(spec: ModelSpec, weights: Any, train_ids: Any, names: Sequence[str], share: float, int8: Any,
+def _eval_block_case(spec: ModelSpec, weights: Any, train_ids: Any, test_ids: Any, share: float, int8: Any,
                      aucs: dict[str, float], test_auc: Any) -> dict[str, object]:  # fmt: skip
     """Issue 43's --eval target: at ``share`` of INT8's bytes, blocks planned by the pooled measure from the
-    training ids (each table's rows ranked by them, as export ranks them), the served model's test AUC against
-    INT8's and the whole-table choices (pooled and log loss) at the same bytes."""
+    training ids ``train_ids`` (each table's rows ranked by them, as export ranks them), the served model's test
+    AUC against INT8's and the whole-table choices (pooled and log loss) at the same bytes; per block table the
+    share of the test set's reads its hot blocks take."""
+    import torch
+
     from infer.planner.access import sample_from_ids
     from infer.planner.blocks import block_orders_from_sample, block_problem
     from infer.planner.precision import choose_exact, precision_problem
     from infer.quant.measured_error import measure_errors, rows_from_weights
 
+    names = [t.name for t in spec.tables]
     started = time.perf_counter()
     sample = sample_from_ids({n: train_ids[n].numpy() for n in names}, spec, source="training ids")
     measured = measure_errors(spec, rows_from_weights(weights), sample)
@@ -639,12 +649,17 @@ def _eval_block_case(spec: ModelSpec, weights: Any, train_ids: Any, names: Seque
     orders = block_orders_from_sample(blocked, sample)
     block_auc = test_auc(chosen.data_types, blocks, orders)
     whole_pooled_auc = test_auc(whole_pooled.data_types)
+    hot_reads = {}
+    for name, table_blocks in zip(names, blocks):
+        if table_blocks:  # the test reads of every block but the coldest
+            hot = orders[name][: sum(b.rows for b in table_blocks[:-1])]
+            hot_reads[name] = round(float(torch.isin(test_ids[name], hot).float().mean()), 4)
     return {
         "bench": "precision_eval_dlrm_blocks",
         "budget_share_of_int8": share,
         "feasible": True,
         "budget_bytes": budget,
-        "sample": f"training ids ({sample.ids[names[0]].size} examples)",
+        "sample": f"training ids ({sample.ids[names[0]].size} examples)",  # of the first table: one id an example
         "target_auc_drop_vs_int8": 0.001,
         "uniform_int8_auc": round(aucs["uniform_int8"], 5),
         "blocks_auc": round(block_auc, 5),
@@ -658,6 +673,7 @@ def _eval_block_case(spec: ModelSpec, weights: Any, train_ids: Any, names: Seque
         "block_tables": {n: [[b.rows, b.data_type.value] for b in bs] for n, bs in zip(names, blocks) if bs},
         "whole_table_dtypes": " ".join(d.value for d in whole_pooled.data_types),
         "blocks_cold_dtypes": " ".join(d.value for d in chosen.data_types),
+        "hot_share_of_test_reads": hot_reads,
     }
 
 
@@ -672,7 +688,8 @@ def main() -> int:
     parser.add_argument("--examples", type=int, default=20000, help="--blocks: examples of sampled ids")
     parser.add_argument("--three-blocks", action="store_true", help="--blocks: also price three-block options")
     parser.add_argument("--blocks-speed", action="store_true", help="--blocks: also 500 tables")
-    parser.add_argument("--steps", type=int, default=1500, help="--eval: training steps")
+    parser.add_argument("--steps", type=int, help="--eval: training steps (default 1500 uniform, 6000 zipf)")
+    parser.add_argument("--sample-examples", type=int, help="--eval --blocks: plan from the first N training examples")
     parser.add_argument(
         "--block-share",
         type=float,
@@ -691,7 +708,8 @@ def main() -> int:
         model = eval_model(args.eval_ids, args.eval_dim)
         default_shares = [0.4, 0.41, 0.45, 0.5] if model.ids == "uniform" else [0.4, 0.45, 0.5]
         shares = (args.block_share or default_shares) if args.blocks else []
-        for case in eval_cases(args.steps, block_shares=shares, model=model):
+        steps = args.steps or (1500 if model.ids == "uniform" else 6000)
+        for case in eval_cases(steps, block_shares=shares, model=model, sample_examples=args.sample_examples):
             print(json.dumps(case), flush=True)
         return 0
     if args.blocks:
