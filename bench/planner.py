@@ -23,6 +23,7 @@ nothing: it saves 4 of INT8's 132 bytes a row for 4.5x INT8's error, far above t
 from __future__ import annotations
 
 import argparse
+import itertools
 import json
 import math
 import os
@@ -476,14 +477,14 @@ def eval_cases(
     budget_share: float = 0.5,
     block_shares: Sequence[float] = (),
     model: EvalModel = EVAL_MODEL,
-    sample_examples: int | None = None,
+    sample_examples: Sequence[int | None] = (None,),
 ) -> list[dict[str, object]]:
     """Issue 28's --eval target: a TorchRec DLRM trained here on synthetic data where two tables carry the signal
     and six larger ones little; at ``budget_share`` of its INT8 bytes the choice by log loss on an evaluation
     sample keeps AUC (on a separate test set, real TBE) within 0.001 of uniform INT8; beside it the choice by
     the pooled measure, greedy by log loss, uniform INT4/INT2. With ``block_share`` (issue 43's target) also a
     case at that share of INT8's bytes: precision blocks planned by the pooled measure from the training ids (the
-    sample; ``sample_examples``: the first that many training examples' ids, all by default), the served model's
+    sample; per ``sample_examples``: the first that many training examples' ids, None all), the served model's
     rows ranked hottest first by them, against INT8 and the whole-table choices."""
     import torch
     from torchrec import EmbeddingBagCollection, EmbeddingBagConfig, KeyedJaggedTensor
@@ -598,7 +599,7 @@ def eval_cases(
         case[f"{name}_dtypes"] = " ".join(d.value for d in choice.data_types)
     smallest = choose_uniform(model_problem, DataType.INT2).total_bytes
     cases = [case]
-    for share in block_shares:
+    for examples, share in itertools.product(sample_examples, block_shares):
         if share * int8.total_bytes < smallest:  # below every table at INT2: no choice, whole or in blocks, fits
             cases.append({"bench": "precision_eval_dlrm_blocks", "budget_share_of_int8": share, "feasible": False,
                           "smallest_share_of_int8": round(smallest / int8.total_bytes, 4),
@@ -606,8 +607,8 @@ def eval_cases(
                           "dim": model.dim, "ids": model.ids})  # fmt: skip
             continue
         block_case = {"ids": model.ids, "dim": model.dim}
-        sampled = {n: train_ids[n][:sample_examples] for n in names}
-        block_case |= _eval_block_case(spec, weights, sampled, test_ids, share, int8, aucs, test_auc)
+        sampled = {n: train_ids[n][:examples] for n in names}
+        block_case |= _eval_block_case(spec, weights, sampled, test_ids, share, int8, aucs, test_auc, by_model)
         logloss = choose_exact(model_problem, int(share * int8.total_bytes))  # the whole-table choice by log loss
         logloss_auc = test_auc(logloss.data_types)
         block_case["whole_table_logloss_auc"] = round(logloss_auc, 5)
@@ -622,11 +623,14 @@ def eval_cases(
 
 
 def _eval_block_case(spec: ModelSpec, weights: Any, train_ids: Any, test_ids: Any, share: float, int8: Any,
-                     aucs: dict[str, float], test_auc: Any) -> dict[str, object]:  # fmt: skip
+                     aucs: dict[str, float], test_auc: Any, by_logloss: Any) -> dict[str, object]:  # fmt: skip
     """Issue 43's --eval target: at ``share`` of INT8's bytes, blocks planned by the pooled measure from the
     training ids ``train_ids`` (each table's rows ranked by them, as export ranks them), the served model's test
     AUC against INT8's and the whole-table choices (pooled and log loss) at the same bytes; per block table the
-    share of the test set's reads its hot blocks take."""
+    share of the test set's reads its hot blocks take. Beside them (not what ``embserve`` plans: with ``--eval`` it
+    keeps whole tables) blocks priced by the log-loss errors ``by_logloss`` (each table's types measured on the
+    evaluation sample, mixed by the same hot shares; every table here is read once an example, so the read
+    weights the MILP puts on them are equal and change nothing)."""
     import torch
 
     from infer.planner.access import sample_from_ids
@@ -649,6 +653,11 @@ def _eval_block_case(spec: ModelSpec, weights: Any, train_ids: Any, test_ids: An
     orders = block_orders_from_sample(blocked, sample)
     block_auc = test_auc(chosen.data_types, blocks, orders)
     whole_pooled_auc = test_auc(whole_pooled.data_types)
+    by_loss = choose_exact(block_problem(spec, by_logloss, sample), budget)
+    loss_blocks = by_loss.blocks or tuple(() for _ in names)
+    loss_spec = ModelSpec(tuple(t.with_blocks(b) for t, b in zip(spec.tables, loss_blocks)), spec.num_dense_features,
+                          spec.dense_arch)  # fmt: skip
+    by_loss_auc = test_auc(by_loss.data_types, loss_blocks, block_orders_from_sample(loss_spec, sample))
     hot_reads = {}
     for name, table_blocks in zip(names, blocks):
         if table_blocks:  # the test reads of every block but the coldest
@@ -674,6 +683,13 @@ def _eval_block_case(spec: ModelSpec, weights: Any, train_ids: Any, test_ids: An
         "whole_table_dtypes": " ".join(d.value for d in whole_pooled.data_types),
         "blocks_cold_dtypes": " ".join(d.value for d in chosen.data_types),
         "hot_share_of_test_reads": hot_reads,
+        "blocks_by_logloss_auc": round(by_loss_auc, 5),
+        "auc_drop_blocks_by_logloss_vs_int8": round(aucs["uniform_int8"] - by_loss_auc, 5),
+        "blocks_by_logloss_bytes": by_loss.total_bytes,
+        "block_tables_by_logloss": {
+            n: [[b.rows, b.data_type.value] for b in bs] for n, bs in zip(names, loss_blocks) if bs
+        },
+        "blocks_by_logloss_cold_dtypes": " ".join(d.value for d in by_loss.data_types),
     }
 
 
@@ -689,7 +705,12 @@ def main() -> int:
     parser.add_argument("--three-blocks", action="store_true", help="--blocks: also price three-block options")
     parser.add_argument("--blocks-speed", action="store_true", help="--blocks: also 500 tables")
     parser.add_argument("--steps", type=int, help="--eval: training steps (default 1500 uniform, 6000 zipf)")
-    parser.add_argument("--sample-examples", type=int, help="--eval --blocks: plan from the first N training examples")
+    parser.add_argument(
+        "--sample-examples",
+        type=int,
+        action="append",
+        help="--eval --blocks: plan from the first N training examples (default 0: all; repeatable)",
+    )
     parser.add_argument(
         "--block-share",
         type=float,
@@ -709,7 +730,8 @@ def main() -> int:
         default_shares = [0.4, 0.41, 0.45, 0.5] if model.ids == "uniform" else [0.4, 0.45, 0.5]
         shares = (args.block_share or default_shares) if args.blocks else []
         steps = args.steps or (1500 if model.ids == "uniform" else 6000)
-        for case in eval_cases(steps, block_shares=shares, model=model, sample_examples=args.sample_examples):
+        samples = [n or None for n in args.sample_examples or [0]]  # 0: every training example
+        for case in eval_cases(steps, block_shares=shares, model=model, sample_examples=samples):
             print(json.dumps(case), flush=True)
         return 0
     if args.blocks:
