@@ -8,6 +8,13 @@ and per-device memory use. Tables: rows log-uniform in [1e3, 3e7], dims in {32, 
     python bench/planner.py --precision          # issue 28: DLRM-v2 shapes, precision under a budget
     python bench/planner.py --blocks             # issue 43: the same with precision blocks per table
     python bench/planner.py --eval --blocks      # issue 43: the trained DLRM with blocks at 40 % of INT8
+    python bench/planner.py --eval --blocks --eval-ids zipf   # the same on Zipf(1.05) ids, tables of 1k-1M rows
+
+``--eval-ids zipf`` (issue 43's AUC case) trains a DLRM whose ids are Zipf(1.05) over a fixed permutation of each
+table's rows (``zipf_ids``), eight tables of 1,000 to 1,000,000 rows at dim 64 (``--eval-dim``), four carrying the
+signal (weight 1) and four a little (0.25), 6000 steps of 1024; the default ``--eval`` (uniform ids, dim 16) is issue
+28's model, unchanged. The blocks are planned from the training ids (``--sample-examples N``: the first N examples';
+repeatable, 0 all), never the test set, and served through the quantized model's real TBE.
 
 ``--precision`` prints one JSON line per case: DLRM-v2's 26 tables (dim 128, synthetic N(0,1) rows generated
 per sampled id, never materialized; Zipf(1.05) ids over a random permutation of each table's rows, with
@@ -478,6 +485,7 @@ def eval_cases(
     block_shares: Sequence[float] = (),
     model: EvalModel = EVAL_MODEL,
     sample_examples: Sequence[int | None] = (None,),
+    three_blocks: bool = False,
 ) -> list[dict[str, object]]:
     """Issue 28's --eval target: a TorchRec DLRM trained here on synthetic data where two tables carry the signal
     and six larger ones little; at ``budget_share`` of its INT8 bytes the choice by log loss on an evaluation
@@ -608,7 +616,9 @@ def eval_cases(
             continue
         block_case = {"ids": model.ids, "dim": model.dim}
         sampled = {n: train_ids[n][:examples] for n in names}
-        block_case |= _eval_block_case(spec, weights, sampled, test_ids, share, int8, aucs, test_auc, by_model)
+        block_case |= _eval_block_case(
+            spec, weights, sampled, test_ids, share, int8, aucs, test_auc, by_model, three_blocks
+        )
         logloss = choose_exact(model_problem, int(share * int8.total_bytes))  # the whole-table choice by log loss
         logloss_auc = test_auc(logloss.data_types)
         block_case["whole_table_logloss_auc"] = round(logloss_auc, 5)
@@ -623,7 +633,8 @@ def eval_cases(
 
 
 def _eval_block_case(spec: ModelSpec, weights: Any, train_ids: Any, test_ids: Any, share: float, int8: Any,
-                     aucs: dict[str, float], test_auc: Any, by_logloss: Any) -> dict[str, object]:  # fmt: skip
+                     aucs: dict[str, float], test_auc: Any, by_logloss: Any,
+                     three_blocks: bool = False) -> dict[str, object]:  # fmt: skip
     """Issue 43's --eval target: at ``share`` of INT8's bytes, blocks planned by the pooled measure from the
     training ids ``train_ids`` (each table's rows ranked by them, as export ranks them), the served model's test
     AUC against INT8's and the whole-table choices (pooled and log loss) at the same bytes; per block table the
@@ -643,7 +654,7 @@ def _eval_block_case(spec: ModelSpec, weights: Any, train_ids: Any, test_ids: An
     sample = sample_from_ids({n: train_ids[n].numpy() for n in names}, spec, source="training ids")
     measured = measure_errors(spec, rows_from_weights(weights), sample)
     budget = int(share * int8.total_bytes)
-    problem = block_problem(spec, measured, sample)
+    problem = block_problem(spec, measured, sample, three_blocks=three_blocks)
     chosen = choose_exact(problem, budget)
     whole_pooled = choose_exact(precision_problem(spec, measured, sample=sample), budget)
     plan_seconds = time.perf_counter() - started
@@ -653,7 +664,7 @@ def _eval_block_case(spec: ModelSpec, weights: Any, train_ids: Any, test_ids: An
     orders = block_orders_from_sample(blocked, sample)
     block_auc = test_auc(chosen.data_types, blocks, orders)
     whole_pooled_auc = test_auc(whole_pooled.data_types)
-    by_loss = choose_exact(block_problem(spec, by_logloss, sample), budget)
+    by_loss = choose_exact(block_problem(spec, by_logloss, sample, three_blocks=three_blocks), budget)
     loss_blocks = by_loss.blocks or tuple(() for _ in names)
     loss_spec = ModelSpec(tuple(t.with_blocks(b) for t, b in zip(spec.tables, loss_blocks)), spec.num_dense_features,
                           spec.dense_arch)  # fmt: skip
@@ -668,7 +679,8 @@ def _eval_block_case(spec: ModelSpec, weights: Any, train_ids: Any, test_ids: An
         "budget_share_of_int8": share,
         "feasible": True,
         "budget_bytes": budget,
-        "sample": f"training ids ({sample.ids[names[0]].size} examples)",  # of the first table: one id an example
+        "sample": f"training ids ({sample.ids[names[0]].size} examples)",
+        "three_blocks": three_blocks,  # of the first table: one id an example
         "target_auc_drop_vs_int8": 0.001,
         "uniform_int8_auc": round(aucs["uniform_int8"], 5),
         "blocks_auc": round(block_auc, 5),
@@ -702,7 +714,9 @@ def main() -> int:
     parser.add_argument("--eval", action="store_true", help="the precision planner by log loss on a trained DLRM")
     parser.add_argument("--blocks", action="store_true", help="the precision planner with blocks (issue 43)")
     parser.add_argument("--examples", type=int, default=20000, help="--blocks: examples of sampled ids")
-    parser.add_argument("--three-blocks", action="store_true", help="--blocks: also price three-block options")
+    parser.add_argument(
+        "--three-blocks", action="store_true", help="--blocks: also price three-block options (and --eval)"
+    )
     parser.add_argument("--blocks-speed", action="store_true", help="--blocks: also 500 tables")
     parser.add_argument("--steps", type=int, help="--eval: training steps (default 1500 uniform, 6000 zipf)")
     parser.add_argument(
@@ -731,7 +745,9 @@ def main() -> int:
         shares = (args.block_share or default_shares) if args.blocks else []
         steps = args.steps or (1500 if model.ids == "uniform" else 6000)
         samples = [n or None for n in args.sample_examples or [0]]  # 0: every training example
-        for case in eval_cases(steps, block_shares=shares, model=model, sample_examples=samples):
+        for case in eval_cases(
+            steps, block_shares=shares, model=model, sample_examples=samples, three_blocks=args.three_blocks
+        ):
             print(json.dumps(case), flush=True)
         return 0
     if args.blocks:
