@@ -8,6 +8,13 @@ and per-device memory use. Tables: rows log-uniform in [1e3, 3e7], dims in {32, 
     python bench/planner.py --precision          # issue 28: DLRM-v2 shapes, precision under a budget
     python bench/planner.py --blocks             # issue 43: the same with precision blocks per table
     python bench/planner.py --eval --blocks      # issue 43: the trained DLRM with blocks at 40 % of INT8
+    python bench/planner.py --eval --blocks --eval-ids zipf   # the same on Zipf(1.05) ids, tables of 1k-1M rows
+
+``--eval-ids zipf`` (issue 43's AUC case) trains a DLRM whose ids are Zipf(1.05) over a fixed permutation of each
+table's rows (``zipf_ids``), eight tables of 1,000 to 1,000,000 rows at dim 64 (``--eval-dim``), four carrying the
+signal (weight 1) and four a little (0.25), 6000 steps of 1024; the default ``--eval`` (uniform ids, dim 16) is issue
+28's model, unchanged. The blocks are planned from the training ids (``--sample-examples N``: the first N examples';
+repeatable, 0 all), never the test set, and served through the quantized model's real TBE.
 
 ``--precision`` prints one JSON line per case: DLRM-v2's 26 tables (dim 128, synthetic N(0,1) rows generated
 per sampled id, never materialized; Zipf(1.05) ids over a random permutation of each table's rows, with
@@ -23,6 +30,7 @@ nothing: it saves 4 of INT8's 132 bytes a row for 4.5x INT8's error, far above t
 from __future__ import annotations
 
 import argparse
+import itertools
 import json
 import math
 import os
@@ -30,6 +38,7 @@ import random
 import sys
 import time
 from collections.abc import Sequence
+from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
@@ -406,39 +415,93 @@ def choice_placed_case(
     }
 
 
-EVAL_SIGNAL_TABLES = (("s0", 20_000), ("s1", 5_000))  # the label reads these
-EVAL_NOISE_TABLES = tuple((f"n{i}", 60_000) for i in range(6))  # and these barely
-EVAL_DIM = 16
+@dataclass(frozen=True)
+class EvalModel:
+    """The ``--eval`` model's shape: its tables (name, rows, weight of the table's hidden value in the labels'
+    logit), embedding dim, and how an example's ids are drawn (``uniform`` over the rows, or ``zipf``: Zipf(1.05)
+    ranks over a fixed permutation of each table's rows, ``zipf_ids``, as recsys traffic is)."""
+
+    tables: tuple[tuple[str, int, float], ...]
+    dim: int
+    ids: str = "uniform"
+
+    @property
+    def names(self) -> list[str]:
+        return [n for n, _, _ in self.tables]
+
+
+# issue 28's model: two tables carry the signal, six larger ones barely; uniform ids (its figures must not move)
+EVAL_MODEL = EvalModel((("s0", 20_000, 2.0), ("s1", 5_000, 2.0)) + tuple((f"n{i}", 60_000, 0.05) for i in range(6)), 16)
+# issue 43's: Zipf(1.05) ids over tables of 1k to 1M rows, four carrying the signal and four a little of it, dim 64
+# (INT8 68 bytes a row, INT4 36, INT2 20 and the remap 4: at 40 % of INT8 a table in INT2 + remap has room for a
+# hot block; at dim 16 INT2 alone is 40 %)
+EVAL_ZIPF_TABLES = (
+    ("s0", 1_000_000, 1.0), ("s1", 200_000, 1.0), ("s2", 50_000, 1.0), ("s3", 5_000, 1.0),
+    ("n0", 500_000, 0.25), ("n1", 100_000, 0.25), ("n2", 20_000, 0.25), ("n3", 1_000, 0.25),
+)  # fmt: skip
+EVAL_ZIPF_DIM = 64
+EVAL_ALPHA = 1.05
 EVAL_DENSE = 13
 
 
-def _eval_examples(count: int, hidden: dict[str, Any], dense_weight: Any, seed: int) -> tuple[Any, Any, Any]:
-    """Synthetic examples: one id per table, uniform; logit = 2 x the signal tables' hidden values + 0.05 x the
-    noise tables' + the dense features' share; labels drawn from it."""
+def eval_model(ids: str = "uniform", dim: int | None = None) -> EvalModel:
+    """``--eval-ids`` and ``--eval-dim``'s model: issue 28's tables with uniform ids, issue 43's with zipf."""
+    if ids == "uniform":
+        return EvalModel(EVAL_MODEL.tables, dim or EVAL_MODEL.dim, "uniform")
+    if ids == "zipf":
+        return EvalModel(EVAL_ZIPF_TABLES, dim or EVAL_ZIPF_DIM, "zipf")
+    raise ValueError(f"--eval-ids {ids!r}: choose uniform or zipf")
+
+
+def _eval_ids(model: EvalModel, count: int, seed: int, generator: Any) -> dict[str, Any]:
+    """``count`` ids per table: uniform from ``generator``, or Zipf(1.05) (``zipf_ids``, numpy, seeded per table)."""
+    import torch
+
+    if model.ids == "uniform":
+        return {name: torch.randint(0, rows, (count,), generator=generator) for name, rows, _ in model.tables}
+    return {name: torch.from_numpy(zipf_ids(rows, count, EVAL_ALPHA, np.random.default_rng([seed, i])))
+            for i, (name, rows, _) in enumerate(model.tables)}  # fmt: skip
+
+
+def _eval_examples(
+    count: int, hidden: dict[str, Any], dense_weight: Any, seed: int, model: EvalModel = EVAL_MODEL
+) -> tuple[Any, Any, Any]:
+    """Synthetic examples: one id per table (``model.ids``); logit = each table's weight x its hidden value of the
+    id (issue 28's: 2 for the signal tables, 0.05 for the noise ones) + the dense features' share; labels drawn
+    from it."""
     import torch
 
     generator = torch.Generator().manual_seed(seed)
-    ids = {name: torch.randint(0, rows, (count,), generator=generator)
-           for name, rows in EVAL_SIGNAL_TABLES + EVAL_NOISE_TABLES}  # fmt: skip
+    ids = _eval_ids(model, count, seed, generator)
     dense = torch.randn(count, EVAL_DENSE, generator=generator)
-    logit = dense @ dense_weight
-    for name, _ in EVAL_SIGNAL_TABLES:
-        logit = logit + 2.0 * hidden[name][ids[name]]
-    for name, _ in EVAL_NOISE_TABLES:
-        logit = logit + 0.05 * hidden[name][ids[name]]
-    labels = torch.bernoulli(torch.sigmoid(logit), generator=generator)
+    labels = torch.bernoulli(torch.sigmoid(_eval_logit(ids, dense, hidden, dense_weight, model)), generator=generator)
     return ids, dense, labels
 
 
+def _eval_logit(ids: dict[str, Any], dense: Any, hidden: dict[str, Any], dense_weight: Any, model: EvalModel) -> Any:
+    """The labels' generating logit (``_eval_examples``): its AUC is the most any model can reach."""
+    logit = dense @ dense_weight
+    for name, _, weight in model.tables:
+        logit = logit + weight * hidden[name][ids[name]]
+    return logit
+
+
 def eval_cases(
-    steps: int = 1500, batch: int = 1024, budget_share: float = 0.5, block_shares: Sequence[float] = ()
+    steps: int = 1500,
+    batch: int = 1024,
+    budget_share: float = 0.5,
+    block_shares: Sequence[float] = (),
+    model: EvalModel = EVAL_MODEL,
+    sample_examples: Sequence[int | None] = (None,),
+    three_blocks: bool = False,
 ) -> list[dict[str, object]]:
     """Issue 28's --eval target: a TorchRec DLRM trained here on synthetic data where two tables carry the signal
     and six larger ones little; at ``budget_share`` of its INT8 bytes the choice by log loss on an evaluation
     sample keeps AUC (on a separate test set, real TBE) within 0.001 of uniform INT8; beside it the choice by
     the pooled measure, greedy by log loss, uniform INT4/INT2. With ``block_share`` (issue 43's target) also a
     case at that share of INT8's bytes: precision blocks planned by the pooled measure from the training ids (the
-    sample), the served model's rows ranked hottest first by them, against INT8 and the whole-table choices."""
+    sample; per ``sample_examples``: the first that many training examples' ids, None all), the served model's
+    rows ranked hottest first by them, against INT8 and the whole-table choices."""
     import torch
     from torchrec import EmbeddingBagCollection, EmbeddingBagConfig, KeyedJaggedTensor
     from torchrec.models.dlrm import DLRM
@@ -451,16 +514,16 @@ def eval_cases(
 
     torch.manual_seed(0)
     torch.set_num_threads(1)  # one core: measured 14x faster per step than two threads on a loaded 2-core host
-    names = [n for n, _ in EVAL_SIGNAL_TABLES + EVAL_NOISE_TABLES]
-    configs = [EmbeddingBagConfig(name=n, num_embeddings=r, embedding_dim=EVAL_DIM, feature_names=[n])
-               for n, r in EVAL_SIGNAL_TABLES + EVAL_NOISE_TABLES]  # fmt: skip
-    hidden = {n: torch.randn(r) for n, r in EVAL_SIGNAL_TABLES + EVAL_NOISE_TABLES}
+    names = model.names
+    configs = [EmbeddingBagConfig(name=n, num_embeddings=r, embedding_dim=model.dim, feature_names=[n])
+               for n, r, _ in model.tables]  # fmt: skip
+    hidden = {n: torch.randn(r) for n, r, _ in model.tables}
     dense_weight = torch.randn(EVAL_DENSE) * 0.3
     ebc = EmbeddingBagCollection(tables=configs)
     for bag in ebc.embedding_bags.values():
         bag.sparse = True  # sparse gradients: an optimizer step touches only the rows of the batch
         torch.nn.init.normal_(bag.weight, std=0.05)
-    dlrm = DLRM(embedding_bag_collection=ebc, dense_in_features=EVAL_DENSE, dense_arch_layer_sizes=[32, EVAL_DIM],
+    dlrm = DLRM(embedding_bag_collection=ebc, dense_in_features=EVAL_DENSE, dense_arch_layer_sizes=[32, model.dim],
                 over_arch_layer_sizes=[32, 1])  # fmt: skip
     sparse_params = [p for n, p in dlrm.named_parameters() if "embedding_bags" in n]
     dense_params = [p for n, p in dlrm.named_parameters() if "embedding_bags" not in n]
@@ -476,7 +539,7 @@ def eval_cases(
         )
 
     started = time.perf_counter()
-    train_ids, train_dense, train_labels = _eval_examples(steps * batch, hidden, dense_weight, seed=1)
+    train_ids, train_dense, train_labels = _eval_examples(steps * batch, hidden, dense_weight, 1, model)
     dlrm.train()
     for step in range(steps):
         part = slice(step * batch, (step + 1) * batch)
@@ -497,8 +560,8 @@ def eval_cases(
         ones = torch.ones(len(labels), dtype=torch.int64)
         return EvalSample({n: (ids[n], ones) for n in names}, dense, labels)
 
-    measure_sample = sample_of(*_eval_examples(8000, hidden, dense_weight, seed=2))
-    test_ids, test_dense, test_labels = _eval_examples(50_000, hidden, dense_weight, seed=3)
+    measure_sample = sample_of(*_eval_examples(8000, hidden, dense_weight, 2, model))
+    test_ids, test_dense, test_labels = _eval_examples(50_000, hidden, dense_weight, 3, model)
 
     def test_auc(data_types: Sequence[DataType], blocks: tuple[Any, ...] = (), orders: Any = None) -> float:
         typed = spec.with_data_types(overrides=dict(zip(names, data_types)))
@@ -529,9 +592,12 @@ def eval_cases(
         "uniform_int2": choose_uniform(model_problem, DataType.INT2),
     }
     fp32_auc = test_auc([DataType.FP32] * len(names))
+    oracle_auc = roc_auc(_eval_logit(test_ids, test_dense, hidden, dense_weight, model), test_labels)
     aucs = {name: test_auc(c.data_types) for name, c in choices.items()}
     case: dict[str, object] = {
         "bench": "precision_eval_dlrm",
+        "ids": model.ids,
+        "dim": model.dim,
         "tables": len(names),
         "train_steps": steps,
         "train_seconds": round(train_seconds, 1),
@@ -539,6 +605,7 @@ def eval_cases(
         "budget_bytes": budget,
         "budget_share_of_int8": budget_share,
         "fp32_auc": round(fp32_auc, 5),
+        "generating_logit_auc": round(oracle_auc, 5),  # the labels' own logit: what fp32 could reach
         "target_auc_drop_vs_int8": 0.001,
         "auc_drop_chosen_vs_int8": round(aucs["uniform_int8"] - aucs["chosen_logloss"], 5),
     }
@@ -548,38 +615,54 @@ def eval_cases(
         case[f"{name}_dtypes"] = " ".join(d.value for d in choice.data_types)
     smallest = choose_uniform(model_problem, DataType.INT2).total_bytes
     cases = [case]
-    for share in block_shares:
+    for examples, share in itertools.product(sample_examples, block_shares):
         if share * int8.total_bytes < smallest:  # below every table at INT2: no choice, whole or in blocks, fits
             cases.append({"bench": "precision_eval_dlrm_blocks", "budget_share_of_int8": share, "feasible": False,
                           "smallest_share_of_int8": round(smallest / int8.total_bytes, 4),
                           "uniform_int4_share": round(choices["uniform_int4"].total_bytes / int8.total_bytes, 4),
-                          "dim": EVAL_DIM})  # fmt: skip
+                          "dim": model.dim, "ids": model.ids})  # fmt: skip
             continue
-        block_case = _eval_block_case(spec, weights, train_ids, names, share, int8, aucs, test_auc)
+        block_case = {"ids": model.ids, "dim": model.dim}
+        sampled = {n: train_ids[n][:examples] for n in names}
+        block_case |= _eval_block_case(
+            spec, weights, sampled, test_ids, share, int8, aucs, test_auc, by_model, three_blocks
+        )
         logloss = choose_exact(model_problem, int(share * int8.total_bytes))  # the whole-table choice by log loss
         logloss_auc = test_auc(logloss.data_types)
         block_case["whole_table_logloss_auc"] = round(logloss_auc, 5)
         block_case["auc_drop_whole_table_logloss_vs_int8"] = round(aucs["uniform_int8"] - logloss_auc, 5)
         block_case["whole_table_logloss_dtypes"] = " ".join(d.value for d in logloss.data_types)
+        best_whole = max(round(logloss_auc, 5), block_case["whole_table_pooled_auc"])  # type: ignore[call-overload]
+        block_case["best_whole_table_auc"] = best_whole
+        block_case["auc_drop_best_whole_table_vs_int8"] = round(aucs["uniform_int8"] - best_whole, 5)
+        block_case["host_load"] = [round(x, 2) for x in os.getloadavg()]
         cases.append(block_case)
     return cases
 
 
-def _eval_block_case(spec: ModelSpec, weights: Any, train_ids: Any, names: Sequence[str], share: float, int8: Any,
-                     aucs: dict[str, float], test_auc: Any) -> dict[str, object]:  # fmt: skip
+def _eval_block_case(spec: ModelSpec, weights: Any, train_ids: Any, test_ids: Any, share: float, int8: Any,
+                     aucs: dict[str, float], test_auc: Any, by_logloss: Any,
+                     three_blocks: bool = False) -> dict[str, object]:  # fmt: skip
     """Issue 43's --eval target: at ``share`` of INT8's bytes, blocks planned by the pooled measure from the
-    training ids (each table's rows ranked by them, as export ranks them), the served model's test AUC against
-    INT8's and the whole-table choices (pooled and log loss) at the same bytes."""
+    training ids ``train_ids`` (each table's rows ranked by them, as export ranks them), the served model's test
+    AUC against INT8's and the whole-table choices (pooled and log loss) at the same bytes; per block table the
+    share of the test set's reads its hot blocks take. Beside them (not what ``embserve`` plans: with ``--eval`` it
+    keeps whole tables) blocks priced by the log-loss errors ``by_logloss`` (each table's types measured on the
+    evaluation sample, mixed by the same hot shares; every table here is read once an example, so the read
+    weights the MILP puts on them are equal and change nothing)."""
+    import torch
+
     from infer.planner.access import sample_from_ids
     from infer.planner.blocks import block_orders_from_sample, block_problem
     from infer.planner.precision import choose_exact, precision_problem
     from infer.quant.measured_error import measure_errors, rows_from_weights
 
+    names = [t.name for t in spec.tables]
     started = time.perf_counter()
     sample = sample_from_ids({n: train_ids[n].numpy() for n in names}, spec, source="training ids")
     measured = measure_errors(spec, rows_from_weights(weights), sample)
     budget = int(share * int8.total_bytes)
-    problem = block_problem(spec, measured, sample)
+    problem = block_problem(spec, measured, sample, three_blocks=three_blocks)
     chosen = choose_exact(problem, budget)
     whole_pooled = choose_exact(precision_problem(spec, measured, sample=sample), budget)
     plan_seconds = time.perf_counter() - started
@@ -589,12 +672,23 @@ def _eval_block_case(spec: ModelSpec, weights: Any, train_ids: Any, names: Seque
     orders = block_orders_from_sample(blocked, sample)
     block_auc = test_auc(chosen.data_types, blocks, orders)
     whole_pooled_auc = test_auc(whole_pooled.data_types)
+    by_loss = choose_exact(block_problem(spec, by_logloss, sample, three_blocks=three_blocks), budget)
+    loss_blocks = by_loss.blocks or tuple(() for _ in names)
+    loss_spec = ModelSpec(tuple(t.with_blocks(b) for t, b in zip(spec.tables, loss_blocks)), spec.num_dense_features,
+                          spec.dense_arch)  # fmt: skip
+    by_loss_auc = test_auc(by_loss.data_types, loss_blocks, block_orders_from_sample(loss_spec, sample))
+    hot_reads = {}
+    for name, table_blocks in zip(names, blocks):
+        if table_blocks:  # the test reads of every block but the coldest
+            hot = orders[name][: sum(b.rows for b in table_blocks[:-1])]
+            hot_reads[name] = round(float(torch.isin(test_ids[name], hot).float().mean()), 4)
     return {
         "bench": "precision_eval_dlrm_blocks",
         "budget_share_of_int8": share,
         "feasible": True,
         "budget_bytes": budget,
         "sample": f"training ids ({sample.ids[names[0]].size} examples)",
+        "three_blocks": three_blocks,  # of the first table: one id an example
         "target_auc_drop_vs_int8": 0.001,
         "uniform_int8_auc": round(aucs["uniform_int8"], 5),
         "blocks_auc": round(block_auc, 5),
@@ -608,6 +702,14 @@ def _eval_block_case(spec: ModelSpec, weights: Any, train_ids: Any, names: Seque
         "block_tables": {n: [[b.rows, b.data_type.value] for b in bs] for n, bs in zip(names, blocks) if bs},
         "whole_table_dtypes": " ".join(d.value for d in whole_pooled.data_types),
         "blocks_cold_dtypes": " ".join(d.value for d in chosen.data_types),
+        "hot_share_of_test_reads": hot_reads,
+        "blocks_by_logloss_auc": round(by_loss_auc, 5),
+        "auc_drop_blocks_by_logloss_vs_int8": round(aucs["uniform_int8"] - by_loss_auc, 5),
+        "blocks_by_logloss_bytes": by_loss.total_bytes,
+        "block_tables_by_logloss": {
+            n: [[b.rows, b.data_type.value] for b in bs] for n, bs in zip(names, loss_blocks) if bs
+        },
+        "blocks_by_logloss_cold_dtypes": " ".join(d.value for d in by_loss.data_types),
     }
 
 
@@ -620,15 +722,40 @@ def main() -> int:
     parser.add_argument("--eval", action="store_true", help="the precision planner by log loss on a trained DLRM")
     parser.add_argument("--blocks", action="store_true", help="the precision planner with blocks (issue 43)")
     parser.add_argument("--examples", type=int, default=400000, help="--blocks: examples of sampled ids")
-    parser.add_argument("--three-blocks", action="store_true", help="--blocks: also price three-block options")
+    parser.add_argument(
+        "--three-blocks", action="store_true", help="--blocks: also price three-block options (and --eval)"
+    )
     parser.add_argument("--blocks-speed", action="store_true", help="--blocks: also 500 tables")
-    parser.add_argument("--steps", type=int, default=1500, help="--eval: training steps")
-    parser.add_argument("--block-share", type=float, action="append",
-                        help="--eval --blocks: shares of INT8's bytes (default 0.4 0.41 0.45 0.5)")  # fmt: skip
+    parser.add_argument("--steps", type=int, help="--eval: training steps (default 1500 uniform, 6000 zipf)")
+    parser.add_argument(
+        "--sample-examples",
+        type=int,
+        action="append",
+        help="--eval --blocks: plan from the first N training examples (default 0: all; repeatable)",
+    )
+    parser.add_argument(
+        "--block-share",
+        type=float,
+        action="append",
+        help="--eval --blocks: shares of INT8's bytes (default 0.4 0.41 0.45 0.5; zipf 0.4 0.45 0.5)",
+    )
+    parser.add_argument(
+        "--eval-ids",
+        choices=("uniform", "zipf"),
+        default="uniform",
+        help="--eval: the examples' ids, uniform (issue 28's model) or Zipf(1.05) (issue 43's)",
+    )
+    parser.add_argument("--eval-dim", type=int, help="--eval: embedding dim (default 16 uniform, 64 zipf)")
     args = parser.parse_args()
     if args.eval:  # with --blocks also issue 43's case: blocks at --block-share of INT8's bytes
-        shares = (args.block_share or [0.4, 0.41, 0.45, 0.5]) if args.blocks else []
-        for case in eval_cases(args.steps, block_shares=shares):
+        model = eval_model(args.eval_ids, args.eval_dim)
+        default_shares = [0.4, 0.41, 0.45, 0.5] if model.ids == "uniform" else [0.4, 0.45, 0.5]
+        shares = (args.block_share or default_shares) if args.blocks else []
+        steps = args.steps or (1500 if model.ids == "uniform" else 6000)
+        samples = [n or None for n in args.sample_examples or [0]]  # 0: every training example
+        for case in eval_cases(
+            steps, block_shares=shares, model=model, sample_examples=samples, three_blocks=args.three_blocks
+        ):
             print(json.dumps(case), flush=True)
         return 0
     if args.blocks:
