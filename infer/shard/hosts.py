@@ -59,6 +59,11 @@ def shard_host(
             f"shard_host takes the unsharded model returned by infer.quantize(), got one whose embeddings are "
             f"{type(source).__name__}; quantize the tables first"
         )
+    if spec.block_tables:
+        raise ConfigError(
+            f"table {spec.block_tables[0]!r} is held in precision blocks, which a plan over several hosts does not "
+            "serve; plan one host (--world-size), or store the table in one type"
+        )
     check_plan(spec, plan)
     mapping = dict(device_map or {})
     source_weights = dict(zip([t.name for t in spec.tables], source.table_weights()))
