@@ -66,7 +66,7 @@ def cmd_export(args: argparse.Namespace) -> int:
 
         print()
         print(format_stats(plan))
-        if block_orders is not None:
+        if block_orders is not None and plan.topology.world_size == 1:
             # one device, tables in precision blocks: the model is exported whole (the plan is in the stats above)
             plan = None
         elif plan.topology.world_size > plan.topology.local_world_size:

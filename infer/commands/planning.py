@@ -154,8 +154,10 @@ def device_data_types(topology: Topology) -> tuple[DataType, ...]:
 
 def _blocks_allowed(args: argparse.Namespace, topology: Topology) -> bool:
     """Precision blocks (issue 43) are priced when --sample-ids says which rows are hot, the error is the pooled
-    one (not --eval) and the model goes on one device (sharding does not serve them yet)."""
-    return bool(getattr(args, "sample_ids", None)) and not getattr(args, "eval", None) and topology.world_size == 1
+    one (not --eval) and the model goes on one host (a block table is then placed table-wise on one of its
+    devices; a plan over several hosts does not serve them)."""
+    one_host = topology.local_world_size >= topology.world_size
+    return bool(getattr(args, "sample_ids", None)) and not getattr(args, "eval", None) and one_host
 
 
 def _mapped_capacity(flag: str | None, folder: Path) -> tuple[int | None, str]:

@@ -327,16 +327,16 @@ class BlockSplitter:
         super().__init_subclass__(**kwargs)
         cls.__annotations__ = {**BlockSplitter.__annotations__, **cls.__dict__.get("__annotations__", {})}
 
-    def init_block_split(self, split: BlockSplit) -> None:
-        """Hold ``split``'s attributes, and each block table's remap at identity ranks (rank = id) until
-        ``set_block_remap``."""
+    def init_block_split(self, split: BlockSplit, device: torch.device | str = "cpu") -> None:
+        """Hold ``split``'s attributes (the tensors on the kernel's ``device``, where the split runs), and each block
+        table's remap at identity ranks (rank = id) until ``set_block_remap``."""
         self.has_blocks = split.has_blocks
         self.block_levels = split.block_levels
         self.block_rank_starts = split.block_rank_starts
         self.feature_remap = split.feature_remap
         self.feature_blocks = split.feature_blocks
         self.block_table_names = split.block_table_names
-        self.block_lookup_offsets = torch.tensor(split.block_lookup_offsets, dtype=torch.int64)
+        self.block_lookup_offsets = torch.tensor(split.block_lookup_offsets, dtype=torch.int64, device=device)
         sizes = [b - a for a, b in zip(split.block_lookup_offsets, split.block_lookup_offsets[1:])]
         self.block_lookup = torch.cat(
             [torch.zeros(0, dtype=torch.int32)]
@@ -345,11 +345,11 @@ class BlockSplitter:
                 for size, slot in zip(sizes, self.feature_remap)
                 if slot >= 0
             ]
-        )
+        ).to(device)
         # per feature its blocks' bounds (int32, as the remapped ids) for the split
-        self.block_bounds = [torch.tensor(b, dtype=torch.int32) for b in split.block_bounds]
+        self.block_bounds = [torch.tensor(b, dtype=torch.int32, device=device) for b in split.block_bounds]
         self.block_fixed_sizes = split.block_fixed_sizes
-        self.block_sizes = torch.tensor(split.block_sizes, dtype=torch.int32)
+        self.block_sizes = torch.tensor(split.block_sizes, dtype=torch.int32, device=device)
 
     @torch.jit.unused
     def set_block_remap(self, table: str, ranks: Tensor) -> None:
@@ -462,7 +462,7 @@ class QuantizedEmbeddingBagCollection(ValidatingCollection, BlockSplitter, Kerne
             allocate,
         )
         self._set_features(spec)
-        self.init_block_split(BlockSplit.of(spec))
+        self.init_block_split(BlockSplit.of(spec), torch.device(device))
         self.init_kernel_runner(len(features), str(torch.device(device)), len(spec.features))
 
     def table_weights(self) -> List[Tuple[Tensor, Optional[Tensor]]]:

@@ -137,7 +137,7 @@ class DeviceShards(nn.Module, BlockSplitter, KernelRunner):
         self.device = device
         if split is None:
             split = BlockSplit.of_features([("", rows, ()) for rows in kernel_rows(local_features, feature_rows)])
-        self.init_block_split(split)
+        self.init_block_split(split, device)
         # with block tables the kernel reads every feature once per level (``collection.level_blocks``)
         self.init_kernel_runner(len(local_features) * split.block_levels, device, len(local_features))
         self.lf_feature = [lf[0] for lf in local_features]
