@@ -197,7 +197,9 @@ def device_layouts(spec: ModelSpec, plan: ShardingPlan) -> list[DeviceLayout]:
                 for j, block in enumerate(table.stored_blocks):
                     groups[-1].append(len(local_tables))
                     name = kernel_table_name(f"{table.name}@{shard_index}", j if table.blocks else -1)
-                    rows, data_type = (block.rows, block.data_type) if table.blocks else (shard.num_rows, table.data_type)
+                    rows, data_type = (
+                        (block.rows, block.data_type) if table.blocks else (shard.num_rows, table.data_type)
+                    )
                     local_tables.append((name, rows, shard.num_cols, data_type))
                     local_sources.append((table, shard))
                     local_blocks.append(j if table.blocks else -1)
@@ -219,7 +221,7 @@ def device_layouts(spec: ModelSpec, plan: ShardingPlan) -> list[DeviceLayout]:
         routing = [list(lf[1]) for lf in local_features]
         counts = [len(groups[lf[2]]) for lf in local_features]
         held = [local_sources[groups[lf[2]][0]][0] for lf in local_features]
-        rows = kernel_rows(routing, [f.num_embeddings for f in features])
+        read_rows = kernel_rows(routing, [f.num_embeddings for f in features])
         layouts.append(
             DeviceLayout(
                 rank,
@@ -228,7 +230,7 @@ def device_layouts(spec: ModelSpec, plan: ShardingPlan) -> list[DeviceLayout]:
                 tuple(lf[1] for lf in local_features),
                 tuple(groups[local_features[i][2]][j] for i, j in level_blocks(counts)),
                 tuple(local_blocks),
-                BlockSplit.of_features([(t.name, n, t.blocks) for t, n in zip(held, rows)]),
+                BlockSplit.of_features([(t.name, n, t.blocks) for t, n in zip(held, read_rows)]),
             )
         )
     return layouts

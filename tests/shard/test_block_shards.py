@@ -38,7 +38,12 @@ def shard_spec(pooling: PoolingType) -> ModelSpec:
         (
             TableConfig("plain", 50, 8, ("query",), pooling=pooling, data_type="int4"),
             TableConfig(
-                "blocked", 200, 16, ("user", "item"), pooling=pooling, blocks=((12, "int8"), (28, "fp16"), (160, "int4"))
+                "blocked",
+                200,
+                16,
+                ("user", "item"),
+                pooling=pooling,
+                blocks=((12, "int8"), (28, "fp16"), (160, "int4")),
             ),
         )
     )
@@ -179,7 +184,9 @@ def test_a_permuted_remap_in_a_shard_or_a_changed_manifest_sha256_is_refused(sha
     listed = copy_artifact(sharded.artifact, tmp_path / "listed")
     edit_manifest(listed, lambda m: m["block_remaps"]["blocked"].update(sha256="0" * 64))
     for folder in (swapped, listed):
-        with pytest.raises(ArtifactError, match="remap of table 'blocked' differs from the one manifest.json") as caught:
+        with pytest.raises(
+            ArtifactError, match="remap of table 'blocked' differs from the one manifest.json"
+        ) as caught:
             load(folder)
         assert caught.value.kind == ArtifactErrorKind.MODEL
 
@@ -191,6 +198,8 @@ def test_a_tampered_block_split_in_a_shard_is_refused(sharded, tmp_path):
     device.block_levels = device.block_levels + 1
     module.save(str(copy / "model.pt"))
     rehash(copy, "model.pt")
-    with pytest.raises(ArtifactError, match=r"block split of kernel 1 \(embeddings.shards.1\)'s block_levels") as caught:
+    with pytest.raises(
+        ArtifactError, match=r"block split of kernel 1 \(embeddings.shards.1\)'s block_levels"
+    ) as caught:
         load(copy)
     assert caught.value.kind == ArtifactErrorKind.MODEL
