@@ -203,3 +203,17 @@ def test_a_tampered_block_split_in_a_shard_is_refused(sharded, tmp_path):
     ) as caught:
         load(copy)
     assert caught.value.kind == ArtifactErrorKind.MODEL
+
+
+def test_prefetch_skips_the_block_kernel_and_hot_rows_are_refused(sharded):
+    """Read-ahead serves the plain device's pages and leaves the block device's alone (its rows lie at remapped
+    positions), with the same answers; a hot-row cache over block tables is refused naming them."""
+    from infer.errors import ConfigError
+
+    runtime = load(sharded.artifact, prefetch="on")
+    values, lengths, weights = random_request(sharded.spec, 9, any_ids, seed=5, weighted=True)
+    assert torch.equal(runtime.module(values, lengths, weights), sharded.model(values, lengths, weights))
+    with pytest.raises(
+        ConfigError, match=r"hot_rows does not serve a model with tables in precision blocks \(\['blocked'\]\)"
+    ):
+        load(sharded.artifact, hot_rows={"plain": [1, 2]})
