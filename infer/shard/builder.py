@@ -341,7 +341,9 @@ def shard_model(
     device_map: Mapping[str, str] | None = None,
     output_device: str | None = None,
 ) -> EmbserveModel:
-    """The sharded twin of ``model`` (from ``infer.quantize``): one TBE per device of ``plan``.
+    """The sharded twin of ``model`` (from ``infer.quantize``): one TBE per device of ``plan``. A table held in
+    precision blocks goes table-wise to one device, whose kernel holds its blocks and id remap and splits requests by
+    block as the unsharded collection does (``check_plan`` refuses it row-, column-wise or replicated).
 
     A CUDA plan on a host without its devices is a ``PlanError(kind=INVALID_TOPOLOGY)`` naming them and the fix,
     unless ``device_map`` moves them (e.g. ``{"cuda:0": "cpu"}``)."""
