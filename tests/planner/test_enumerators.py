@@ -108,8 +108,8 @@ def test_a_table_in_precision_blocks_is_offered_table_wise_only_and_sized_by_its
     blocks = table_bytes(256, 64, DataType.INT8, 1) + table_bytes(3840, 64, DataType.INT4, 1)
     remap = round_up(4 * 4096 * 2, TABLE_ALIGNMENT)
     (option,) = options["blocked"]
-    whole = EmbeddingEnumerator().enumerate(ModelSpec((TableConfig("blocked", 4096, 64, ("a", "b"), data_type="int4"),)),
-                                            topology, {})["blocked"]  # fmt: skip
+    one_type = ModelSpec((TableConfig("blocked", 4096, 64, ("a", "b"), data_type="int4"),))
+    whole = EmbeddingEnumerator().enumerate(one_type, topology, {})["blocked"]
     plain = next(o for o in whole if o.sharding_type == ShardingType.TABLE_WISE)
     weights = table_bytes(4096, 64, DataType.INT4, 1)
     assert option.shards[0].storage.device - plain.shards[0].storage.device == blocks + remap - weights
