@@ -98,12 +98,18 @@ def test_sharded_blocks_equal_the_unsharded_model_and_fp32_embedding_bag(sharded
 def test_batch_parallel_ranges_split_by_block_as_the_single_call(sharded):
     """Each CPU device may cut a batch into example ranges run in parallel (the loader's ``threads``); the block
     device splits each range by block itself, and the output is the single call's, bit for bit."""
-    runtime = load(sharded.artifact)
+    module = sharded.runtime.module
     values, lengths, weights = random_request(sharded.spec, 64, any_ids, seed=9, weighted=True)
-    single = runtime.module(values, lengths, weights)
-    for device in runtime.module.embeddings.shards.children():
-        device.threads, device.min_ids_per_chunk = 4, 1
-    assert torch.equal(runtime.module(values, lengths, weights), single)
+    single = module(values, lengths, weights)
+    devices = list(module.embeddings.shards.children())
+    held = [(device.threads, device.min_ids_per_chunk) for device in devices]
+    try:
+        for device in devices:
+            device.threads, device.min_ids_per_chunk = 4, 1
+        assert torch.equal(module(values, lengths, weights), single)
+    finally:
+        for device, (threads, smallest) in zip(devices, held):
+            device.threads, device.min_ids_per_chunk = threads, smallest
     assert torch.equal(single, sharded.model(values, lengths, weights))
 
 
