@@ -219,10 +219,24 @@ def sharded_blocks(tmp_path_factory):  # type: ignore[no-untyped-def]
     return spec, orders, export(shard_model(model, plan), tmp_path_factory.mktemp("cpp-block-shards") / "a", plan=plan)
 
 
-def test_a_sharded_block_artifact_answers_as_python(sharded_blocks, embserve_run, tmp_path):
+@pytest.mark.parametrize("layout", ["table_wise", "beside_views"])
+def test_a_sharded_block_artifact_answers_as_python(sharded_blocks, embserve_run, tmp_path, layout):
     """The C++ loader serves a sharded artifact whose block table lies on one device: bit for bit Python's answers
-    (any, hot and cold ids, weighted, empty bags, an empty request; checked and unchecked)."""
+    (any, hot and cold ids, weighted, empty bags, an empty request; checked and unchecked). ``beside_views``: the
+    plain table row-wise (one CPU host: views of it on both devices, one buffer shared by the kernels, embedded in
+    model.pt), the block table's blocks placed in that buffer too."""
     spec, orders, artifact = sharded_blocks
+    if layout == "beside_views":
+        from infer.planner.types import ShardingType
+        from infer.shard.builder import shard_model
+        from infer.shard.plans import make_plan
+        from tests.shard.test_block_shards import _quantized
+
+        spec, model, _, orders = _quantized(PoolingType.MEAN)
+        plan = make_plan(
+            spec, 2, {"plain": (ShardingType.ROW_WISE, (0, 1)), "blocked": (ShardingType.TABLE_WISE, (1,))}
+        )
+        artifact = export(shard_model(model, plan), tmp_path / "views", plan=plan, weights="embedded")
     requests = _requests(spec, orders)
     write_requests(tmp_path / "requests.bin", requests)
     runtime = load(artifact)
