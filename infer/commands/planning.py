@@ -122,7 +122,7 @@ def _precision_plan(
     device_budgets = planner.device_budgets(spec, constraints) if joint else None
     precision = plan_precision(spec, measured, budget, args.error_budget, constraints, sample, topology.row_alignment,
                                device_budgets=device_budgets, eval_measure=measure if args.eval else None,
-                               blocks=block_problem if _blocks_allowed(args, topology) else None)  # fmt: skip
+                               blocks=block_problem if _blocks_allowed(args) else None)  # fmt: skip
     if not getattr(args, "sample_ids", None) and not args.eval and topology.world_size == 1:
         # blocks pay by which rows are read most; with no sample the rows' order says nothing of that (a block of
         # k rows in id order takes k/N of the reads), so a budget alone keeps whole tables
@@ -152,12 +152,10 @@ def device_data_types(topology: Topology) -> tuple[DataType, ...]:
     return tuple(kept)
 
 
-def _blocks_allowed(args: argparse.Namespace, topology: Topology) -> bool:
-    """Precision blocks (issue 43) are priced when --sample-ids says which rows are hot, the error is the pooled
-    one (not --eval) and the model goes on one host (a block table is then placed table-wise on one of its
-    devices; a plan over several hosts does not serve them)."""
-    one_host = topology.local_world_size >= topology.world_size
-    return bool(getattr(args, "sample_ids", None)) and not getattr(args, "eval", None) and one_host
+def _blocks_allowed(args: argparse.Namespace) -> bool:
+    """Precision blocks (issue 43) are priced when --sample-ids says which rows are hot and the error is the pooled
+    one (not --eval); a block table is then placed table-wise, whole on one device."""
+    return bool(getattr(args, "sample_ids", None)) and not getattr(args, "eval", None)
 
 
 def _mapped_capacity(flag: str | None, folder: Path) -> tuple[int | None, str]:

@@ -19,7 +19,7 @@ from infer.errors import ConfigError, PlanError, PlanErrorKind
 from infer.modules.collection import EmbserveModel, QuantizedEmbeddingBagCollection, placed_dense_arch
 from infer.modules.sharded import EmptyPartialCollection, ShardedEmbeddingBagCollection
 from infer.planner.types import ShardingPlan
-from infer.shard.builder import DeviceLayout, build_device_shards, check_plan, device_layouts
+from infer.shard.builder import DeviceLayout, build_device_shards, check_plan, device_layouts, kernel_table_weights
 
 logger = logging.getLogger(__name__)
 
@@ -59,18 +59,15 @@ def shard_host(
             f"shard_host takes the unsharded model returned by infer.quantize(), got one whose embeddings are "
             f"{type(source).__name__}; quantize the tables first"
         )
-    if spec.block_tables:
-        raise ConfigError(
-            f"table {spec.block_tables[0]!r} is held in precision blocks, which a plan over several hosts does not "
-            "serve; plan one host (--world-size), or store the table in one type"
-        )
     check_plan(spec, plan)
     mapping = dict(device_map or {})
-    source_weights = dict(zip([t.name for t in spec.tables], source.table_weights()))
+    source_weights = kernel_table_weights(source)
     shards = []
     for layout in host_layouts(spec, plan, host):
         device = local_device(plan, layout.rank)
         shards.append(build_device_shards(spec, layout, mapping.get(device, device), source_weights))
+        for table in shards[-1].block_table_names:  # a block table lies on one device of one host, with its remap
+            shards[-1].set_block_remap(table, source.block_ranks(table))
     output_device = mapping.get(local_device(plan, host * plan.topology.local_world_size), "cpu")
     collection: torch.nn.Module = ShardedEmbeddingBagCollection(spec, shards, output_device, False, partial=True)
     if not shards:

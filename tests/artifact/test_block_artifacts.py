@@ -14,10 +14,8 @@ from infer.artifact.export import export
 from infer.artifact.load import load
 from infer.config import PoolingType
 from infer.errors import ArtifactError, ArtifactErrorKind, ConfigError
-from infer.planner.types import ShardingType
 from infer.quant.blocks import rank_rows
 from infer.quant.quantize import quantize
-from infer.shard.plans import make_plan
 from infer.weights import random_weights
 from tests.modules.test_blocks import any_ids, block_spec, random_request, reference, reference_tables
 from tests.support.artifacts import copy_artifact, edit_manifest, edit_remap, rehash
@@ -116,21 +114,6 @@ def test_forms_without_blocks_refuse_them_by_name(blocked, tmp_path, form, flag)
     with pytest.raises(ConfigError, match=f"'blocked'.*precision blocks.*{flag}"):
         export(model, tmp_path / "out", **form)
     assert not (tmp_path / "out").exists()
-
-
-def test_a_plan_over_several_hosts_refuses_block_tables(blocked):
-    """One host's devices serve block tables (table-wise: tests/shard/test_block_shards.py); a plan over several
-    hosts does not, and says so naming the table."""
-    import dataclasses
-
-    from infer.planner.types import ComputeDevice, Topology
-    from infer.shard.hosts import shard_host
-
-    spec, model = blocked[0], blocked[1]
-    plan = make_plan(spec, 2, {"blocked": (ShardingType.TABLE_WISE, (1,))})
-    plan = dataclasses.replace(plan, topology=Topology(2, ComputeDevice.CPU, local_world_size=1))
-    with pytest.raises(ConfigError, match="'blocked'.*precision blocks.*several hosts"):
-        shard_host(model, plan, 0)
 
 
 def test_a_model_with_the_earlier_remap_form_is_refused():

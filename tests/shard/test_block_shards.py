@@ -235,3 +235,37 @@ def test_prefetch_skips_the_block_kernel_and_hot_rows_are_refused(sharded):
         ConfigError, match=r"hot_rows does not serve a model with tables in precision blocks \(\['blocked'\]\)"
     ):
         load(sharded.artifact, hot_rows={"plain": [1, 2]})
+
+
+def test_a_plan_over_two_hosts_serves_the_block_table_from_its_host(tmp_path):
+    """Two hosts of one CPU device each: the plain table on host 0, the block table on host 1 (its part holds the
+    blocks and the remap, checked at load); the hosts' partial outputs summed and finished are the unsharded model's,
+    bit for bit. A remap edited in host 1's part (rehashed) is refused naming the table; host 0 never reads it."""
+    import dataclasses
+
+    from infer.artifact.hosts import export_hosts, load_host_part
+    from infer.planner.types import ComputeDevice, Topology
+    from infer.shard.hosts import finish_partial
+
+    spec, model, _, _ = _quantized(PoolingType.MEAN)
+    plan = make_plan(spec, 2, PLACED)
+    plan = dataclasses.replace(plan, topology=Topology(2, ComputeDevice.CPU, local_world_size=1))
+    artifact = export_hosts(model, tmp_path / "hosts", plan)
+    parts = [load_host_part(artifact, host) for host in (0, 1)]
+    for seed, weighted in ((1, False), (2, True)):
+        values, lengths, weights = random_request(spec, 11, any_ids, seed, weighted)
+        summed = parts[0].module(values, lengths, weights) + parts[1].module(values, lengths, weights)
+        assert torch.equal(finish_partial(spec, summed, lengths), model(values, lengths, weights))
+    copy = copy_artifact(artifact, tmp_path / "edited")
+    part = torch.jit.load(str(copy / "hosts" / "1" / "model.pt"))
+    holder = SimpleNamespace(embeddings=getattr(part.embeddings.shards, "0"))
+
+    def swap(data: np.ndarray) -> None:
+        data[[0, 1]] = data[[1, 0]]
+
+    edit_remap(copy, holder, 1, swap, "hosts/1/model.pt")
+    rehash(copy, "hosts/1/model.pt")
+    assert load_host_part(copy, 0).host == 0
+    with pytest.raises(ArtifactError, match="the id remap of table 'blocked' differs") as caught:
+        load_host_part(copy, 1)
+    assert caught.value.kind == ArtifactErrorKind.MODEL

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
+from typing import Any
 
 import torch
 
@@ -122,12 +123,14 @@ def check_block_remaps(
     source: Path,
     spec: ModelSpec | None = None,
     plan: ShardingPlan | None = None,
+    layouts: Sequence[Any] | None = None,
 ) -> None:
     """The loaded model's id remaps are the manifest's (``block_remaps``: tables, rows, sha256) and each sends its
     table's ids one to one onto the blocks' rows (the blocks as ``spec``, the manifest's, states them), before any
     lookup; ``ArtifactError(kind=MODEL)`` naming the table. A sharded model (``plan``) holds each block table's
     remap on the one device that holds the table (table-wise), and every device's block split is the one its
-    features imply (``infer.shard.builder.device_layouts``)."""
+    features imply (``infer.shard.builder.device_layouts``, or the given ``layouts``: one host's part of a multi-host
+    plan, whose ``remaps`` are then the block tables that host holds)."""
     from infer.modules.collection import BlockSplit, remap_error, stored_remaps
 
     holders = kernel_holders(module) or [module.embeddings]
@@ -136,7 +139,7 @@ def check_block_remaps(
     if spec is not None and plan is not None:
         from infer.shard.builder import device_layouts
 
-        splits = [layout.split for layout in device_layouts(spec, plan)]
+        splits = [layout.split for layout in (device_layouts(spec, plan) if layouts is None else layouts)]
     elif spec is not None:
         splits = [BlockSplit.of(spec)]
     held: dict[str, list[torch.Tensor]] = {}
