@@ -297,8 +297,14 @@ def run_blocks(w: Workload, rounds: int, index_count: int, hot_share: float = 1 
     """Issue 43: every table in precision blocks (its ``hot_share`` of rows INT8, the rest INT4) against the same
     tables in INT4 alone, scripted, same Zipf(1.05) batches and kernel threads. ``blocks_int8_int4``: the hot rows
     ranked from a sample of the same traffic (other batches than the timed ones, as the planner ranks them from
-    ``--sample-ids``); ``blocks_int8_int4_unranked``: a random ranking (few ids hot: the lookup's overhead alone)."""
+    ``--sample-ids``); ``blocks_int8_int4_unranked``: a random ranking (few ids hot: the lookup's overhead alone);
+    ``blocks_int8_int4_tw2``: the ranked block model sharded table-wise over 2 CPU devices (each device's kernel
+    splits its own tables by block; one kernel thread each), its ratio to the unsharded block model in
+    ``ratio_to_unsharded_blocks``."""
+    from infer.planner.types import ShardingType
     from infer.quant.blocks import rank_rows
+    from infer.shard.builder import shard_model
+    from infer.shard.plans import make_plan
 
     hot = max(1, int(w.rows * hot_share))
     one_type = ModelSpec(
@@ -323,11 +329,15 @@ def run_blocks(w: Workload, rounds: int, index_count: int, hot_share: float = 1 
                 ranks = torch.empty(w.rows, dtype=torch.int64)
                 ranks[rank_rows(w.rows, ids.numpy(), table.name)] = torch.arange(w.rows)
                 model.embeddings.set_block_remap(table.name, ranks)
+            halves = {
+                t.name: (ShardingType.TABLE_WISE, (i * 2 // len(spec.tables),)) for i, t in enumerate(spec.tables)
+            }
+            models["blocks_int8_int4_tw2"] = torch.jit.script(shard_model(model, make_plan(spec, 2, halves)))
         model.embeddings.threads = threads
         models[name] = torch.jit.script(model)
         del model
     hot_hits = {}
-    for name in ("blocks_int8_int4", "blocks_int8_int4_unranked"):
+    for name in ("blocks_int8_int4", "blocks_int8_int4_unranked"):  # the tw2 model's split is the ranked one's
         _, block_lengths, _ = models[name].embeddings.split_blocks(sets[0][0], sets[0][1], None)
         cold = int(block_lengths[: sets[0][1].numel()].sum())
         hot_hits[name] = 1.0 - cold / sets[0][0].numel()
@@ -345,11 +355,14 @@ def run_blocks(w: Workload, rounds: int, index_count: int, hot_share: float = 1 
                 "case": name,
                 "rows": w.rows,
                 "hot_rows": hot if name != "one_type_int4" else 0,
-                "ids_in_hot_block": round(hot_hits.get(name, 0.0), 3),
+                "ids_in_hot_block": round(hot_hits.get(name, hot_hits["blocks_int8_int4"]), 3)
+                if name != "one_type_int4"
+                else 0.0,
                 "ms_per_call": round(1e3 * secs, 3),
                 "mlookups_per_s": round(lookups / secs / 1e6, 2),
                 "ratio_to_one_type": round(seconds["one_type_int4"] / secs, 3),
-                "kernel_threads": threads,
+                "ratio_to_unsharded_blocks": round(seconds["blocks_int8_int4"] / secs, 3),
+                "kernel_threads": 1 if name == "blocks_int8_int4_tw2" else threads,  # tw2: per device
                 "host_load_1m": round(os.getloadavg()[0], 2),
             }
         )

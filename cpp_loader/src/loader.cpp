@@ -428,11 +428,6 @@ void check_manifest(const schema::Document& data, const std::string& document) {
   if (data.contains("pt2")) needs_checksum(data["pt2"]["file"]);  // model.pt2 (the Pt2 backend's program)
   check_weight_files(data, fail, needs_checksum);
   check_block_remaps_listed(data, fail);
-  if (!sharding["plan_file"].is_null())  // the shard builder refuses block tables (infer.shard.builder)
-    for (const auto& table : tables)
-      if (table.contains("blocks"))
-        fail("table '" + table["name"].get<std::string>() + "' is held in precision blocks, which a sharded " +
-             "model does not hold (the export refuses it); the manifest is corrupted");
   // kernels: each feature_table_map entry names one of its kernel's tables; the row alignment is the device's
   const auto& kernels = data["kernels"];
   for (size_t k = 0; k < kernels.size(); ++k) {
@@ -539,6 +534,13 @@ std::vector<Routing> check_plan(const schema::Document& plan, const schema::Docu
     const int64_t rows = table["num_embeddings"].get<int64_t>(), dim = table["embedding_dim"].get<int64_t>();
     if (entry["data_type"].get<std::string>() != type)
       fail("table '" + name + "': plan says " + entry["data_type"].get<std::string>() + ", model is " + type);
+    // a table in precision blocks goes whole to one device: its remap and blocks are one kernel's
+    // (infer.shard.builder.block_sharding_refused, same words)
+    if (const auto sharding = entry["sharding_type"].get<std::string>(); table.contains("blocks") && sharding != "table_wise")
+      fail("table '" + name + "': the plan shards it " + sharding + ", but " +
+           (sharding == "replicated" ? "replicating a table in precision blocks"
+                                     : "row-wise/column-wise sharding of a table in precision blocks") +
+           " is not supported; shard it table-wise or store it in one type");
     const int64_t per_byte = 8 / std::min<int64_t>(data_type_bits(type), 8);
     // infer.shard.builder's _table_size and _shard_text, word for word
     const std::string table_size = std::to_string(rows) + " rows x " + std::to_string(dim) + " columns";
@@ -611,8 +613,8 @@ std::vector<Routing> check_plan(const schema::Document& plan, const schema::Docu
   schema::Document expected = schema::Document::array();
   std::vector<Routing> routing;
   // per expected kernel, per local table: the shard's identity (table index, row offset, column offset, rows,
-  // columns), which also orders the shared buffer (infer.shard.builder.shared_cpu_storage)
-  using ShardKey = std::tuple<int64_t, int64_t, int64_t, int64_t, int64_t>;
+  // columns, precision block or -1), which also orders the shared buffer (infer.shard.builder.shared_cpu_storage)
+  using ShardKey = std::tuple<int64_t, int64_t, int64_t, int64_t, int64_t, int64_t>;
   std::vector<std::vector<ShardKey>> shard_keys;
   std::vector<int64_t> kernel_ranks;  // per expected kernel: its plan rank
   const auto& topology = plan["topology"];
@@ -631,6 +633,7 @@ std::vector<Routing> check_plan(const schema::Document& plan, const schema::Docu
       int64_t kind, hi, dim;
     };
     std::vector<LocalFeature> local_features;
+    std::vector<std::vector<uint64_t>> groups;  // per shard on the device: its local tables (one, or one per block)
     for (const auto& table : tables) {
       const auto name = table["name"].get<std::string>();
       const auto& entry = *plan_of[name];
@@ -645,11 +648,21 @@ std::vector<Routing> check_plan(const schema::Document& plan, const schema::Docu
                                     {"col_offset", 0},
                                     {"num_cols", table["embedding_dim"]}}
                  : planned;
-        const size_t local = local_tables.size();
-        local_tables.push_back({{"rows", shard["num_rows"]}, {"dim", shard["num_cols"]}, {"data_type", table["data_type"]}});
-        local_keys.emplace_back(static_cast<int64_t>(table_index[name]), shard["row_offset"].get<int64_t>(),
-                                shard["col_offset"].get<int64_t>(), shard["num_rows"].get<int64_t>(),
-                                shard["num_cols"].get<int64_t>());
+        const size_t local = groups.size();
+        groups.emplace_back();
+        auto add = [&](const schema::Document& rows, const schema::Document& type, int64_t block) {
+          groups.back().push_back(local_tables.size());
+          local_tables.push_back({{"rows", rows}, {"dim", shard["num_cols"]}, {"data_type", type}});
+          local_keys.emplace_back(static_cast<int64_t>(table_index[name]), shard["row_offset"].get<int64_t>(),
+                                  shard["col_offset"].get<int64_t>(), shard["num_rows"].get<int64_t>(),
+                                  shard["num_cols"].get<int64_t>(), block);
+        };
+        // a table in precision blocks (table-wise, above): a kernel table per block
+        if (table.contains("blocks"))
+          for (size_t j = 0; j < table["blocks"].size(); ++j)
+            add(table["blocks"][j]["rows"], table["blocks"][j]["data_type"], static_cast<int64_t>(j));
+        else
+          add(shard["num_rows"], table["data_type"], -1);
         for (size_t f = 0; f < features.size(); ++f) {
           if (features[f]["table"] != name) continue;
           int64_t read = 0, lo = 0, hi = 0;
@@ -672,12 +685,19 @@ std::vector<Routing> check_plan(const schema::Document& plan, const schema::Docu
     std::stable_sort(local_features.begin(), local_features.end(), [](const LocalFeature& a, const LocalFeature& b) {
       return std::tie(a.feature, a.out_col, a.lo) < std::tie(b.feature, b.out_col, b.lo);
     });
+    // every feature read once per level of blocks, level-major: level 0 at its table's cold (last) block, level
+    // k >= 1 at its (k-1)-th block or, past its blocks, its cold block (infer.modules.collection.level_blocks)
     schema::Document feature_table_map = schema::Document::array();
+    size_t levels = 1;
+    for (const auto& lf : local_features) levels = std::max(levels, groups[lf.local].size());
+    for (size_t k = 0; k < levels; ++k)
+      for (const auto& lf : local_features) {
+        const auto& blocks = groups[lf.local];
+        feature_table_map.push_back(blocks[k == 0 || k >= blocks.size() ? blocks.size() - 1 : k - 1]);
+      }
     Routing device_routing;
-    for (const auto& lf : local_features) {
-      feature_table_map.push_back(lf.local);
+    for (const auto& lf : local_features)
       device_routing.push_back({static_cast<int64_t>(lf.feature), lf.kind, lf.lo, lf.hi, lf.out_col, lf.dim});
-    }
     routing.push_back(std::move(device_routing));
     expected.push_back({{"row_alignment", alignment}, {"tables", local_tables}, {"feature_table_map", feature_table_map}});
     shard_keys.push_back(std::move(local_keys));
@@ -1269,135 +1289,207 @@ std::string remap_problem(const at::Tensor& remap, int64_t rows, const std::stri
   return "";
 }
 
+// One feature as a kernel reads it, for its block split: the table, the rows of the kernel table it reads, and the
+// table's blocks (null: a table in one type).
+struct BlockRead {
+  std::string table;
+  int64_t rows;
+  const schema::Document* blocks;
+};
+
+// What splits a kernel's input by block (infer.modules.collection.BlockSplit.of_features): the block tables in the
+// order the features first read them, each block's first rank, per feature its block table's slot (-1: none), its
+// range of block_lookup and its blocks' bounds, the levels, whether the op's fixed-size buckets split the same way.
+struct BlockSplitFacts {
+  std::vector<std::string> names;
+  std::vector<std::vector<int64_t>> rank_starts;
+  std::vector<int64_t> feature_remap, offsets{0}, feature_blocks, sizes;
+  std::vector<std::vector<int64_t>> bounds;
+  size_t levels = 1;
+  bool fixed = false;
+};
+
+BlockSplitFacts block_split_of(const std::vector<BlockRead>& reads) {
+  BlockSplitFacts split;
+  std::map<std::string, int64_t> slot_of;
+  for (const auto& read : reads) {
+    if (read.blocks == nullptr) continue;
+    split.levels = std::max(split.levels, read.blocks->size());
+    if (slot_of.count(read.table)) continue;
+    slot_of[read.table] = static_cast<int64_t>(split.names.size());
+    split.names.push_back(read.table);
+    split.rank_starts.emplace_back();
+    int64_t start = 0;
+    for (const auto& block : *read.blocks) {
+      split.rank_starts.back().push_back(start);
+      start += block["rows"].get<int64_t>();
+    }
+  }
+  for (const auto& read : reads) {
+    const int64_t slot = read.blocks == nullptr ? -1 : slot_of[read.table];
+    split.feature_remap.push_back(slot);
+    split.feature_blocks.push_back(read.blocks == nullptr ? 1 : static_cast<int64_t>(read.blocks->size()));
+    split.offsets.push_back(split.offsets.back() + (slot >= 0 ? read.rows : 0));
+    // collection.block_bounds: the cold block, each precise block, then empty blocks up to the levels
+    const std::vector<int64_t> starts = slot >= 0 ? split.rank_starts[static_cast<size_t>(slot)] : std::vector<int64_t>{0};
+    const int64_t cold_rows = read.rows - starts.back();
+    std::vector<int64_t> feature_bounds{0, cold_rows};
+    for (size_t j = 1; j < starts.size(); ++j) feature_bounds.push_back(cold_rows + starts[j]);
+    while (feature_bounds.size() < split.levels + 1) feature_bounds.push_back(read.rows);
+    split.bounds.push_back(std::move(feature_bounds));
+  }
+  // two levels, every precise block no larger than its cold block: the op's fixed-size buckets (the cold rows)
+  split.fixed = split.levels == 2;
+  for (const auto& feature_bounds : split.bounds) split.fixed = split.fixed && 2 * feature_bounds[1] >= feature_bounds.back();
+  for (const auto& feature_bounds : split.bounds) split.sizes.push_back(split.fixed ? feature_bounds[1] : feature_bounds.back());
+  return split;
+}
+
+// The block tables a kernel holder (the unsharded collection, or one device's shards) holds remaps of.
+std::vector<std::string> held_block_tables(const torch::jit::Module& holder, const std::string& model_path) {
+  std::vector<std::string> held;
+  if (!holder.hasattr("block_table_names")) return held;
+  const c10::IValue value = holder.attr("block_table_names");
+  if (!value.isList()) throw ModelError(model_path + ": embeddings.block_table_names is not a list of names");
+  for (const auto& name : value.toListRef()) {
+    if (!name.isString()) throw ModelError(model_path + ": embeddings.block_table_names is not a list of names");
+    held.push_back(name.toStringRef());
+  }
+  if (!held.empty() && !holder.hasattr("block_bounds"))
+    throw ModelError(model_path + " holds precision blocks of tables " + name_list(held) + " in the id remap form " +
+                     "of an earlier embserve (no block_bounds); re-export the model with this version");
+  return held;
+}
+
+// One kernel holder's block split is `split` (what its features imply), and the remaps it holds are the manifest's.
+void check_holder_blocks(const torch::jit::Module& holder, const BlockSplitFacts& split, const schema::Document& data,
+                         const std::string& where, const std::string& model_path) {
+  KernelCheck check(holder, where);
+  auto corrupted = [&](const std::string& name) {
+    check.fail("the block split's " + name + " disagrees with the manifest's tables; the model file is corrupted, " +
+               "re-export it");
+  };
+  auto expect_ints = [&](const std::string& name, const std::vector<int64_t>& expected) {
+    const c10::IValue value = check.attr(name);
+    if (!value.isIntList() || value.toIntVector() != expected) corrupted(name);
+  };
+  auto expect_tensor = [&](const c10::IValue& value, at::ScalarType dtype, const std::vector<int64_t>& expected,
+                           const std::string& name) {
+    if (!value.isTensor()) corrupted(name);
+    const at::Tensor found = value.toTensor();
+    if (found.scalar_type() != dtype || found.dim() != 1 || found.numel() != static_cast<int64_t>(expected.size()))
+      corrupted(name);
+    const at::Tensor values = found.to(at::kCPU).to(at::kLong).contiguous();
+    if (!std::equal(expected.begin(), expected.end(), values.data_ptr<int64_t>())) corrupted(name);
+  };
+  // the ranges first: the remaps are read through them
+  expect_ints("feature_remap", split.feature_remap);
+  expect_tensor(check.attr("block_lookup_offsets"), at::kLong, split.offsets, "block_lookup_offsets");
+  const c10::IValue lookup_value = check.attr("block_lookup");
+  if (!lookup_value.isTensor() || lookup_value.toTensor().dim() != 1 ||
+      lookup_value.toTensor().numel() != split.offsets.back())
+    corrupted("block_lookup");
+  const at::Tensor lookup = lookup_value.toTensor();
+  const auto& remaps = data["block_remaps"];
+  for (size_t slot = 0; slot < split.names.size(); ++slot) {
+    const auto& entry = remaps[split.names[slot]];
+    const int64_t rows = entry["rows"].get<int64_t>();
+    std::string problem = "is missing";
+    for (size_t f = 0; f < split.feature_remap.size(); ++f) {  // a table read by several features holds it once per feature
+      if (split.feature_remap[f] != static_cast<int64_t>(slot)) continue;
+      if (problem == "is missing") problem.clear();
+      if (problem.empty()) problem = remap_problem(lookup.slice(0, split.offsets[f], split.offsets[f + 1]), rows,
+                                                   entry["sha256"].get<std::string>());
+    }
+    if (!problem.empty())
+      throw ModelError(model_path + ": the id remap of table '" + split.names[slot] + "' " + problem +
+                       "; the artifact is corrupted, re-export it");
+  }
+  // then what splits a request by level (BlockSplitter.init_block_split's attributes)
+  const c10::IValue has_blocks = check.attr("has_blocks");
+  if (!has_blocks.isBool() || has_blocks.toBool() != !split.names.empty()) corrupted("has_blocks");
+  check.expect_int("block_levels", static_cast<int64_t>(split.levels));
+  expect_ints("feature_blocks", split.feature_blocks);
+  const c10::IValue starts_value = check.attr("block_rank_starts");
+  if (!starts_value.isList() || starts_value.toListRef().size() != split.rank_starts.size()) corrupted("block_rank_starts");
+  for (size_t slot = 0; slot < split.rank_starts.size(); ++slot) {
+    const c10::IValue entry = starts_value.toListRef()[slot];
+    if (!entry.isIntList() || entry.toIntVector() != split.rank_starts[slot]) corrupted("block_rank_starts");
+  }
+  const c10::IValue bounds_value = check.attr("block_bounds");
+  if (!bounds_value.isTensorList() || bounds_value.toTensorList().size() != split.bounds.size()) corrupted("block_bounds");
+  const auto held_bounds = bounds_value.toTensorVector();
+  for (size_t f = 0; f < split.bounds.size(); ++f) expect_tensor(held_bounds[f], at::kInt, split.bounds[f], "block_bounds");
+  const c10::IValue fixed_value = check.attr("block_fixed_sizes");
+  if (!fixed_value.isBool() || fixed_value.toBool() != split.fixed) corrupted("block_fixed_sizes");
+  expect_tensor(check.attr("block_sizes"), at::kInt, split.sizes, "block_sizes");
+}
+
 // A model of tables held in precision blocks (infer.modules.collection.QuantizedEmbeddingBagCollection; issue 43),
 // before the first lookup: the id remaps it holds are the manifest's block_remaps (rows, int32, the sha256 of their
 // bytes), each sending its table's ids one to one onto the blocks' rows (ModelError naming the table, in the words of
 // infer.artifact.formats.torchscript.check_block_remaps); and what cuts a request by block (each feature's range of
 // block_lookup, the blocks' bounds and sizes, the levels) is what the manifest's tables imply, so a tampered model
-// cannot send an id into another block's rows. The kernel itself (a table per block) is checked by check_kernels.
-void check_block_model(const torch::jit::Module& model, const schema::Document& data, const std::string& model_path) {
+// cannot send an id into another block's rows. A sharded model (`routing`: per device the features its kernel
+// reads) holds each block table on the one device it is placed on table-wise (infer.shard.builder.device_layouts),
+// and every device's split is the one its features imply. The kernels themselves (a table per block) are checked
+// by check_kernels.
+void check_block_model(const torch::jit::Module& model, const schema::Document& data, const std::vector<Routing>& routing,
+                       const std::string& model_path) {
   const auto& tables = data["tables"];
-  std::vector<std::string> names;                 // the block tables, in table order
-  std::map<std::string, int64_t> slot_of;         // a block table's index among them
-  std::vector<std::vector<int64_t>> rank_starts;  // per block table, each block's first rank
-  for (const auto& table : tables) {
-    if (!table.contains("blocks")) continue;
-    slot_of[table["name"].get<std::string>()] = static_cast<int64_t>(names.size());
-    names.push_back(table["name"].get<std::string>());
-    rank_starts.emplace_back();
-    int64_t start = 0;
-    for (const auto& block : table["blocks"]) {
-      rank_starts.back().push_back(start);
-      start += block["rows"].get<int64_t>();
-    }
+  std::vector<std::string> names;  // the block tables, in table order
+  std::map<std::string, size_t> table_index;
+  for (size_t t = 0; t < tables.size(); ++t) {
+    table_index[tables[t]["name"].get<std::string>()] = t;
+    if (tables[t].contains("blocks")) names.push_back(tables[t]["name"].get<std::string>());
   }
+  const auto& features = data["features"];
+  auto read_of = [&](size_t feature, int64_t rows) {
+    const auto table_name = features[feature]["table"].get<std::string>();
+    const auto& table = tables[table_index[table_name]];
+    return BlockRead{table_name, rows, table.contains("blocks") ? &table["blocks"] : nullptr};
+  };
   try {
     torch::jit::Module embeddings = child(model, "embeddings", model_path);
-    std::vector<std::string> held;
-    if (embeddings.hasattr("block_table_names")) {
-      const c10::IValue value = embeddings.attr("block_table_names");
-      if (!value.isList()) throw ModelError(model_path + ": embeddings.block_table_names is not a list of names");
-      for (const auto& name : value.toListRef()) {
-        if (!name.isString()) throw ModelError(model_path + ": embeddings.block_table_names is not a list of names");
-        held.push_back(name.toStringRef());
+    const bool sharded = embeddings.hasattr("shards");
+    std::vector<torch::jit::Module> holders;
+    std::vector<std::vector<BlockRead>> reads;  // per holder, the features its kernel reads
+    if (sharded) {
+      torch::jit::Module shards = child(embeddings, "shards", model_path);
+      for (size_t j = 0; j < child_count(shards) && j < routing.size(); ++j) {
+        holders.push_back(child(shards, std::to_string(j), model_path));
+        reads.emplace_back();
+        for (const auto& lf : routing[j]) {  // infer.modules.sharded.kernel_rows: a row block's rows, else the table's
+          const size_t feature = static_cast<size_t>(lf[0]);
+          reads.back().push_back(read_of(feature, lf[1] == 1 ? lf[3] - lf[2]
+                                                              : features[feature]["num_embeddings"].get<int64_t>()));
+        }
       }
+    } else {
+      holders.push_back(embeddings);
+      reads.emplace_back();
+      for (size_t f = 0; f < features.size(); ++f)
+        reads.back().push_back(read_of(f, features[f]["num_embeddings"].get<int64_t>()));
     }
-    if (!held.empty() && !embeddings.hasattr("block_bounds"))
-      throw ModelError(model_path + " holds precision blocks of tables " + name_list(held) + " in the id remap form " +
-                       "of an earlier embserve (no block_bounds); re-export the model with this version");
-    if (held != names)
+    std::vector<std::string> held;
+    bool twice = false;
+    for (const auto& holder : holders)
+      for (const auto& name : held_block_tables(holder, model_path)) {
+        twice = twice || std::find(held.begin(), held.end(), name) != held.end();
+        held.push_back(name);
+      }
+    std::vector<std::string> sorted_held = held, sorted_names = names;
+    std::sort(sorted_held.begin(), sorted_held.end());
+    std::sort(sorted_names.begin(), sorted_names.end());
+    if (twice || sorted_held != sorted_names)
       throw ModelError(model_path + " holds id remaps of tables " + name_list(held) + ", manifest.json lists " +
                        name_list(names) + "; re-export the model");
-    if (names.empty()) return;
-
-    KernelCheck check(embeddings, model_path + ": embeddings");
-    auto corrupted = [&](const std::string& name) {
-      check.fail("the block split's " + name + " disagrees with the manifest's tables; the model file is corrupted, " +
-                 "re-export it");
-    };
-    auto expect_ints = [&](const std::string& name, const std::vector<int64_t>& expected) {
-      const c10::IValue value = check.attr(name);
-      if (!value.isIntList() || value.toIntVector() != expected) corrupted(name);
-    };
-    auto expect_tensor = [&](const c10::IValue& value, at::ScalarType dtype, const std::vector<int64_t>& expected,
-                             const std::string& name) {
-      if (!value.isTensor()) corrupted(name);
-      const at::Tensor found = value.toTensor();
-      if (found.scalar_type() != dtype || found.dim() != 1 || found.numel() != static_cast<int64_t>(expected.size()))
-        corrupted(name);
-      const at::Tensor values = found.to(at::kCPU).to(at::kLong).contiguous();
-      if (!std::equal(expected.begin(), expected.end(), values.data_ptr<int64_t>())) corrupted(name);
-    };
-    // per feature (input order): its block table's slot (-1: none), its range of block_lookup, its bounds
-    const auto& features = data["features"];
-    std::vector<int64_t> feature_remap, offsets{0}, feature_blocks;
-    size_t levels = 1;
-    for (const auto& table : tables) levels = std::max<size_t>(levels, table.contains("blocks") ? table["blocks"].size() : 1);
-    std::vector<std::vector<int64_t>> bounds;
-    std::map<std::string, size_t> table_index;
-    for (size_t t = 0; t < tables.size(); ++t) table_index[tables[t]["name"].get<std::string>()] = t;
-    for (const auto& feature : features) {
-      const auto table_name = feature["table"].get<std::string>();
-      const auto& table = tables[table_index[table_name]];
-      const int64_t rows = table["num_embeddings"].get<int64_t>();
-      const auto found = slot_of.find(table_name);
-      const int64_t slot = found == slot_of.end() ? -1 : found->second;
-      feature_remap.push_back(slot);
-      feature_blocks.push_back(table.contains("blocks") ? static_cast<int64_t>(table["blocks"].size()) : 1);
-      offsets.push_back(offsets.back() + (slot >= 0 ? rows : 0));
-      // collection.block_bounds: the cold block, each precise block, then empty blocks up to the levels
-      const std::vector<int64_t> starts = slot >= 0 ? rank_starts[static_cast<size_t>(slot)] : std::vector<int64_t>{0};
-      const int64_t cold_rows = rows - starts.back();
-      std::vector<int64_t> feature_bounds{0, cold_rows};
-      for (size_t j = 1; j < starts.size(); ++j) feature_bounds.push_back(cold_rows + starts[j]);
-      while (feature_bounds.size() < levels + 1) feature_bounds.push_back(rows);
-      bounds.push_back(std::move(feature_bounds));
+    for (size_t j = 0; j < holders.size(); ++j) {
+      // an unsharded model without block tables, or a device exported before block tables could be sharded: no split
+      if (sharded ? !holders[j].hasattr("has_blocks") : names.empty()) continue;
+      const std::string where = model_path + (sharded ? ": embeddings.shards." + std::to_string(j) : ": embeddings");
+      check_holder_blocks(holders[j], block_split_of(reads[j]), data, where, model_path);
     }
-    // the ranges first: the remaps are read through them
-    expect_ints("feature_remap", feature_remap);
-    expect_tensor(check.attr("block_lookup_offsets"), at::kLong, offsets, "block_lookup_offsets");
-    const c10::IValue lookup_value = check.attr("block_lookup");
-    if (!lookup_value.isTensor() || lookup_value.toTensor().dim() != 1 || lookup_value.toTensor().numel() != offsets.back())
-      corrupted("block_lookup");
-    const at::Tensor lookup = lookup_value.toTensor();
-    const auto& remaps = data["block_remaps"];
-    for (size_t slot = 0; slot < names.size(); ++slot) {
-      const auto& entry = remaps[names[slot]];
-      const int64_t rows = entry["rows"].get<int64_t>();
-      std::string problem = "is missing";
-      for (size_t f = 0; f < feature_remap.size(); ++f) {  // a table read by several features holds it once per feature
-        if (feature_remap[f] != static_cast<int64_t>(slot)) continue;
-        if (problem == "is missing") problem.clear();
-        if (problem.empty()) problem = remap_problem(lookup.slice(0, offsets[f], offsets[f + 1]), rows,
-                                                     entry["sha256"].get<std::string>());
-      }
-      if (!problem.empty())
-        throw ModelError(model_path + ": the id remap of table '" + names[slot] + "' " + problem +
-                         "; the artifact is corrupted, re-export it");
-    }
-    // then what splits a request by level (collection.__init__'s derivations)
-    const c10::IValue has_blocks = check.attr("has_blocks");
-    if (!has_blocks.isBool() || !has_blocks.toBool()) corrupted("has_blocks");
-    check.expect_int("block_levels", static_cast<int64_t>(levels));
-    expect_ints("feature_blocks", feature_blocks);
-    const c10::IValue starts_value = check.attr("block_rank_starts");
-    if (!starts_value.isList() || starts_value.toListRef().size() != rank_starts.size()) corrupted("block_rank_starts");
-    for (size_t slot = 0; slot < rank_starts.size(); ++slot) {
-      const c10::IValue entry = starts_value.toListRef()[slot];
-      if (!entry.isIntList() || entry.toIntVector() != rank_starts[slot]) corrupted("block_rank_starts");
-    }
-    const c10::IValue bounds_value = check.attr("block_bounds");
-    if (!bounds_value.isTensorList() || bounds_value.toTensorList().size() != bounds.size()) corrupted("block_bounds");
-    const auto held_bounds = bounds_value.toTensorVector();
-    for (size_t f = 0; f < bounds.size(); ++f) expect_tensor(held_bounds[f], at::kInt, bounds[f], "block_bounds");
-    // two levels, every precise block no larger than its cold block: the op's fixed-size buckets (the cold rows)
-    bool fixed = levels == 2;
-    for (const auto& feature_bounds : bounds) fixed = fixed && 2 * feature_bounds[1] >= feature_bounds.back();
-    const c10::IValue fixed_value = check.attr("block_fixed_sizes");
-    if (!fixed_value.isBool() || fixed_value.toBool() != fixed) corrupted("block_fixed_sizes");
-    std::vector<int64_t> sizes;
-    for (const auto& feature_bounds : bounds) sizes.push_back(fixed ? feature_bounds[1] : feature_bounds.back());
-    expect_tensor(check.attr("block_sizes"), at::kInt, sizes, "block_sizes");
   } catch (const Error&) {
     throw;
   } catch (const std::exception& err) {
@@ -1861,7 +1953,7 @@ Model Model::load(const std::string& artifact_dir, const LoadOptions& options) {
   if (is_mapped(data)) attach_weights(*model.module_, data, mappings, model_path.string());
   verified();  // before the kernel checks read the weights' sizes and the first lookup reads the rows
   check_kernels(*model.module_, data, routing, model_path.string(), kernel_threads);
-  check_block_model(*model.module_, data, model_path.string());
+  check_block_model(*model.module_, data, routing, model_path.string());
 
   int threads = options.intra_op_threads;
   if (threads < 0 && model.world_size_ >= 2) {

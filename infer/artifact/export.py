@@ -21,7 +21,7 @@ import torch
 
 from infer import request_rules as rules
 from infer.artifact.formats.torchscript import save_structure, script_model
-from infer.artifact.kernels import Kernel, kernels_of, model_tbes
+from infer.artifact.kernels import Kernel, block_remaps_of, kernels_of, model_tbes
 from infer.artifact.manifest import (
     FORMAT_VERSION,
     MANIFEST_FILE,
@@ -71,19 +71,15 @@ def staged(out_dir: Path) -> Iterator[Path]:
 
 def refuse_blocks(spec: Any, plan: ShardingPlan | None, onnx: bool) -> None:
     """``ConfigError`` naming the first table held in precision blocks when the export asks for a form that does
-    not serve blocks yet (a sharded model, ONNX), and the flag to drop. (pt2 serves them: ``BlockSplitCall``.)"""
+    not serve blocks yet (ONNX), and the flag to drop. (pt2 serves them: ``BlockSplitCall``; a sharded model too,
+    each block table table-wise on one device: ``infer.shard.builder.check_plan``.)"""
     if not spec.block_tables:
         return
-    table = spec.block_tables[0]
-    for asked, what, flag in (
-        (plan is not None, "a sharded model", "the plan (--devices/--plan)"),
-        (onnx, "ONNX", "--onnx"),
-    ):
-        if asked:
-            raise ConfigError(
-                f"table {table!r} is held in precision blocks, which {what} does not serve yet; export without "
-                f"{flag}, or with the table in one data type"
-            )
+    if onnx:
+        raise ConfigError(
+            f"table {spec.block_tables[0]!r} is held in precision blocks, which ONNX does not serve yet; export "
+            "without --onnx, or with the table in one data type"
+        )
 
 
 def output_folder(out_dir: str | Path) -> Path:
@@ -184,12 +180,7 @@ def write_manifest(
 ) -> None:
     from infer.artifact.fbgemm_libs import REQUIRED_LIBRARIES, fbgemm_library_dir, fbgemm_version
 
-    collection = model.embeddings
-    remaps = []
-    if getattr(collection, "has_blocks", False):
-        from infer.modules.collection import stored_remaps
-
-        remaps = [(name, held[0]) for name, held in zip(collection.block_table_names, stored_remaps(collection))]
+    remaps = block_remaps_of(model)
     manifest = Manifest(
         spec=model.spec,
         has_dense=bool(model.has_dense),
@@ -207,7 +198,7 @@ def write_manifest(
         pt2=pt2_entry,
         dense_expects=dense_expects,
         format_version=format_version,
-        block_remaps=tuple(RemapEntry.of(name, remap) for name, remap in remaps),
+        block_remaps=tuple(RemapEntry.of(name, remaps[name]) for name in model.spec.block_tables),
     )
     (staging / MANIFEST_FILE).write_text(manifest.to_json(), encoding="utf-8")
 

@@ -20,7 +20,7 @@ import torch
 from infer.artifact.export import output_folder, staged
 from infer.artifact.fbgemm_libs import load_operators
 from infer.artifact.formats import torchscript
-from infer.artifact.kernels import check_routing, kernels_from_tbes, model_tbes
+from infer.artifact.kernels import block_remaps_of, check_routing, kernels_from_tbes, model_tbes
 from infer.artifact.load import verify_plan
 from infer.artifact.manifest import (
     FORMAT_VERSION,
@@ -29,6 +29,7 @@ from infer.artifact.manifest import (
     PLAN_FILE,
     FileEntry,
     Manifest,
+    RemapEntry,
 )
 from infer.artifact.mapped import (
     MAPPED,
@@ -79,8 +80,10 @@ def export_hosts(model: torch.nn.Module, out_dir: str | Path, plan: ShardingPlan
     with staged(out_dir) as staging:
         files = []
         kernels = []
+        remaps: dict[str, torch.Tensor] = {}
         for host in range(hosts):
             part = shard_host(model, plan, host)  # type: ignore[arg-type]
+            remaps.update(block_remaps_of(part))  # each block table's, from the one host holding it
             try:
                 scripted = torch.jit.script(part)
             except Exception as err:  # noqa: BLE001 - TorchScript reports many error types
@@ -121,6 +124,7 @@ def export_hosts(model: torch.nn.Module, out_dir: str | Path, plan: ShardingPlan
             devices_per_host=local,
             dense_expects=dense_expects,
             format_version=MAPPED_FORMAT_VERSION if weights == MAPPED else FORMAT_VERSION,
+            block_remaps=tuple(RemapEntry.of(name, remaps[name]) for name in model.spec.block_tables),
         )
         (staging / MANIFEST_FILE).write_text(manifest.to_json(), encoding="utf-8")
     logger.debug("exported %s (%d hosts) in %.1fs", out_dir, hosts, time.monotonic() - started)
@@ -189,7 +193,11 @@ def load_host_part(
     expected = [k for k in manifest.kernels if host_of_rank(plan, k.rank) == host]
     torchscript.attach_mapped_weights(folder, module, manifest, expected, manifest.host_parts[host])
     torchscript.check_model_kernels(module, expected, part_path)
-    check_routing(module, manifest.spec, plan, host_layouts(manifest.spec, plan, host))
+    layouts = host_layouts(manifest.spec, plan, host)
+    check_routing(module, manifest.spec, plan, layouts)
+    held = {name for layout in layouts for name in layout.split.block_table_names}  # this host's block tables
+    own = [r for r in manifest.block_remaps if r.table in held]
+    torchscript.check_block_remaps(module, own, part_path, manifest.spec, plan, layouts)
     torchscript.remap_shard_devices(module, mapping)
     targets = [mapping.get(d, d) for d in manifest.devices]
     threads = intra_op_threads

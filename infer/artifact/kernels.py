@@ -103,6 +103,19 @@ def model_tbes(module: Any) -> list[Any]:
     return [holder.tbe for holder in kernel_holders(module)]
 
 
+def block_remaps_of(module: Any) -> dict[str, Any]:
+    """Each block table's stored id remap (``collection.stored_remaps``, its first feature's copy) as the kernel
+    holder that holds the table keeps it: the unsharded collection, or the one device holding it table-wise."""
+    from infer.modules.collection import stored_remaps
+
+    remaps: dict[str, Any] = {}
+    for holder in kernel_holders(module):
+        if getattr(holder, "has_blocks", False):
+            for name, held in zip(holder.block_table_names, stored_remaps(holder)):
+                remaps[name] = held[0]
+    return remaps
+
+
 ROUTING = ("lf_feature", "lf_kind", "lf_lo", "lf_hi", "lf_out_col", "lf_dim")
 
 

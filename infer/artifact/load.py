@@ -139,9 +139,9 @@ def load(
         verification.wait()  # a chunk that fails drops the loaded module with the error
         clock.mark("checksums")  # what was left to hash once the model was read
     torchscript.check_model_kernels(module, manifest.kernels, model_path)
-    torchscript.check_block_remaps(module, manifest.block_remaps, model_path, manifest.spec)
     if plan is not None:
         check_routing(module, manifest.spec, plan)
+    torchscript.check_block_remaps(module, manifest.block_remaps, model_path, manifest.spec, plan)
     torchscript.remap_shard_devices(module, mapping)
     _set_intra_op_threads(manifest, targets, intra_op_threads)
     paged = prefetch_wanted(prefetch, manifest.mapped, plan)

@@ -56,6 +56,10 @@ def table_places(module: Any, kernels: Sequence[Kernel]) -> list[TablePlace]:
     for holder, kernel in zip(kernel_holders(module), kernels):
         if kernel.weights is None or kernel.shared is None:
             continue
+        if getattr(holder, "has_blocks", False):
+            # a kernel of precision blocks reads its rows at remapped positions, level by level: request ids name
+            # no page of it, so nothing is read ahead there
+            continue
         buffer = holder.tbe.weights_host
         local = len(kernel.feature_table_map)
         features = list(getattr(holder, "lf_feature", range(local)))
@@ -381,6 +385,13 @@ def page_model(
     mappings, ``MADV_WILLNEED`` per batch) and/or ``hot_rows`` served from a resident cache."""
     if not prefetch and not hot_rows:
         return module
+    if hot_rows and spec.block_tables:
+        # a block kernel reads rows at remapped positions (table_places skips it); its precise blocks already are
+        # the resident hot rows
+        raise ConfigError(
+            f"hot_rows does not serve a model with tables in precision blocks ({list(spec.block_tables)}): their "
+            "hottest rows are already held in the precise blocks; load it without hot_rows (--hot-rows)"
+        )
     places = table_places(module, kernels)
     if hot_rows and not places:
         raise ConfigError(

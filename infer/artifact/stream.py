@@ -107,6 +107,11 @@ def export_streaming(
         raise ConfigError(f"chunk_bytes must be positive, got {chunk_bytes}")
     spec.require_stated_pooling()
     refuse_blocks(spec, plan, onnx=False)
+    if plan is not None and spec.block_tables:
+        raise ConfigError(
+            f"table {spec.block_tables[0]!r} is held in precision blocks, which a streamed sharded export does not "
+            "write yet; export the sharded model in memory (infer.export), or stream it unsharded"
+        )
     orders = checked_block_orders(spec, block_orders)
     if plan is not None:
         _check_streamable(plan)

@@ -55,7 +55,7 @@ def cmd_export(args: argparse.Namespace) -> int:
     _check_dense_flags(spec, args.dense_arch, args.no_dense, args.spec)
     tables = _export_source(args, spec)
     spec = _with_dense_part(spec, args.dense_arch)
-    if _streams(args, plan):
+    if _streams(args, plan, spec):
         return _export_streaming(args, spec, tables, plan, block_orders)
     weights = read_tables(tables, spec)
     model = quantize(spec, weights, progress=_print_progress, block_orders=block_orders)
@@ -66,7 +66,7 @@ def cmd_export(args: argparse.Namespace) -> int:
 
         print()
         print(format_stats(plan))
-        if block_orders is not None:
+        if block_orders is not None and plan.topology.world_size == 1:
             # one device, tables in precision blocks: the model is exported whole (the plan is in the stats above)
             plan = None
         elif plan.topology.world_size > plan.topology.local_world_size:
@@ -123,12 +123,14 @@ def _stated_pooling(spec: ModelSpec, args: argparse.Namespace) -> ModelSpec:
     return spec
 
 
-def _streams(args: argparse.Namespace, plan: ShardingPlan | None) -> bool:
-    """A mapped export of one CPU host without ONNX or pt2 streams its tables (never holds them all)."""
+def _streams(args: argparse.Namespace, plan: ShardingPlan | None, spec: ModelSpec) -> bool:
+    """A mapped export of one CPU host without ONNX or pt2 streams its tables (never holds them all); a sharded
+    model with tables in precision blocks is exported in memory (the streamed writer places blocks unsharded)."""
     one_cpu_host = plan is None or (
         not plan.topology.is_cuda and plan.topology.local_world_size >= plan.topology.world_size
     )
-    return args.weights_format == "mapped" and not args.onnx and not args.pt2 and one_cpu_host
+    sharded_blocks = plan is not None and bool(spec.block_tables)
+    return args.weights_format == "mapped" and not args.onnx and not args.pt2 and one_cpu_host and not sharded_blocks
 
 
 def _export_streaming(

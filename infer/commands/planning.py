@@ -154,10 +154,11 @@ def device_data_types(topology: Topology) -> tuple[DataType, ...]:
 
 
 def _blocks_allowed(args: argparse.Namespace, topology: Topology) -> bool:
-    """Precision blocks (issue 43) are priced when the error is the pooled one (not --eval) and the model goes on
-    one device (sharding does not serve them yet); which rows are hot comes from --sample-ids, or from the rows'
-    ranges (``_block_pricing``)."""
-    return not getattr(args, "eval", None) and topology.world_size == 1
+    """Precision blocks (issue 43) are priced when the error is the pooled one (not --eval); a block table is then
+    placed table-wise, whole on one device. Which rows are hot comes from --sample-ids, or on one host from the
+    rows' ranges (``_block_pricing``; a multi-host export ranks block tables by sampled ids only)."""
+    one_host = topology.local_world_size >= topology.world_size
+    return not getattr(args, "eval", None) and (one_host or bool(getattr(args, "sample_ids", None)))
 
 
 def _output_serves_blocks(args: argparse.Namespace) -> bool:

@@ -7,13 +7,13 @@ sees it; validation failures raise with ``REQUEST_ERROR_PREFIX`` and the wording
 
 import copy
 import dataclasses
-from typing import Final, List, Optional, Tuple, Union
+from typing import Final, List, Optional, Sequence, Tuple, Union
 
 import torch
 from torch import Tensor, nn
 
 from infer import request_rules as rules
-from infer.config import DataType, ModelSpec, PoolingType
+from infer.config import DataType, ModelSpec, PoolingType, RowBlock
 from infer.modules.cuda_probe import check_kernel_types
 from infer.modules.tbe import KernelRunner, bag_offsets, first_id_error, make_tbe
 
@@ -187,11 +187,22 @@ def kernel_features(spec: ModelSpec) -> List[Tuple[int, int]]:
     last; the whole table without blocks) in feature order, whose pooled columns are then the output's; level
     ``k >= 1`` is every feature again, at the ``k - 1``-th (precise) block of its table, or, past its table's
     precise blocks, at its coldest block with empty bags (pooled to zeros)."""
-    counts = [len(spec.table(f.table).stored_blocks) for f in spec.features]
-    levels = max(counts)
+    return level_blocks([len(spec.table(f.table).stored_blocks) for f in spec.features])
+
+
+def level_blocks(counts: List[int]) -> List[Tuple[int, int]]:
+    """``kernel_features`` of features whose tables hold ``counts`` blocks each (a table in one type: 1), in the
+    features' order: a sharded device's kernel reads its own features so (``infer.shard.builder``)."""
+    levels = max(counts, default=1)
     return [
         (f, counts[f] - 1 if k == 0 or k >= counts[f] else k - 1) for k in range(levels) for f in range(len(counts))
     ]
+
+
+def kernel_table_name(table: str, block: int) -> str:
+    """The name of a TBE table: the table's own, or ``<table>.block<j>`` for its ``j``-th precision block
+    (``block`` -1: a table in one type)."""
+    return table if block < 0 else f"{table}.block{block}"
 
 
 def encode_remap(ranks: Tensor, starts: List[int]) -> Tensor:
@@ -243,12 +254,22 @@ class BlockSplit:
 
     @staticmethod
     def of(spec: ModelSpec) -> "BlockSplit":
-        block_tables = [t for t in spec.tables if t.blocks]
-        levels = len(kernel_features(spec)) // max(len(spec.features), 1)
-        starts = [[sum(b.rows for b in t.blocks[:j]) for j in range(len(t.blocks))] for t in block_tables]
-        slot_of = {t.name: i for i, t in enumerate(block_tables)}
-        remap = [slot_of.get(f.table, -1) for f in spec.features]
-        rows = [spec.table(f.table).num_embeddings for f in spec.features]
+        return BlockSplit.of_features([(f.table, f.num_embeddings, spec.table(f.table).blocks) for f in spec.features])
+
+    @staticmethod
+    def of_features(features: Sequence[Tuple[str, int, Tuple[RowBlock, ...]]]) -> "BlockSplit":
+        """The split of a kernel that reads ``features``: per feature, in the kernel's order, the table it reads, the
+        table's rows and its precision blocks (() for a table in one type). The block tables are in the order the
+        features first read them (a spec's: table order)."""
+        block_tables: List[Tuple[str, Tuple[RowBlock, ...]]] = []
+        for table, _, blocks in features:
+            if blocks and all(table != name for name, _ in block_tables):
+                block_tables.append((table, blocks))
+        levels = max([len(blocks) if blocks else 1 for _, _, blocks in features], default=1)
+        starts = [[sum(b.rows for b in blocks[:j]) for j in range(len(blocks))] for _, blocks in block_tables]
+        slot_of = {name: i for i, (name, _) in enumerate(block_tables)}
+        remap = [slot_of.get(table, -1) if blocks else -1 for table, _, blocks in features]
+        rows = [n for _, n, _ in features]
         offsets = [0]
         for n, slot in zip(rows, remap):
             offsets.append(offsets[-1] + (n if slot >= 0 else 0))
@@ -260,10 +281,10 @@ class BlockSplit:
         return BlockSplit(
             has_blocks=len(block_tables) > 0,
             block_levels=levels,
-            block_table_names=[t.name for t in block_tables],
+            block_table_names=[name for name, _ in block_tables],
             block_rank_starts=starts,
             feature_remap=remap,
-            feature_blocks=[len(spec.table(f.table).stored_blocks) for f in spec.features],
+            feature_blocks=[len(blocks) if blocks else 1 for _, _, blocks in features],
             block_lookup_offsets=offsets,
             block_bounds=bounds,
             block_fixed_sizes=fixed,
@@ -283,23 +304,11 @@ class BlockSplit:
         return None
 
 
-class QuantizedEmbeddingBagCollection(ValidatingCollection, KernelRunner):
-    """All tables of one device in one fbgemm ``IntNBitTableBatchedEmbeddingBagsCodegen``.
-
-    The kernel pools with SUM and emits fp32; MEAN features are divided by their bag lengths
-    afterwards, so SUM and MEAN tables share the single kernel call.
-
-    A table held in precision blocks (``TableConfig.blocks``) is one TBE table per block, in the same kernel
-    (fbgemm takes a type per table): the precise blocks hold the rows ranked hottest, the last (cold) block every
-    other row, in id order. Its id remap (``encode_remap``) is held once per feature of the table, back to back in
-    ``block_lookup`` (a feature without blocks: no range), so that one ``fbgemm::pruned_array_lookup`` call maps a
-    whole request to positions in the blocks. The kernel input is the request split by level (``kernel_features``)
-    by one ``fbgemm::block_bucketize_sparse_features`` call at each feature's ``block_bounds``: level 0 every
-    feature's ids that fall in its cold block (a feature without blocks: all of them), level ``k`` those in the
-    ``k - 1``-th precise block, every bag at every level (a bag's count there may be 0); the levels' pooled columns
-    are added (MEAN: then divided by the full bag length). Each example range of a batch-parallel call splits its
-    own ids.
-    """
+class BlockSplitter:
+    """Splits a kernel's input by precision block (see ``QuantizedEmbeddingBagCollection``): the block attributes
+    (a ``BlockSplit``'s, installed by ``init_block_split``), the remap's setters, and ``pool``, which a module that
+    runs its TBE through ``KernelRunner`` takes from here. The unsharded collection and each device of a sharded one
+    (``infer.modules.sharded.DeviceShards``, over the features its kernel reads) split requests the same way."""
 
     has_blocks: bool
     block_levels: int
@@ -309,44 +318,26 @@ class QuantizedEmbeddingBagCollection(ValidatingCollection, KernelRunner):
     block_sizes: Tensor
     block_fixed_sizes: bool
     block_rank_starts: List[List[int]]
+    block_table_names: List[str]
     feature_remap: List[int]
     feature_blocks: List[int]
 
-    def __init__(
-        self,
-        spec: ModelSpec,
-        device: torch.device | str = "cpu",
-        row_alignment: Optional[int] = None,
-        allocate: bool = True,
-    ):
-        super().__init__()
-        kernel_tables = tbe_tables(spec)
-        table_index = {t.name: i for i, t in enumerate(spec.tables)}
-        specs: List[Tuple[str, int, int, DataType]] = [
-            (f"{t.name}.block{j}" if t.blocks else t.name, b.rows, t.embedding_dim, b.data_type)
-            for t in spec.tables
-            for j, b in enumerate(t.stored_blocks)
-        ]
-        features = kernel_features(spec)
-        check_kernel_types([(name, dtype) for name, _, _, dtype in specs], str(torch.device(device)))
-        self.tbe = make_tbe(
-            specs,
-            [kernel_tables[table_index[spec.features[f].table]][j] for f, j in features],
-            torch.device(device),
-            row_alignment,
-            allocate,
-        )
-        self._set_features(spec)
-        split = BlockSplit.of(spec)
+    def __init_subclass__(cls, **kwargs: object) -> None:
+        # TorchScript types attributes from the scripted class's own annotations only: copy ours down.
+        super().__init_subclass__(**kwargs)
+        cls.__annotations__ = {**BlockSplitter.__annotations__, **cls.__dict__.get("__annotations__", {})}
+
+    def init_block_split(self, split: BlockSplit, device: torch.device | str = "cpu") -> None:
+        """Hold ``split``'s attributes (the tensors on the kernel's ``device``, where the split runs), and each block
+        table's remap at identity ranks (rank = id) until ``set_block_remap``."""
         self.has_blocks = split.has_blocks
         self.block_levels = split.block_levels
         self.block_rank_starts = split.block_rank_starts
         self.feature_remap = split.feature_remap
         self.feature_blocks = split.feature_blocks
         self.block_table_names = split.block_table_names
-        self.block_lookup_offsets = torch.tensor(split.block_lookup_offsets, dtype=torch.int64)
+        self.block_lookup_offsets = torch.tensor(split.block_lookup_offsets, dtype=torch.int64, device=device)
         sizes = [b - a for a, b in zip(split.block_lookup_offsets, split.block_lookup_offsets[1:])]
-        # identity ranks until ``set_block_remap``: rank = id
         self.block_lookup = torch.cat(
             [torch.zeros(0, dtype=torch.int32)]
             + [
@@ -354,12 +345,11 @@ class QuantizedEmbeddingBagCollection(ValidatingCollection, KernelRunner):
                 for size, slot in zip(sizes, self.feature_remap)
                 if slot >= 0
             ]
-        )
+        ).to(device)
         # per feature its blocks' bounds (int32, as the remapped ids) for the split
-        self.block_bounds = [torch.tensor(b, dtype=torch.int32) for b in split.block_bounds]
+        self.block_bounds = [torch.tensor(b, dtype=torch.int32, device=device) for b in split.block_bounds]
         self.block_fixed_sizes = split.block_fixed_sizes
-        self.block_sizes = torch.tensor(split.block_sizes, dtype=torch.int32)
-        self.init_kernel_runner(len(features), str(torch.device(device)), len(spec.features))
+        self.block_sizes = torch.tensor(split.block_sizes, dtype=torch.int32, device=device)
 
     @torch.jit.unused
     def set_block_remap(self, table: str, ranks: Tensor) -> None:
@@ -372,42 +362,30 @@ class QuantizedEmbeddingBagCollection(ValidatingCollection, KernelRunner):
                 f"table {table!r} is not held in precision blocks; its blocks are {self.block_table_names}"
             )
         slot = self.block_table_names.index(table)
-        held = stored_remaps(self)[slot]
-        rows = held[0].numel()
+        held = stored_remaps(self)  # type: ignore[arg-type]
+        rows = held[slot][0].numel()
         error = rank_error(ranks, rows)
         if error is not None:
             raise ConfigError(f"table {table!r}: the id remap {error}; pass a permutation of [0, {rows})")
         encoded = encode_remap(ranks, self.block_rank_starts[slot])
-        for view in held:
+        for view in held[slot]:
             view.copy_(encoded)
 
     @torch.jit.unused
     def block_ranks(self, table: str) -> Tensor:
         """``table``'s id -> rank permutation (int64), decoded from its stored remap."""
         slot = self.block_table_names.index(table)
-        ranks = decode_remap(stored_remaps(self)[slot][0], self.block_rank_starts[slot])
+        ranks = decode_remap(stored_remaps(self)[slot][0], self.block_rank_starts[slot])  # type: ignore[arg-type]
         assert ranks is not None
         return ranks
-
-    def table_weights(self) -> List[Tuple[Tensor, Optional[Tensor]]]:
-        """Per TBE table (a table's blocks each one, see ``tbe_tables``): the kernel's row bytes (without
-        padding) and, for INT types, scale/bias bytes."""
-        return self.tbe.split_embedding_weights()  # type: ignore[operator]
-
-    def lookup_validated(self, values: Tensor, lengths: Tensor, weights: Optional[Tensor] = None) -> Tensor:
-        """Pooled lookups of an already validated request: ``[batch, output_dim]`` fp32.
-
-        Reached from outside only through ``EmbserveModel.lookup_unchecked`` (a host that validated already).
-        """
-        return self.apply_mean(self.run_kernel(values, lengths, weights), lengths)
 
     def pool(self, values: Tensor, lengths: Tensor, weights: Optional[Tensor]) -> Tensor:
         """One example range's pooled columns: a request of block tables split by block first (in the range's
         own thread, so the split runs in parallel with the other ranges), the blocks' columns added."""
         if not self.has_blocks:
-            return self.kernel(values, bag_offsets(lengths, values), weights)
+            return self.kernel(values, bag_offsets(lengths, values), weights)  # type: ignore[attr-defined]
         block_values, block_lengths, block_weights = self.split_blocks(values, lengths, weights)
-        pooled = self.kernel(block_values, bag_offsets(block_lengths, block_values), block_weights)
+        pooled = self.kernel(block_values, bag_offsets(block_lengths, block_values), block_weights)  # type: ignore[attr-defined]
         return self.add_blocks(pooled)
 
     def split_blocks(
@@ -426,10 +404,10 @@ class QuantizedEmbeddingBagCollection(ValidatingCollection, KernelRunner):
         )  # fmt: skip
 
     def add_blocks(self, pooled: Tensor) -> Tensor:
-        """``[batch, output_dim]``: the levels' pooled columns added into level 0's, in place (a view of
-        ``pooled``, rows ``block_levels * output_dim`` apart: ``run_kernel`` hands back a contiguous tensor); a
-        feature past its table's precise blocks has empty bags there: zeros."""
-        width = self.output_dim
+        """``[batch, width]``: the levels' pooled columns (``block_levels`` of ``width`` each, level-major) added
+        into level 0's, in place (a view of ``pooled``: ``run_kernel`` hands back a contiguous tensor); a feature
+        past its table's precise blocks has empty bags there: zeros."""
+        width = pooled.size(1) // self.block_levels
         out = pooled[:, :width]
         for k in range(1, self.block_levels):
             out.add_(pooled[:, k * width : (k + 1) * width])
@@ -456,6 +434,65 @@ def split_by_block(
         lengths, held, False, False, block_sizes, block_levels, weights, None, -1, block_bounds
     )
     return split[1], split[0], split[2]
+
+
+class QuantizedEmbeddingBagCollection(ValidatingCollection, BlockSplitter, KernelRunner):
+    """All tables of one device in one fbgemm ``IntNBitTableBatchedEmbeddingBagsCodegen``.
+
+    The kernel pools with SUM and emits fp32; MEAN features are divided by their bag lengths
+    afterwards, so SUM and MEAN tables share the single kernel call.
+
+    A table held in precision blocks (``TableConfig.blocks``) is one TBE table per block, in the same kernel
+    (fbgemm takes a type per table): the precise blocks hold the rows ranked hottest, the last (cold) block every
+    other row, in id order. Its id remap (``encode_remap``) is held once per feature of the table, back to back in
+    ``block_lookup`` (a feature without blocks: no range), so that one ``fbgemm::pruned_array_lookup`` call maps a
+    whole request to positions in the blocks. The kernel input is the request split by level (``kernel_features``)
+    by one ``fbgemm::block_bucketize_sparse_features`` call at each feature's ``block_bounds``: level 0 every
+    feature's ids that fall in its cold block (a feature without blocks: all of them), level ``k`` those in the
+    ``k - 1``-th precise block, every bag at every level (a bag's count there may be 0); the levels' pooled columns
+    are added (MEAN: then divided by the full bag length). Each example range of a batch-parallel call splits its
+    own ids.
+    """
+
+    def __init__(
+        self,
+        spec: ModelSpec,
+        device: torch.device | str = "cpu",
+        row_alignment: Optional[int] = None,
+        allocate: bool = True,
+    ):
+        super().__init__()
+        kernel_tables = tbe_tables(spec)
+        table_index = {t.name: i for i, t in enumerate(spec.tables)}
+        specs: List[Tuple[str, int, int, DataType]] = [
+            (kernel_table_name(t.name, j if t.blocks else -1), b.rows, t.embedding_dim, b.data_type)
+            for t in spec.tables
+            for j, b in enumerate(t.stored_blocks)
+        ]
+        features = kernel_features(spec)
+        check_kernel_types([(name, dtype) for name, _, _, dtype in specs], str(torch.device(device)))
+        self.tbe = make_tbe(
+            specs,
+            [kernel_tables[table_index[spec.features[f].table]][j] for f, j in features],
+            torch.device(device),
+            row_alignment,
+            allocate,
+        )
+        self._set_features(spec)
+        self.init_block_split(BlockSplit.of(spec), torch.device(device))
+        self.init_kernel_runner(len(features), str(torch.device(device)), len(spec.features))
+
+    def table_weights(self) -> List[Tuple[Tensor, Optional[Tensor]]]:
+        """Per TBE table (a table's blocks each one, see ``tbe_tables``): the kernel's row bytes (without
+        padding) and, for INT types, scale/bias bytes."""
+        return self.tbe.split_embedding_weights()  # type: ignore[operator]
+
+    def lookup_validated(self, values: Tensor, lengths: Tensor, weights: Optional[Tensor] = None) -> Tensor:
+        """Pooled lookups of an already validated request: ``[batch, output_dim]`` fp32.
+
+        Reached from outside only through ``EmbserveModel.lookup_unchecked`` (a host that validated already).
+        """
+        return self.apply_mean(self.run_kernel(values, lengths, weights), lengths)
 
 
 def stored_remaps(collection: nn.Module) -> List[List[Tensor]]:

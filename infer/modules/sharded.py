@@ -16,7 +16,7 @@ import torch
 from torch import Tensor, nn
 
 from infer import request_rules as rules
-from infer.modules.collection import ValidatingCollection
+from infer.modules.collection import BlockSplit, BlockSplitter, ValidatingCollection
 from infer.modules.tbe import KernelRunner, bag_offsets, first_id_error
 
 # How a shard reads its feature; the scripted methods read them as DeviceShards' Final attributes.
@@ -80,8 +80,16 @@ def device_buckets(
     return bucket, len(buckets.features), slots
 
 
-class DeviceShards(nn.Module, KernelRunner):
-    """Every shard placed on one device, in one TBE."""
+def kernel_rows(local_features: list[list[int]], feature_rows: list[int]) -> list[int]:
+    """The rows of the kernel table each of a device's features reads (``local_features`` as ``DeviceShards``
+    takes them): a row block's, else the feature's table's (table-wise, column slices, replicas, views)."""
+    return [lf[3] - lf[2] if lf[1] == READ_ROW_BLOCK else feature_rows[lf[0]] for lf in local_features]
+
+
+class DeviceShards(nn.Module, BlockSplitter, KernelRunner):
+    """Every shard placed on one device, in one TBE. A table held in precision blocks, placed table-wise, is one
+    TBE table per block here, and this device splits its kernel input by block as the unsharded collection does
+    (``BlockSplitter``, over the features this kernel reads: ``split``)."""
 
     device: str
     lf_feature: list[int]
@@ -117,15 +125,21 @@ class DeviceShards(nn.Module, KernelRunner):
         local_features: list[list[int]],
         feature_rows: list[int],
         feature_names: list[str],
+        split: BlockSplit | None = None,
     ) -> None:
-        """``local_features``: per TBE feature ``[feature, kind, lo, hi, out_col, dim]`` in TBE order;
-        ``feature_rows``/``feature_names``: of every model feature, for the id checks."""
+        """``local_features``: per feature this kernel reads ``[feature, kind, lo, hi, out_col, dim]`` in kernel
+        order; ``feature_rows``/``feature_names``: of every model feature, for the id checks; ``split``: how the
+        kernel input is split by precision block (``infer.shard.builder.device_split``; none: no block tables)."""
         super().__init__()
         self.lf_rows = [feature_rows[lf[0]] for lf in local_features]
         self.lf_name = [feature_names[lf[0]] for lf in local_features]
         self.tbe = tbe
         self.device = device
-        self.init_kernel_runner(len(local_features), device)
+        if split is None:
+            split = BlockSplit.of_features([("", rows, ()) for rows in kernel_rows(local_features, feature_rows)])
+        self.init_block_split(split, device)
+        # with block tables the kernel reads every feature once per level (``collection.level_blocks``)
+        self.init_kernel_runner(len(local_features) * split.block_levels, device, len(local_features))
         self.lf_feature = [lf[0] for lf in local_features]
         self.lf_kind = [lf[1] for lf in local_features]
         self.lf_lo = [lf[2] for lf in local_features]

@@ -69,6 +69,13 @@ class EmbeddingEnumerator:
         options: dict[str, list[ShardingOption]] = {}
         for table in spec.tables:
             table_constraints = constraints.get(table.name, ParameterConstraints())
+            if table.blocks and ShardingType.TABLE_WISE not in table_constraints.sharding_types:
+                raise PlanError(
+                    f"table {table.name!r} is held in precision blocks and its constraints do not allow table_wise: "
+                    "row-wise/column-wise sharding of a table in precision blocks is not supported; shard it "
+                    "table-wise or store it in one type",
+                    PlanErrorKind.INVALID_CONSTRAINT,
+                )
             table_options = self.table_options(table, topology, table_constraints)
             if not table_options:
                 raise PlanError(
@@ -94,6 +101,8 @@ class EmbeddingEnumerator:
         world = topology.world_size
         layouts: list[tuple[ShardingType, list[tuple[int, int, int, int]], int]] = []
         allowed = set(constraints.sharding_types)
+        if table.blocks:  # its remap and blocks are one kernel's: whole on one device (infer.shard.builder)
+            allowed &= {ShardingType.TABLE_WISE}
         rows, dim = table.num_embeddings, table.embedding_dim
         if ShardingType.TABLE_WISE in allowed and constraints.min_shards <= 1:
             layouts.append((ShardingType.TABLE_WISE, [(0, rows, 0, dim)], batch))

@@ -749,5 +749,11 @@ def plan_precision(
 
 
 def apply_precision(spec: ModelSpec, precision: PrecisionPlan) -> ModelSpec:
-    """The spec with the chosen data types."""
-    return spec.with_data_types(overrides=precision.data_types())
+    """The spec with the chosen data types, and the tables chosen in precision blocks held in them (which the
+    enumerator then shards table-wise only)."""
+    typed = spec.with_data_types(overrides=precision.data_types())
+    blocks = precision.block_tables()
+    if not blocks:
+        return typed
+    tables = tuple(t.with_blocks(blocks[t.name]) if t.name in blocks else t for t in typed.tables)
+    return ModelSpec(tables, typed.num_dense_features, typed.dense_arch)

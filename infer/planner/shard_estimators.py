@@ -62,7 +62,13 @@ class InferenceStorageEstimator:
     def storage(self, ctx: ShardContext) -> Storage:
         if self.is_inference:
             weights = table_bytes(ctx.num_rows, ctx.num_cols, ctx.data_type, ctx.topology.row_alignment)
-            if ctx.sharding_type in VIEW_SHARDINGS and ctx.topology.cpu_views:
+            if ctx.table.blocks:  # whole on one device (table-wise): every block in its type, and the id remap
+                from infer.planner.blocks import remap_bytes
+
+                align = ctx.topology.row_alignment
+                weights = sum(table_bytes(b.rows, ctx.num_cols, b.data_type, align) for b in ctx.table.blocks)
+                weights += round_up(remap_bytes(ctx.table), TABLE_ALIGNMENT)
+            elif ctx.sharding_type in VIEW_SHARDINGS and ctx.topology.cpu_views:
                 # on one CPU host the shards of a replicated, row- or column-wise table are views of one stored
                 # copy of the whole table (infer.shard.builder.shared_cpu_storage): each device accounts for its
                 # share of that one copy (a column slice would count every row's scale and bias again)

@@ -17,7 +17,14 @@ import torch
 
 from infer.config import DataType, ModelSpec, TableConfig
 from infer.errors import ConfigError, PlanError, PlanErrorKind
-from infer.modules.collection import EmbserveModel, QuantizedEmbeddingBagCollection, placed_dense_arch
+from infer.modules.collection import (
+    BlockSplit,
+    EmbserveModel,
+    QuantizedEmbeddingBagCollection,
+    kernel_table_name,
+    level_blocks,
+    placed_dense_arch,
+)
 from infer.modules.cuda_probe import check_kernel_types
 from infer.modules.sharded import (
     READ_ALL,
@@ -25,6 +32,7 @@ from infer.modules.sharded import (
     READ_ROW_BLOCK,
     DeviceShards,
     ShardedEmbeddingBagCollection,
+    kernel_rows,
 )
 from infer.modules.tbe import make_tbe
 from infer.planner.types import Shard, ShardingPlan, ShardingType, require_devices_here
@@ -76,6 +84,8 @@ def check_plan(spec: ModelSpec, plan: ShardingPlan) -> None:
                     PlanErrorKind.INVALID_PLAN,
                 )
         kind = table_plan.sharding_type
+        if table.blocks and kind != ShardingType.TABLE_WISE:
+            raise PlanError(f"table {name!r}: {block_sharding_refused(kind)}", PlanErrorKind.INVALID_PLAN)
         shards = table_plan.shards
         rows = sorted((s.row_offset, s.num_rows) for s in shards)
         cols = sorted((s.col_offset, s.num_cols) for s in shards)
@@ -95,6 +105,17 @@ def check_plan(spec: ModelSpec, plan: ShardingPlan) -> None:
                 f"table {name!r}: {kind.value} shards do not cover the table's {_table_size(table)} exactly ({placed})",
                 PlanErrorKind.INVALID_PLAN,
             )
+
+
+def block_sharding_refused(kind: ShardingType) -> str:
+    """Why a table held in precision blocks cannot be sharded ``kind``: its id remap and its blocks are one
+    kernel's (a row block or column slice would split the remap's positions or every block), so it goes whole to
+    one device."""
+    if kind == ShardingType.REPLICATED:
+        what = "replicating a table in precision blocks"
+    else:
+        what = "row-wise/column-wise sharding of a table in precision blocks"
+    return f"the plan shards it {kind.value}, but {what} is not supported; shard it table-wise or store it in one type"
 
 
 def _shard_text(shard: Shard) -> str:
@@ -119,13 +140,18 @@ def _covers(ranges: list[tuple[int, int]], total: int) -> bool:
 
 @dataclass(frozen=True)
 class DeviceLayout:
-    """What one device of a plan holds, in kernel order: its TBE's tables (shards) and features."""
+    """What one device of a plan holds, in kernel order: its TBE's tables (shards; a table held in precision blocks,
+    placed table-wise, a TBE table per block) and the features it reads."""
 
     rank: int
-    tables: tuple[tuple[str, int, int, DataType], ...]  # (name, rows, cols, data type) per local table
+    tables: tuple[tuple[str, int, int, DataType], ...]  # (name, rows, cols, data type) per local (TBE) table
     sources: tuple[tuple[TableConfig, Shard], ...]  # the table and plan shard behind each local table
-    features: tuple[tuple[int, ...], ...]  # per kernel feature: (feature, kind, lo, hi, out_col, dim)
-    feature_table_map: tuple[int, ...]  # local table of each kernel feature
+    features: tuple[tuple[int, ...], ...]  # per feature read: (feature, kind, lo, hi, out_col, dim)
+    # the local table of each kernel feature: every feature read once per level of blocks, level-major
+    # (``collection.level_blocks``; without block tables one level: each feature read once)
+    feature_table_map: tuple[int, ...]
+    table_blocks: tuple[int, ...]  # per local table: the precision block it holds, -1 for a shard in one type
+    split: BlockSplit  # how the kernel's input is split by block (no block tables: one level, nothing split)
 
 
 def cpu_views(plan: ShardingPlan) -> bool:
@@ -149,7 +175,9 @@ def device_layouts(spec: ModelSpec, plan: ShardingPlan) -> list[DeviceLayout]:
     for rank in range(plan.topology.world_size):
         local_tables: list[tuple[str, int, int, DataType]] = []
         local_sources: list[tuple[TableConfig, Shard]] = []
-        local_features: list[tuple[int, tuple[int, ...], int]] = []  # (feature index, routing, local table)
+        local_blocks: list[int] = []
+        groups: list[list[int]] = []  # per shard on the device: its local tables (one, or one per block)
+        local_features: list[tuple[int, tuple[int, ...], int]] = []  # (feature index, routing, shard on the device)
         for table in spec.tables:
             table_plan = plans[table.name]
             on_device = [(i, s) for i, s in enumerate(table_plan.shards) if s.device == rank]
@@ -163,9 +191,18 @@ def device_layouts(spec: ModelSpec, plan: ShardingPlan) -> list[DeviceLayout]:
                     shard = dataclasses.replace(
                         shard, row_offset=0, num_rows=table.num_embeddings, col_offset=0, num_cols=table.embedding_dim
                     )
-                local = len(local_tables)
-                local_tables.append((f"{table.name}@{shard_index}", shard.num_rows, shard.num_cols, table.data_type))
-                local_sources.append((table, shard))
+                local = len(groups)
+                groups.append([])
+                # check_plan lets a table held in precision blocks be sharded table-wise only: one shard, whole
+                for j, block in enumerate(table.stored_blocks):
+                    groups[-1].append(len(local_tables))
+                    name = kernel_table_name(f"{table.name}@{shard_index}", j if table.blocks else -1)
+                    rows, data_type = (
+                        (block.rows, block.data_type) if table.blocks else (shard.num_rows, table.data_type)
+                    )
+                    local_tables.append((name, rows, shard.num_cols, data_type))
+                    local_sources.append((table, shard))
+                    local_blocks.append(j if table.blocks else -1)
                 for f, info in enumerate(features):
                     if info.table != table.name:
                         continue
@@ -181,13 +218,19 @@ def device_layouts(spec: ModelSpec, plan: ShardingPlan) -> list[DeviceLayout]:
         if not local_tables:
             continue
         local_features.sort(key=lambda item: (item[0], item[1][4], item[1][2]))
+        routing = [list(lf[1]) for lf in local_features]
+        counts = [len(groups[lf[2]]) for lf in local_features]
+        held = [local_sources[groups[lf[2]][0]][0] for lf in local_features]
+        read_rows = kernel_rows(routing, [f.num_embeddings for f in features])
         layouts.append(
             DeviceLayout(
                 rank,
                 tuple(local_tables),
                 tuple(local_sources),
                 tuple(lf[1] for lf in local_features),
-                tuple(lf[2] for lf in local_features),
+                tuple(groups[local_features[i][2]][j] for i, j in level_blocks(counts)),
+                tuple(local_blocks),
+                BlockSplit.of_features([(t.name, n, t.blocks) for t, n in zip(held, read_rows)]),
             )
         )
     return layouts
@@ -215,27 +258,28 @@ def shared_cpu_storage(
         return None
     if any(devices[layout.rank] != "cpu" for layout in layouts):
         return None
-    sizes: dict[tuple[str, int, int, int, int], int] = {}
+    sizes: dict[tuple[str, int, int, int, int, int], int] = {}
     for layout in layouts:
-        for (table, shard), (_, rows, cols, dtype) in zip(layout.sources, layout.tables):
-            key = (table.name, shard.row_offset, shard.num_rows, shard.col_offset, shard.num_cols)
+        for key, (_, rows, cols, dtype) in zip(_shard_keys(layout), layout.tables):
             sizes[key] = table_bytes(rows, cols, dtype, CPU_ROW_ALIGNMENT)
     if len(sizes) == sum(len(layout.tables) for layout in layouts):
         return None
     position = {name: i for i, name in enumerate(tables)}
-    offsets: dict[tuple[str, int, int, int, int], int] = {}
+    offsets: dict[tuple[str, int, int, int, int, int], int] = {}
     cursor = 0
-    for key in sorted(sizes, key=lambda k: (position[k[0]], k[1], k[3], k[2], k[4])):
+    for key in sorted(sizes, key=lambda k: (position[k[0]], k[1], k[3], k[2], k[4], k[5])):
         offsets[key] = cursor
         cursor += sizes[key]
-    placed = [
-        tuple(
-            offsets[(table.name, shard.row_offset, shard.num_rows, shard.col_offset, shard.num_cols)]
-            for table, shard in layout.sources
-        )
-        for layout in layouts
-    ]
+    placed = [tuple(offsets[key] for key in _shard_keys(layout)) for layout in layouts]
     return [SharedStorage(cursor, local) for local in placed]
+
+
+def _shard_keys(layout: DeviceLayout) -> list[tuple[str, int, int, int, int, int]]:
+    """What each local table of ``layout`` holds: (table, row offset, rows, column offset, columns, block)."""
+    return [
+        (table.name, shard.row_offset, shard.num_rows, shard.col_offset, shard.num_cols, block)
+        for (table, shard), block in zip(layout.sources, layout.table_blocks)
+    ]
 
 
 def share_weights(tbe: Any, buffer: torch.Tensor, storage: SharedStorage) -> None:
@@ -269,18 +313,23 @@ def build_device_shards(
     routing = [list(feature) for feature in layout.features]
     features = spec.features
     logger.debug("device %s: %d shards, %d features", device, len(layout.tables), len(routing))
-    return DeviceShards(tbe, device, routing, [f.num_embeddings for f in features], [f.name for f in features])
+    names = [f.name for f in features]
+    return DeviceShards(tbe, device, routing, [f.num_embeddings for f in features], names, layout.split)
 
 
 def _copy_shards(
     tbe: Any, layout: DeviceLayout, source_weights: Mapping[str, tuple[torch.Tensor, torch.Tensor | None]]
 ) -> None:
+    """Fill the device's kernel tables from ``source_weights`` (the unsharded kernel's tables by name,
+    ``collection.kernel_table_name``): a shard's rows and columns, or a whole precision block."""
     with torch.no_grad():
         split = tbe.split_embedding_weights()
-        for (data, row_scales), (table, shard) in zip(split, layout.sources):
-            src_data, src_row_scales = source_weights[table.name]
-            rows = slice(shard.row_offset, shard.row_offset + shard.num_rows)
-            first, last = column_byte_range(shard.col_offset, shard.num_cols, table.data_type)
+        for (data, row_scales), (table, shard), block, (_, _, _, data_type) in zip(
+            split, layout.sources, layout.table_blocks, layout.tables
+        ):
+            src_data, src_row_scales = source_weights[kernel_table_name(table.name, block)]
+            rows = slice(shard.row_offset, shard.row_offset + shard.num_rows) if block < 0 else slice(None)
+            first, last = column_byte_range(shard.col_offset, shard.num_cols, data_type)
             data.copy_(src_data[rows, first:last])
             if row_scales is not None and src_row_scales is not None:
                 row_scales.copy_(src_row_scales[rows])
@@ -292,7 +341,9 @@ def shard_model(
     device_map: Mapping[str, str] | None = None,
     output_device: str | None = None,
 ) -> EmbserveModel:
-    """The sharded twin of ``model`` (from ``infer.quantize``): one TBE per device of ``plan``.
+    """The sharded twin of ``model`` (from ``infer.quantize``): one TBE per device of ``plan``. A table held in
+    precision blocks goes table-wise to one device, whose kernel holds its blocks and id remap and splits requests by
+    block as the unsharded collection does (``check_plan`` refuses it row-, column-wise or replicated).
 
     A CUDA plan on a host without its devices is a ``PlanError(kind=INVALID_TOPOLOGY)`` naming them and the fix,
     unless ``device_map`` moves them (e.g. ``{"cuda:0": "cpu"}``)."""
@@ -303,16 +354,11 @@ def shard_model(
             f"shard_model takes the unsharded model returned by infer.quantize(), got one whose embeddings are "
             f"{type(source).__name__}; quantize the tables first, then shard that model"
         )
-    if spec.block_tables:
-        raise ConfigError(
-            f"table {spec.block_tables[0]!r} is held in precision blocks, which sharding does not serve yet; serve the "
-            "model unsharded (no --devices/plan), or hold the table in one data type"
-        )
     check_plan(spec, plan)
     devices = plan_devices(plan, device_map)
     if devices == plan_devices(plan):  # the plan's own devices must be here (a device map names where instead)
         require_devices_here(plan.topology, "the plan given to shard_model")
-    source_weights = dict(zip([t.name for t in spec.tables], source.table_weights()))
+    source_weights = kernel_table_weights(source)
     shards: list[DeviceShards] = []
     layouts = device_layouts(spec, plan)
     storage = shared_cpu_storage(plan, layouts, devices, [t.name for t in spec.tables])
@@ -321,12 +367,22 @@ def shard_model(
         device_shards = build_device_shards(spec, layout, devices[layout.rank], source_weights)
         if storage is not None and buffer is not None:
             share_weights(device_shards.tbe, buffer, storage[index])
+        for table in device_shards.block_table_names:  # the one device holding a block table holds its remap
+            device_shards.set_block_remap(table, source.block_ranks(table))
         shards.append(device_shards)
     if storage is not None:
         logger.info(
             "CPU replicas share one weight buffer of %d bytes across %d kernels", storage[0].total_bytes, len(shards)
         )
     return _sharded_model(spec, shards, output_device or devices[0])
+
+
+def kernel_table_weights(
+    collection: QuantizedEmbeddingBagCollection,
+) -> dict[str, tuple[torch.Tensor, torch.Tensor | None]]:
+    """The unsharded kernel's tables by name (``collection.kernel_table_name``: a table, or one of its blocks)."""
+    names = [spec[0] for spec in collection.tbe.embedding_specs]  # type: ignore[union-attr]
+    return dict(zip(names, collection.table_weights()))
 
 
 def shard_structure(spec: ModelSpec, plan: ShardingPlan) -> EmbserveModel:

@@ -19,7 +19,7 @@ from infer.errors import ConfigError, PlanError, PlanErrorKind
 from infer.modules.collection import EmbserveModel, QuantizedEmbeddingBagCollection, placed_dense_arch
 from infer.modules.sharded import EmptyPartialCollection, ShardedEmbeddingBagCollection
 from infer.planner.types import ShardingPlan
-from infer.shard.builder import DeviceLayout, build_device_shards, check_plan, device_layouts
+from infer.shard.builder import DeviceLayout, build_device_shards, check_plan, device_layouts, kernel_table_weights
 
 logger = logging.getLogger(__name__)
 
@@ -61,11 +61,13 @@ def shard_host(
         )
     check_plan(spec, plan)
     mapping = dict(device_map or {})
-    source_weights = dict(zip([t.name for t in spec.tables], source.table_weights()))
+    source_weights = kernel_table_weights(source)
     shards = []
     for layout in host_layouts(spec, plan, host):
         device = local_device(plan, layout.rank)
         shards.append(build_device_shards(spec, layout, mapping.get(device, device), source_weights))
+        for table in shards[-1].block_table_names:  # a block table lies on one device of one host, with its remap
+            shards[-1].set_block_remap(table, source.block_ranks(table))
     output_device = mapping.get(local_device(plan, host * plan.topology.local_world_size), "cpu")
     collection: torch.nn.Module = ShardedEmbeddingBagCollection(spec, shards, output_device, False, partial=True)
     if not shards:

@@ -17,8 +17,6 @@ from infer.config import PoolingType
 from infer.errors import ArtifactError, ArtifactErrorKind, ConfigError
 from infer.quant.blocks import rank_rows
 from infer.quant.quantize import quantize
-from infer.shard.builder import shard_model
-from infer.shard.plans import make_plan
 from infer.weights import random_weights
 from tests.modules.test_blocks import any_ids, block_spec, random_request, reference, reference_tables
 from tests.support.artifacts import copy_artifact, edit_manifest, edit_remap, rehash
@@ -117,13 +115,6 @@ def test_onnx_refuses_blocks_by_name(blocked, tmp_path):
     with pytest.raises(ConfigError, match="'blocked'.*precision blocks.*--onnx"):
         export(model, tmp_path / "out", onnx=True)
     assert not (tmp_path / "out").exists()
-
-
-def test_sharding_refuses_block_tables(blocked):
-    spec, model = blocked[0], blocked[1]
-    plan = make_plan(spec, 2, {})  # every table table-wise on device 0
-    with pytest.raises(ConfigError, match="'blocked'.*sharding"):
-        shard_model(model, plan)
 
 
 def test_a_model_with_the_earlier_remap_form_is_refused():

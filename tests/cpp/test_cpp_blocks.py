@@ -241,3 +241,105 @@ def test_pt2_block_artifact_answers_as_torchscript(blocks_pt2_artifact, embserve
         load(copy, backend="pt2")
     assert caught.value.kind is ArtifactErrorKind.MODEL
     assert load_each(embserve_run, [copy], "--backend", "pt2")[copy] == f"ModelError: {caught.value}"
+
+
+@pytest.fixture(scope="module")
+def sharded_blocks(tmp_path_factory):  # type: ignore[no-untyped-def]
+    """A block table table-wise on device 1 of two CPU devices, a plain one on device 0 (tests/shard)."""
+    from infer.shard.builder import shard_model
+    from infer.shard.plans import make_plan
+    from tests.shard.test_block_shards import PLACED, _quantized
+
+    spec, model, _, orders = _quantized(PoolingType.MEAN)
+    plan = make_plan(spec, 2, PLACED)
+    return spec, orders, export(shard_model(model, plan), tmp_path_factory.mktemp("cpp-block-shards") / "a", plan=plan)
+
+
+@pytest.mark.parametrize("layout", ["table_wise", "beside_views"])
+def test_a_sharded_block_artifact_answers_as_python(sharded_blocks, embserve_run, tmp_path, layout):
+    """The C++ loader serves a sharded artifact whose block table lies on one device: bit for bit Python's answers
+    (any, hot and cold ids, weighted, empty bags, an empty request; checked and unchecked). ``beside_views``: the
+    plain table row-wise (one CPU host: views of it on both devices, one buffer shared by the kernels, embedded in
+    model.pt), the block table's blocks placed in that buffer too."""
+    spec, orders, artifact = sharded_blocks
+    if layout == "beside_views":
+        from infer.planner.types import ShardingType
+        from infer.shard.builder import shard_model
+        from infer.shard.plans import make_plan
+        from tests.shard.test_block_shards import _quantized
+
+        spec, model, _, orders = _quantized(PoolingType.MEAN)
+        plan = make_plan(
+            spec, 2, {"plain": (ShardingType.ROW_WISE, (0, 1)), "blocked": (ShardingType.TABLE_WISE, (1,))}
+        )
+        artifact = export(shard_model(model, plan), tmp_path / "views", plan=plan, weights="embedded")
+    requests = _requests(spec, orders)
+    write_requests(tmp_path / "requests.bin", requests)
+    runtime = load(artifact)
+    expected = [runtime.lookup(SparseFeatures(runtime.feature_names, v, n, w)) for v, n, w in requests]
+    for flags in ([], ["--unchecked"]):
+        out = tmp_path / f"out{len(flags)}.bin"
+        result = subprocess.run(
+            [str(embserve_run), str(artifact), "--requests", str(tmp_path / "requests.bin"), "--out", str(out), *flags],
+            capture_output=True,
+            text=True,
+            timeout=300,
+        )
+        assert result.returncode == 0, result.stderr
+        for want, response in zip(expected, read_responses(out), strict=True):
+            assert response.ok, response.message
+            assert response.output is not None and torch.equal(response.output, want)
+
+
+def test_tampered_shard_remaps_splits_and_plans_are_typed_errors_in_both_loaders(
+    sharded_blocks, embserve_run, tmp_path
+):
+    """A remap edited in a shard of model.pt (rehashed) names the table in both loaders' words; a device's block
+    split edited is a ModelError naming the attribute; a plan edited to shard the block table row-wise is refused
+    by both."""
+    from types import SimpleNamespace
+
+    artifact = sharded_blocks[2]
+    shard = getattr(torch.jit.load(str(artifact / "model.pt")).embeddings.shards, "1")
+
+    def swapped(data: np.ndarray) -> None:  # still a permutation: only the sha256 tells
+        data[[0, 1]] = data[[1, 0]]
+
+    def twice(data: np.ndarray) -> None:
+        data[1] = data[0]
+
+    folders = {}
+    for name, edit in {"swapped": swapped, "twice": twice}.items():
+        folders[name] = copy_artifact(artifact, tmp_path / name)
+        edit_remap(folders[name], SimpleNamespace(embeddings=shard), 1, edit)
+        rehash(folders[name], "model.pt")
+    folders["levels"] = copy_artifact(artifact, tmp_path / "levels")
+    module = torch.jit.load(str(folders["levels"] / "model.pt"))
+    device = getattr(module.embeddings.shards, "1")
+    device.block_levels = device.block_levels + 1
+    module.save(str(folders["levels"] / "model.pt"))
+    rehash(folders["levels"], "model.pt")
+    folders["row_wise"] = copy_artifact(artifact, tmp_path / "row_wise")
+    plan_file = folders["row_wise"] / "plan.json"
+    plan = plan_file.read_text().replace('"sharding_type": "table_wise"', '"sharding_type": "row_wise"')
+    plan_file.write_text(plan)
+    rehash(folders["row_wise"], "plan.json")
+    outcomes = load_each(embserve_run, list(folders.values()))
+    words = {
+        "swapped": "the id remap of table 'blocked' differs from the one manifest.json lists (its sha256)",
+        "twice": "the id remap of table 'blocked' gives two ids the same rank",
+    }
+    for name, folder in folders.items():
+        python = _python_error(folder)
+        outcome = outcomes[folder]
+        if name in words:
+            assert python.kind is ArtifactErrorKind.MODEL and words[name] in str(python), str(python)
+            assert outcome == f"ModelError: {python}", (outcome, str(python))
+        elif name == "levels":
+            assert python.kind is ArtifactErrorKind.MODEL and "block_levels" in str(python), str(python)
+            assert outcome.startswith(f"ModelError: {folder / 'model.pt'}: embeddings.shards.1: "), outcome
+            assert "block_levels" in outcome, outcome
+        else:
+            refusal = "row-wise/column-wise sharding of a table in precision blocks is not supported"
+            assert refusal in str(python), str(python)
+            assert outcome.startswith("ManifestError: ") and refusal in outcome, outcome

@@ -80,3 +80,37 @@ def test_export_with_a_budget_and_sample_ids_holds_tables_in_blocks(tmp_path, ca
     expected_big = F.embedding_bag(values_big, stored, bag, mode="sum")
     expected_small = F.embedding_bag(values_small, small_rows, torch.tensor([0, 10, 10]), mode="mean")
     torch.testing.assert_close(served, torch.cat([expected_big, expected_small], 1), rtol=1e-5, atol=1e-4)
+
+
+def test_export_on_two_devices_places_each_block_table_table_wise(tmp_path, capsys):
+    """--world-size 2 with a budget and a sample: the planner holds the hot table in blocks and places it whole
+    (table-wise) on one device, never row- or column-wise; the sharded artifact answers as the one-device export."""
+    import json
+
+    from infer.cli import main
+
+    spec = ModelSpec(
+        (TableConfig("big", 4096, 32, ("fb",), pooling="sum"), TableConfig("small", 64, 32, ("fs",), pooling="mean"))
+    )
+    (tmp_path / "spec.json").write_text(spec.to_json())
+    weights = {t.name: torch.randn(t.num_embeddings, t.embedding_dim, generator=torch.Generator().manual_seed(i))
+               for i, t in enumerate(spec.tables)}  # fmt: skip
+    torch.save(weights, tmp_path / "w.pt")
+    rng = np.random.default_rng(1)
+    np.savez(tmp_path / "ids.npz", fb=zipf_ids(4096, 20000, rng), fs=rng.integers(0, 64, 2000))
+    budget = int((4096 * (16 + 4) + 64 * (16 + 4)) * 1.5)
+    flags = ["--memory-budget", str(budget), "--sample-ids", str(tmp_path / "ids.npz")]
+    export = ["export", "--spec", str(tmp_path / "spec.json"), "--weights", str(tmp_path / "w.pt"), *flags]
+    assert main([*export, "--out", str(tmp_path / "one")]) == 0
+    assert main([*export, "--out", str(tmp_path / "two"), "--world-size", "2"]) == 0
+    capsys.readouterr()
+    plan = ShardingPlan.from_json((tmp_path / "two" / "plan.json").read_text())
+    assert plan.topology.world_size == 2 and plan.table("big").sharding_type.value == "table_wise"
+    manifest = json.loads((tmp_path / "two" / "manifest.json").read_text())
+    assert [t.get("blocks") is not None for t in manifest["tables"]] == [True, False]
+    one, two = load(tmp_path / "one"), load(tmp_path / "two")
+    assert two.spec.table("big").blocks == one.spec.table("big").blocks
+    values = torch.cat([torch.from_numpy(zipf_ids(4096, 300, rng)), torch.randint(0, 64, (40,))])
+    lengths = torch.tensor([100, 0, 200, 10, 0, 30])
+    weights_ = torch.rand(values.numel())
+    assert torch.equal(two.module(values, lengths, weights_), one.module(values, lengths, weights_))

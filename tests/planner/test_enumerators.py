@@ -91,3 +91,28 @@ def test_impossible_constraints_raise_plan_errors():
     assert info.value.kind == PlanErrorKind.INVALID_CONSTRAINT
     with pytest.raises(PlanError, match="pooling factors"):
         EmbeddingEnumerator().enumerate(SPEC, Topology(2), {"big": ParameterConstraints(pooling_factors=(1, 2, 3))})
+
+
+def test_a_table_in_precision_blocks_is_offered_table_wise_only_and_sized_by_its_blocks():
+    """Its id remap and blocks are one kernel's (issue 43): no row-, column-wise or replicated option; its bytes are
+    every block's in its type plus the remap (4 bytes per row per feature); constraints that forbid table_wise are
+    refused naming it."""
+    from infer.quant.rowwise import TABLE_ALIGNMENT, round_up, table_bytes
+
+    blocked = TableConfig("blocked", 4096, 64, ("a", "b"), blocks=((256, "int8"), (3840, "int4")))
+    spec = ModelSpec((blocked, TableConfig("plain", 4096, 64, ("c",))))
+    topology = Topology(4, ComputeDevice.CPU, mapped_capacity=0)
+    options = EmbeddingEnumerator().enumerate(spec, topology, {})
+    assert {o.sharding_type for o in options["blocked"]} == {ShardingType.TABLE_WISE}
+    assert len({o.sharding_type for o in options["plain"]}) > 1
+    blocks = table_bytes(256, 64, DataType.INT8, 1) + table_bytes(3840, 64, DataType.INT4, 1)
+    remap = round_up(4 * 4096 * 2, TABLE_ALIGNMENT)
+    (option,) = options["blocked"]
+    one_type = ModelSpec((TableConfig("blocked", 4096, 64, ("a", "b"), data_type="int4"),))
+    whole = EmbeddingEnumerator().enumerate(one_type, topology, {})["blocked"]
+    plain = next(o for o in whole if o.sharding_type == ShardingType.TABLE_WISE)
+    weights = table_bytes(4096, 64, DataType.INT4, 1)
+    assert option.shards[0].storage.device - plain.shards[0].storage.device == blocks + remap - weights
+    with pytest.raises(PlanError, match="'blocked' is held in precision blocks.*table_wise") as caught:
+        EmbeddingEnumerator().enumerate(spec, topology, {"blocked": ParameterConstraints(sharding_types=("row_wise",))})
+    assert caught.value.kind == PlanErrorKind.INVALID_CONSTRAINT

@@ -303,3 +303,26 @@ def test_a_block_artifact_answers_as_the_runtime(tmp_path):
     finally:
         served.close_channels()
         assert served.stop() == 0
+
+
+def test_a_sharded_block_artifact_answers_as_the_runtime_on_both_servers(server_kind, start_any, tmp_path):
+    """A block table placed table-wise on one of two CPU devices (issue 43), served by the Python server and by
+    embserve-server: every Lookup (weighted or not, empty bags) equals infer.load(...).lookup, bit for bit."""
+    from infer.artifact.export import export
+    from infer.artifact.load import load
+    from infer.config import PoolingType
+    from infer.features import SparseFeatures
+    from infer.shard.builder import shard_model
+    from infer.shard.plans import make_plan
+    from tests.modules.test_blocks import any_ids, random_request
+    from tests.shard.test_block_shards import PLACED, _quantized
+
+    spec, model, _, _ = _quantized(PoolingType.MEAN)
+    plan = make_plan(spec, 2, PLACED)
+    artifact = export(shard_model(model, plan), tmp_path / "sharded-blocks", plan=plan)
+    runtime = load(artifact)
+    stub = start_any(artifact).stub()
+    for seed, batch in enumerate([1, 7, 16]):
+        features = SparseFeatures(runtime.feature_names, *random_request(spec, batch, any_ids, seed, seed % 2 == 1))
+        response = stub.Lookup(lookup_request(features), timeout=CALL_TIMEOUT)
+        assert torch.equal(codec.decode_embeddings(response), runtime.lookup(features)), server_kind

@@ -125,11 +125,12 @@ def remap_entry(model_file: Path, lookup: Any) -> str:
     raise AssertionError("model.pt holds no entry with the remaps' bytes")
 
 
-def edit_remap(copy: Path, model: Any, feature: int, edit: Callable[[Any], None]) -> None:
-    """Apply ``edit`` to the remap that ``feature`` (its index) reads, in the copy's model.pt."""
+def edit_remap(copy: Path, model: Any, feature: int, edit: Callable[[Any], None], model_file: str = "model.pt") -> None:
+    """Apply ``edit`` to the remap that ``feature`` (its index) reads, in the copy's ``model_file`` (``model`` holds
+    ``embeddings.block_lookup``: the collection, or one device's shards)."""
     lookup = model.embeddings.block_lookup
     start, end = model.embeddings.block_lookup_offsets[feature : feature + 2].tolist()
-    name = remap_entry(copy / "model.pt", lookup)
+    name = remap_entry(copy / model_file, lookup)
     data = np.frombuffer(bytearray(lookup.numpy().astype("<i4").tobytes()), dtype="<i4").copy()
     edit(data[start:end])
-    rewrite_zip_entry(copy / "model.pt", name, data.tobytes())
+    rewrite_zip_entry(copy / model_file, name, data.tobytes())

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
+from typing import Any
 
 import torch
 
@@ -117,45 +118,71 @@ def check_model_kernels(module: torch.jit.ScriptModule, kernels: Sequence[Kernel
 
 
 def check_block_remaps(
-    module: torch.jit.ScriptModule, remaps: Sequence[RemapEntry], source: Path, spec: ModelSpec | None = None
+    module: torch.jit.ScriptModule,
+    remaps: Sequence[RemapEntry],
+    source: Path,
+    spec: ModelSpec | None = None,
+    plan: ShardingPlan | None = None,
+    layouts: Sequence[Any] | None = None,
 ) -> None:
     """The loaded model's id remaps are the manifest's (``block_remaps``: tables, rows, sha256) and each sends its
     table's ids one to one onto the blocks' rows (the blocks as ``spec``, the manifest's, states them), before any
-    lookup; ``ArtifactError(kind=MODEL)`` naming the table."""
+    lookup; ``ArtifactError(kind=MODEL)`` naming the table. A sharded model (``plan``) holds each block table's
+    remap on the one device that holds the table (table-wise), and every device's block split is the one its
+    features imply (``infer.shard.builder.device_layouts``, or the given ``layouts``: one host's part of a multi-host
+    plan, whose ``remaps`` are then the block tables that host holds)."""
     from infer.modules.collection import BlockSplit, remap_error, stored_remaps
 
-    embeddings = module.embeddings
-    names = list(getattr(embeddings, "block_table_names", []))
-    if names and not hasattr(embeddings, "block_bounds"):
-        # exported before the remap held positions (2026-11-27): its remap is in the earlier encoding
+    holders = kernel_holders(module) or [module.embeddings]
+    sharded = hasattr(module.embeddings, "shards")
+    splits: list[BlockSplit | None] = [None] * len(holders)
+    if spec is not None and plan is not None:
+        from infer.shard.builder import device_layouts
+
+        splits = [layout.split for layout in (device_layouts(spec, plan) if layouts is None else layouts)]
+    elif spec is not None:
+        splits = [BlockSplit.of(spec)]
+    held: dict[str, list[torch.Tensor]] = {}
+    twice = False
+    for holder in holders:
+        names = list(getattr(holder, "block_table_names", []))
+        if names and not hasattr(holder, "block_bounds"):
+            # exported before the remap held positions (2026-11-27): its remap is in the earlier encoding
+            raise ArtifactError(
+                f"{source} holds precision blocks of tables {names} in the id remap form of an earlier embserve (no "
+                "block_bounds); re-export the model with this version",
+                path=str(source),
+                kind=ArtifactErrorKind.MODEL,
+            )
+        for name, copies in zip(names, stored_remaps(holder) if names else []):
+            twice = twice or name in held
+            held[name] = list(copies)
+    listed = [r.table for r in remaps]
+    if set(held) != set(listed) or twice or len(held) != len(listed):
         raise ArtifactError(
-            f"{source} holds precision blocks of tables {names} in the id remap form of an earlier embserve (no "
-            "block_bounds); re-export the model with this version",
+            f"{source} holds id remaps of tables {list(held)}, {MANIFEST_FILE} lists {listed}; re-export the model",
             path=str(source),
             kind=ArtifactErrorKind.MODEL,
         )
-    held = stored_remaps(embeddings) if names else []
-    if names != [r.table for r in remaps] or len(held) != len(names):
-        raise ArtifactError(
-            f"{source} holds id remaps of tables {names}, {MANIFEST_FILE} lists {[r.table for r in remaps]}; "
-            "re-export the model",
-            path=str(source),
-            kind=ArtifactErrorKind.MODEL,
-        )
-    split_error = BlockSplit.of(spec).mismatch(embeddings) if spec is not None and names else None
-    if split_error is not None:  # the ranges the remaps are read through first, as the C++ loader
-        raise ArtifactError(
-            f"{source}: the block split's {split_error} disagrees with the manifest's tables; the model file is "
-            "corrupted, re-export it",
-            path=str(source),
-            kind=ArtifactErrorKind.MODEL,
-        )
-    for entry, copies in zip(remaps, held):
+    for index, (holder, split) in enumerate(zip(holders, splits)):
+        # the ranges the remaps are read through first, as the C++ loader; a device of a sharded model exported
+        # before block tables could be sharded has no split (it holds none)
+        checked = hasattr(holder, "has_blocks") if sharded else bool(getattr(holder, "block_table_names", []))
+        split_error = split.mismatch(holder) if split is not None and checked else None
+        if split_error is not None:
+            where = f" of kernel {index} (embeddings.shards.{index})" if sharded else ""
+            raise ArtifactError(
+                f"{source}: the block split{where}'s {split_error} disagrees with the manifest's tables; the model "
+                "file is corrupted, re-export it",
+                path=str(source),
+                kind=ArtifactErrorKind.MODEL,
+            )
+    for entry in remaps:
         table = spec.table(entry.table) if spec is not None else None
         blocks = table.blocks if table is not None else ()
         starts = [sum(b.rows for b in blocks[:j]) for j in range(len(blocks))] or [0]
-        problem = None if copies else "is missing"
-        for remap in copies:  # a table read by several features holds its remap once per feature
+        problem = None if held[entry.table] else "is missing"
+        for remap in held[entry.table]:  # a table read by several features holds its remap once per feature
             problem = problem or remap_error(remap, entry.rows, starts)
             if problem is None and remap.dtype != torch.int32:
                 problem = f"is {remap.dtype}, not int32"
