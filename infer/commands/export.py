@@ -124,12 +124,13 @@ def _stated_pooling(spec: ModelSpec, args: argparse.Namespace) -> ModelSpec:
 
 
 def _streams(args: argparse.Namespace, plan: ShardingPlan | None, spec: ModelSpec) -> bool:
-    """A mapped export of one CPU host without ONNX or pt2 streams its tables (never holds them all); a sharded
-    model with tables in precision blocks is exported in memory (the streamed writer places blocks unsharded)."""
+    """A mapped export of one CPU host without ONNX or pt2 streams its tables (never holds them all); a model with
+    tables in precision blocks sharded over several devices is exported in memory (the streamed writer places
+    blocks unsharded; on one device the plan is only printed)."""
     one_cpu_host = plan is None or (
         not plan.topology.is_cuda and plan.topology.local_world_size >= plan.topology.world_size
     )
-    sharded_blocks = plan is not None and bool(spec.block_tables)
+    sharded_blocks = plan is not None and plan.topology.world_size > 1 and bool(spec.block_tables)
     return args.weights_format == "mapped" and not args.onnx and not args.pt2 and one_cpu_host and not sharded_blocks
 
 
