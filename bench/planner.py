@@ -228,14 +228,15 @@ def precision_cases(examples: int = 1000, budget_gb: float = 16.0) -> list[dict[
     return cases
 
 
-def block_cases(examples: int = 400000, budget_gb: float = 16.0, three_blocks: bool = False) -> list[dict[str, object]]:
+def block_cases(examples: int = 1_000_000, budget_gb: float = 16.0, three_blocks: bool = False) -> list[dict[str, object]]:
     """Issue 43: the planner choosing precision blocks (a hot block precise, the rest small) on DLRM-v2's shapes
     with Zipf(1.05) ids, at uniform INT4's bytes and at 16 GB: error against uniform INT4 and the whole-table
     optimum, and the planner's seconds (hot shares, options, MILP). The targets are judged on the generating
     traffic (``ratio_chosen_to_uniform_int4_on_traffic``): the planner's own figure is its cross-validated estimate,
     rows ranked on half the sample, and lies above what the served ranking (the whole sample's) gets. How many hot
-    rows a sample can rank is what limits blocks here: measured with the 1.25-byte remap, 100k examples 0.34x /
-    200k 0.315x / 400k 0.287x uniform INT4's error at its bytes, and 0.2375x with the true Zipf shares."""
+    rows a sample can rank is what limits blocks here (measured on traffic at uniform INT4's bytes: 20k examples
+    0.39x, 100k 0.36x, 400k 0.31x, 1M 0.29x; 0.2385x with the true Zipf shares). A packed 1.25-byte remap in place
+    of the dense 4-byte one reaches 0.287x at 400k examples but costs lookups (branch blockcode, issue 43's note)."""
 
     from infer.planner.blocks import block_problem
     from infer.planner.precision import choose_exact, choose_uniform, precision_problem
@@ -721,7 +722,7 @@ def main() -> int:
     parser.add_argument("--precision", action="store_true", help="the precision planner on DLRM-v2's shapes")
     parser.add_argument("--eval", action="store_true", help="the precision planner by log loss on a trained DLRM")
     parser.add_argument("--blocks", action="store_true", help="the precision planner with blocks (issue 43)")
-    parser.add_argument("--examples", type=int, default=400000, help="--blocks: examples of sampled ids")
+    parser.add_argument("--examples", type=int, default=1_000_000, help="--blocks: examples of sampled ids")
     parser.add_argument(
         "--three-blocks", action="store_true", help="--blocks: also price three-block options (and --eval)"
     )
