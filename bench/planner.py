@@ -228,7 +228,7 @@ def precision_cases(examples: int = 1000, budget_gb: float = 16.0) -> list[dict[
     return cases
 
 
-def block_cases(examples: int = 1_000_000, budget_gb: float = 16.0, three_blocks: bool = False) -> list[dict[str, object]]:
+def block_cases(examples: int = 10**6, budget_gb: float = 16.0, three_blocks: bool = False) -> list[dict[str, object]]:
     """Issue 43: the planner choosing precision blocks (a hot block precise, the rest small) on DLRM-v2's shapes
     with Zipf(1.05) ids, at uniform INT4's bytes and at 16 GB: error against uniform INT4 and the whole-table
     optimum, and the planner's seconds (hot shares, options, MILP). The targets are judged on the generating
