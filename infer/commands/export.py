@@ -235,7 +235,8 @@ def _plan_blocks(
     """The spec with the precision blocks the plan chose (its ``planner.precision`` record), and each block
     table's rows ranked as the plan priced them (what ``quantize`` fills the blocks with): hottest first by
     --sample-ids, or largest range first by the rows themselves (``infer.planner.row_ranges``); none: unchanged."""
-    from infer.planner.row_ranges import RANKED_BY_RANGES, ranking_of
+    from infer.planner.blocks import RANKED_BY_RANGES
+    from infer.planner.row_ranges import ranking_of
 
     rows = ((plan.planner.get("precision") or {}).get("tables") or []) if plan is not None else []
     chosen = {row["table"]: row["blocks"] for row in rows if row.get("blocks")}

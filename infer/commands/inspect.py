@@ -93,8 +93,9 @@ def cmd_inspect(args: argparse.Namespace) -> int:
 
 
 def _print_blocks(spec: ModelSpec) -> None:
-    """``inspect``: each table held in precision blocks (issue 43), its blocks hottest first with rows and bytes, and
-    its id remap's bytes (one int32 a row per feature)."""
+    """``inspect``: each table held in precision blocks (issue 43), its blocks most precise first (the rows ranked
+    first: most read by a sample, or of largest range) with rows and bytes, and its id remap's bytes (one int32 a
+    row per feature)."""
     from infer.planner.blocks import remap_bytes
     from infer.planner.utils import format_bytes
     from infer.quant.rowwise import CPU_ROW_ALIGNMENT, table_bytes
@@ -108,7 +109,7 @@ def _print_blocks(spec: ModelSpec) -> None:
             for b in t.blocks
         ]
         remap = format_bytes(remap_bytes(t))
-        print(f"{'':<16} {t.name} in blocks, hottest first: {', '.join(parts)}; id remap {remap}")
+        print(f"{'':<16} {t.name} in blocks, precise first: {', '.join(parts)}; id remap {remap}")
 
 
 def add_parser(sub: Any) -> None:

@@ -23,7 +23,6 @@ from infer.config import DataType, ModelSpec, RowBlock, TableConfig
 from infer.errors import PlanError, PlanErrorKind
 from infer.planner.access import AccessSample
 from infer.planner.precision import DtypeOption, PrecisionChoice, TableChoices, precision_problem
-from infer.planner.row_ranges import RANKED_BY_RANGES, RANKED_BY_SAMPLE
 from infer.planner.types import ParameterConstraints
 from infer.quant.blocks import rank_rows
 from infer.quant.measured_error import TableError
@@ -34,6 +33,9 @@ REMAP_BYTES_PER_ROW = 4
 # read counts per row in table-sized arrays when the sample holds one id per this many rows or more (a scatter
 # into the table's rows is then cheaper than sorting the ids)
 DENSE_COUNT_ROWS_PER_ID = 2
+# what ranks a block table's rows (the plan's record of each block table says which)
+RANKED_BY_SAMPLE = "sample ids"
+RANKED_BY_RANGES = "row ranges"
 # hot-block sizes tried: the table's rows halved this many times (and never below one row)
 HOT_SIZE_HALVINGS = 24
 

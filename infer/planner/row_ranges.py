@@ -26,6 +26,7 @@ import numpy as np
 import torch
 
 from infer.errors import WeightsError
+from infer.planner.blocks import RANKED_BY_SAMPLE, hot_sizes_of
 
 if TYPE_CHECKING:
     from infer.config import ModelSpec, TableConfig
@@ -34,9 +35,6 @@ if TYPE_CHECKING:
 
 logger = logging.getLogger(__name__)
 
-# what ranks a block table's rows (the plan's record of each block table says which)
-RANKED_BY_SAMPLE = "sample ids"
-RANKED_BY_RANGES = "row ranges"
 # rows read at a time: about this many bytes of fp32 rows
 CHUNK_BYTES = 64 << 20
 
@@ -111,8 +109,6 @@ def range_access(
     """Per table the sample does not rank (``ranked_by_sample``) with more than one row, limited to ``tables`` when
     given: ``h_k`` at the planner's hot sizes (``infer.planner.blocks.hot_sizes_of``), from one pass over its
     rows. What ``block_problem`` takes as ``range_shares``."""
-    from infer.planner.blocks import hot_sizes_of
-
     started = time.monotonic()
     shares: dict[str, np.ndarray] = {}
     for table in spec.tables:

@@ -153,7 +153,8 @@ def format_precision(precision: Mapping[str, Any], frontier: bool = False) -> st
 def _block_order(row: Mapping[str, Any]) -> str:
     """How a block table's rows were ranked, as the stats say it: by sampled reads (hottest first) or, with no
     sample of the table, by the rows' ranges (``infer.planner.row_ranges``)."""
-    from infer.planner.row_ranges import RANKED_BY_RANGES, ranking_of
+    from infer.planner.blocks import RANKED_BY_RANGES
+    from infer.planner.row_ranges import ranking_of
 
     if ranking_of(row) == RANKED_BY_RANGES:
         return "largest rows first (ranked by row ranges: no sampled ids, reads uniform over rows)"

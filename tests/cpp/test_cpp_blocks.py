@@ -71,10 +71,16 @@ def test_block_artifact_answers_as_python(pooling, weights, embserve_run, mean_m
         spec, _, orders, artifact = mean_mapped
     else:
         spec, _, orders, artifact = _blocked(pooling, tmp_path / "a", weights)
-    requests = _requests(spec, orders)
+    assert load(artifact).spec.block_tables == ("blocked", "two")
+    _answers_as_python(embserve_run, artifact, _requests(spec, orders), tmp_path)
+
+
+def _answers_as_python(embserve_run: Path, artifact: Path, requests: list, tmp_path: Path) -> None:
+    """``embserve_run`` on ``requests``, checked (Model::lookup) and ``--unchecked`` (the server's entry, which
+    keeps the TorchScript path for blocks: the direct kernel call does not remap), answers bit for bit as
+    ``infer.load(artifact).lookup``."""
     write_requests(tmp_path / "requests.bin", requests)
     runtime = load(artifact)
-    assert runtime.spec.block_tables == ("blocked", "two")
     expected = [runtime.lookup(SparseFeatures(runtime.feature_names, v, n, w)) for v, n, w in requests]
     for flags in ([], ["--unchecked"]):
         out = tmp_path / f"out{len(flags)}.bin"
@@ -273,22 +279,7 @@ def test_a_sharded_block_artifact_answers_as_python(sharded_blocks, embserve_run
             spec, 2, {"plain": (ShardingType.ROW_WISE, (0, 1)), "blocked": (ShardingType.TABLE_WISE, (1,))}
         )
         artifact = export(shard_model(model, plan), tmp_path / "views", plan=plan, weights="embedded")
-    requests = _requests(spec, orders)
-    write_requests(tmp_path / "requests.bin", requests)
-    runtime = load(artifact)
-    expected = [runtime.lookup(SparseFeatures(runtime.feature_names, v, n, w)) for v, n, w in requests]
-    for flags in ([], ["--unchecked"]):
-        out = tmp_path / f"out{len(flags)}.bin"
-        result = subprocess.run(
-            [str(embserve_run), str(artifact), "--requests", str(tmp_path / "requests.bin"), "--out", str(out), *flags],
-            capture_output=True,
-            text=True,
-            timeout=300,
-        )
-        assert result.returncode == 0, result.stderr
-        for want, response in zip(expected, read_responses(out), strict=True):
-            assert response.ok, response.message
-            assert response.output is not None and torch.equal(response.output, want)
+    _answers_as_python(embserve_run, artifact, _requests(spec, orders), tmp_path)
 
 
 def test_tampered_shard_remaps_splits_and_plans_are_typed_errors_in_both_loaders(

@@ -53,7 +53,7 @@ def test_export_with_a_budget_and_sample_ids_holds_tables_in_blocks(tmp_path, ca
     assert "--sample-ids" in capsys.readouterr().err
     assert main(["inspect", str(art)]) == 0
     shown = capsys.readouterr().out
-    assert "big in blocks, hottest first:" in shown and "id remap" in shown
+    assert "big in blocks, precise first:" in shown and "id remap" in shown
 
     runtime = load(art)
     big = runtime.spec.table("big")

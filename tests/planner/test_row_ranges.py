@@ -15,11 +15,9 @@ from infer.cli import main
 from infer.config import DataType, ModelSpec, RowBlock, TableConfig
 from infer.errors import WeightsError
 from infer.planner.access import sample_from_ids
-from infer.planner.blocks import block_problem, hot_sizes_of
+from infer.planner.blocks import RANKED_BY_RANGES, RANKED_BY_SAMPLE, block_problem, hot_sizes_of
 from infer.planner.precision import plan_precision
 from infer.planner.row_ranges import (
-    RANKED_BY_RANGES,
-    RANKED_BY_SAMPLE,
     block_orders_from_ranges,
     range_access,
     range_shares,
