@@ -26,7 +26,7 @@ import logging
 import warnings
 from collections.abc import Callable, Sequence
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeVar
 
 import torch
 
@@ -48,6 +48,8 @@ from infer.errors import ArtifactError, ArtifactErrorKind, RequestError
 from infer.features import SparseFeatures, check_dense_features, check_tensor
 
 logger = logging.getLogger(__name__)
+
+T = TypeVar("T")
 
 BACKEND = "pt2"
 MODEL = ArtifactErrorKind.MODEL
@@ -134,16 +136,22 @@ def _borrowed(view: torch.Tensor) -> torch.Tensor:
         return torch.frombuffer(array, dtype=torch.uint8)
 
 
-def check_block_remaps(lookup: Any, manifest: Manifest, package: Path) -> None:
-    """The id remaps compiled into the lookup program (its metadata, ``pt2_program.BLOCK_REMAPS_KEY``: table ->
-    sha256) are the manifest's ``block_remaps``, table for table; else ``ArtifactError`` (kind MODEL) naming the
-    first table that differs and the fix. (A flipped byte inside model.pt2 is its checksum's to catch.)"""
+def read_metadata(lookup: Any, key: str, read: Callable[[str], T], package: Path) -> T:
+    """The program's metadata entry ``key`` (empty when absent) parsed by ``read``; a malformed one is an
+    ``ArtifactError`` (kind MODEL) naming the package and the fix."""
     try:
-        compiled = read_block_remaps(lookup.get_metadata().get(BLOCK_REMAPS_KEY, ""))
+        return read(lookup.get_metadata().get(key, ""))
     except ValueError as err:
         raise ArtifactError(
             f"{package}: {err}; re-export the artifact with --pt2", path=str(package), kind=MODEL
         ) from None
+
+
+def check_block_remaps(lookup: Any, manifest: Manifest, package: Path) -> None:
+    """The id remaps compiled into the lookup program (its metadata, ``pt2_program.BLOCK_REMAPS_KEY``: table ->
+    sha256) are the manifest's ``block_remaps``, table for table; else ``ArtifactError`` (kind MODEL) naming the
+    first table that differs and the fix. (A flipped byte inside model.pt2 is its checksum's to catch.)"""
+    compiled = read_metadata(lookup, BLOCK_REMAPS_KEY, read_block_remaps, package)
     listed = {entry.table: entry.sha256 for entry in manifest.block_remaps}
     for table in sorted(set(listed) | set(compiled)):
         if listed.get(table) != compiled.get(table):
@@ -163,12 +171,7 @@ def attach_weight_constants(lookup: Any, folder: Path, manifest: Manifest, packa
     metadata asks (``pt2_program.WEIGHT_CONSTANTS_KEY``); returns the mappings, which must outlive the program.
     A package that carries its tables (no such metadata) gets nothing. ``ArtifactError`` (kind MODEL, naming the
     file and the fix) when the package and the manifest disagree."""
-    try:
-        wanted = read_weight_constants(lookup.get_metadata().get(WEIGHT_CONSTANTS_KEY, ""))
-    except ValueError as err:
-        raise ArtifactError(
-            f"{package}: {err}; re-export the artifact with --pt2", path=str(package), kind=MODEL
-        ) from None
+    wanted = read_metadata(lookup, WEIGHT_CONSTANTS_KEY, read_weight_constants, package)
     assert manifest.pt2 is not None
     in_weight_files = manifest.pt2.tables == PT2_TABLES_IN_WEIGHT_FILES
     if bool(wanted) != in_weight_files:
