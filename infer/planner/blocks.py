@@ -15,6 +15,7 @@ carry (``infer.planner.row_ranges``, handed in as ``range_shares``); with neithe
 from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
+from concurrent.futures import ThreadPoolExecutor
 
 import numpy as np
 import torch
@@ -68,10 +69,17 @@ def hot_shares(ids: np.ndarray, rows: int, hot_sizes: Sequence[int]) -> np.ndarr
 def read_counts(ids: np.ndarray, rows: int) -> tuple[np.ndarray, np.ndarray]:
     """Each row's reads in the even and in the odd positions of ``ids``, over a common row order (ids ascending):
     table-sized counts when the sample reads at least one id per ``DENSE_COUNT_ROWS_PER_ID`` rows (one scatter
-    each, no sort), else per distinct id (one sort of the ids with their half in the low bit)."""
+    each, no sort; the two halves on two threads: torch's bincount lets go of the GIL, numpy's does not), else per
+    distinct id (one sort of the ids with their half in the low bit)."""
     ids = np.asarray(ids, dtype=np.int64)
     if ids.size * DENSE_COUNT_ROWS_PER_ID >= rows:
-        return np.bincount(ids[0::2], minlength=rows), np.bincount(ids[1::2], minlength=rows)
+
+        def half(parity: int) -> np.ndarray:
+            return torch.bincount(torch.from_numpy(ids[parity::2]), minlength=rows).numpy()
+
+        with ThreadPoolExecutor(2) as pool:
+            even, odd = pool.map(half, (0, 1))
+        return even, odd
     keys = np.sort((ids << 1) | (np.arange(ids.size, dtype=np.int64) & 1))
     odd = (keys & 1).astype(np.int64)
     starts = np.flatnonzero(np.concatenate([[True], (keys[1:] >> 1) != (keys[:-1] >> 1)]))
@@ -213,16 +221,24 @@ def block_problem(
     constraints = constraints or {}
     whole = precision_problem(spec, measured, constraints, sample, row_alignment)
     by_name = {m.table: m for m in measured}
+    none = np.zeros(0, dtype=np.int64)
+    ids_of = {t.name: sample_order(sample, t) if sample is not None else none for t in spec.tables}
+    rankings = {t.name: _ranking(ids_of[t.name], t, range_shares) for t in spec.tables}
+    priced = [
+        t for t in spec.tables
+        if constraints.get(t.name, ParameterConstraints()).data_type is None and rankings[t.name]
+        and t.num_embeddings > 1
+    ]  # fmt: skip
+    sampled = sampled_shares([t for t in priced if rankings[t.name] == RANKED_BY_SAMPLE], ids_of)
+    priced_names = {t.name for t in priced}
     problem = []
     for table, choices in zip(spec.tables, whole):
-        table_constraints = constraints.get(table.name, ParameterConstraints())
         options = list(choices.options)
-        ids = sample_order(sample, table) if sample is not None else np.zeros(0, dtype=np.int64)
-        ranked = _ranking(ids, table, range_shares)
-        if table_constraints.data_type is None and ranked and table.num_embeddings > 1:
+        ranked = rankings[table.name]
+        if table.name in priced_names:
             sizes = hot_sizes_of(table.num_embeddings)
             if ranked == RANKED_BY_SAMPLE:
-                shares = hot_shares(ids, table.num_embeddings, sizes)
+                shares = sampled[table.name]
             else:
                 shares = np.asarray((range_shares or {})[table.name], dtype=np.float64)
             types = [o.data_type for o in choices.options]
@@ -235,6 +251,18 @@ def block_problem(
         kept = kept if prune else tuple(sorted(options, key=lambda o: (o.bytes, o.error)))
         problem.append(TableChoices(choices.table, choices.weight, choices.declared, kept, ranked))
     return tuple(problem)
+
+
+def sampled_shares(tables: Sequence[TableConfig], ids_of: Mapping[str, np.ndarray]) -> dict[str, np.ndarray]:
+    """``hot_shares`` of each of ``tables`` at ``hot_sizes_of``, two tables at a time, most sampled ids first
+    (numpy's sorts and torch's bincount let go of the GIL: counting a large sample is most of the planner's time)."""
+
+    def shares(table: TableConfig) -> np.ndarray:
+        return hot_shares(ids_of[table.name], table.num_embeddings, hot_sizes_of(table.num_embeddings))
+
+    ordered = sorted(tables, key=lambda t: -ids_of[t.name].size)
+    with ThreadPoolExecutor(2) as pool:
+        return {t.name: s for t, s in zip(ordered, pool.map(shares, ordered))}
 
 
 def _ranking(ids: np.ndarray, table: TableConfig, range_shares: Mapping[str, np.ndarray] | None) -> str:
