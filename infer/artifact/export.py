@@ -69,7 +69,7 @@ def staged(out_dir: Path) -> Iterator[Path]:
         raise
 
 
-def refuse_blocks(spec: Any, plan: ShardingPlan | None, onnx: bool) -> None:
+def refuse_blocks(spec: Any, onnx: bool) -> None:
     """``ConfigError`` naming the first table held in precision blocks when the export asks for a form that does
     not serve blocks yet (ONNX), and the flag to drop. (pt2 serves them: ``BlockSplitCall``; a sharded model too,
     each block table table-wise on one device: ``infer.shard.builder.check_plan``.)"""
@@ -114,7 +114,7 @@ def export(
     device (``load(path, backend="pt2")``, and the C++ loader's pt2 backend); compiling takes about a minute.
     Unsharded models and table-wise, column-wise and replicated shards (row-wise: ``ConfigError``); a dense
     part is a second program in the same package. Tables in precision blocks are split inside the program, as
-    model.pt splits them (ONNX and sharding refuse them: ``refuse_blocks``).
+    model.pt splits them (ONNX refuses them: ``refuse_blocks``).
 
     A dense part that records the pooled layout it was trained on (``infer.from_torchrec``) is checked against
     the spec (``ConfigError`` naming the table and what differs: order, pooling, dim, columns) and the layout is
@@ -133,7 +133,7 @@ def export(
     if not isinstance(model, EmbserveModel):
         raise ConfigError(f"export takes the model returned by infer.quantize(), got {type(model).__name__}")
     check_weights_format(weights)
-    refuse_blocks(model.spec, plan, onnx)
+    refuse_blocks(model.spec, onnx)
     out_dir = output_folder(out_dir)
     dense_expects = checked_layout(model.spec, model.dense_arch if model.has_dense else None)
     if model.has_dense:

@@ -28,7 +28,7 @@ from typing import Any
 
 import torch
 
-from infer.artifact.export import check_dense_part, output_folder, refuse_blocks, staged, write_manifest
+from infer.artifact.export import check_dense_part, output_folder, staged, write_manifest
 from infer.artifact.formats.torchscript import save_structure, script_model
 from infer.artifact.kernels import Kernel, expected_kernels, model_tbes
 from infer.artifact.manifest import MAPPED_FORMAT_VERSION, FileEntry
@@ -106,7 +106,6 @@ def export_streaming(
     if chunk_bytes < 1:
         raise ConfigError(f"chunk_bytes must be positive, got {chunk_bytes}")
     spec.require_stated_pooling()
-    refuse_blocks(spec, plan, onnx=False)
     if plan is not None and spec.block_tables:
         raise ConfigError(
             f"table {spec.block_tables[0]!r} is held in precision blocks, which a streamed sharded export does not "

@@ -123,7 +123,9 @@ def _precision_plan(
     device_budgets = planner.device_budgets(spec, constraints) if joint else None
     blocks = None
     if _blocks_allowed(args, topology):
-        serves = _output_serves_blocks(args)
+        # ONNX does not serve blocks (``refuse_blocks``): with --sample-ids the blocks were asked for and such an
+        # export is refused naming the flag; with a budget alone the rows' ranges rank none and whole tables are kept
+        serves = not getattr(args, "onnx", False)
         why = "" if serves else "the --onnx form asked for does not serve blocks"
         blocks = _block_pricing(spec, tables if serves else None, sample, constraints, why)
     precision = plan_precision(spec, measured, budget, args.error_budget, constraints, sample, topology.row_alignment,
@@ -159,22 +161,6 @@ def _blocks_allowed(args: argparse.Namespace, topology: Topology) -> bool:
     rows' ranges (``_block_pricing``; a multi-host export ranks block tables by sampled ids only)."""
     one_host = topology.local_world_size >= topology.world_size
     return not getattr(args, "eval", None) and (one_host or bool(getattr(args, "sample_ids", None)))
-
-
-def _output_serves_blocks(args: argparse.Namespace) -> bool:
-    """Whether the forms the export writes (--onnx) serve tables in precision blocks, as the exporter says
-    (``refuse_blocks`` on a one-table probe). The rows' ranges rank blocks only then: with --sample-ids the blocks
-    were asked for and such an export is refused naming the flag, with a budget alone whole tables are kept."""
-    from infer.artifact.export import refuse_blocks
-    from infer.config import DataType, ModelSpec, RowBlock, TableConfig
-
-    blocks = (RowBlock(1, DataType.INT8), RowBlock(1, DataType.INT4))
-    probe = ModelSpec((TableConfig("probe", 2, 4, ("probe",), blocks=blocks),))
-    try:
-        refuse_blocks(probe, None, bool(getattr(args, "onnx", False)))
-    except ConfigError:
-        return False
-    return True
 
 
 def _block_pricing(

@@ -129,11 +129,8 @@ def two_block_options(table: TableConfig, sizes: Sequence[int], shares: np.ndarr
     nbytes = (-(-hot * row_a // TABLE_ALIGNMENT) - (-(rows - hot) * row_b // TABLE_ALIGNMENT)) * TABLE_ALIGNMENT
     nbytes = (nbytes + remap_bytes(table)).ravel()
     errors = np.sqrt(share * err_a**2 + (1 - share) * err_b**2).ravel()
-    picks = np.arange(nbytes.size)
-    if prune:  # a dominated option never wins the MILP (``pareto``)
-        order = np.lexsort((errors, nbytes))
-        running = np.minimum.accumulate(errors[order])
-        picks = np.sort(order[np.concatenate([[True], errors[order][1:] < running[:-1]])])
+    # a dominated option never wins the MILP (``pareto``)
+    picks = np.sort(pareto_front(nbytes, errors)) if prune else np.arange(nbytes.size)
     out = []
     for i in picks.tolist():
         k, (a, b) = int(hot[i // len(pairs), 0]), pairs[i % len(pairs)]
@@ -176,9 +173,7 @@ def three_block_options(table: TableConfig, sizes: Sequence[int], shares: np.nda
         return []
     nbytes = np.concatenate(bytes_all)
     errors = np.concatenate(errors_all)
-    order = np.lexsort((errors, nbytes))
-    running = np.minimum.accumulate(errors[order])
-    front = order[np.concatenate([[True], running[1:] < running[:-1]])]
+    front = pareto_front(nbytes, errors)
     out = []
     for i in front:
         a, b, c, x, y = picks[int(i)]
@@ -190,6 +185,14 @@ def three_block_options(table: TableConfig, sizes: Sequence[int], shares: np.nda
         )
         out.append(DtypeOption(c, size, float(errors[i]), (RowBlock(x, a), RowBlock(y - x, b), RowBlock(rows - y, c))))
     return out
+
+
+def pareto_front(nbytes: np.ndarray, errors: np.ndarray) -> np.ndarray:
+    """``pareto`` on arrays: the indices of the options no other beats on both bytes and error, fewest bytes first
+    (ties in bytes: least error)."""
+    order = np.lexsort((errors, nbytes))
+    running = np.minimum.accumulate(errors[order])
+    return order[np.concatenate([[True], errors[order][1:] < running[:-1]])]
 
 
 def pareto(options: Sequence[DtypeOption]) -> tuple[DtypeOption, ...]:
