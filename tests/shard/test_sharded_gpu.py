@@ -54,3 +54,31 @@ def test_cuda_artifact_loads_on_cpu_with_a_device_map(tmp_path):
     runtime = load(path, device_map={"cuda:0": "cpu"})
     batch = random_batch(spec, 8)
     assert torch.allclose(runtime.lookup(batch), model(batch.values, batch.lengths, None), rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("pooling", [PoolingType.SUM, PoolingType.MEAN], ids=["sum", "mean"])
+def test_a_block_table_on_cuda_unsharded_and_table_wise_matches_the_dequantized_blocks(pooling):
+    """A table in precision blocks on cuda:0 and, sharded table-wise, on the last GPU beside a plain table on cuda:0:
+    both answer as fp32 ``embedding_bag`` over the table dequantized block by block (CUDA_TOLERANCE), every id hot,
+    every id cold and any id, weighted, with empty bags."""
+    from tests.modules.test_blocks import any_ids, cold_ids, hot_ids, random_request, reference
+    from tests.shard.test_block_shards import _quantized
+
+    world = _gpus()
+    spec, model, tables, orders = _quantized(pooling)
+    weights = random_weights(spec, seed=21)  # the weights _quantized quantized
+    on_cuda = quantize(spec, weights, device="cuda:0", block_orders=orders)
+    placed = {"plain": (ShardingType.TABLE_WISE, (0,)), "blocked": (ShardingType.TABLE_WISE, (world - 1,))}
+    sharded = shard_model(model, make_plan(spec, world, placed, ComputeDevice.CUDA))
+    devices = [str(s.tbe.weights_dev.device) for s in sharded.embeddings.shards if s.block_table_names]
+    assert devices == [f"cuda:{world - 1}"]
+    assert all(s.tbe.row_alignment == 16 for s in sharded.embeddings.shards)
+    for seed, pick in enumerate((hot_ids(orders), cold_ids(orders), any_ids)):
+        values, lengths, bag_weights = random_request(spec, 24, pick, seed=60 + seed, weighted=True)
+        expected = reference(spec, tables, values, lengths, bag_weights)
+        with torch.no_grad():
+            unsharded = on_cuda(values.cuda(), lengths.cuda(), bag_weights.cuda()).cpu()
+            got = sharded(values, lengths, bag_weights).cpu()
+        assert torch.allclose(unsharded, expected, rtol=CUDA_TOLERANCE, atol=CUDA_TOLERANCE)
+        assert torch.allclose(got, expected, rtol=CUDA_TOLERANCE, atol=CUDA_TOLERANCE)
