@@ -23,6 +23,7 @@ logger = logging.getLogger(__name__)
 def cmd_export(args: argparse.Namespace) -> int:
     from infer.artifact.export import export
     from infer.config import ModelSpec
+    from infer.planner.row_ranges import KeptRanges
     from infer.quant.accuracy import accuracy_report, format_accuracy
     from infer.quant.quantize import quantize
     from infer.storage.sources import read_tables
@@ -33,7 +34,9 @@ def cmd_export(args: argparse.Namespace) -> int:
     overrides = _parse_table_dtypes(args.table_dtype)
     spec = _stated_pooling(ModelSpec.load(args.spec).with_data_types(args.dtype, overrides), args)
     # the precision planner measures each table's error on its rows: the tables are needed before the plan
-    plan = _export_plan(args, spec, _export_source(args, spec) if _wants_precision(args) else None)
+    # the rows' ranges read to price blocks are kept for ranking the block tables the plan chooses (one pass)
+    planned_from = KeptRanges(_export_source(args, spec)) if _wants_precision(args) else None
+    plan = _export_plan(args, spec, planned_from)
     if plan is not None:
         source = f"the plan {args.plan!r}" if args.plan else f"the plan made with --constraints {args.constraints!r}"
         _check_plan_data_types(plan, args.dtype, overrides, source)
@@ -50,7 +53,9 @@ def cmd_export(args: argparse.Namespace) -> int:
                     table.data_type.value,
                 )
         spec = spec.with_data_types(overrides={t.table: t.data_type for t in plan.tables})
-    spec, block_orders = _plan_blocks(args, spec, plan)
+    spec, block_orders = _plan_blocks(args, spec, plan, planned_from)
+    if planned_from is not None:
+        planned_from.release()
     # inputs are checked in the order the pipeline uses them: spec, plan, tables, then the dense part
     _check_dense_flags(spec, args.dense_arch, args.no_dense, args.spec)
     tables = _export_source(args, spec)
@@ -230,11 +235,12 @@ def _export_source(args: argparse.Namespace, spec: ModelSpec) -> TableSource:
 
 
 def _plan_blocks(
-    args: argparse.Namespace, spec: ModelSpec, plan: ShardingPlan | None
+    args: argparse.Namespace, spec: ModelSpec, plan: ShardingPlan | None, planned_from: TableSource | None = None
 ) -> tuple[ModelSpec, dict[str, Any] | None]:
     """The spec with the precision blocks the plan chose (its ``planner.precision`` record), and each block
     table's rows ranked as the plan priced them (what ``quantize`` fills the blocks with): hottest first by
-    --sample-ids, or largest range first by the rows themselves (``infer.planner.row_ranges``); none: unchanged."""
+    --sample-ids, or largest range first by the rows themselves (``infer.planner.row_ranges``: from the ranges the
+    plan was made with when ``planned_from`` kept them); none: unchanged."""
     from infer.planner.blocks import RANKED_BY_RANGES
     from infer.planner.row_ranges import ranking_of
 
@@ -257,7 +263,8 @@ def _plan_blocks(
     tables = tuple(t.with_blocks([(b["rows"], b["data_type"]) for b in chosen[t.name]]) if t.name in chosen else t
                    for t in spec.tables)  # fmt: skip
     spec = ModelSpec(tables, spec.num_dense_features, spec.dense_arch)
-    orders = block_orders_from_ranges(spec, _export_source(args, spec), by_ranges) if by_ranges else {}
+    ranked_from = planned_from if planned_from is not None else _export_source(args, spec)
+    orders = block_orders_from_ranges(spec, ranked_from, by_ranges) if by_ranges else {}
     if by_sample:
         orders |= block_orders_from_sample(spec, load_sample_ids(args.sample_ids, spec), by_sample)
     return spec, orders

@@ -11,8 +11,10 @@ of the large rows takes most of the error. Rows of one scale (iid ``N(0, 1)``) g
 and blocks that do not pay.
 
 Each table is read once, a chunk of rows at a time (a mapped or streaming source is never loaded whole); the planner
-keeps only the shares at its hot sizes, and export ranks the block tables' rows again from the same ranges (largest
-first, ties in id order), so the exported blocks hold the rows the planner priced.
+keeps only the shares at its hot sizes, and export ranks the block tables' rows from the same ranges (largest first,
+ties in id order), so the exported blocks hold the rows the planner priced. Through a ``KeptRanges`` source (what
+``embserve export`` plans with) the ranges read for the plan are the ones export ranks by: a block table's rows are
+not read a second time for them.
 """
 
 from __future__ import annotations
@@ -37,6 +39,41 @@ logger = logging.getLogger(__name__)
 
 # rows read at a time: about this many bytes of fp32 rows
 CHUNK_BYTES = 64 << 20
+
+
+class KeptRanges:
+    """A table source that keeps each table's rows' ranges once ``range_access`` has read them, so that the export
+    which planned with it ranks the chosen block tables (``block_orders_from_ranges``) without another pass over their
+    rows. Holds 4 bytes a row of every table priced by its ranges until ``release``."""
+
+    def __init__(self, source: TableSource) -> None:
+        self.source = source
+        self.origin = source.origin
+        self.kept: dict[str, np.ndarray] = {}
+
+    def names(self) -> Sequence[str]:
+        return self.source.names()
+
+    def table_info(self, name: str) -> tuple[tuple[int, ...], torch.dtype]:
+        return self.source.table_info(name)
+
+    def read_rows(self, name: str, start: int, end: int) -> torch.Tensor:
+        return self.source.read_rows(name, start, end)
+
+    def ranges(self, table: TableConfig) -> np.ndarray:
+        """``row_ranges`` of ``table``, read once."""
+        held = self.kept.get(table.name)
+        if held is None or held.size != table.num_embeddings:
+            held = self.kept[table.name] = row_ranges(self.source, table)
+        return held
+
+    def release(self) -> None:
+        """Let the kept ranges go."""
+        self.kept.clear()
+
+
+def _ranges_of(source: TableSource, table: TableConfig) -> np.ndarray:
+    return source.ranges(table) if isinstance(source, KeptRanges) else row_ranges(source, table)
 
 
 def ranked_by_sample(sample: AccessSample | None, table: TableConfig) -> bool:
@@ -116,7 +153,7 @@ def range_access(
             continue
         if ranked_by_sample(sample, table):
             continue
-        shares[table.name] = range_shares(row_ranges(source, table), hot_sizes_of(table.num_embeddings))
+        shares[table.name] = range_shares(_ranges_of(source, table), hot_sizes_of(table.num_embeddings))
     logger.info("row ranges of %d tables read in %.2fs", len(shares), time.monotonic() - started)
     return shares
 
@@ -129,7 +166,7 @@ def block_orders_from_ranges(
     out = {}
     for name in (t for t in spec.block_tables if tables is None or t in tables):
         table = spec.table(name)
-        out[name] = rank_by_range(row_ranges(source, table), table.num_embeddings - table.blocks[-1].rows)
+        out[name] = rank_by_range(_ranges_of(source, table), table.num_embeddings - table.blocks[-1].rows)
     return out
 
 

@@ -200,3 +200,35 @@ def test_ranking_only_the_precise_blocks_equals_the_full_ranking_there(ranked):
     assert sorted(part.tolist()) == list(range(12))
     assert part[:ranked].tolist() == full[:ranked].tolist()
     assert part[ranked:].tolist() == sorted(part[ranked:].tolist())  # the rest (the cold block) in id order
+
+
+def test_export_with_a_budget_alone_reads_each_tables_ranges_once(tmp_path, monkeypatch, capsys):
+    """``embserve export --memory-budget --weights`` (no ids) ranks the block tables it chose by the ranges it read
+    to plan them: one pass over each table's rows for ranges, not one for the plan and another for the ranking."""
+    import infer.planner.row_ranges as ranges_module
+
+    spec = ModelSpec(
+        (
+            TableConfig("big", ROWS, DIM, ("fb",), pooling="sum"),
+            TableConfig("other", ROWS // 2, DIM, ("fo",), pooling="sum"),
+        )
+    )
+    (tmp_path / "spec.json").write_text(spec.to_json())
+    torch.save({"big": torchrec_like(ROWS, DIM, seed=3), "other": torchrec_like(ROWS // 2, DIM, seed=4)},
+               tmp_path / "w.pt")  # fmt: skip
+    reads: list[str] = []
+    original = ranges_module.row_ranges
+
+    def counted(source, table, *args, **kwargs):  # type: ignore[no-untyped-def]
+        reads.append(table.name)
+        return original(source, table, *args, **kwargs)
+
+    monkeypatch.setattr(ranges_module, "row_ranges", counted)
+    budget = int(1.2 * (table_bytes(ROWS, DIM, DataType.INT4, CPU_ROW_ALIGNMENT)
+                        + table_bytes(ROWS // 2, DIM, DataType.INT4, CPU_ROW_ALIGNMENT)))  # fmt: skip
+    export = ["export", "--spec", str(tmp_path / "spec.json"), "--weights", str(tmp_path / "w.pt")]
+    assert main([*export, "--out", str(tmp_path / "art"), "--memory-budget", str(budget)]) == 0
+    assert "blocks, largest rows first (ranked by row ranges" in capsys.readouterr().out
+    blocked = [t.name for t in load(tmp_path / "art").spec.tables if t.blocks]
+    assert blocked  # the test is about a block table's ranking
+    assert sorted(reads) == ["big", "other"]
