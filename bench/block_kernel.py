@@ -16,17 +16,13 @@ import json
 import os
 import sys
 import tempfile
-import time
 from collections.abc import Callable
 from pathlib import Path
 
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from lookup import Workload, random_bytes_model, zipf_index_sets  # noqa: E402
-
-from infer.config import DataType, ModelSpec, TableConfig  # noqa: E402
-from infer.quant.blocks import rank_rows  # noqa: E402
+from lookup import Workload, block_specs, measure, random_bytes_model, rank_blocks, zipf_index_sets  # noqa: E402
 
 SOURCE = Path(__file__).resolve().parent / "block_kernel.cpp"
 
@@ -48,22 +44,10 @@ def build():  # type: ignore[no-untyped-def]
     return load("embserve_block_kernel", [str(SOURCE)], extra_cflags=flags, build_directory=str(folder))
 
 
-def best_ms(fn: Callable[[int], object], calls: int, rounds: int) -> float:
-    fn(0)
-    best = float("inf")
-    for _ in range(rounds):
-        started = time.perf_counter()
-        for i in range(calls):
-            fn(i)
-        best = min(best, (time.perf_counter() - started) / calls)
-    return 1e3 * best
-
-
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--rows", type=int, default=1_000_000)
-    parser.add_argument("--rounds", type=int, default=5)
-    parser.add_argument("--calls", type=int, default=20)
+    parser.add_argument("--rounds", type=int, default=100, help="timed calls of each case (median)")
     args = parser.parse_args()
     if not has_avx512():
         print(json.dumps({"bench": "block_kernel", "skipped": "needs AVX-512 (the prototype's only path)"}))
@@ -71,21 +55,12 @@ def main() -> None:
     torch.set_num_threads(1)
     kernel = build()
     w = Workload("W128", 8, args.rows, 128, 2048, 20)
-    hot = max(1, w.rows // 32)
-    one_type = ModelSpec(
-        tuple(TableConfig(f"t{i}", w.rows, w.dim, (f"f{i}",), data_type=DataType.INT4) for i in range(w.num_tables))
-    )
-    blocked = ModelSpec(tuple(t.with_blocks(((hot, "int8"), (w.rows - hot, "int4"))) for t in one_type.tables))
+    hot, one_type, blocked = block_specs(w)
     drawn = zipf_index_sets(w, 8, seed=1)
     sets, sample = drawn[:4], drawn[4:]
-    per_table = w.batch_size * w.ids_per_bag
     plain = random_bytes_model(one_type)
     model = random_bytes_model(blocked)
-    for i, table in enumerate(blocked.tables):
-        ids = torch.cat([values[i * per_table : (i + 1) * per_table] for values, _ in sample])
-        ranks = torch.empty(w.rows, dtype=torch.int64)
-        ranks[rank_rows(w.rows, ids.numpy(), table.name)] = torch.arange(w.rows)
-        model.embeddings.set_block_remap(table.name, ranks)
+    rank_blocks(model, w, sample)
     plain_script = torch.jit.script(plain)
     served = torch.jit.script(model)
     collection = model.embeddings
@@ -110,17 +85,13 @@ def main() -> None:
             if not torch.allclose(got, expected, rtol=1e-5, atol=1e-4):
                 raise SystemExit(f"prototype differs from the served path: max |diff| {(got - expected).abs().max()}")
         cases: dict[str, Callable[[int], object]] = {
-            "one_type_int4_tbe": lambda i: plain_script.embeddings.kernel(sets[i % 4][0], offsets[i % 4], None),
-            "one_type_int4_forward": lambda i: plain_script(sets[i % 4][0], sets[i % 4][1], None),
-            "blocks_served_forward": lambda i: served(sets[i % 4][0], sets[i % 4][1], None),
-            "blocks_one_pass_prototype": lambda i: one_pass(i % 4),
+            "one_type_int4_tbe": lambda i: plain_script.embeddings.kernel(sets[i][0], offsets[i], None),
+            "one_type_int4_forward": lambda i: plain_script(sets[i][0], sets[i][1], None),
+            "blocks_served_forward": lambda i: served(sets[i][0], sets[i][1], None),
+            "blocks_one_pass_prototype": one_pass,
         }
-        ms: dict[str, list[float]] = {name: [] for name in cases}
-        for _ in range(args.rounds):  # interleaved, so that the host's drift hits every case alike
-            for name, fn in cases.items():
-                ms[name].append(best_ms(fn, args.calls, 1))
-    best = {name: min(values) for name, values in ms.items()}
-    for name, value in best.items():
+        median = measure(cases, len(sets), args.rounds, {})
+    for name, value in median.items():
         print(
             json.dumps(
                 {
@@ -128,9 +99,9 @@ def main() -> None:
                     "case": name,
                     "rows": w.rows,
                     "hot_rows": hot,
-                    "ms_per_call": round(value, 3),
-                    "ratio_to_one_type_tbe": round(best["one_type_int4_tbe"] / value, 3),
-                    "ratio_to_one_type_forward": round(best["one_type_int4_forward"] / value, 3),
+                    "ms_per_call": round(1e3 * value, 3),
+                    "ratio_to_one_type_tbe": round(median["one_type_int4_tbe"] / value, 3),
+                    "ratio_to_one_type_forward": round(median["one_type_int4_forward"] / value, 3),
                     "threads": 1,
                     "host_load_1m": round(os.getloadavg()[0], 2),
                 }

@@ -293,6 +293,30 @@ def zipf_index_sets(w: Workload, count: int, seed: int, alpha: float = 1.05) -> 
     return sets
 
 
+def block_specs(w: Workload, hot_share: float = 1 / 32) -> tuple[int, ModelSpec, ModelSpec]:
+    """Issue 43's lookup case: ``w``'s tables in INT4 alone, and the same tables in precision blocks (``hot_share``
+    of the rows INT8, the rest INT4); with the hot block's rows."""
+    hot = max(1, int(w.rows * hot_share))
+    one_type = ModelSpec(
+        tuple(TableConfig(f"t{i}", w.rows, w.dim, (f"f{i}",), data_type=DataType.INT4) for i in range(w.num_tables))
+    )
+    blocked = ModelSpec(tuple(t.with_blocks(((hot, "int8"), (w.rows - hot, "int4"))) for t in one_type.tables))
+    return hot, one_type, blocked
+
+
+def rank_blocks(model: torch.nn.Module, w: Workload, sample: list[tuple[torch.Tensor, torch.Tensor]]) -> None:
+    """Fill each block table of ``model`` hottest rows first, ranked from the ``sample`` batches (other batches of
+    the same traffic than the timed ones, as the planner ranks them from ``--sample-ids``)."""
+    from infer.quant.blocks import rank_rows
+
+    per_table = w.batch_size * w.ids_per_bag
+    for i, table in enumerate(model.spec.tables):
+        ids = torch.cat([values[i * per_table : (i + 1) * per_table] for values, _ in sample])
+        ranks = torch.empty(w.rows, dtype=torch.int64)
+        ranks[rank_rows(w.rows, ids.numpy(), table.name)] = torch.arange(w.rows)
+        model.embeddings.set_block_remap(table.name, ranks)
+
+
 def run_blocks(w: Workload, rounds: int, index_count: int, hot_share: float = 1 / 32) -> list[dict[str, object]]:
     """Issue 43: every table in precision blocks (its ``hot_share`` of rows INT8, the rest INT4) against the same
     tables in INT4 alone, scripted, same Zipf(1.05) batches and kernel threads. ``blocks_int8_int4``: the hot rows
@@ -302,19 +326,13 @@ def run_blocks(w: Workload, rounds: int, index_count: int, hot_share: float = 1 
     splits its own tables by block; one kernel thread each), its ratio to the unsharded block model in
     ``ratio_to_unsharded_blocks``."""
     from infer.planner.types import ShardingType
-    from infer.quant.blocks import rank_rows
     from infer.shard.builder import shard_model
     from infer.shard.plans import make_plan
 
-    hot = max(1, int(w.rows * hot_share))
-    one_type = ModelSpec(
-        tuple(TableConfig(f"t{i}", w.rows, w.dim, (f"f{i}",), data_type=DataType.INT4) for i in range(w.num_tables))
-    )
-    blocked = ModelSpec(tuple(t.with_blocks(((hot, "int8"), (w.rows - hot, "int4"))) for t in one_type.tables))
+    hot, one_type, blocked = block_specs(w, hot_share)
     sample_count = 4
     drawn = zipf_index_sets(w, index_count + sample_count, seed=1)
     sets, sample = drawn[:index_count], drawn[index_count:]
-    per_table = w.batch_size * w.ids_per_bag
     threads = torch.get_num_threads()
     models = {}
     for name, spec in (
@@ -324,11 +342,7 @@ def run_blocks(w: Workload, rounds: int, index_count: int, hot_share: float = 1 
     ):
         model = random_bytes_model(spec)
         if name == "blocks_int8_int4":
-            for i, table in enumerate(spec.tables):
-                ids = torch.cat([values[i * per_table : (i + 1) * per_table] for values, _ in sample])
-                ranks = torch.empty(w.rows, dtype=torch.int64)
-                ranks[rank_rows(w.rows, ids.numpy(), table.name)] = torch.arange(w.rows)
-                model.embeddings.set_block_remap(table.name, ranks)
+            rank_blocks(model, w, sample)
             halves = {
                 t.name: (ShardingType.TABLE_WISE, (i * 2 // len(spec.tables),)) for i, t in enumerate(spec.tables)
             }
