@@ -39,6 +39,8 @@ RANKED_BY_SAMPLE = "sample ids"
 RANKED_BY_RANGES = "row ranges"
 # hot-block sizes tried: the table's rows halved this many times (and never below one row)
 HOT_SIZE_HALVINGS = 24
+# the sampled ids a table needs to be ranked by them: ``hot_shares`` ranks on one half and counts hits on the other
+MIN_RANKING_IDS = 2
 
 
 def sample_order(sample: AccessSample, table: TableConfig) -> np.ndarray:
@@ -52,7 +54,7 @@ def sample_order(sample: AccessSample, table: TableConfig) -> np.ndarray:
 def hot_shares(ids: np.ndarray, rows: int, hot_sizes: Sequence[int]) -> np.ndarray:
     """Per hot size ``k``: the share of reads that hit the ``k`` most read rows, estimated on reads the ranking did
     not see (ranked on even positions, hits counted on odd ones, and the reverse; averaged). 0 without ids."""
-    if ids.size < 2:
+    if ids.size < MIN_RANKING_IDS:
         return np.zeros(len(hot_sizes))
     sizes = np.asarray(hot_sizes, dtype=np.int64)
     halves = read_counts(ids, rows)
@@ -250,8 +252,9 @@ def block_problem(
                 options += three_block_options(table, sizes, shares, types, by_name[table.name], row_alignment)
         # the whole-table types stay even when a block option dominates one: the uniform INT8/INT4 baselines the
         # stats print beside the choice are told against them (a dominated option never wins the MILP)
-        kept = tuple(sorted(set(pareto(options)) | set(choices.options), key=lambda o: (o.bytes, o.error)))
-        kept = kept if prune else tuple(sorted(options, key=lambda o: (o.bytes, o.error)))
+        kept = tuple(
+            sorted(set(pareto(options)) | set(choices.options) if prune else options, key=lambda o: (o.bytes, o.error))
+        )
         problem.append(TableChoices(choices.table, choices.weight, choices.declared, kept, ranked))
     return tuple(problem)
 
@@ -271,7 +274,7 @@ def sampled_shares(tables: Sequence[TableConfig], ids_of: Mapping[str, np.ndarra
 def _ranking(ids: np.ndarray, table: TableConfig, range_shares: Mapping[str, np.ndarray] | None) -> str:
     """What ranks the table's rows for blocks: its sampled ids (two or more), else its rows' ranges when measured,
     else nothing ("")."""
-    if ids.size >= 2:
+    if ids.size >= MIN_RANKING_IDS:
         return RANKED_BY_SAMPLE
     return RANKED_BY_RANGES if range_shares is not None and table.name in range_shares else ""
 

@@ -28,7 +28,7 @@ import numpy as np
 import torch
 
 from infer.errors import WeightsError
-from infer.planner.blocks import RANKED_BY_SAMPLE, hot_sizes_of
+from infer.planner.blocks import MIN_RANKING_IDS, RANKED_BY_SAMPLE, hot_sizes_of
 
 if TYPE_CHECKING:
     from infer.config import ModelSpec, TableConfig
@@ -78,8 +78,11 @@ def _ranges_of(source: TableSource, table: TableConfig) -> np.ndarray:
 
 def ranked_by_sample(sample: AccessSample | None, table: TableConfig) -> bool:
     """Whether the sample ranks the table's rows (at least two of its ids were sampled: ``hot_shares`` needs a
-    ranking half and a held-out half); otherwise its rows' ranges do. The planner and export both ask this."""
-    return sample is not None and sample.table_ids(table).size >= 2
+    ranking half and a held-out half); otherwise its rows' ranges do. The planner and export both ask this. Counted,
+    not gathered: ``table_ids`` would sort every sampled id of the table to answer it."""
+    if sample is None:
+        return False
+    return sum(int(np.size(sample.ids[f])) for f in table.feature_names if f in sample.ids) >= MIN_RANKING_IDS
 
 
 def row_ranges(source: TableSource, table: TableConfig, chunk_bytes: int = CHUNK_BYTES) -> np.ndarray:
