@@ -4,6 +4,8 @@ stats and ``embserve inspect`` show each block table's blocks, and the exported 
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import numpy as np
 import torch
 import torch.nn.functional as F
@@ -19,20 +21,33 @@ def zipf_ids(rows: int, count: int, rng: np.random.Generator) -> np.ndarray:
     return rng.permutation(rows)[ranks]
 
 
-def test_export_with_a_budget_and_sample_ids_holds_tables_in_blocks(tmp_path, capsys):
-    from infer.cli import main
-
+def hot_and_small(
+    tmp_path: Path, big_rows: int, seed: int
+) -> tuple[ModelSpec, dict[str, torch.Tensor], list[str], np.random.Generator]:
+    """A Zipf-read table of ``big_rows`` rows and a small one, written under ``tmp_path`` as spec.json, w.pt and a
+    sample of ids (ids.npz); with the flags of a budget of 1.5x their INT4 bytes and that sample, and the generator
+    that drew the sample (for the requests)."""
     spec = ModelSpec(
-        (TableConfig("big", 8192, 32, ("fb",), pooling="sum"), TableConfig("small", 64, 32, ("fs",), pooling="mean"))
+        (
+            TableConfig("big", big_rows, 32, ("fb",), pooling="sum"),
+            TableConfig("small", 64, 32, ("fs",), pooling="mean"),
+        )
     )
     (tmp_path / "spec.json").write_text(spec.to_json())
     weights = {t.name: torch.randn(t.num_embeddings, t.embedding_dim, generator=torch.Generator().manual_seed(i))
                for i, t in enumerate(spec.tables)}  # fmt: skip
     torch.save(weights, tmp_path / "w.pt")
-    rng = np.random.default_rng(0)
-    np.savez(tmp_path / "ids.npz", fb=zipf_ids(8192, 20000, rng), fs=rng.integers(0, 64, 2000))
-    int4_bytes = 8192 * (16 + 4) + 64 * (16 + 4)
+    rng = np.random.default_rng(seed)
+    np.savez(tmp_path / "ids.npz", fb=zipf_ids(big_rows, 20000, rng), fs=rng.integers(0, 64, 2000))
+    int4_bytes = big_rows * (16 + 4) + 64 * (16 + 4)
     flags = ["--memory-budget", str(int(int4_bytes * 1.5)), "--sample-ids", str(tmp_path / "ids.npz")]
+    return spec, weights, flags, rng
+
+
+def test_export_with_a_budget_and_sample_ids_holds_tables_in_blocks(tmp_path, capsys):
+    from infer.cli import main
+
+    spec, weights, flags, rng = hot_and_small(tmp_path, 8192, seed=0)
     assert main(["plan", "--spec", str(tmp_path / "spec.json"), "--world-size", "1", "--compute-device", "cpu",
                  "--out", str(tmp_path / "plan.json"), *flags]) == 0  # fmt: skip
     printed = capsys.readouterr().out
@@ -89,17 +104,7 @@ def test_export_on_two_devices_places_each_block_table_table_wise(tmp_path, caps
 
     from infer.cli import main
 
-    spec = ModelSpec(
-        (TableConfig("big", 4096, 32, ("fb",), pooling="sum"), TableConfig("small", 64, 32, ("fs",), pooling="mean"))
-    )
-    (tmp_path / "spec.json").write_text(spec.to_json())
-    weights = {t.name: torch.randn(t.num_embeddings, t.embedding_dim, generator=torch.Generator().manual_seed(i))
-               for i, t in enumerate(spec.tables)}  # fmt: skip
-    torch.save(weights, tmp_path / "w.pt")
-    rng = np.random.default_rng(1)
-    np.savez(tmp_path / "ids.npz", fb=zipf_ids(4096, 20000, rng), fs=rng.integers(0, 64, 2000))
-    budget = int((4096 * (16 + 4) + 64 * (16 + 4)) * 1.5)
-    flags = ["--memory-budget", str(budget), "--sample-ids", str(tmp_path / "ids.npz")]
+    spec, weights, flags, rng = hot_and_small(tmp_path, 4096, seed=1)
     export = ["export", "--spec", str(tmp_path / "spec.json"), "--weights", str(tmp_path / "w.pt"), *flags]
     assert main([*export, "--out", str(tmp_path / "one")]) == 0
     assert main([*export, "--out", str(tmp_path / "two"), "--world-size", "2"]) == 0
