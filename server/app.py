@@ -47,6 +47,9 @@ logger = logging.getLogger(__name__)
 
 # Stopping waits until no call arrived for this long (each refused with UNAVAILABLE), then closes the port.
 _QUIET_S = 0.1
+# how long a stop keeps a REST connection open whose last answer said keep-alive: its client may be sending on it
+# (a thread of a loaded client can wait this long between an answer and its next request)
+_REST_LINGER_S = 1.0
 # how often the grace looks again while a call is in flight
 _POLL_S = 0.01
 
@@ -143,8 +146,10 @@ class RunningServer:
         2. no new call is accepted: model calls get UNAVAILABLE (gRPC) or 503 (REST), the REST port closes
            and each REST connection closes after its next answer;
         3. every call accepted before that is answered (at most ``timeout_s`` seconds in all);
-        4. the connections close. ``exiting`` (``embserve serve``: the process exits next): gRPC's close with
-           the process, so a call sent in the last instant meets a closed connection (UNAVAILABLE).
+        4. the connections close (a REST connection kept alive before the stop once it is answered or went unused
+           for ``_REST_LINGER_S``: its client may be sending on it). ``exiting`` (``embserve serve``: the
+           process exits next): gRPC's close with the process, so a call sent in the last instant meets a
+           closed connection (UNAVAILABLE).
            grpc's own stop (in-process servers) would cancel such a call: it sends GOAWAY and cancels every
            call that reached its transport and had no handler yet (CANCELLED); so it comes only after the
            refusals went quiet for ``_QUIET_S``, which clients that keep retrying at once may never give.
@@ -166,7 +171,7 @@ class RunningServer:
             await self.pipeline.quiesce(_QUIET_S, _left(deadline))
             await self.server.stop(None if timeout_s is None else _left(deadline))
         if self.oip is not None:
-            await self.oip.close(_left(deadline), _QUIET_S)
+            await self.oip.close(_left(deadline), _REST_LINGER_S)
         await self.pipeline.close()
         await asyncio.to_thread(self.metrics.close)
         self.stopped.set()

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import http.client
 import logging
 import os
 import signal
@@ -324,3 +325,64 @@ def test_a_server_that_fails_to_warm_up_releases_its_port(tmp_path):
         asyncio.run(create_server(runtime, config))
     with socket.socket() as again:
         again.bind(("127.0.0.1", port))  # would fail with EADDRINUSE if the server still held it
+
+
+def _kept_alive(served) -> http.client.HTTPConnection:
+    """A REST connection whose last answer (before any stop) said keep-alive, as a client's pool holds one."""
+    connection = http.client.HTTPConnection("127.0.0.1", served.running.http_port, timeout=CALL_TIMEOUT)
+    connection.request("GET", "/v2/models/dense")
+    response = connection.getresponse()
+    response.read()
+    assert response.status == 200 and response.getheader("connection", "").lower() != "close"
+    return connection
+
+
+def _refuses_connections(port: int) -> bool:
+    try:
+        socket.create_connection(("127.0.0.1", port), timeout=1.0).close()
+    except ConnectionRefusedError:
+        return True
+    except ConnectionResetError:  # accepted into the backlog as the port closed: look again
+        return False
+    return False
+
+
+def test_a_stop_answers_the_next_request_on_a_kept_alive_rest_connection(
+    loop_thread, start_server, dense_runtime, monkeypatch
+):
+    """A client may be sending on a connection kept alive before the stop: its request gets an answer that
+    closes the connection (a 503 it retries elsewhere), not a reset. Before, the stop closed every connection once
+    all had been quiet for 0.1 s, and this request met a broken pipe (as one of CI's did:
+    tests/server/test_stop_race.py)."""
+    monkeypatch.setattr("server.app._REST_LINGER_S", 60.0)  # longer than this test: only the request ends it
+    served = start_server(dense_runtime, http_port=0)
+    connection = _kept_alive(served)
+    started = time.monotonic()
+    stopping = loop_thread.submit(served.running.stop(30.0))
+    try:
+        wait_until(lambda: _refuses_connections(served.running.http_port), what="the REST port to close")
+        time.sleep(0.5)  # the REST connections have been quiet for longer than 0.1 s
+        connection.request("POST", "/v2/models/dense/infer", body=b'{"inputs": []}')
+        response = connection.getresponse()
+        response.read()
+        assert response.status == 503
+        assert response.getheader("connection", "").lower() == "close"
+        stopping.result(CALL_TIMEOUT)  # that connection was the last one the stop waited on
+        assert time.monotonic() - started < 30.0
+    finally:
+        connection.close()
+
+
+def test_a_stop_closes_a_kept_alive_rest_connection_left_unused_for_the_linger(
+    loop_thread, start_server, dense_runtime, monkeypatch
+):
+    monkeypatch.setattr("server.app._REST_LINGER_S", 0.2)
+    served = start_server(dense_runtime, http_port=0)
+    connection = _kept_alive(served)
+    started = time.monotonic()
+    try:
+        loop_thread.run(served.running.stop(30.0))
+        assert time.monotonic() - started < 15.0  # not the stop's whole timeout
+        assert connection.sock is not None and connection.sock.recv(1) == b""  # closed by the server
+    finally:
+        connection.close()

@@ -339,11 +339,11 @@ class OpenInference:
         if self.repository is not None:
             self.repository.flush()
 
-    async def close(self, grace: float | None = None, quiet_s: float = 0.0) -> None:
-        """Stop the REST endpoint (its calls in flight finish first, up to ``grace`` s; connections in use get
-        their last answer until none was used for ``quiet_s``) and our batchers."""
+    async def close(self, grace: float | None = None, linger_s: float = 0.0) -> None:
+        """Stop the REST endpoint (its calls in flight finish first, up to ``grace`` s; a connection kept alive
+        gets its next request answered unless unused for ``linger_s``: ``RestServer.close``) and our batchers."""
         if self.http is not None:
-            await self.http.close(grace, quiet_s)
+            await self.http.close(grace, linger_s)
             self.http = None
         for batcher in self._own_batchers:
             await batcher.close()

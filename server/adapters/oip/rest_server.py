@@ -42,6 +42,7 @@ _MODEL_PATH = re.compile(
 )
 _REPOSITORY_PATH = re.compile(r"^/v2/repository/models/(?P<name>[^/]+)/(?P<action>load|unload)$")
 _MAX_JSON_DEPTH = 100  # embserve-server's kMaxJsonDepth
+_LINGER_POLL_S = 0.01  # how often a stop looks again at the connections it waits on
 _JSON_STRING = re.compile(rb'"(?:[^"\\]|\\.)*"?', re.S)
 _JSON_BRACKET = re.compile(rb"[\[\]{}]")
 _OPEN_PATHS = ("/v2/health/",)  # probes work without the token, as on gRPC
@@ -287,6 +288,8 @@ class RestServer:
         self._server: asyncio.AbstractServer | None = None
         self._writers: set[asyncio.StreamWriter] = set()
         self._connections: set[asyncio.Task[None]] = set()
+        # connection -> when it began waiting for its next request (accepted, or answered with keep-alive)
+        self._waiting: dict[asyncio.StreamWriter, float] = {}
         self._in_flight = 0
         self._idle = asyncio.Event()
         self._idle.set()
@@ -322,9 +325,13 @@ class RestServer:
         while self._in_flight:
             await self._idle.wait()
 
-    async def close(self, grace: float | None = None, quiet_s: float = 0.0) -> None:
-        """Stop accepting; let requests in flight finish (up to ``grace`` s); connections still in use get
-        their last answer until none has been used for ``quiet_s``; then close the idle ones that are left."""
+    async def close(self, grace: float | None = None, linger_s: float = 0.0) -> None:
+        """Stop accepting; let requests in flight finish (up to ``grace`` s); then close each connection once
+        its client cannot be sending on it: a connection whose last answer kept it alive (sent before the stop)
+        stays open until its next request is answered (with ``Connection: close``) or it went unused for
+        ``linger_s``. Closing it sooner races a client that is sending its next request right then: the
+        request meets a reset, which no client can tell from a lost call (a refused connection or a 503 it
+        retries). What is still open at ``grace`` closes."""
         if self._server is None:
             return
         self.stop_accepting()
@@ -334,10 +341,15 @@ class RestServer:
         except asyncio.TimeoutError:  # not the builtin TimeoutError before Python 3.11
             pass
         while self._writers and time.monotonic() < deadline:
-            quiet = time.monotonic() - self.last_arrival
-            if quiet >= quiet_s:
+            now = time.monotonic()
+            unused = [writer for writer, since in self._waiting.items() if now - since >= linger_s]
+            for writer in unused:
+                del self._waiting[writer]
+                writer.close()
+            if len(unused) == len(self._writers):
                 break
-            await asyncio.sleep(min(quiet_s - quiet, max(0.0, deadline - time.monotonic())))
+            waits = [since + linger_s - now for since in self._waiting.values()]
+            await asyncio.sleep(min([_LINGER_POLL_S, *waits, max(0.0, deadline - time.monotonic())]))
         for writer in list(self._writers):
             writer.close()
         if self._connections:  # each one flushes what it wrote and closes its socket
@@ -349,12 +361,14 @@ class RestServer:
         if task is not None:
             self._connections.add(task)
         self._writers.add(writer)
+        self._waiting[writer] = time.monotonic()
         try:
             await self._serve_connection(reader, writer)
         except (ConnectionError, asyncio.IncompleteReadError, asyncio.LimitOverrunError, ValueError):
             pass  # the client went away, or sent a line past the limit: nothing left to answer
         finally:
             self._writers.discard(writer)
+            self._waiting.pop(writer, None)
             writer.close()
             try:
                 await writer.wait_closed()
@@ -373,6 +387,7 @@ class RestServer:
                 return
             if request is None:
                 return
+            self._waiting.pop(writer, None)
             self._in_flight += 1
             self._idle.clear()
             self.last_arrival = time.monotonic()
@@ -387,6 +402,7 @@ class RestServer:
                     self._idle.set()
             if not keep_alive:
                 return
+            self._waiting[writer] = time.monotonic()
 
     def _authorized(self, request: HttpRequest) -> bool:
         if self._expected is None or request.path.startswith(_OPEN_PATHS):
