@@ -16,6 +16,7 @@ import shutil
 import threading
 import time
 import urllib.request
+from collections import Counter
 from collections.abc import Callable
 from concurrent.futures import Future
 from pathlib import Path
@@ -513,9 +514,10 @@ def test_a_swap_under_calls_answers_each_call_from_its_version_then_unmaps_the_o
         shutil.copytree(versions["2"], new)
         with client("grpc", served.address) as c:
             c.load_model(MODEL)  # returns once version 2 serves (policy latest:1 retires version 1)
-        # each caller may have had one call on version 1 in flight when the load returned: after those, only 2
-        seen = len(answers) + len(callers)
-        wait_until(lambda: len(answers) >= seen + 8, "calls on version 2")
+        # each caller may have had one call on version 1 in flight when the load returned (its answer appended
+        # after the others' next ones, under load): after that call, its answers are all version 2's
+        before = Counter(index for index, _, _ in list(answers))
+        wait_until(lambda: len(answers) >= sum(before.values()) + len(callers) + 8, "calls on version 2")
     finally:
         stop.set()
         for caller in callers:
@@ -523,7 +525,9 @@ def test_a_swap_under_calls_answers_each_call_from_its_version_then_unmaps_the_o
     assert failures == []
     assert {version for _, _, version in answers} == {"1", "2"}
     assert all(torch.equal(got, runtimes[version].lookup(batches[i])) for i, got, version in answers)
-    assert all(version == "2" for _, _, version in answers[seen:])
+    for index in range(len(callers)):
+        versions = [version for i, _, version in answers if i == index]
+        assert all(version == "2" for version in versions[before[index] + 1 :]), (index, before[index], versions)
     freed(served)
     wait_until(lambda: mapped_files(old, served.pid) == set(), "version 1's weight files unmapped")
     assert mapped_files(new, served.pid) == weight_files(new)
