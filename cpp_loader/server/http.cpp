@@ -622,7 +622,10 @@ void HttpServer::respond(const httplib::Request& request, httplib::Response& res
   }
   if (*reason) metrics_.rejected(reason);
   metrics_.call(operation, code, std::chrono::duration<double>(Clock::now() - started).count());
-  if (closing_) response.set_header("Connection", "close");
+  if (closing_)
+    response.set_header("Connection", "close");
+  else
+    kept_alive_ns_ = Clock::now().time_since_epoch().count();
 }
 
 // rest_server._route

@@ -46,6 +46,13 @@ class HttpServer {
   void stop_accepting();
   // Requests being answered (a stop waits for them).
   int64_t in_flight() const { return in_flight_; }
+  // Seconds since the last answer that kept its connection alive (none after stop_accepting): its client may be
+  // sending the next request on that connection, so the process waits a while before it exits.
+  double seconds_since_kept_alive() const {
+    return std::chrono::duration<double>(std::chrono::steady_clock::now().time_since_epoch() -
+                                         std::chrono::steady_clock::duration(kept_alive_ns_.load()))
+        .count();
+  }
 
  private:
   void respond(const httplib::Request& request, httplib::Response& response);
@@ -61,6 +68,7 @@ class HttpServer {
   std::thread listener_;
   std::atomic<bool> closing_{false};
   std::atomic<int64_t> in_flight_{0};
+  std::atomic<std::chrono::steady_clock::rep> kept_alive_ns_{0};
 };
 
 }  // namespace embserve::server

@@ -36,7 +36,9 @@ namespace {
 
 constexpr const char* kServingLine = "embserve: serving on port";  // server/workers.py SERVING_LINE
 constexpr const char* kServiceName = "embserve.v1.InferenceService";
-constexpr double kQuietS = 0.1;  // the process leaves once no call arrived for this long (server/app.py _QUIET_S)
+// a REST connection whose last answer kept it alive may carry its client's next request: the process stays until
+// no such answer was given for this long (server/app.py _REST_LINGER_S)
+constexpr double kRestLingerS = 1.0;
 
 struct ConfigError : std::runtime_error {
   using std::runtime_error::runtime_error;
@@ -437,14 +439,15 @@ int serve(const Flags& flags, const sigset_t& signals) {
   service.begin_closing();
 #ifdef EMBSERVE_HTTP
   if (http) http->stop_accepting();  // the REST port closes; each connection closes after its next answer
-  auto http_in_flight = [&] { return http ? http->in_flight() : 0; };
+  auto http_busy = [&] { return http && (http->in_flight() > 0 || http->seconds_since_kept_alive() < kRestLingerS); };
 #else
-  auto http_in_flight = [] { return 0; };
+  auto http_busy = [] { return false; };
 #endif
+  // every accepted call answered, then leave: gRPC calls that keep arriving are refused (UNAVAILABLE) until the
+  // process exits, and waiting for them to stop (clients that retry at once never do) held the stop for the whole
+  // --drain-seconds
   const auto closing = std::chrono::steady_clock::now();
-  while (since(closing) < flags.drain_seconds &&
-         (service.in_flight() > 0 || service.seconds_since_last_call() < kQuietS || service.open_calls() > 0 ||
-          http_in_flight() > 0))
+  while (since(closing) < flags.drain_seconds && (service.in_flight() > 0 || service.open_calls() > 0 || http_busy()))
     std::this_thread::sleep_for(std::chrono::milliseconds(5));
   if (service.in_flight() > 0)
     std::cerr << "WARNING embserve-server: stopping: calls still in flight after the drain's timeout (--drain-seconds)"

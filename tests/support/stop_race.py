@@ -16,6 +16,7 @@ import signal
 import subprocess
 import sys
 import threading
+import time
 from collections import Counter
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -47,6 +48,7 @@ class RoundResult:
 
     outcomes: Counter[str] = field(default_factory=Counter)
     exit_code: int | None = None
+    stop_seconds: float | None = None  # from SIGTERM to the process's exit
     first_lost: list[str] = field(default_factory=list)
     log: str = ""
 
@@ -70,6 +72,7 @@ class RoundResult:
             "cancelled": self.cancelled,
             "lost": self.lost,
             "exit_code": self.exit_code,
+            "stop_seconds": None if self.stop_seconds is None else round(self.stop_seconds, 3),
             "by_outcome": dict(sorted(self.outcomes.items())),
             "first_lost": self.first_lost[:5],
         }
@@ -204,8 +207,13 @@ def start_server(artifact: Path, log: Path, *options: str) -> Server:
 
 
 def rest_port(log: Path) -> int:
-    """The REST port a server logged (before it printed its serving line)."""
-    return int(log.read_text().split("Open Inference Protocol REST on port ")[1].split()[0])
+    """The REST port a server logged (before it printed its serving line): the Python server's words, or
+    embserve-server's ("..., HTTP on port N")."""
+    text = log.read_text()
+    for words in ("Open Inference Protocol REST on port ", ", HTTP on port "):
+        if words in text:
+            return int(text.split(words)[1].split()[0].rstrip(")"))
+    raise AssertionError(f"the server logged no REST port:\n{text}")
 
 
 def race_stop(
@@ -244,10 +252,12 @@ def race_stop(
         for thread in threads:
             thread.start()
         answered.wait(CALL_TIMEOUT)  # observed: every client has had one answer (the server serves them all)
+        signalled = time.monotonic()
         process.send_signal(signal.SIGTERM)
         if on_signal is not None:
             on_signal()
         result.exit_code = process.wait(timeout=120)
+        result.stop_seconds = time.monotonic() - signalled
         exited.set()
         for thread in threads:
             thread.join(2 * CALL_TIMEOUT)
@@ -262,12 +272,16 @@ def race_stop(
     return result
 
 
-def check_round(result: RoundResult, label: str) -> None:
+def check_round(result: RoundResult, label: str, drain_seconds: float | None = None) -> None:
     """The acceptance of a round: 0 calls CANCELLED, 0 lost, exit 0, and every protocol served before the stop
-    (the race was real)."""
+    (the race was real); with ``drain_seconds`` (the server's --drain-seconds, long), the stop did not wait it out:
+    clients that keep calling must not hold the process (embserve-server waited for them to go quiet, which
+    clients that retry at once never do, and exited only at its --drain-seconds)."""
     summary = result.summary()
     assert result.exit_code == 0, (label, summary, result.log[-3000:])
     assert result.cancelled == 0 and result.lost == 0, (label, summary)
+    if drain_seconds is not None:
+        assert result.stop_seconds is not None and result.stop_seconds < drain_seconds / 2, (label, summary)
     for protocol in PROTOCOLS:
         assert result.outcomes[f"{protocol} OK"] > 0, (label, summary)
     assert "Traceback" not in result.log, result.log[-3000:]
