@@ -386,3 +386,31 @@ def test_a_stop_closes_a_kept_alive_rest_connection_left_unused_for_the_linger(
         assert connection.sock is not None and connection.sock.recv(1) == b""  # closed by the server
     finally:
         connection.close()
+
+
+def test_a_stop_lets_a_request_being_sent_on_a_kept_alive_rest_connection_arrive(
+    loop_thread, start_server, dense_runtime, monkeypatch
+):
+    """A request whose first bytes came before the connection's linger ran out (a large body still uploading) is
+    read to its end and answered, not cut off by the linger."""
+    monkeypatch.setattr("server.app._REST_LINGER_S", 0.3)
+    served = start_server(dense_runtime, http_port=0)
+    connection = _kept_alive(served)
+    body = b'{"inputs": []}'
+    stopping = loop_thread.submit(served.running.stop(30.0))
+    try:
+        wait_until(lambda: _refuses_connections(served.running.http_port), what="the REST port to close")
+        assert connection.sock is not None
+        connection.sock.sendall(
+            b"POST /v2/models/dense/infer HTTP/1.1\r\nHost: x\r\nContent-Length: %d\r\n\r\n%s" % (len(body), body[:5])
+        )
+        time.sleep(1.0)  # the linger (0.3 s after the last answer) ran out while the body was on its way
+        connection.sock.sendall(body[5:])
+        response = http.client.HTTPResponse(connection.sock)
+        response.begin()
+        response.read()
+        assert response.status == 503
+        assert response.getheader("connection", "").lower() == "close"
+        stopping.result(CALL_TIMEOUT)
+    finally:
+        connection.close()

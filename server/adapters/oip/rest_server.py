@@ -18,7 +18,7 @@ import ssl
 import time
 import uuid
 import zlib
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from http import HTTPStatus
 from typing import Any
@@ -95,11 +95,16 @@ def _error_response(code: grpc.StatusCode, message: str) -> HttpResponse:
     return _json_response({"error": message}, _HTTP_STATUS.get(code, HTTPStatus.INTERNAL_SERVER_ERROR))
 
 
-async def read_request(reader: asyncio.StreamReader, max_body: int) -> HttpRequest | None:
-    """One HTTP/1.1 request, or None when the client closed the connection between requests."""
+async def read_request(
+    reader: asyncio.StreamReader, max_body: int, begun: Callable[[], object] | None = None
+) -> HttpRequest | None:
+    """One HTTP/1.1 request, or None when the client closed the connection between requests; ``begun`` is
+    called once its first line has come (the rest may take a while: a large body)."""
     line = await reader.readline()
     if not line:
         return None
+    if begun is not None:
+        begun()
     parts = line.decode("latin-1").split()
     if len(parts) != 3 or not parts[2].startswith("HTTP/1."):
         raise HttpError(HTTPStatus.BAD_REQUEST, f"malformed request line {line[:100]!r}")
@@ -380,14 +385,13 @@ class RestServer:
     async def _serve_connection(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
         while True:
             try:
-                request = await read_request(reader, self.max_body)
+                request = await read_request(reader, self.max_body, lambda: self._waiting.pop(writer, None))
             except HttpError as err:
                 writer.write(_serialize(_json_response({"error": str(err)}, err.status), keep_alive=False))
                 await writer.drain()
                 return
             if request is None:
                 return
-            self._waiting.pop(writer, None)
             self._in_flight += 1
             self._idle.clear()
             self.last_arrival = time.monotonic()
