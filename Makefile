@@ -166,8 +166,8 @@ server: $(TORCH_STAMP) cpp-deps
 # binary (cpp_loader/server/CMakeLists.txt: only the server's own sources are compiled again). `make server-asan`
 # builds it and runs the native tests of the sanitized modules against it (tests/conftest.py SANITIZED_MODULES: the
 # bad-request corpus, v1 and OIP over gRPC and REST, malformed HTTP, REST token and TLS, contract, service,
-# hardening, native, repository, pt2); `make test` runs those same modules against it within its one pytest run.
-# NativeServed fails a test on any sanitizer line in the server's log.
+# hardening, native, repository, pt2, the stop race); `make test` runs those same modules against it within its one
+# pytest run. NativeServed and the stop race fail a test on any sanitizer line in the server's log.
 ASAN_BIN := $(CPP_BUILD)/server/embserve-server-asan
 server-asan: cpp $(STAMP)
 	cmake --build $(CPP_BUILD) -j2 --target embserve-server-asan

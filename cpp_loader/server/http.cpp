@@ -470,7 +470,8 @@ int HttpServer::start() {
   server.new_task_queue = [threads] { return new httplib::ThreadPool(static_cast<size_t>(threads)); };
   // httplib sets SO_REUSEPORT by default: a second server could share a port that serves; as gRPC, only if asked
   const bool reuse_port = options_.reuse_port;
-  server.set_socket_options([reuse_port](int sock) {
+  server.set_socket_options([this, reuse_port](int sock) {
+    listen_fd_ = sock;  // called for the listening socket only (the last one tried is the one bound)
     int one = 1;
     setsockopt(sock, SOL_SOCKET, SO_REUSEADDR, &one, sizeof(one));
     if (reuse_port) setsockopt(sock, SOL_SOCKET, SO_REUSEPORT, &one, sizeof(one));
@@ -578,7 +579,13 @@ int HttpServer::start() {
 
 void HttpServer::stop_accepting() {
   closing_ = true;
-  if (server_) server_->stop();
+  // The listening socket stops listening (a new connection is refused, httplib's accept loop ends) but is not
+  // httplib's stop(): that marks the server socket gone, and every connection's keep-alive loop then closes its
+  // connection after the answer it is writing, though that answer (given before closing_) said keep-alive and its
+  // client may be sending the next request (a reset: lost). Open connections keep being served, each answer now
+  // closing its connection, until the process leaves (main.cpp: kRestLingerS).
+  const int fd = listen_fd_.exchange(-1);
+  if (fd >= 0) shutdown(fd, SHUT_RDWR);
 }
 
 bool HttpServer::authorized(const httplib::Request& request, const std::string& path) const {

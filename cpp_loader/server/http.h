@@ -42,7 +42,8 @@ class HttpServer {
 
   // Bind and serve on a thread of its own; returns the port. std::runtime_error when the port cannot be bound.
   int start();
-  // The first step of a stop: the listening socket closes and every answer from now on closes its connection.
+  // The first step of a stop: the listening socket stops listening and every answer from now on closes its
+  // connection (connections already open are still served: a client may be sending on one).
   void stop_accepting();
   // Requests being answered (a stop waits for them).
   int64_t in_flight() const { return in_flight_; }
@@ -69,6 +70,7 @@ class HttpServer {
   std::atomic<bool> closing_{false};
   std::atomic<int64_t> in_flight_{0};
   std::atomic<std::chrono::steady_clock::rep> kept_alive_ns_{0};
+  std::atomic<int> listen_fd_{-1};
 };
 
 }  // namespace embserve::server
