@@ -123,6 +123,13 @@ SANITIZED_MODULES = frozenset(
 # leak reports are off: libtorch and gRPC keep process-lifetime singletons, and the server leaves with _exit after
 # its drain; a report aborts nothing (the test reads it from the server's log)
 SANITIZER_ENV = {"ASAN_OPTIONS": "detect_leaks=0:abort_on_error=0", "UBSAN_OPTIONS": "print_stacktrace=1"}
+
+
+def sanitizer_reported(log: str) -> bool:
+    """Whether AddressSanitizer or UndefinedBehaviorSanitizer reported an error in a server's log."""
+    return "ERROR: AddressSanitizer" in log or "runtime error:" in log
+
+
 _ROOT = Path(__file__).resolve().parent.parent
 
 

@@ -18,6 +18,7 @@ from typing import Any
 import grpc
 import pytest
 
+from tests.conftest import sanitizer_reported
 from tests.server.support import Channels, LineReader, scrape_metrics
 
 SERVER_KINDS = ("python", "native")
@@ -127,7 +128,7 @@ class NativeServed(Channels):
         if self.process.stdout is not None:
             self.process.stdout.close()
         code = self.process.returncode
-        sanitizer = "ERROR: AddressSanitizer" in self.log() or "runtime error:" in self.log()
+        sanitizer = sanitizer_reported(self.log())
         self._dir.cleanup()
         assert not sanitizer, "the sanitizers reported an error (see the server's stderr above)"
         return code

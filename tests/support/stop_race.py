@@ -35,6 +35,7 @@ from server.proto import inference_pb2 as pb
 from server.proto import inference_pb2_grpc as pb_grpc
 from server.proto import open_inference_grpc_pb2 as oip_pb
 from server.proto import open_inference_grpc_pb2_grpc as oip_pb_grpc
+from tests.conftest import sanitizer_reported
 
 PROTOCOLS = ("v1", "oip", "rest")
 # outcomes a retry policy handles: the call was answered, or refused before the server accepted it
@@ -278,7 +279,7 @@ def check_round(result: RoundResult, label: str, drain_seconds: float | None = N
     clients that keep calling must not hold the process (embserve-server waited for them to go quiet, which
     clients that retry at once never do, and exited only at its --drain-seconds)."""
     summary = result.summary()
-    assert "ERROR: AddressSanitizer" not in result.log and "runtime error:" not in result.log, result.log[-6000:]
+    assert not sanitizer_reported(result.log), result.log[-6000:]
     assert result.exit_code == 0, (label, summary, result.log[-3000:])
     assert result.cancelled == 0 and result.lost == 0, (label, summary)
     if drain_seconds is not None:
